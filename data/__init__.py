@@ -1,0 +1,4 @@
+"""Dataset recipes: each module turns a real on-disk dataset into WebDataset shards + manifest.json.
+
+Run them as scripts (``python data/fashion_mnist.py --help``); tests import them as ``data.<recipe>``.
+"""

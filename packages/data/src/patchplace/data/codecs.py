@@ -1,0 +1,70 @@
+"""Encode samples for shards and decode them back: images as uint8 tensors, audio as float32 16 kHz mono."""
+
+from __future__ import annotations
+
+import io
+from math import gcd
+
+import numpy as np
+import soundfile
+import torch
+from PIL import Image
+from scipy.signal import resample_poly
+from torchvision.io import ImageReadMode, decode_image
+
+from .errors import DataError
+
+_READ_MODE = {1: ImageReadMode.GRAY, 3: ImageReadMode.RGB}
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """PNG bytes of a uint8 ``(H, W)`` or ``(H, W, C)`` array (lossless, so stats and pixels round-trip)."""
+    if image.dtype != np.uint8:
+        raise DataError(f"images are stored as uint8, got {image.dtype}; convert before writing")
+    if image.ndim == 3 and image.shape[2] == 1:
+        image = image[:, :, 0]
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def decode_image_bytes(data: bytes, channels: int, key: str = "?") -> torch.Tensor:
+    """Decode PNG/JPEG/... bytes to a ``(C, H, W)`` uint8 tensor with ``channels`` in {1, 3}."""
+    if channels not in _READ_MODE:
+        raise DataError(f"channels must be 1 or 3, got {channels}")
+    try:
+        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=_READ_MODE[channels])
+    except RuntimeError as exc:
+        raise DataError(f"sample {key}: cannot decode image ({exc}); the shard may be corrupt") from exc
+
+
+def encode_wav(wave: np.ndarray, sample_rate: int) -> bytes:
+    """16-bit PCM WAV bytes of a mono float waveform in [-1, 1] (clipped)."""
+    wave = np.asarray(wave, dtype=np.float32)
+    if wave.ndim != 1:
+        raise DataError(f"audio is stored mono, got shape {wave.shape}; downmix first")
+    buf = io.BytesIO()
+    soundfile.write(buf, np.clip(wave, -1.0, 1.0), sample_rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def resample(wave: np.ndarray, orig_rate: int, target_rate: int) -> np.ndarray:
+    """Polyphase resampling (scipy), exact rational ratio."""
+    if orig_rate == target_rate:
+        return wave
+    g = gcd(orig_rate, target_rate)
+    return resample_poly(wave, target_rate // g, orig_rate // g).astype(np.float32)
+
+
+def read_wav(source: bytes | str, target_rate: int = 16000, key: str = "?") -> np.ndarray:
+    """Read a WAV (bytes or path) as float32 mono at ``target_rate``.
+
+    Policy for other formats: multi-channel audio is **downmixed** (channel mean) and other sample rates are
+    **resampled** (polyphase); files soundfile cannot parse raise a DataError naming the sample.
+    """
+    try:
+        wave, rate = soundfile.read(io.BytesIO(source) if isinstance(source, bytes) else source,
+                                    dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:
+        raise DataError(f"{key}: cannot read as WAV ({exc}); re-create it as 16 kHz mono PCM") from exc
+    return resample(wave.mean(axis=1), rate, target_rate)

@@ -1,0 +1,188 @@
+"""``manifest.json``: what a split of shards holds, so readers can plan epochs and verify shards.
+
+One manifest per split directory (``<out>/<split>/manifest.json``) next to its ``<split>-NNNNNN.tar`` shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .atomic import write_json_atomic
+from .errors import DataError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MODALITIES = ("image", "audio")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One tar shard: file name relative to the manifest, sample count, sha256 and size in bytes."""
+
+    name: str
+    count: int
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class Manifest:
+    """Metadata of one split.
+
+    ``fields`` maps roles to tar member extensions (``{"input": "png", "label": "cls"}``); ``info`` holds
+    modality facts (images: ``image_size`` [H, W] and ``channels``; audio: ``sample_rate`` and ``clip_samples``);
+    ``normalization`` holds per-channel ``mean`` / ``std`` in [0, 1] units, computed on the train split.
+    """
+
+    dataset: str
+    split: str
+    modality: str
+    classes: list[str]
+    num_samples: int
+    shards: list[ShardInfo]
+    fields: dict[str, str]
+    info: dict[str, Any]
+    source: str
+    recipe: str
+    recipe_version: int
+    normalization: dict[str, Any] | None = None
+    class_counts: list[int] | None = None
+    format_version: int = FORMAT_VERSION
+    path: Path | None = field(default=None, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ loading / saving
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Manifest:
+        """Load ``path`` (a split directory or its ``manifest.json``), validating every field."""
+        path = Path(path)
+        file = path / MANIFEST_NAME if path.is_dir() else path
+        if not file.is_file():
+            raise DataError(
+                f"no manifest at {file}: build the split with a data/ recipe "
+                f"(e.g. `python data/fashion_mnist.py --out {path.parent if path.is_dir() else path.parent.parent}`)"
+            )
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{file} is not valid JSON ({exc}); rebuild the split with its data/ recipe") from exc
+        return cls.from_dict(raw, path=file)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], path: Path | None = None) -> Manifest:
+        where = str(path) if path else "manifest"
+        required = ("dataset", "split", "modality", "classes", "num_samples", "shards", "fields", "info",
+                    "source", "recipe", "recipe_version")
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise DataError(f"{where}: missing field(s) {missing}; rebuild the split with its data/ recipe")
+        known = {f for f in cls.__dataclass_fields__ if f != "path"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise DataError(f"{where}: unknown field(s) {unknown}; was it written by a newer patchplace?")
+        if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+            raise DataError(f"{where}: format_version {raw['format_version']} is newer than {FORMAT_VERSION}; "
+                            "upgrade patchplace-data")
+        shards = [ShardInfo(**s) for s in raw["shards"]]
+        manifest = cls(**{**raw, "shards": shards}, path=path)
+        manifest.validate()
+        return manifest
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("path")
+        return d
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically to ``path`` (a directory gets ``manifest.json`` inside)."""
+        self.validate()
+        path = Path(path)
+        file = path / MANIFEST_NAME if path.is_dir() or path.suffix != ".json" else path
+        write_json_atomic(file, self.to_dict())
+        self.path = file
+        return file
+
+    # ------------------------------------------------------------------ checks and derived facts
+    def validate(self) -> None:
+        where = str(self.path) if self.path else f"manifest of {self.dataset}/{self.split}"
+        if self.modality not in MODALITIES:
+            raise DataError(f"{where}: modality {self.modality!r} is not one of {MODALITIES}")
+        if not self.classes or len(set(self.classes)) != len(self.classes):
+            raise DataError(f"{where}: classes must be a non-empty list of unique names")
+        if sum(s.count for s in self.shards) != self.num_samples:
+            raise DataError(f"{where}: shard counts sum to {sum(s.count for s in self.shards)} "
+                            f"but num_samples is {self.num_samples}")
+        if self.class_counts is not None and (len(self.class_counts) != len(self.classes)
+                                              or sum(self.class_counts) != self.num_samples):
+            raise DataError(f"{where}: class_counts does not match classes / num_samples")
+        if "input" not in self.fields or "label" not in self.fields:
+            raise DataError(f"{where}: fields must name an 'input' and a 'label' member extension")
+        if self.normalization is not None:
+            mean, std = self.normalization.get("mean"), self.normalization.get("std")
+            if not mean or not std or len(mean) != len(std) or min(std) <= 0:
+                raise DataError(f"{where}: normalization needs equal-length mean/std lists with std > 0")
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def directory(self) -> Path:
+        if self.path is None:
+            raise DataError(f"manifest of {self.dataset}/{self.split} was not loaded from disk; pass urls explicitly")
+        return self.path.parent
+
+    def shard_urls(self) -> list[str]:
+        """Local paths of the shards, resolved next to the manifest."""
+        return [str(self.directory / s.name) for s in self.shards]
+
+    def fingerprint(self) -> str:
+        """sha256 of the canonical JSON: checkpoints record it to name the data they were trained on."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def summary(self) -> str:
+        """A few human-readable lines (printed by `python -m patchplace.data show`)."""
+        lines = [f"{self.dataset}/{self.split}: {self.num_samples} {self.modality} samples in "
+                 f"{len(self.shards)} shard(s), {self.num_classes} classes  [recipe {self.recipe} "
+                 f"v{self.recipe_version}]"]
+        if self.class_counts is not None:
+            pairs = zip(self.classes, self.class_counts, strict=True)
+            lines.append("  classes: " + ", ".join(f"{c}={n}" for c, n in pairs))
+        else:
+            lines.append("  classes: " + ", ".join(self.classes))
+        lines.append("  info: " + ", ".join(f"{k}={v}" for k, v in self.info.items()))
+        if self.normalization:
+            mean = ", ".join(f"{m:.4f}" for m in self.normalization["mean"])
+            std = ", ".join(f"{s:.4f}" for s in self.normalization["std"])
+            lines.append(f"  normalization: mean=[{mean}] std=[{std}] "
+                         f"(from {self.normalization.get('computed_on', '?')})")
+        lines.append(f"  source: {self.source}")
+        lines.append(f"  fingerprint: {self.fingerprint()[:16]}")
+        return "\n".join(lines)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_split(manifest: Manifest) -> list[str]:
+    """Check every shard's presence, size and sha256 against the manifest; return the problems found."""
+    problems = []
+    for shard in manifest.shards:
+        file = manifest.directory / shard.name
+        if not file.is_file():
+            problems.append(f"{file}: missing")
+        elif file.stat().st_size != shard.bytes:
+            problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {shard.bytes} (truncated?)")
+        elif sha256_file(file) != shard.sha256:
+            problems.append(f"{file}: sha256 differs from the manifest (corrupt or rewritten)")
+    return problems

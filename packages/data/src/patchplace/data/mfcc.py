@@ -1,0 +1,203 @@
+"""The speech frontend of MP3: 40 MFCCs from 30 ms windows with a 10 ms hop, as an exportable torch module.
+
+MP3 (Zhai et al., "Position Prediction as an Effective Pretraining Strategy", §3.1 and §4.3) feeds its speech
+Transformer "40 mel filterbank cepstral coefficients (MFCCs), computed from 30ms of raw waveforms, strided by 10ms
+between frames, following (Choi et al., 2019)" — i.e. the TC-ResNet frontend on Speech Commands. Each of the ~100
+frames of a 1 s clip is one 1-D patch.
+
+The numbers are librosa's (``librosa.feature.mfcc`` with the arguments listed in :class:`MFCC`), so features can be
+checked against a reference implementation; the computation is plain torch ops (a strided conv1d with a precomputed
+windowed-DFT basis, matmuls, log10, max) so the frontend can live inside an exported ONNX graph (DESIGN.md §2:
+speech models take ``waveform (B, samples)``).
+"""
+
+from __future__ import annotations
+
+import librosa
+import numpy as np
+import scipy.fft
+import scipy.signal
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import DataError
+
+
+def _positive_int(name: str, value: object) -> int:
+    # bool is an int subclass; MFCC(n_mfcc=True) is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise DataError(f"MFCC {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class MFCC(nn.Module):
+    """Waveform ``(B, samples)`` -> MFCCs ``(B, T, n_mfcc)``, ``T = 1 + samples // hop_length`` (center=True).
+
+    The speech frontend of MP3 (§3.1, §4.3), which follows TC-ResNet (Choi et al., 2019): 40 MFCCs from 30 ms
+    windows (480 samples at 16 kHz) every 10 ms (160 samples), so a 1 s clip gives 101 frames.
+
+    Equivalent to (per clip, in float64 up to float32 rounding; tested in ``tests/test_mfcc.py``)::
+
+        librosa.feature.mfcc(y=y, sr=16000, n_mfcc=40, n_fft=512, hop_length=160, win_length=480,
+                             window="hann", center=True, pad_mode="constant", n_mels=40, fmin=20, fmax=4000,
+                             htk=False, mel_norm="slaney", norm="ortho", dct_type=2).T
+
+    i.e. hann-windowed power spectrum -> slaney mel filterbank -> ``power_to_db`` (ref 1.0, amin 1e-10, top_db 80,
+    clipped against the maximum over the clip's own time x mel) -> orthonormal DCT-II, first ``n_mfcc``.
+
+    Usage::
+
+        frontend = MFCC()
+        wave = torch.randn(8, 16000) * 0.1       # (B, samples) float32 in [-1, 1]
+        feats = frontend(wave)                   # (8, 101, 40)
+        assert feats.shape[1] == frontend.num_frames(16000)
+
+    Args:
+        sample_rate: Hz of the input waveform.
+        n_mfcc: cepstral coefficients kept (the paper's 40).
+        n_mels: mel bands (TC-ResNet uses 40 bands and keeps all 40 coefficients).
+        win_length: analysis window in samples (30 ms at 16 kHz).
+        hop_length: frame stride in samples (10 ms at 16 kHz).
+        n_fft: DFT size; the window is zero-padded (centered) to it.
+        fmin, fmax: mel filterbank edges in Hz; ``fmax=None`` means ``sample_rate / 2``.
+        center: pad ``n_fft // 2`` zeros on both sides so frame t is centered on sample ``t * hop_length``.
+        top_db: dynamic range kept below each clip's loudest mel bin, in dB; ``None`` disables the clipping.
+    """
+
+    def __init__(
+        self,
+        sample_rate: int = 16000,
+        n_mfcc: int = 40,
+        n_mels: int = 40,
+        win_length: int = 480,
+        hop_length: int = 160,
+        # TensorFlow's audio_spectrogram (used by TC-ResNet) rounds the 480-sample window up to the next power of
+        # two for its FFT; librosa then centers the window inside that frame with zeros (pad_center).
+        n_fft: int = 512,
+        # 20 Hz - 4 kHz are the defaults of TensorFlow's mfcc op (lower_frequency_limit / upper_frequency_limit),
+        # which TC-ResNet's speech_commands pipeline used unchanged.
+        fmin: float = 20.0,
+        fmax: float | None = 4000.0,
+        center: bool = True,
+        # librosa.power_to_db's default; it is what librosa.feature.mfcc applies (it takes no top_db argument).
+        top_db: float | None = 80.0,
+    ) -> None:
+        super().__init__()
+        self.sample_rate = _positive_int("sample_rate", sample_rate)
+        self.n_mfcc = _positive_int("n_mfcc", n_mfcc)
+        self.n_mels = _positive_int("n_mels", n_mels)
+        self.win_length = _positive_int("win_length", win_length)
+        self.hop_length = _positive_int("hop_length", hop_length)
+        self.n_fft = _positive_int("n_fft", n_fft)
+        if self.win_length > self.n_fft:
+            raise DataError(f"MFCC win_length={win_length} exceeds n_fft={n_fft}; raise n_fft or shorten the window")
+        if self.n_mfcc > self.n_mels:
+            raise DataError(f"MFCC n_mfcc={n_mfcc} exceeds n_mels={n_mels}; keep at most n_mels coefficients")
+        nyquist = self.sample_rate / 2
+        fmax = nyquist if fmax is None else float(fmax)
+        fmin = float(fmin)
+        if not 0.0 <= fmin < fmax:
+            raise DataError(f"MFCC needs 0 <= fmin < fmax, got fmin={fmin}, fmax={fmax}")
+        if fmax > nyquist:
+            raise DataError(f"MFCC fmax={fmax} Hz is above the Nyquist frequency {nyquist} Hz of sample_rate="
+                            f"{self.sample_rate}; lower fmax")
+        if not isinstance(center, bool):
+            raise DataError(f"MFCC center must be a bool, got {center!r}")
+        if top_db is not None and not float(top_db) >= 0.0:
+            raise DataError(f"MFCC top_db must be >= 0 or None, got {top_db!r}")
+        self.fmin, self.fmax, self.center = fmin, fmax, center
+        self.top_db = None if top_db is None else float(top_db)
+
+        mel = librosa.filters.mel(sr=self.sample_rate, n_fft=self.n_fft, n_mels=self.n_mels, fmin=fmin, fmax=fmax,
+                                  htk=False, norm="slaney").astype(np.float64)  # (n_mels, n_fft // 2 + 1)
+        if not mel.any(axis=1).all():
+            # librosa only warns; an all-zero band would be a constant -100 dB feature, i.e. a silent bug.
+            raise DataError(f"MFCC n_mels={n_mels} is too many for n_fft={n_fft} between {fmin} and {fmax} Hz "
+                            "(some mel bands are empty); lower n_mels or raise n_fft")
+        # Bins no mel band touches (here everything above fmax = 4 kHz and the DC bin) contribute exactly zero,
+        # so their DFT rows are dropped: 127 of 257 bins remain at the defaults, halving the conv.
+        bins = np.flatnonzero(mel.any(axis=0))
+
+        # librosa's window: scipy's periodic hann of win_length, zero-padded centered to n_fft. Only its
+        # win_length-long support is used as conv taps; _frame_signal shifts the input by the left padding.
+        window = librosa.util.pad_center(scipy.signal.get_window("hann", self.win_length, fftbins=True),
+                                         size=self.n_fft)
+        self._lpad = (self.n_fft - self.win_length) // 2
+        self._rpad = self.n_fft - self.win_length - self._lpad
+        taps = np.arange(self._lpad, self._lpad + self.win_length)
+        # Real DFT as one matmul: X_k = sum_n w[n] x[n] (cos(2 pi k n / N) - i sin(2 pi k n / N)); the sign of the
+        # imaginary part is irrelevant for the power. Built in float64 and rounded once.
+        angle = 2.0 * np.pi * np.outer(bins, taps) / self.n_fft  # (n_bins, win_length)
+        basis = np.concatenate([np.cos(angle), np.sin(angle)], axis=0) * window[taps]  # (2 n_bins, win_length)
+        # |X_k|^2 = re^2 + im^2, so the mel projection of the power spectrum is the mel matrix applied to the
+        # squared conv outputs, with the mel columns repeated for the cos and the sin rows.
+        mel_t = np.concatenate([mel[:, bins], mel[:, bins]], axis=1).T  # (2 n_bins, n_mels)
+        # Orthonormal DCT-II along the mel axis: with axis=0, column j of the result is dct(e_j), so this is the
+        # DCT matrix C (dct(v) = C @ v); features (.., n_mels) @ C[:n_mfcc].T gives the first n_mfcc coefficients.
+        dct = scipy.fft.dct(np.eye(self.n_mels), type=2, norm="ortho", axis=0)[: self.n_mfcc].T  # (n_mels, n_mfcc)
+
+        # Non-persistent: they are derived from the constructor args, so checkpoints need not (and should not)
+        # carry them; float32 because that is what the exported graph computes in.
+        self.register_buffer("dft_basis", torch.from_numpy(basis).float().unsqueeze(1), persistent=False)
+        self.register_buffer("mel_matrix", torch.from_numpy(mel_t).float(), persistent=False)
+        self.register_buffer("dct_matrix", torch.from_numpy(dct).float(), persistent=False)
+
+    def num_frames(self, samples: int) -> int:
+        """Frames produced for a clip of ``samples`` samples (101 for 1 s at the defaults)."""
+        samples = int(samples)
+        if self.center:
+            return 1 + samples // self.hop_length
+        if samples < self.n_fft:
+            raise DataError(f"MFCC with center=False needs at least n_fft={self.n_fft} samples, got {samples}")
+        return 1 + (samples - self.n_fft) // self.hop_length
+
+    def extra_repr(self) -> str:
+        return (f"sample_rate={self.sample_rate}, n_mfcc={self.n_mfcc}, n_mels={self.n_mels}, "
+                f"win_length={self.win_length}, hop_length={self.hop_length}, n_fft={self.n_fft}, "
+                f"fmin={self.fmin}, fmax={self.fmax}, center={self.center}, top_db={self.top_db}")
+
+    def _check_input(self, wave: torch.Tensor) -> None:
+        # Shape and dtype checks only: they are static under tracing / export, unlike checks on values.
+        if not isinstance(wave, torch.Tensor):
+            raise DataError(f"MFCC expects a torch.Tensor waveform (B, samples), got {type(wave).__name__}; "
+                            "wrap it with torch.as_tensor")
+        if wave.dim() == 1:
+            raise DataError(f"MFCC expects a batch (B, samples), got one clip of shape {tuple(wave.shape)}; "
+                            "use wave.unsqueeze(0)")
+        if wave.dim() != 2:
+            raise DataError(f"MFCC expects a waveform batch (B, samples), got shape {tuple(wave.shape)}; "
+                            "downmix channels and flatten extra dimensions first")
+        if not wave.is_floating_point():
+            raise DataError(f"MFCC expects a float waveform in [-1, 1], got {wave.dtype}; "
+                            "convert PCM with wave.float() / 32768")
+        if not self.center and wave.shape[1] < self.n_fft:
+            raise DataError(f"MFCC with center=False needs at least n_fft={self.n_fft} samples, "
+                            f"got {wave.shape[1]}; pad the clip or use center=True")
+
+    def _frame_signal(self, wave: torch.Tensor) -> torch.Tensor:
+        """Windowed DFT of every frame: ``(B, samples) -> (B, T, 2 n_bins)`` (cos rows, then sin rows)."""
+        if self.center:
+            # Zero padding by n_fft // 2 (librosa pad_mode="constant"), minus the window's own zero margin,
+            # since only the win_length non-zero taps are convolved.
+            half = self.n_fft // 2
+            wave = F.pad(wave, (half - self._lpad, self.n_fft - half - self._rpad))
+        else:
+            wave = wave[:, self._lpad : wave.shape[1] - self._rpad]
+        # conv1d with stride hop_length frames and DFTs in one op, with no data-dependent control flow.
+        spec = F.conv1d(wave.unsqueeze(1), self.dft_basis, stride=self.hop_length)  # (B, 2 n_bins, T)
+        return spec.transpose(1, 2)
+
+    def forward(self, wave: torch.Tensor) -> torch.Tensor:
+        """``wave (B, samples)`` float in [-1, 1] -> MFCCs ``(B, T, n_mfcc)`` float32."""
+        self._check_input(wave)
+        spec = self._frame_signal(wave.to(self.dft_basis.dtype))
+        mel_power = (spec * spec) @ self.mel_matrix  # (B, T, n_mels)
+        # librosa.power_to_db with ref=1.0, amin=1e-10.
+        log_mel = 10.0 * torch.log10(torch.clamp(mel_power, min=1e-10))
+        if self.top_db is not None:
+            # librosa clips against the max of the whole array it is given; it is called once per clip, so the
+            # reference is each sample's own max over time x mel (never the batch's).
+            peak = log_mel.amax(dim=(1, 2), keepdim=True)
+            log_mel = torch.maximum(log_mel, peak - self.top_db)
+        return log_mel @ self.dct_matrix

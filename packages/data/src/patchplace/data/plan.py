@@ -1,0 +1,147 @@
+"""Deterministic epoch plans: which shards (and which samples of them) each rank x DataLoader worker reads.
+
+Every rank computes the same plan from (seed, epoch, shard counts), so no communication is needed:
+
+* the shard order of an epoch is one seeded permutation shared by all ranks;
+* ``shard`` split: slot ``s = rank * num_workers + worker`` reads shards ``order[s::slots]`` — cheap, used when
+  there are at least as many shards as slots;
+* ``sample`` split: every slot reads every shard and keeps sample ``i`` of the epoch stream when
+  ``i % slots == s`` — for small datasets with fewer shards than slots;
+* quotas (when per-shard counts are known from the manifest): worker ``w`` of every rank yields the same
+  number of samples, the minimum over ranks of what slot ``(r, w)`` can read. All ranks therefore see the same
+  number of samples and batches per epoch (no DDP hang), no sample is seen twice in an epoch, and at most
+  a few samples per slot are left out of an epoch (different ones each epoch, since the order changes).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import DataError
+
+SPLIT_MODES = ("auto", "shard", "sample")
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What one (rank, worker) reads in one epoch."""
+
+    shards: tuple[int, ...]  # indices into the shard list, in reading order
+    stride: int  # keep sample i of the concatenated stream when i % stride == offset
+    offset: int
+    quota: int | None  # samples to yield; None = everything read (counts unknown)
+
+
+def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    order = list(range(num_shards))
+    if shuffle:
+        random.Random(f"patchplace-shards-{seed}-{epoch}").shuffle(order)
+    return order
+
+
+def resolve_split_mode(split_by: str, num_shards: int, slots: int) -> str:
+    if split_by not in SPLIT_MODES:
+        raise DataError(f"split_by={split_by!r} is not one of {SPLIT_MODES}")
+    if split_by == "auto":
+        return "shard" if num_shards >= slots else "sample"
+    if split_by == "shard" and num_shards < slots:
+        raise DataError(f"split_by='shard' needs at least {slots} shards (world_size x num_workers), "
+                        f"found {num_shards}: write smaller shards (--max-count) or use split_by='sample'")
+    return split_by
+
+
+def _slot_counts(counts: Sequence[int], order: list[int], mode: str, slots: int) -> list[int]:
+    if mode == "shard":
+        return [sum(counts[i] for i in order[s::slots]) for s in range(slots)]
+    total = sum(counts)
+    return [total // slots + (1 if s < total % slots else 0) for s in range(slots)]
+
+
+def plan_epoch(
+    num_shards: int,
+    *,
+    counts: Sequence[int] | None,
+    epoch: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: int = 0,
+    num_workers: int = 1,
+    shuffle_shards: bool = True,
+    split_by: str = "auto",
+    epoch_length: int | None = None,
+) -> WorkerPlan:
+    """Plan of ``(rank, worker)`` for ``epoch``; ``epoch_length`` caps the samples per rank."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is outside world_size {world_size}")
+    if num_workers < 1 or not 0 <= worker < num_workers:
+        raise DataError(f"worker {worker} is outside num_workers {num_workers}")
+    if num_shards < 1:
+        raise DataError("no shards to read")
+    if counts is not None and len(counts) != num_shards:
+        raise DataError(f"{len(counts)} shard counts for {num_shards} shards: the urls do not match the manifest")
+    slots = world_size * num_workers
+    slot = rank * num_workers + worker
+    mode = resolve_split_mode(split_by, num_shards, slots)
+    order = shard_order(num_shards, seed, epoch, shuffle_shards)
+    if mode == "shard":
+        shards, stride, offset = tuple(order[slot::slots]), 1, 0
+    else:
+        shards, stride, offset = tuple(order), slots, slot
+    quota = None
+    if counts is not None:
+        quotas = worker_quotas(counts, order, mode, world_size, num_workers, epoch_length)
+        quota = quotas[worker]
+    elif epoch_length is not None:
+        raise DataError("epoch_length needs per-shard counts: pass the split's manifest")
+    return WorkerPlan(shards=shards, stride=stride, offset=offset, quota=quota)
+
+
+def worker_quotas(
+    counts: Sequence[int],
+    order: list[int],
+    mode: str,
+    world_size: int,
+    num_workers: int,
+    epoch_length: int | None = None,
+) -> list[int]:
+    """Samples each worker index yields, identical on every rank (so batch counts match across ranks)."""
+    per_slot = _slot_counts(counts, order, mode, world_size * num_workers)
+    quotas = [min(per_slot[r * num_workers + w] for r in range(world_size)) for w in range(num_workers)]
+    if epoch_length is not None:
+        available = sum(quotas)
+        if epoch_length < 1 or epoch_length > available:
+            raise DataError(f"epoch_length={epoch_length} must be in [1, {available}]: each rank can see "
+                            f"{available} distinct samples this epoch")
+        quotas = _trim_balanced(quotas, epoch_length)
+    return quotas
+
+
+def _trim_balanced(quotas: list[int], total: int) -> list[int]:
+    """Lower the largest quotas first until they sum to ``total`` (water-filling from the top)."""
+    lo, hi = 0, max(quotas)
+    while lo < hi:  # largest level L with sum(min(q, L)) <= total
+        mid = (lo + hi + 1) // 2
+        if sum(min(q, mid) for q in quotas) <= total:
+            lo = mid
+        else:
+            hi = mid - 1
+    out = [min(q, lo) for q in quotas]
+    rest = total - sum(out)
+    for i, q in enumerate(quotas):  # fewer than (#workers above level) remain: one more each
+        if rest and q > out[i]:
+            out[i] += 1
+            rest -= 1
+    return out
+
+
+def samples_per_rank(
+    counts: Sequence[int], *, epoch: int, seed: int, world_size: int, num_workers: int,
+    shuffle_shards: bool = True, split_by: str = "auto", epoch_length: int | None = None,
+) -> int:
+    """Length of an epoch on every rank (what ``len(dataset)`` reports)."""
+    mode = resolve_split_mode(split_by, len(counts), world_size * num_workers)
+    order = shard_order(len(counts), seed, epoch, shuffle_shards)
+    return sum(worker_quotas(counts, order, mode, world_size, num_workers, epoch_length))

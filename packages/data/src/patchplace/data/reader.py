@@ -1,0 +1,190 @@
+"""Read shards with webdataset: deterministic shuffles, disjoint rank/worker splits, fixed epoch lengths.
+
+>>> ds = ShardDataset("shards/fashion_mnist/train", transform=build_transform(m, train=True),
+...                   shuffle_buffer=2000, seed=0, rank=rank, world_size=world, num_workers=2)
+>>> loader = make_loader(ds, batch_size=128)
+>>> for epoch in range(epochs):
+...     ds.set_epoch(epoch)
+...     for images, labels in loader: ...
+
+The dataset plans each epoch with :func:`patchplace.data.plan.plan_epoch` (rank and world size come from the
+caller, e.g. ``accelerator.process_index``), so every rank yields ``len(ds)`` samples, none twice per epoch.
+URLs default to the shards next to the manifest; pass ``urls`` (a list, a brace pattern such as
+``/data/train-{000000..000099}.tar`` or ``pipe:curl -s https://host/train-{000000..000099}.tar``) to read the
+same shards from elsewhere — the manifest still provides counts, classes and normalization.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tarfile
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .codecs import decode_image_bytes, read_wav
+from .errors import DataError
+from .manifest import Manifest
+from .plan import plan_epoch, samples_per_rank
+
+_CORRUPT = (tarfile.TarError, OSError, EOFError, ValueError, KeyError)
+
+
+def expand_urls(urls: str | list[str]) -> list[str]:
+    """Expand brace patterns (``a-{000..009}.tar``) and ``::``-joined lists the way webdataset does."""
+    return list(wds.shardlists.expand_urls(urls)) if isinstance(urls, str) else [str(u) for u in urls]
+
+
+class ShardDataset(IterableDataset):
+    """An epoch-planned, deterministic WebDataset reader for one split.
+
+    Args:
+        manifest: split directory, its ``manifest.json`` or a loaded :class:`Manifest`.
+        urls: shard URLs overriding the local paths (same shards, same order as the manifest).
+        transform: applied to the decoded input (uint8 ``(C, H, W)`` tensor for images, float32 waveform for
+            audio); ``None`` leaves the decoded input.
+        decode: ``False`` yields raw webdataset sample dicts (bytes), for tools that re-encode.
+        shuffle_buffer: sample shuffle buffer size (0 = no sample shuffle, no shard shuffle).
+        seed: base seed; the shard order and each worker's shuffle derive from (seed, epoch, rank, worker).
+        rank, world_size: this process and the number of processes (nodes x GPUs).
+        num_workers: the DataLoader's ``num_workers`` (needed to plan; :func:`make_loader` passes it on).
+        split_by: ``auto`` | ``shard`` | ``sample`` (see :mod:`patchplace.data.plan`).
+        epoch_length: cap on samples per rank per epoch (``with_epoch`` style).
+        skip_corrupt: skip (and count in ``skipped``) unreadable or truncated shards instead of raising.
+        return_key: also yield each sample's ``__key__``.
+    """
+
+    def __init__(
+        self,
+        manifest: str | os.PathLike | Manifest,
+        *,
+        urls: str | list[str] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        decode: bool = True,
+        shuffle_buffer: int = 0,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        split_by: str = "auto",
+        epoch_length: int | None = None,
+        skip_corrupt: bool = False,
+        return_key: bool = False,
+    ) -> None:
+        super().__init__()
+        self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
+        self.urls = expand_urls(urls) if urls is not None else self.manifest.shard_urls()
+        if len(self.urls) != len(self.manifest.shards):
+            raise DataError(f"{len(self.urls)} shard URLs given but the manifest of "
+                            f"{self.manifest.dataset}/{self.manifest.split} lists {len(self.manifest.shards)}")
+        if shuffle_buffer < 0:
+            raise DataError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+        self.counts = [s.count for s in self.manifest.shards]
+        self.transform, self.decode, self.return_key = transform, decode, return_key
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
+        self.split_by, self.epoch_length, self.skip_corrupt = split_by, epoch_length, skip_corrupt
+        self.epoch = 0
+        self.skipped: list[str] = []
+        len(self)  # validate the plan parameters now, not in a worker
+
+    # ------------------------------------------------------------------ epoch bookkeeping
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose shard order and shuffles to produce (call before iterating)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return samples_per_rank(self.counts, epoch=self.epoch, seed=self.seed, world_size=self.world_size,
+                                num_workers=max(self.num_workers, 1), shuffle_shards=self.shuffle_buffer > 0,
+                                split_by=self.split_by, epoch_length=self.epoch_length)
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if num_workers != max(self.num_workers, 1):
+            raise DataError(f"ShardDataset was planned for num_workers={self.num_workers} but the DataLoader "
+                            f"runs {num_workers}: build the loader with make_loader() or pass the same value")
+        plan = plan_epoch(len(self.urls), counts=self.counts, epoch=self.epoch, seed=self.seed,
+                          rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers,
+                          shuffle_shards=self.shuffle_buffer > 0, split_by=self.split_by,
+                          epoch_length=self.epoch_length)
+        stream: Iterator[dict] = self._planned_samples(plan.shards, plan.stride, plan.offset)
+        if self.shuffle_buffer > 0:
+            rng = random.Random(f"patchplace-samples-{self.seed}-{self.epoch}-{self.rank}-{worker}")
+            stream = wds.filters._shuffle(stream, self.shuffle_buffer, self.shuffle_buffer, rng)
+        for n, sample in enumerate(stream):
+            if plan.quota is not None and n >= plan.quota:
+                break
+            yield self._prepare(sample)
+
+    def _planned_samples(self, shards: tuple[int, ...], stride: int, offset: int) -> Iterator[dict]:
+        index = 0  # position in the epoch's concatenated stream (for the `sample` split)
+        for shard in shards:
+            for sample in self._read_shard(shard):
+                if index % stride == offset:
+                    yield sample
+                index += 1
+
+    def _read_shard(self, shard: int) -> Iterator[dict]:
+        """All samples of one shard; a read error or a count that differs from the manifest is corruption."""
+        url, expected = self.urls[shard], self.counts[shard]
+        samples = wds.tariterators.tarfile_samples([{"url": url}])
+        n = 0
+        while True:
+            try:
+                sample = next(samples)
+            except StopIteration:
+                break
+            except _CORRUPT as exc:
+                self._corrupt(url, f"{type(exc).__name__}: {exc.args[0] if exc.args else exc}")
+                return
+            n += 1
+            yield sample
+        if n != expected:
+            self._corrupt(url, f"holds {n} samples, the manifest says {expected} (truncated?)")
+
+    def _corrupt(self, url: str, why: str) -> None:
+        if self.skip_corrupt:
+            self.skipped.append(url)
+            warnings.warn(f"skipping corrupt shard {url}: {why}", stacklevel=3)
+            return
+        raise DataError(f"corrupt shard {url}: {why}; rebuild it with its data/ recipe, check all shards with "
+                        f"`python -m patchplace.data verify {Path(url).parent}`, or pass skip_corrupt=True")
+
+    def _prepare(self, sample: dict) -> Any:
+        if not self.decode:
+            return sample
+        m, key = self.manifest, sample["__key__"]
+        fields = m.fields
+        if fields["input"] not in sample or fields["label"] not in sample:
+            raise DataError(f"sample {key} in {sample.get('__url__')} lacks .{fields['input']} or "
+                            f".{fields['label']}: the shard was not written for the {m.dataset} manifest")
+        label = int(sample[fields["label"]])
+        if not 0 <= label < m.num_classes:
+            raise DataError(f"sample {key} in {sample.get('__url__')}: label {label} is outside the "
+                            f"{m.num_classes} classes of the manifest ({m.dataset}/{m.split})")
+        where = f"{sample.get('__url__')}:{key}"
+        if m.modality == "image":
+            x: Any = decode_image_bytes(sample[fields["input"]], int(m.info.get("channels", 3)), key=where)
+        else:
+            x = torch.from_numpy(np.ascontiguousarray(
+                read_wav(sample[fields["input"]], int(m.info["sample_rate"]), key=where)))
+        if self.transform is not None:
+            x = self.transform(x)
+        return (x, label, key) if self.return_key else (x, label)
+
+
+def make_loader(dataset: ShardDataset, batch_size: int, *, drop_last: bool = False,
+                pin_memory: bool = False, collate_fn: Callable | None = None) -> DataLoader:
+    """A DataLoader whose worker count matches the dataset's plan (workers are re-created per epoch so
+    ``set_epoch`` reaches them)."""
+    return DataLoader(dataset, batch_size=batch_size, num_workers=dataset.num_workers, drop_last=drop_last,
+                      pin_memory=pin_memory, collate_fn=collate_fn, persistent_workers=False)
