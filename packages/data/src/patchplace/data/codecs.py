@@ -8,13 +8,12 @@ from math import gcd
 import numpy as np
 import soundfile
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from scipy.signal import resample_poly
-from torchvision.io import ImageReadMode, decode_image
 
 from .errors import DataError
 
-_READ_MODE = {1: ImageReadMode.GRAY, 3: ImageReadMode.RGB}
+_PIL_MODE = {1: "L", 3: "RGB"}
 
 
 def encode_png(image: np.ndarray) -> bytes:
@@ -30,12 +29,15 @@ def encode_png(image: np.ndarray) -> bytes:
 
 def decode_image_bytes(data: bytes, channels: int, key: str = "?") -> torch.Tensor:
     """Decode PNG/JPEG/... bytes to a ``(C, H, W)`` uint8 tensor with ``channels`` in {1, 3}."""
-    if channels not in _READ_MODE:
+    if channels not in _PIL_MODE:
         raise DataError(f"channels must be 1 or 3, got {channels}")
     try:
-        return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=_READ_MODE[channels])
-    except RuntimeError as exc:
+        with Image.open(io.BytesIO(data)) as img:
+            array = np.asarray(img.convert(_PIL_MODE[channels]))
+    except (UnidentifiedImageError, OSError) as exc:
         raise DataError(f"sample {key}: cannot decode image ({exc}); the shard may be corrupt") from exc
+    tensor = torch.from_numpy(array.copy())
+    return tensor.unsqueeze(0) if channels == 1 else tensor.permute(2, 0, 1).contiguous()
 
 
 def encode_wav(wave: np.ndarray, sample_rate: int) -> bytes:

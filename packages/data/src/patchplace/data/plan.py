@@ -3,10 +3,12 @@
 Every rank computes the same plan from (seed, epoch, shard counts), so no communication is needed:
 
 * the shard order of an epoch is one seeded permutation shared by all ranks;
-* ``shard`` split: slot ``s = rank * num_workers + worker`` reads shards ``order[s::slots]`` — cheap, used when
-  there are at least as many shards as slots;
+* ``shard`` split: slot ``s = rank * num_workers + worker`` reads shards ``order[s::slots]`` whole (least I/O);
 * ``sample`` split: every slot reads every shard and keeps sample ``i`` of the epoch stream when
-  ``i % slots == s`` — for small datasets with fewer shards than slots;
+  ``i % slots == s`` (for tiny datasets);
+* ``auto`` (default): the first ``slots * (num_shards // slots)`` shards of the order are dealt out whole and
+  the remaining ``num_shards % slots`` shards are read by every slot, split by sample — little extra I/O and
+  almost nothing left out, whatever the shard count;
 * quotas (when per-shard counts are known from the manifest): worker ``w`` of every rank yields the same
   number of samples, the minimum over ranks of what slot ``(r, w)`` can read. All ranks therefore see the same
   number of samples and batches per epoch (no DDP hang), no sample is seen twice in an epoch, and at most
@@ -28,8 +30,9 @@ SPLIT_MODES = ("auto", "shard", "sample")
 class WorkerPlan:
     """What one (rank, worker) reads in one epoch."""
 
-    shards: tuple[int, ...]  # indices into the shard list, in reading order
-    stride: int  # keep sample i of the concatenated stream when i % stride == offset
+    own: tuple[int, ...]  # shards read whole, in this order
+    shared: tuple[int, ...]  # shards read by every slot, then ...
+    stride: int  # ... keeping sample i of their concatenated stream when i % stride == offset
     offset: int
     quota: int | None  # samples to yield; None = everything read (counts unknown)
 
@@ -41,22 +44,22 @@ def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[i
     return order
 
 
-def resolve_split_mode(split_by: str, num_shards: int, slots: int) -> str:
+def dealt_shards(split_by: str, num_shards: int, slots: int) -> int:
+    """How many shards (from the front of the epoch order) are dealt out whole; the rest are shared."""
     if split_by not in SPLIT_MODES:
         raise DataError(f"split_by={split_by!r} is not one of {SPLIT_MODES}")
-    if split_by == "auto":
-        return "shard" if num_shards >= slots else "sample"
-    if split_by == "shard" and num_shards < slots:
-        raise DataError(f"split_by='shard' needs at least {slots} shards (world_size x num_workers), "
-                        f"found {num_shards}: write smaller shards (--max-count) or use split_by='sample'")
-    return split_by
+    if split_by == "shard":
+        if num_shards < slots:
+            raise DataError(f"split_by='shard' needs at least {slots} shards (world_size x num_workers), "
+                            f"found {num_shards}: write smaller shards (--max-count) or use split_by='auto'")
+        return num_shards
+    return 0 if split_by == "sample" else slots * (num_shards // slots)
 
 
-def _slot_counts(counts: Sequence[int], order: list[int], mode: str, slots: int) -> list[int]:
-    if mode == "shard":
-        return [sum(counts[i] for i in order[s::slots]) for s in range(slots)]
-    total = sum(counts)
-    return [total // slots + (1 if s < total % slots else 0) for s in range(slots)]
+def _slot_counts(counts: Sequence[int], order: list[int], dealt: int, slots: int) -> list[int]:
+    shared = sum(counts[i] for i in order[dealt:])
+    return [sum(counts[i] for i in order[s:dealt:slots]) + shared // slots + (1 if s < shared % slots else 0)
+            for s in range(slots)]
 
 
 def plan_epoch(
@@ -84,31 +87,27 @@ def plan_epoch(
         raise DataError(f"{len(counts)} shard counts for {num_shards} shards: the urls do not match the manifest")
     slots = world_size * num_workers
     slot = rank * num_workers + worker
-    mode = resolve_split_mode(split_by, num_shards, slots)
+    dealt = dealt_shards(split_by, num_shards, slots)
     order = shard_order(num_shards, seed, epoch, shuffle_shards)
-    if mode == "shard":
-        shards, stride, offset = tuple(order[slot::slots]), 1, 0
-    else:
-        shards, stride, offset = tuple(order), slots, slot
     quota = None
     if counts is not None:
-        quotas = worker_quotas(counts, order, mode, world_size, num_workers, epoch_length)
-        quota = quotas[worker]
+        quota = worker_quotas(counts, order, dealt, world_size, num_workers, epoch_length)[worker]
     elif epoch_length is not None:
         raise DataError("epoch_length needs per-shard counts: pass the split's manifest")
-    return WorkerPlan(shards=shards, stride=stride, offset=offset, quota=quota)
+    return WorkerPlan(own=tuple(order[slot:dealt:slots]), shared=tuple(order[dealt:]), stride=slots,
+                      offset=slot, quota=quota)
 
 
 def worker_quotas(
     counts: Sequence[int],
     order: list[int],
-    mode: str,
+    dealt: int,
     world_size: int,
     num_workers: int,
     epoch_length: int | None = None,
 ) -> list[int]:
     """Samples each worker index yields, identical on every rank (so batch counts match across ranks)."""
-    per_slot = _slot_counts(counts, order, mode, world_size * num_workers)
+    per_slot = _slot_counts(counts, order, dealt, world_size * num_workers)
     quotas = [min(per_slot[r * num_workers + w] for r in range(world_size)) for w in range(num_workers)]
     if epoch_length is not None:
         available = sum(quotas)
@@ -142,6 +141,6 @@ def samples_per_rank(
     shuffle_shards: bool = True, split_by: str = "auto", epoch_length: int | None = None,
 ) -> int:
     """Length of an epoch on every rank (what ``len(dataset)`` reports)."""
-    mode = resolve_split_mode(split_by, len(counts), world_size * num_workers)
+    dealt = dealt_shards(split_by, len(counts), world_size * num_workers)
     order = shard_order(len(counts), seed, epoch, shuffle_shards)
-    return sum(worker_quotas(counts, order, mode, world_size, num_workers, epoch_length))
+    return sum(worker_quotas(counts, order, dealt, world_size, num_workers, epoch_length))

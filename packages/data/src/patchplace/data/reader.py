@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .codecs import decode_image_bytes, read_wav
 from .errors import DataError
 from .manifest import Manifest
-from .plan import plan_epoch, samples_per_rank
+from .plan import WorkerPlan, plan_epoch, samples_per_rank
 
 _CORRUPT = (tarfile.TarError, OSError, EOFError, ValueError, KeyError)
 
@@ -116,7 +116,7 @@ class ShardDataset(IterableDataset):
                           rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers,
                           shuffle_shards=self.shuffle_buffer > 0, split_by=self.split_by,
                           epoch_length=self.epoch_length)
-        stream: Iterator[dict] = self._planned_samples(plan.shards, plan.stride, plan.offset)
+        stream: Iterator[dict] = self._planned_samples(plan)
         if self.shuffle_buffer > 0:
             rng = random.Random(f"patchplace-samples-{self.seed}-{self.epoch}-{self.rank}-{worker}")
             stream = wds.filters._shuffle(stream, self.shuffle_buffer, self.shuffle_buffer, rng)
@@ -125,11 +125,13 @@ class ShardDataset(IterableDataset):
                 break
             yield self._prepare(sample)
 
-    def _planned_samples(self, shards: tuple[int, ...], stride: int, offset: int) -> Iterator[dict]:
-        index = 0  # position in the epoch's concatenated stream (for the `sample` split)
-        for shard in shards:
+    def _planned_samples(self, plan: WorkerPlan) -> Iterator[dict]:
+        for shard in plan.own:
+            yield from self._read_shard(shard)
+        index = 0  # position in the shared shards' concatenated stream
+        for shard in plan.shared:
             for sample in self._read_shard(shard):
-                if index % stride == offset:
+                if index % plan.stride == plan.offset:
                     yield sample
                 index += 1
 
@@ -147,6 +149,10 @@ class ShardDataset(IterableDataset):
                 self._corrupt(url, f"{type(exc).__name__}: {exc.args[0] if exc.args else exc}")
                 return
             n += 1
+            if not set(self.manifest.fields.values()) <= sample.keys():
+                self._corrupt(url, f"sample {sample.get('__key__')} lacks ."
+                                   + " or .".join(self.manifest.fields.values()))
+                return
             yield sample
         if n != expected:
             self._corrupt(url, f"holds {n} samples, the manifest says {expected} (truncated?)")
@@ -164,9 +170,6 @@ class ShardDataset(IterableDataset):
             return sample
         m, key = self.manifest, sample["__key__"]
         fields = m.fields
-        if fields["input"] not in sample or fields["label"] not in sample:
-            raise DataError(f"sample {key} in {sample.get('__url__')} lacks .{fields['input']} or "
-                            f".{fields['label']}: the shard was not written for the {m.dataset} manifest")
         label = int(sample[fields["label"]])
         if not 0 <= label < m.num_classes:
             raise DataError(f"sample {key} in {sample.get('__url__')}: label {label} is outside the "

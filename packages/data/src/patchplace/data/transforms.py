@@ -72,8 +72,10 @@ class ImageTransform:
         if not manifest.normalization:
             raise DataError(f"manifest of {manifest.dataset}/{manifest.split} has no normalization statistics; "
                             "rebuild it with its data/ recipe")
-        side = max(manifest.info["image_size"]) if cfg.pad_to is None else cfg.pad_to
-        self.size = cfg.img_size or side
+        native = manifest.info.get("image_size")
+        self.size = cfg.img_size or cfg.pad_to or (max(native) if native else None)
+        if self.size is None:
+            raise DataError(f"{manifest.dataset} images vary in size: set img_size for the transform")
         self.channels = int(manifest.info.get("channels", 3))
         self.pad = PadTo(cfg.pad_to) if cfg.pad_to else None
         self.timm = create_transform(
