@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from patchplace.data import DataError, Manifest
-from patchplace.data.recipes import add_output_args, run_cli, write_image_splits
+from patchplace.data.recipes import add_output_args, indexed_records, run_cli, write_image_splits
 
 RECIPE_VERSION = 1
 LAYOUTS = {  # variant -> (train files, test files, meta file, label-name key)
@@ -93,8 +93,7 @@ def build(src: Path, out: Path, labels: str = "fine", max_count: int = 10_000, m
     classes = class_names(src, variant, labels)
     train_files, test_files, _, _ = LAYOUTS[variant]
     data = {"train": load_images(src, train_files, labels), "test": load_images(src, test_files, labels)}
-    records = {split: (((f"{i:05d}", int(targets[i]), images[i], None) for i in range(len(images))), len(images))
-               for split, (images, targets) in data.items()}
+    records = {split: (indexed_records(images, targets), len(images)) for split, (images, targets) in data.items()}
     return write_image_splits(out, records, progress=progress,
                               dataset=variant if labels == "fine" else f"{variant}-coarse", classes=classes,
                               info={"image_size": [32, 32], "channels": 3}, source=str(src.resolve()),

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from patchplace.data import DataError, Manifest
-from patchplace.data.recipes import add_output_args, run_cli, write_image_splits
+from patchplace.data.recipes import add_output_args, indexed_records, run_cli, write_image_splits
 
 RECIPE_VERSION = 1
 DEFAULT_SRC = Path("/usr/share/datasets/fashion-mnist")
@@ -65,8 +65,7 @@ def build(src: Path = DEFAULT_SRC, out: Path = Path("shards/fashion_mnist"), max
     """Write ``out/train`` and ``out/test``; return their manifests."""
     src, out = Path(src), Path(out)
     data = {split: load_split(src, split) for split in FILES}  # fail on a missing file before writing
-    records = {split: (((f"{i:05d}", int(labels[i]), images[i], None) for i in range(len(images))), len(images))
-               for split, (images, labels) in data.items()}
+    records = {split: (indexed_records(images, labels), len(images)) for split, (images, labels) in data.items()}
     h, w = data["train"][0].shape[1:]
     return write_image_splits(out, records, progress=progress, dataset="fashion_mnist", classes=list(CLASSES),
                               info={"image_size": [int(h), int(w)], "channels": 1}, source=str(src.resolve()),

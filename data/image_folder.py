@@ -3,7 +3,8 @@
     ROOT/train/<class>/*.jpg   ROOT/val/<class>/*.jpg      python data/image_folder.py --src ROOT --out shards/mydata
 
 Classes are the sub-directories of the first split (sorted); every other split must use the same names.
-JPEG and PNG files are stored as they are (no re-encoding); other formats Pillow reads are stored as PNG.
+JPEG and PNG files are stored as they are (no re-encoding) under the member extension ``.img``; other formats
+Pillow reads are stored as PNG. Keys are the relative paths (``dog__img1_jpg`` for ``dog/img1.jpg``).
 Normalization statistics come from up to ``--stats-samples`` train images (evenly spaced).
 """
 
@@ -46,7 +47,7 @@ def list_split(split_dir: Path, classes: list[str] | None) -> tuple[list[str], l
 
 def sample_key(path: Path, root: Path) -> str:
     """Stable key from the relative path ('/' and '.' are not allowed in webdataset keys)."""
-    return re.sub(r"[./]", "_", str(path.relative_to(root).with_suffix("")).replace("/", "__"))
+    return re.sub(r"[./]", "_", str(path.relative_to(root)).replace("/", "__"))
 
 
 def load_rgb(path: Path) -> np.ndarray:
@@ -86,10 +87,10 @@ def build(src: Path, out: Path, splits: tuple[str, ...] = ("train", "val"), data
     image_size = [int(s) for s in sizes.pop()] if len(sizes) == 1 else None  # None: sizes vary
     normalization = train_statistics(listed[splits[0]], stats_samples)
     return write_image_splits(
-        out, {s: (records(files, src), len(files)) for s, files in listed.items()}, progress=progress,
+        out, {s: (records(files, src / s), len(files)) for s, files in listed.items()}, progress=progress,
         dataset=dataset or src.name, classes=classes, info={"image_size": image_size, "channels": 3},
         source=str(src.resolve()), recipe="image_folder", recipe_version=RECIPE_VERSION,
-        normalization=normalization, max_count=max_count, max_size=max_size)
+        normalization=normalization, max_count=max_count, max_size=max_size, input_ext="img")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -269,7 +269,7 @@ def synthesize_corpus(out: str | Path, clips_per_keyword: int = 200, clips_per_u
     if jobs < 1:
         raise DataError(f"--jobs must be >= 1, got {jobs}")
     exe = find_espeak()
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split("  Data at")[0].strip()
     voices, variants = available(exe, VOICES, VARIANTS, log=log)
     speakers, clips, seconds, babble_plan = plan(seed, clips_per_keyword, clips_per_unknown_word, noise_seconds,
                                                  voices, variants)
@@ -346,9 +346,9 @@ Made with {meta['espeak_ng']} -- seed {meta['seed']}, {meta['clips_per_keyword']
   speaker = espeak-ng voice x variant ({meta['num_speakers']}); speakerhash = sha1("voice+variant")[:8]
   voices: {' '.join(meta['voices'])}
   variants: {' '.join(meta['variants'])}
-  per clip: speed {meta['speed_wpm'][0]}-{meta['speed_wpm'][1]} wpm, pitch {meta['pitch'][0]}-{meta['pitch'][1]},
-  peak {meta['peak_dbfs'][0]} to {meta['peak_dbfs'][1]} dBFS, random onset; the word (<= {meta['max_speech_s']} s)
-  always lies fully inside the clip.
+  per clip: speed {meta['speed_wpm'][0]}-{meta['speed_wpm'][1]} wpm, pitch {meta['pitch'][0]}-{meta['pitch'][1]}, \
+peak {meta['peak_dbfs'][0]} to {meta['peak_dbfs'][1]} dBFS, random onset;
+  the trimmed word (<= {meta['max_speech_s']} s) always lies fully inside the clip.
 {BACKGROUND_NOISE_DIR}/  {', '.join(meta['background_noise'])} (16 kHz; babble = {BABBLE_STREAMS} overlapping
   espeak-ng talkers saying filler sentences)
 validation_list.txt, testing_list.txt  by the Speech Commands hashing rule on the speaker hash (10% / 10%):

@@ -13,6 +13,8 @@ speech models take ``waveform (B, samples)``).
 
 from __future__ import annotations
 
+import warnings
+
 import librosa
 import numpy as np
 import scipy.fft
@@ -109,10 +111,13 @@ class MFCC(nn.Module):
         self.fmin, self.fmax, self.center = fmin, fmax, center
         self.top_db = None if top_db is None else float(top_db)
 
-        mel = librosa.filters.mel(sr=self.sample_rate, n_fft=self.n_fft, n_mels=self.n_mels, fmin=fmin, fmax=fmax,
-                                  htk=False, norm="slaney").astype(np.float64)  # (n_mels, n_fft // 2 + 1)
+        with warnings.catch_warnings():
+            # librosa only warns about empty bands; they are turned into a DataError just below.
+            warnings.filterwarnings("ignore", message="Empty filters detected")
+            mel = librosa.filters.mel(sr=self.sample_rate, n_fft=self.n_fft, n_mels=self.n_mels, fmin=fmin,
+                                      fmax=fmax, htk=False, norm="slaney").astype(np.float64)  # (n_mels, n_fft//2+1)
         if not mel.any(axis=1).all():
-            # librosa only warns; an all-zero band would be a constant -100 dB feature, i.e. a silent bug.
+            # An all-zero band would be a constant -100 dB feature, i.e. a silent bug.
             raise DataError(f"MFCC n_mels={n_mels} is too many for n_fft={n_fft} between {fmin} and {fmax} Hz "
                             "(some mel bands are empty); lower n_mels or raise n_fft")
         # Bins no mel band touches (here everything above fmax = 4 kHz and the DC bin) contribute exactly zero,
@@ -135,7 +140,7 @@ class MFCC(nn.Module):
         mel_t = np.concatenate([mel[:, bins], mel[:, bins]], axis=1).T  # (2 n_bins, n_mels)
         # Orthonormal DCT-II along the mel axis: with axis=0, column j of the result is dct(e_j), so this is the
         # DCT matrix C (dct(v) = C @ v); features (.., n_mels) @ C[:n_mfcc].T gives the first n_mfcc coefficients.
-        dct = scipy.fft.dct(np.eye(self.n_mels), type=2, norm="ortho", axis=0)[: self.n_mfcc].T  # (n_mels, n_mfcc)
+        dct = scipy.fft.dct(np.eye(self.n_mels), type=2, norm=None, axis=0)[: self.n_mfcc].T  # (n_mels, n_mfcc)
 
         # Non-persistent: they are derived from the constructor args, so checkpoints need not (and should not)
         # carry them; float32 because that is what the exported graph computes in.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,12 @@ def add_output_args(parser: argparse.ArgumentParser, default_out: str) -> None:
                         help="max samples per shard (default: %(default)s)")
     parser.add_argument("--max-size", type=float, default=256e6,
                         help="max bytes per shard (default: %(default).0f)")
+
+
+def indexed_records(images: np.ndarray, labels: np.ndarray) -> Iterator[ImageRecord]:
+    """Records keyed by position (``00000``, ``00001``, ...) for datasets stored as arrays."""
+    for i in range(len(images)):
+        yield f"{i:05d}", int(labels[i]), images[i], None
 
 
 def write_image_splits(

@@ -56,6 +56,7 @@ class SplitWriter:
     ...         w.add_image(f"{i:08d}", y, img)
     >>> w.manifest.num_samples
 
+    ``input_ext`` names the tar member of the input (default ``png`` for images, ``wav`` for audio).
     Images: normalization statistics are accumulated from the written pixels unless ``normalization`` is
     given (pass the train split's statistics when writing validation/test splits).
     """
@@ -75,6 +76,7 @@ class SplitWriter:
         normalization: dict[str, Any] | None = None,
         max_count: int = 10_000,
         max_size: float = 256e6,
+        input_ext: str | None = None,
     ) -> None:
         if max_count < 1 or max_size <= 0:
             raise DataError(f"max_count must be >= 1 and max_size > 0, got {max_count}, {max_size}")
@@ -83,7 +85,9 @@ class SplitWriter:
         self.classes, self.info = list(classes), dict(info)
         self.source, self.recipe, self.recipe_version = source, recipe, recipe_version
         self.normalization = normalization
-        self.fields = {"input": "png" if modality == "image" else "wav", "label": "cls"}
+        # Member extension of the input: png / wav by default; "img" for original files of mixed formats
+        # (JPEG, PNG), which the decoder recognizes by content.
+        self.fields = {"input": input_ext or ("png" if modality == "image" else "wav"), "label": "cls"}
         self.stats = (ChannelStats(int(info.get("channels", 1)))
                       if modality == "image" and normalization is None else None)
         self.max_count, self.max_size = max_count, max_size

@@ -1,0 +1,67 @@
+# patchplace — the two commands: `make demo` and `make test`. Each does all set-up on a fresh machine
+# (Debian packages, .venv, pip installs) and skips what is already there on a second run.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV     := .venv
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip --disable-pip-version-check
+APT_PKGS := dataset-fashion-mnist espeak-ng
+PACKAGES := packages/data packages/models packages/objectives packages/finetune export
+SHARDS   := shards
+CORPORA  := corpora
+
+.PHONY: help setup apt venv demo data test lint clean
+
+help:
+	@echo "make demo   set everything up, then run the main job on the built-in data"
+	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
+
+setup: apt venv
+
+# Debian packages: installed when missing; without root or sudo, stop with the exact command to run.
+apt:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s "$$p" >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo"; \
+	else echo "error: missing Debian packages:$$missing; run: sudo apt-get update && sudo apt-get install -y$$missing" >&2; exit 1; fi; \
+	$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q --config-settings editable_mode=compat -e '.[dev]' $(foreach p,$(PACKAGES),-e '$(p)[test]')
+	@touch $@
+
+# ---------------------------------------------------------------------------------------------- demo
+FMNIST_MANIFEST := $(SHARDS)/fashion_mnist/train/manifest.json
+KWS_MANIFEST    := $(SHARDS)/spoken_keywords/train/manifest.json
+KWS_CORPUS      := $(CORPORA)/spoken_keywords/validation_list.txt
+
+$(FMNIST_MANIFEST): | setup
+	$(PY) data/fashion_mnist.py --out $(SHARDS)/fashion_mnist
+
+$(KWS_CORPUS): | setup
+	$(PY) data/spoken_keywords.py --out $(CORPORA)/spoken_keywords
+
+$(KWS_MANIFEST): $(KWS_CORPUS)
+	$(PY) data/speech_commands.py --src $(CORPORA)/spoken_keywords --out $(SHARDS)/spoken_keywords
+
+data: $(FMNIST_MANIFEST) $(KWS_MANIFEST)
+
+demo: setup data
+	$(PY) -m patchplace.data verify $(SHARDS)/fashion_mnist $(SHARDS)/spoken_keywords
+
+# ---------------------------------------------------------------------------------------------- test
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(SHARDS) $(CORPORA) .pytest_cache
