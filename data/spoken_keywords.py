@@ -72,9 +72,9 @@ VARIANTS = ("m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f
 
 # Speaking rate in words per minute (espeak default 175). Measured: at 125 wpm the longest trimmed utterance
 # over all 14 voices x 37 variants x 35 words is 1.28 s (de+Alicia "visual"); the 99th percentile is ~0.9 s.
-# So rates start at 140 and any utterance longer than MAX_SPEECH_S is re-synthesized faster (speed_retries in
+# So rates start at 120 and any utterance longer than MAX_SPEECH_S is re-synthesized faster (speed_retries in
 # corpus.json counts them) -- the word always fits inside the 1 s clip.
-SPEED_WPM = (140, 230)
+SPEED_WPM = (120, 210)
 PITCH = (20, 80)  # espeak -p, 0..99, default 50
 PEAK_DBFS = (-24.0, -1.0)  # per-clip gain: the clip's peak level
 MAX_SPEECH_S = 0.92

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from data import cifar, fashion_mnist, image_folder
-from patchplace.data import DataError, Manifest, ShardDataset
+from patchplace.data import DataError, ShardDataset
 
 
 def read_back(split_dir: Path) -> dict[str, tuple[np.ndarray, int]]:
@@ -128,7 +128,7 @@ def test_cifar_reader_refuses_pickles_that_would_run_code(tmp_path):
     write_cifar10(tmp_path / "c")
     with open(tmp_path / "c" / "data_batch_3", "wb") as f:
         pickle.dump({b"data": _Exploit()}, f)
-    with pytest.raises(DataError, match="global .*system is not allowed"):
+    with pytest.raises(DataError, match=r"global .*system is not allowed"):
         cifar.build(tmp_path / "c", tmp_path / "out", progress=False)
 
 
@@ -163,5 +163,5 @@ def test_image_folder_rejects_unknown_classes_and_missing_splits(tmp_path):
         Image.new("RGB", (4, 4)).save(tmp_path / "r" / split / cls / "a.png")
     with pytest.raises(DataError, match=r"class folder\(s\) \['cow'\] are not classes of the first split"):
         image_folder.build(tmp_path / "r", tmp_path / "out", progress=False)
-    with pytest.raises(DataError, match="missing split folder .*test"):
+    with pytest.raises(DataError, match=r"missing split folder .*test"):
         image_folder.build(tmp_path / "r", tmp_path / "out", splits=("train", "test"), progress=False)

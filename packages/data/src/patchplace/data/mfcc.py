@@ -140,7 +140,7 @@ class MFCC(nn.Module):
         mel_t = np.concatenate([mel[:, bins], mel[:, bins]], axis=1).T  # (2 n_bins, n_mels)
         # Orthonormal DCT-II along the mel axis: with axis=0, column j of the result is dct(e_j), so this is the
         # DCT matrix C (dct(v) = C @ v); features (.., n_mels) @ C[:n_mfcc].T gives the first n_mfcc coefficients.
-        dct = scipy.fft.dct(np.eye(self.n_mels), type=2, norm=None, axis=0)[: self.n_mfcc].T  # (n_mels, n_mfcc)
+        dct = scipy.fft.dct(np.eye(self.n_mels), type=2, norm="ortho", axis=0)[: self.n_mfcc].T  # (n_mels, n_mfcc)
 
         # Non-persistent: they are derived from the constructor args, so checkpoints need not (and should not)
         # carry them; float32 because that is what the exported graph computes in.

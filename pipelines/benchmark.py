@@ -1,0 +1,70 @@
+"""Benchmarks: speed and memory figures live here, never in timed tests.
+
+    python pipelines/benchmark.py --suite data --out runs/benchmark
+
+Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md``. Suites: ``data`` (shard read throughput with 0 and
+2 DataLoader workers, decode + train transform included; MFCC frontend clips/s). Later issues add model and
+objective suites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from patchplace.data.benchmark import mfcc_throughput, shard_read_throughput
+
+
+def data_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for workers in args.workers:
+        rows.append(shard_read_throughput(args.shards, num_workers=workers, max_samples=args.max_samples,
+                                          pad_to=args.pad_to))
+        print(json.dumps(rows[-1]))
+    rows.append(mfcc_throughput(batch_size=64, batches=args.mfcc_batches))
+    print(json.dumps(rows[-1]))
+    return rows
+
+
+SUITES = {"data": data_suite}
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| benchmark | throughput | detail |", "| --- | --- | --- |"]
+    for row in rows:
+        rate = row.get("samples_per_s") or row.get("clips_per_s")
+        unit = "samples/s" if "samples_per_s" in row else "clips/s"
+        detail = ", ".join(f"{k}={v}" for k, v in row.items() if k not in {"name", "samples_per_s", "clips_per_s"})
+        lines.append(f"| {row['name']} | {rate} {unit} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=sorted(SUITES), default="data", help="what to measure (default: data)")
+    parser.add_argument("--out", type=Path, default=Path("runs/benchmark"), help="output directory")
+    parser.add_argument("--shards", type=Path, default=Path("shards/fashion_mnist/train"),
+                        help="split read by the data suite (default: %(default)s)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts")
+    parser.add_argument("--max-samples", type=int, default=None, help="stop each read after this many samples")
+    parser.add_argument("--pad-to", type=int, default=32, help="image padding used by the transform")
+    parser.add_argument("--mfcc-batches", type=int, default=20, help="timed MFCC batches of 64 clips")
+    args = parser.parse_args(argv)
+    rows = SUITES[args.suite](args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"suite": args.suite, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "python": platform.python_version()}
+    (args.out / "benchmark.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    (args.out / "benchmark.md").write_text(to_markdown(rows))
+    print(to_markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

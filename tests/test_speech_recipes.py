@@ -1,0 +1,264 @@
+"""The keyword-spotting recipes: which_set, data/speech_commands.py and data/spoken_keywords.py (CPU, seconds)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from data import speech_commands, spoken_keywords
+from patchplace.data.errors import DataError
+from patchplace.data.kws import KEYWORDS, KWS_CLASSES, SILENCE, UNKNOWN, speaker_id, which_set
+from patchplace.data.manifest import Manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def read_split(split_dir: Path) -> dict[str, tuple[int, np.ndarray, int]]:
+    """key -> (label, wave, sample rate), read straight from the tar shards with tarfile."""
+    members: dict[str, dict[str, bytes]] = {}
+    for shard in sorted(split_dir.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                key, ext = m.name.split(".", 1)
+                members.setdefault(key, {})[ext] = tar.extractfile(m).read()
+    out = {}
+    for key, fields in members.items():
+        assert set(fields) == {"wav", "cls"}, key
+        wave, rate = soundfile.read(io.BytesIO(fields["wav"]), dtype="float32")
+        out[key] = (int(fields["cls"]), wave, rate)
+    return out
+
+
+def check_manifest_matches_tars(manifest: Manifest) -> dict[str, tuple[int, np.ndarray, int]]:
+    samples = read_split(manifest.directory)
+    tar_members = 0
+    for shard in manifest.shards:
+        with tarfile.open(manifest.directory / shard.name) as tar:
+            n = len(tar.getmembers())
+        assert n == 2 * shard.count  # .wav + .cls per sample
+        tar_members += n
+    assert tar_members == 2 * manifest.num_samples == 2 * len(samples)
+    counts = Counter(label for label, _, _ in samples.values())
+    assert manifest.class_counts == [counts[i] for i in range(len(manifest.classes))]
+    return samples
+
+
+# ---------------------------------------------------------------------- which_set
+def readme_which_set(filename: str) -> str:
+    """The Speech Commands README's snippet, written out independently."""
+    base = filename.rsplit("/", 1)[-1]
+    hash_name = base.split("_nohash_")[0]
+    h = int(hashlib.sha1(hash_name.encode()).hexdigest(), 16)
+    pct = (h % (2**27 - 1 + 1)) * (100.0 / (2**27 - 1))
+    return "validation" if pct < 10 else "testing" if pct < 20 else "training"
+
+
+def test_which_set_is_stable_and_speaker_consistent():
+    rng = random.Random(0)
+    names = [f"{rng.randrange(16**8):08x}" for _ in range(4000)]
+    for name in names[:200]:
+        expected = readme_which_set(f"yes/{name}_nohash_0.wav")
+        assert which_set(f"yes/{name}_nohash_0.wav") == expected
+        # same speaker, other word / take / directory prefix: same set
+        assert which_set(f"/data/sc/marvin/{name}_nohash_4.wav") == expected
+        assert which_set(Path("left") / f"{name}_nohash_1.wav") == expected
+        assert speaker_id(f"left/{name}_nohash_1.wav") == name
+    frac = Counter(which_set(f"go/{n}_nohash_0.wav") for n in names)
+    assert 0.08 < frac["validation"] / len(names) < 0.12
+    assert 0.08 < frac["testing"] / len(names) < 0.12
+    assert which_set("go/ab_nohash_0.wav", validation_percentage=0, testing_percentage=0) == "training"
+    assert which_set("go/ab_nohash_0.wav", validation_percentage=100, testing_percentage=0) == "validation"
+
+
+# ---------------------------------------------------------------------- speech_commands recipe
+WORDS = ("yes", "no", "left", "bed", "cat", "marvin")  # three keywords, three unknown words
+SPEAKERS = [f"{i:08x}" for i in range(0x1a2b3c00, 0x1a2b3c00 + 10)]
+VAL_SPEAKERS, TEST_SPEAKERS = SPEAKERS[:2], SPEAKERS[2:4]
+
+
+def tone(rate: int, seconds: float, freq: float) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+@pytest.fixture()
+def sc_folder(tmp_path: Path) -> Path:
+    """A tiny Speech Commands layout: 6 words x 10 speakers, some files stereo at 44.1 kHz."""
+    src = tmp_path / "sc"
+    for w, word in enumerate(WORDS):
+        (src / word).mkdir(parents=True)
+        for s, spk in enumerate(SPEAKERS):
+            path = src / word / f"{spk}_nohash_0.wav"
+            if s % 3 == 0:  # stereo, 44.1 kHz, a bit shorter than 1 s: resampled + downmixed, not padded
+                mono = tone(44100, 0.9, 300 + 50 * w)
+                soundfile.write(path, np.stack([mono, mono], 1), 44100, subtype="PCM_16")
+            else:
+                soundfile.write(path, tone(16000, 1.0, 300 + 50 * w), 16000, subtype="PCM_16")
+    (src / "_background_noise_").mkdir()
+    noise = np.random.default_rng(0).uniform(-0.5, 0.5, 3 * 16000).astype(np.float32)
+    soundfile.write(src / "_background_noise_" / "white_noise.wav", noise, 16000, subtype="PCM_16")
+    (src / "_background_noise_" / "README.md").write_text("not a wav\n")
+    for name, spks in (("validation_list.txt", VAL_SPEAKERS), ("testing_list.txt", TEST_SPEAKERS)):
+        (src / name).write_text("".join(f"{w}/{s}_nohash_0.wav\n" for w in WORDS for s in spks))
+    return src
+
+
+def test_speech_commands_recipe(sc_folder: Path, tmp_path: Path, capsys):
+    out = tmp_path / "shards"
+    assert speech_commands.main(["--src", str(sc_folder), "--out", str(out), "--silence-percentage", "20",
+                                 "--unknown-percentage", "50", "--seed", "3", "--max-count", "7"]) == 0
+    printed = capsys.readouterr().out
+    assert "speech_commands_v1/train" in printed and "background_noise" in printed
+    manifests = {s: Manifest.load(out / s) for s in ("train", "validation", "test", "background_noise")}
+    expected_speakers = {"train": set(SPEAKERS[4:]), "validation": set(VAL_SPEAKERS), "test": set(TEST_SPEAKERS)}
+    for split, speakers in expected_speakers.items():
+        m = manifests[split]
+        assert m.classes == list(KWS_CLASSES) and m.info == {"sample_rate": 16000, "clip_samples": 16000}
+        assert m.dataset == "speech_commands_v1" and m.modality == "audio"
+        samples = check_manifest_matches_tars(m)
+        n_kw = 3 * len(speakers)
+        words = {k.split("__")[0] for k in samples if not k.startswith(SILENCE)}
+        for key, (label, wave, rate) in samples.items():
+            assert rate == 16000 and wave.ndim == 1
+            if key.startswith(SILENCE):
+                assert label == KWS_CLASSES.index(SILENCE) and len(wave) == 16000
+                assert np.abs(wave).max() <= 0.5 + 1e-3  # a cut of the noise file at volume < 1
+                continue
+            word, name = key.split("__")
+            assert name.split("_nohash_")[0] in speakers  # the list files decide the split
+            assert label == (KWS_CLASSES.index(word) if word in KEYWORDS else KWS_CLASSES.index(UNKNOWN))
+            spk_index = SPEAKERS.index(name.split("_nohash_")[0])
+            assert len(wave) == (14400 if spk_index % 3 == 0 else 16000)  # 0.9 s at 44.1 kHz -> 16 kHz
+        labels = Counter(label for label, _, _ in samples.values())
+        assert sum(labels[KWS_CLASSES.index(k)] for k in ("yes", "no", "left")) == n_kw
+        assert labels[KWS_CLASSES.index(UNKNOWN)] == math.ceil(n_kw * 0.5)
+        assert labels[KWS_CLASSES.index(SILENCE)] == math.ceil(n_kw * 0.2)
+        assert {"yes", "no", "left"} <= words
+    assert len(manifests["train"].shards) > 1  # --max-count 7
+    bg = manifests["background_noise"]
+    assert bg.classes == ["_background_noise_"] and bg.info == {"sample_rate": 16000, "clip_samples": None}
+    noise = check_manifest_matches_tars(bg)
+    assert list(noise) == ["_background_noise___white_noise"] and len(noise["_background_noise___white_noise"][1]) == 48000
+
+    # same inputs and seed -> byte-identical shards
+    again = speech_commands.build_kws_shards(sc_folder, tmp_path / "again", silence_percentage=20,
+                                             unknown_percentage=50, seed=3, max_count=7, progress=False)
+    assert [s.sha256 for s in again["train"].shards] == [s.sha256 for s in manifests["train"].shards]
+
+
+def test_speech_commands_without_lists_uses_which_set(sc_folder: Path, tmp_path: Path):
+    for name in ("validation_list.txt", "testing_list.txt"):
+        (sc_folder / name).unlink()
+    notes = []
+    # speaker ids chosen above may not cover every split, so just check the assignment rule
+    set_of, rule = speech_commands.assign_sets(sc_folder, speech_commands.scan_words(sc_folder), log=notes.append)
+    assert rule.startswith("which_set") and "which_set" in notes[0]
+    assert all(set_of[rel] == which_set(rel) for rel in set_of)
+    (sc_folder / "testing_list.txt").write_text("")
+    with pytest.raises(DataError, match="validation_list.txt"):
+        speech_commands.assign_sets(sc_folder, speech_commands.scan_words(sc_folder))
+
+
+def test_speech_commands_errors(sc_folder: Path, tmp_path: Path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(DataError, match=str(missing)) as err:
+        speech_commands.build_kws_shards(missing, tmp_path / "out", progress=False)
+    assert "spoken_keywords.py" in str(err.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no word folders"):
+        speech_commands.build_kws_shards(empty, tmp_path / "out", progress=False)
+    with open(sc_folder / "testing_list.txt", "a") as f:
+        f.write("yes/deadbeef_nohash_0.wav\n")
+    with pytest.raises(DataError, match=r"testing_list\.txt names yes/deadbeef_nohash_0\.wav.*does not exist"):
+        speech_commands.build_kws_shards(sc_folder, tmp_path / "out", progress=False)
+    with pytest.raises(DataError, match="--version 2"):
+        speech_commands.build_kws_shards(sc_folder, tmp_path / "out", version="2", progress=False)
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_speech_commands_runs_as_a_script(tmp_path: Path):
+    missing = tmp_path / "nowhere"
+    proc = subprocess.run([sys.executable, str(REPO / "data" / "speech_commands.py"), "--src", str(missing),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert f"error: --src {missing} is not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------- spoken_keywords (espeak-ng)
+needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None,
+                                  reason="espeak-ng is not installed (apt-get install espeak-ng)")
+
+
+def test_spoken_keywords_reports_missing_espeak(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(spoken_keywords.shutil, "which", lambda name: None)
+    with pytest.raises(DataError, match="espeak-ng not found: apt-get install espeak-ng"):
+        spoken_keywords.synthesize_corpus(tmp_path / "c", progress=False)
+    assert not (tmp_path / "c").exists()
+
+
+@needs_espeak
+def test_spoken_keywords_end_to_end(tmp_path: Path):
+    kwargs = dict(clips_per_keyword=3, clips_per_unknown_word=1, seed=0, jobs=2, noise_seconds=2, progress=False)
+    corpus = spoken_keywords.synthesize_corpus(tmp_path / "corpus", **kwargs, log=lambda *_: None)
+    assert corpus == tmp_path / "corpus" and not list(tmp_path.glob(".*partial*"))
+    words = KEYWORDS + spoken_keywords.UNKNOWN_WORDS
+    assert len(words) == 35
+    wavs = sorted(str(p.relative_to(corpus)) for p in corpus.glob("*/*_nohash_*.wav"))
+    assert Counter(w.split("/")[0] for w in wavs) == {w: 3 if w in KEYWORDS else 1 for w in words}
+    for rel in wavs:
+        word, name = rel.split("/")
+        assert len(name.split("_nohash_")[0]) == 8 and name.split("_nohash_")[1][:-4].isdigit()
+        info = soundfile.info(str(corpus / rel))
+        assert (info.samplerate, info.channels, info.frames, info.subtype) == (16000, 1, 16000, "PCM_16")
+        wave, _ = soundfile.read(corpus / rel, dtype="float32")
+        peak = np.abs(wave).max()
+        assert peak > 0.05 and np.sqrt(np.mean(wave**2)) > 1e-3  # real speech, not silence
+        # the word lies inside the clip: both borders are (near) silent
+        assert np.abs(wave[:8]).max() < 0.05 * peak and np.abs(wave[-8:]).max() < 0.05 * peak
+    noise = sorted(p.name for p in (corpus / "_background_noise_").glob("*.wav"))
+    assert noise == ["babble.wav", "brown_noise.wav", "pink_noise.wav", "white_noise.wav"]
+    for name in noise:
+        wave, rate = soundfile.read(corpus / "_background_noise_" / name, dtype="float32")
+        assert rate == 16000 and wave.shape == (32000,) and np.sqrt(np.mean(wave**2)) > 0.01
+    # list files: exactly which_set's choice, so no speaker spans two sets
+    listed = {}
+    for set_name, list_name in (("validation", "validation_list.txt"), ("testing", "testing_list.txt")):
+        for rel in (corpus / list_name).read_text().split():
+            listed[rel] = set_name
+    assert listed == {rel: which_set(rel) for rel in wavs if which_set(rel) != "training"}
+    meta = __import__("json").loads((corpus / "corpus.json").read_text())
+    assert meta["num_clips"] == len(wavs) and meta["seed"] == 0 and meta["longest_speech_s"] <= 0.92
+    assert (corpus / "README.txt").is_file()
+
+    # same seed -> identical bytes
+    again = spoken_keywords.synthesize_corpus(tmp_path / "again", **kwargs, log=lambda *_: None)
+    for rel in (wavs[0], wavs[len(wavs) // 2], "_background_noise_/babble.wav"):
+        assert (corpus / rel).read_bytes() == (again / rel).read_bytes(), rel
+
+    # and the corpus feeds the Speech Commands recipe
+    manifests = speech_commands.build_kws_shards(corpus, tmp_path / "shards", progress=False)
+    assert set(manifests) == {"train", "validation", "test", "background_noise"}
+    sets = {"train": "training", "validation": "validation", "test": "testing"}
+    for split, set_name in sets.items():
+        m = manifests[split]
+        assert m.dataset == "spoken_keywords" and m.classes == list(KWS_CLASSES)
+        samples = check_manifest_matches_tars(m)
+        kw = [r for r in wavs if which_set(r) == set_name and r.split("/")[0] in KEYWORDS]
+        assert sum(m.class_counts[2:]) == len(kw)
+        assert m.class_counts[0] == math.ceil(len(kw) * 0.1)
+        for r in kw:
+            assert samples[speech_commands.sample_key(r)][0] == KWS_CLASSES.index(r.split("/")[0])
+    assert manifests["background_noise"].num_samples == 4
