@@ -38,8 +38,9 @@ $(VENV)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	@touch $@
 
 # ---------------------------------------------------------------------------------------------- demo
-FMNIST_MANIFEST := $(SHARDS)/fashion_mnist/train/manifest.json
-KWS_MANIFEST    := $(SHARDS)/spoken_keywords/train/manifest.json
+# Each split appears atomically; the recipes write these splits last, so they mark a finished run.
+FMNIST_MANIFEST := $(SHARDS)/fashion_mnist/test/manifest.json
+KWS_MANIFEST    := $(SHARDS)/spoken_keywords/background_noise/manifest.json
 KWS_CORPUS      := $(CORPORA)/spoken_keywords/validation_list.txt
 
 $(FMNIST_MANIFEST): | setup

@@ -12,8 +12,9 @@ Output, following TensorFlow's ``speech_commands`` recipe (``input_data.py``):
 - ``train`` / ``validation`` / ``test``: files named in the two list files go to validation / test, all others
   to train. Classes are ``KWS_CLASSES`` (``_silence_``, ``_unknown_``, the ten keywords). With K keyword clips
   in a split, ``ceil(K * unknown_percentage / 100)`` clips of the other words are drawn at random as
-  ``_unknown_`` and ``ceil(K * silence_percentage / 100)`` ``_silence_`` clips are cut from the noise files at
-  a random offset and a random volume in [0, 1) -- both percentages are of the keyword count, as in TensorFlow.
+  ``_unknown_`` and ``ceil(K * silence_percentage / 100)`` ``_silence_`` clips are cut from the noise files
+  at a random offset and a random volume in [0, 1) -- both percentages are of the keyword count, as in
+  TensorFlow.
 - ``background_noise``: every noise file in full (class ``_background_noise_``), so training can mix noise in.
 
 Audio goes through ``read_wav`` (other rates are resampled, extra channels downmixed); clips are not padded
@@ -44,6 +45,7 @@ from patchplace.data.kws import (
     which_set,
 )
 from patchplace.data.manifest import Manifest
+from patchplace.data.recipes import add_output_args, run_cli
 from patchplace.data.writer import SplitWriter
 
 RECIPE = "speech_commands"
@@ -80,7 +82,7 @@ def _wavs(folder: Path) -> list[Path]:
 
 
 def scan_words(src: Path) -> dict[str, list[str]]:
-    """Word folder -> sorted relative wav paths (``word/file.wav``); folders starting with ``_``/``.`` skipped."""
+    """Word folder -> sorted relative wav paths (``word/file.wav``); skips folders starting with _ or ."""
     if not src.is_dir():
         raise DataError(f"--src {src} is not a directory: {SYNTH_HINT}")
     words = {}
@@ -89,7 +91,8 @@ def scan_words(src: Path) -> dict[str, list[str]]:
         if files:
             words[folder.name] = [f"{folder.name}/{f.name}" for f in files]
     if not words:
-        raise DataError(f"{src} has no word folders with .wav files (expected e.g. {src}/yes/*.wav): {SYNTH_HINT}")
+        raise DataError(f"{src} has no word folders with .wav files (expected e.g. {src}/yes/*.wav): "
+                        f"{SYNTH_HINT}")
     return words
 
 
@@ -178,8 +181,8 @@ def plan_split(set_name: str, set_of: dict[str, str], noise: list[tuple[str, np.
     n_silence = math.ceil(n * silence_percentage / 100)
     usable = [i for i, (_, w) in enumerate(noise) if len(w) >= CLIP_SAMPLES]
     if n_silence and not usable:
-        raise DataError(f"no background noise of at least 1 s in {BACKGROUND_NOISE_DIR}/ to cut {SILENCE} clips "
-                        "from: add noise wavs there, or pass --silence-percentage 0")
+        raise DataError(f"no background noise of at least 1 s in {BACKGROUND_NOISE_DIR}/ to cut {SILENCE} "
+                        "clips from: add noise wavs there, or pass --silence-percentage 0")
     silence = []
     for i in range(n_silence):
         k = usable[int(rng.integers(len(usable)))]
@@ -202,8 +205,9 @@ def dataset_name(src: Path, version: int) -> str:
     return f"speech_commands_v{version}"
 
 
-def build_kws_shards(src: str | Path, out: str | Path, *, version: str = "auto", silence_percentage: float = 10,
-                     unknown_percentage: float = 10, seed: int = 0, max_count: int = 10_000,
+def build_kws_shards(src: str | Path, out: str | Path, *, version: str = "auto",
+                     silence_percentage: float = 10, unknown_percentage: float = 10, seed: int = 0,
+                     max_count: int = 10_000, max_size: float = 256e6,
                      dataset: str | None = None, progress: bool = True, log=print) -> dict[str, Manifest]:
     """Write ``train`` / ``validation`` / ``test`` KWS splits and ``background_noise`` under ``out``.
 
@@ -222,8 +226,8 @@ def build_kws_shards(src: str | Path, out: str | Path, *, version: str = "auto",
                                        unknown_percentage=unknown_percentage, seed=seed) for s in SPLIT_DIRS}
     source = (f"{src.resolve()} (Speech Commands v{version_n} layout, split by {rule}; silence "
               f"{silence_percentage:g}% / unknown {unknown_percentage:g}% of keyword clips, seed {seed})")
-    common = dict(dataset=dataset, modality="audio", source=source, recipe=RECIPE, recipe_version=RECIPE_VERSION,
-                  max_count=max_count)
+    common = dict(dataset=dataset, modality="audio", source=source, recipe=RECIPE,
+                  recipe_version=RECIPE_VERSION, max_count=max_count, max_size=max_size)
     manifests: dict[str, Manifest] = {}
     total = sum(len(p) for p in plans.values()) + len(noise)
     with tqdm(total=total, desc=f"{dataset} -> {out}", unit="clip", disable=not progress) as bar:
@@ -265,30 +269,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--src", required=True, type=Path,
                         help="Speech Commands folder: <word>/*.wav, validation_list.txt, testing_list.txt, "
                              f"{BACKGROUND_NOISE_DIR}/*.wav")
-    parser.add_argument("--out", required=True, type=Path,
-                        help="output directory; gets train/ validation/ test/ background_noise/")
     parser.add_argument("--version", default="auto", choices=["auto", "1", "2"],
                         help="Speech Commands version (auto: 2 when v2-only words such as 'backward' exist)")
     parser.add_argument("--silence-percentage", type=float, default=10.0,
-                        help="_silence_ clips per split, in %% of its keyword clips (default 10, as TensorFlow)")
+                        help="_silence_ clips per split, in %% of its keyword clips (default 10, as in "
+                             "TensorFlow)")
     parser.add_argument("--unknown-percentage", type=float, default=10.0,
-                        help="_unknown_ clips per split, in %% of its keyword clips (default 10, as TensorFlow)")
+                        help="_unknown_ clips per split, in %% of its keyword clips (default 10, as in "
+                             "TensorFlow)")
     parser.add_argument("--seed", type=int, default=0, help="seed for unknown subsampling and silence cuts")
-    parser.add_argument("--max-count", type=int, default=10_000, help="samples per tar shard (default 10000)")
+    add_output_args(parser, "shards/spoken_keywords")
     parser.add_argument("--dataset", default=None,
                         help="dataset name in the manifests (default: spoken_keywords for the synthesized "
                              "corpus, else speech_commands_v1/v2)")
     args = parser.parse_args(argv)
-    try:
-        manifests = build_kws_shards(args.src, args.out, version=args.version,
-                                     silence_percentage=args.silence_percentage,
-                                     unknown_percentage=args.unknown_percentage, seed=args.seed,
-                                     max_count=args.max_count, dataset=args.dataset)
-    except DataError as exc:
-        parser.exit(2, f"error: {exc}\n")
-    for manifest in manifests.values():
-        print(manifest.summary())
-    return 0
+    return run_cli(lambda: build_kws_shards(
+        args.src, args.out, version=args.version, silence_percentage=args.silence_percentage,
+        unknown_percentage=args.unknown_percentage, seed=args.seed, max_count=args.max_count,
+        max_size=args.max_size, dataset=args.dataset))
 
 
 if __name__ == "__main__":

@@ -4,16 +4,16 @@
     python data/spoken_keywords.py --out corpora/spoken_keywords
     python data/speech_commands.py --src corpora/spoken_keywords --out shards/spoken_keywords
 
-Layout (as Speech Commands v2): ``<word>/<speakerhash>_nohash_<n>.wav`` (1 s, 16 kHz, mono, 16-bit PCM) for the
-10 keywords and the 25 auxiliary ("unknown") words, ``_background_noise_/`` with white, pink, brown and babble
-noise, ``validation_list.txt`` / ``testing_list.txt`` from ``which_set`` (so a speaker never spans splits), and
-``corpus.json`` + ``README.txt`` describing how it was made.
+Layout (as Speech Commands v2): ``<word>/<speakerhash>_nohash_<n>.wav`` (1 s, 16 kHz, mono, 16-bit PCM)
+for the 10 keywords and the 25 auxiliary ("unknown") words, ``_background_noise_/`` with white, pink, brown
+and babble noise, ``validation_list.txt`` / ``testing_list.txt`` from ``which_set`` (so a speaker never
+spans splits), and ``corpus.json`` + ``README.txt`` describing how it was made.
 
-A "speaker" is an espeak-ng voice x variant pair (English accents, plus a few other languages' voices reading
-the English words for foreign accents, crossed with variants such as m1..m8, f1..f5, croak, klatt, whisper);
-its hash is 8 hex chars of sha1("voice+variant"). Every clip also gets a random speed (-s), pitch (-p), gain and
-onset. espeak's 22050 Hz output is trimmed to the speech, resampled to 16 kHz and placed inside the 1 s clip,
-so the word is never cut at the border.
+A "speaker" is an espeak-ng voice x variant pair (English accents, plus a few other languages' voices
+reading the English words for foreign accents, crossed with variants such as m1..m8, f1..f5, croak, klatt,
+whisper); its hash is 8 hex chars of sha1("voice+variant"). Every clip also gets a random speed (-s),
+pitch (-p), gain and onset. espeak's 22050 Hz output is trimmed to the speech, resampled to 16 kHz and
+placed inside the 1 s clip, so the word is never cut at the border.
 """
 
 from __future__ import annotations
@@ -65,15 +65,15 @@ ENGLISH_VOICES = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-gbclan", "en-gb-x
 ACCENT_VOICES = ("de", "fr", "it", "nl", "pl", "pt")
 VOICES = ENGLISH_VOICES + ACCENT_VOICES
 # espeak-ng variants (`espeak-ng --voices=variant`); mbrola voices are not used (not installed).
-VARIANTS = ("m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f4", "f5", "croak", "klatt",
-            "klatt2", "klatt3", "klatt4", "whisper", "whisperf", "grandma", "grandpa", "Alicia", "Andy", "anika",
-            "Annie", "belinda", "david", "edward", "linda", "Mike", "paul", "quincy", "robert", "steph", "Storm",
-            "victor")
+VARIANTS = ("m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f4", "f5", "croak",
+            "klatt", "klatt2", "klatt3", "klatt4", "whisper", "whisperf", "grandma", "grandpa", "Alicia",
+            "Andy", "anika", "Annie", "belinda", "david", "edward", "linda", "Mike", "paul", "quincy",
+            "robert", "steph", "Storm", "victor")
 
-# Speaking rate in words per minute (espeak default 175). Measured: at 125 wpm the longest trimmed utterance
-# over all 14 voices x 37 variants x 35 words is 1.28 s (de+Alicia "visual"); the 99th percentile is ~0.9 s.
-# So rates start at 120 and any utterance longer than MAX_SPEECH_S is re-synthesized faster (speed_retries in
-# corpus.json counts them) -- the word always fits inside the 1 s clip.
+# Speaking rate in words per minute (espeak default 175). Measured at the slowest rate, 120 wpm, over all
+# 14 voices x 37 variants x 35 words: trimmed utterances last 0.53 s (median), 0.89 s (99th percentile),
+# 1.33 s at most (de+Alicia "visual"); 0.6% exceed MAX_SPEECH_S. Such an utterance is re-synthesized
+# faster (speed_retries in corpus.json counts them), so the word always fits inside the 1 s clip.
 SPEED_WPM = (120, 210)
 PITCH = (20, 80)  # espeak -p, 0..99, default 50
 PEAK_DBFS = (-24.0, -1.0)  # per-clip gain: the clip's peak level
@@ -143,7 +143,8 @@ def available(exe: str, voices: tuple[str, ...], variants: tuple[str, ...], log=
     if missing:
         log(f"note: this espeak-ng lacks {missing}: synthesizing without them (recorded in corpus.json)")
     if not ok_voices or not ok_variants:
-        raise DataError(f"espeak-ng at {exe} has none of the voices {voices} or variants: reinstall espeak-ng-data")
+        raise DataError(f"espeak-ng at {exe} has none of the voices {voices} or none of the variants: "
+                        "reinstall espeak-ng-data")
     return ok_voices, ok_variants
 
 
@@ -157,7 +158,7 @@ def trim(wave: np.ndarray, rate: int) -> np.ndarray:
 
 
 def speak(exe: str, utt: Utterance, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
-    """Trimmed speech at 16 kHz; re-synthesized faster while longer than ``max_seconds``. Returns (speech, retries)."""
+    """(trimmed speech at 16 kHz, retries): re-synthesized faster while longer than ``max_seconds``."""
     speed = utt.speed
     for retries in range(6):
         raw, rate = espeak(exe, utt.text, utt.voice, utt.variant, speed, utt.pitch)
@@ -185,7 +186,7 @@ def render_clip(exe: str, utt: Utterance, root: Path) -> dict:
 
 # ---------------------------------------------------------------------- noise
 def colored_noise(rng: np.random.Generator, n: int, exponent: float) -> np.ndarray:
-    """Gaussian noise with power spectrum ~ 1 / f**exponent (0 white, 1 pink, 2 brown), nothing below 20 Hz."""
+    """Gaussian noise with power ~ 1 / f**exponent (0 white, 1 pink, 2 brown), nothing below 20 Hz."""
     white = rng.standard_normal(n)
     if exponent == 0:
         return white
@@ -237,8 +238,8 @@ def plan(seed: int, clips_per_keyword: int, clips_per_unknown_word: int, noise_s
                 peak_dbfs=round(float(rng.uniform(*PEAK_DBFS)), 3), onset_frac=float(rng.uniform()),
                 rel=f"{word}/{hashes[k]}_nohash_{n}.wav"))
     nrng = np.random.default_rng([seed, 1])
-    seconds = {name: (float(noise_seconds) if noise_seconds is not None
-                      else float(nrng.integers(NOISE_SECONDS[0], NOISE_SECONDS[1] + 1))) for name in NOISE_RMS}
+    seconds = {name: float(noise_seconds) if noise_seconds is not None
+               else float(nrng.integers(NOISE_SECONDS[0], NOISE_SECONDS[1] + 1)) for name in NOISE_RMS}
     # Enough sentences (~3 s each) for every babble stream to fill the file once.
     per_stream = max(1, math.ceil(seconds["babble"] / 3.0))
     babble = []
@@ -256,7 +257,7 @@ def plan(seed: int, clips_per_keyword: int, clips_per_unknown_word: int, noise_s
 def synthesize_corpus(out: str | Path, clips_per_keyword: int = 200, clips_per_unknown_word: int = 30,
                       seed: int = 0, jobs: int | None = None, noise_seconds: float | None = None,
                       progress: bool = True, log=print) -> Path:
-    """Write the corpus to ``out`` atomically (built in a temp sibling, renamed when complete); return ``out``.
+    """Write the corpus to ``out`` atomically (built in a temp sibling, renamed when complete).
 
     ``noise_seconds`` fixes every noise file's length (default: each drawn from 30-60 s).
     """
@@ -269,10 +270,11 @@ def synthesize_corpus(out: str | Path, clips_per_keyword: int = 200, clips_per_u
     if jobs < 1:
         raise DataError(f"--jobs must be >= 1, got {jobs}")
     exe = find_espeak()
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.split("  Data at")[0].strip()
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    version = version.split("  Data at")[0].strip()  # drop the data path: same corpus on every machine
     voices, variants = available(exe, VOICES, VARIANTS, log=log)
-    speakers, clips, seconds, babble_plan = plan(seed, clips_per_keyword, clips_per_unknown_word, noise_seconds,
-                                                 voices, variants)
+    speakers, clips, seconds, babble_plan = plan(seed, clips_per_keyword, clips_per_unknown_word,
+                                                 noise_seconds, voices, variants)
     out = Path(out)
     start = time.perf_counter()
     with atomic_dir(out) as tmp:
@@ -335,7 +337,9 @@ def synthesize_corpus(out: str | Path, clips_per_keyword: int = 200, clips_per_u
 
 
 def readme(meta: dict) -> str:
-    return f"""Spoken keywords: a synthetic corpus in the Speech Commands layout (patchplace data/spoken_keywords.py)
+    (s0, s1), (p0, p1), (g0, g1) = meta["speed_wpm"], meta["pitch"], meta["peak_dbfs"]
+    return f"""Spoken keywords: a synthetic corpus in the Speech Commands layout
+(made by patchplace's data/spoken_keywords.py)
 
 Made with {meta['espeak_ng']} -- seed {meta['seed']}, {meta['clips_per_keyword']} clips per keyword,
 {meta['clips_per_unknown_word']} per unknown word; the same command and seed give identical wav files.
@@ -346,8 +350,7 @@ Made with {meta['espeak_ng']} -- seed {meta['seed']}, {meta['clips_per_keyword']
   speaker = espeak-ng voice x variant ({meta['num_speakers']}); speakerhash = sha1("voice+variant")[:8]
   voices: {' '.join(meta['voices'])}
   variants: {' '.join(meta['variants'])}
-  per clip: speed {meta['speed_wpm'][0]}-{meta['speed_wpm'][1]} wpm, pitch {meta['pitch'][0]}-{meta['pitch'][1]}, \
-peak {meta['peak_dbfs'][0]} to {meta['peak_dbfs'][1]} dBFS, random onset;
+  per clip: speed {s0}-{s1} wpm, pitch {p0}-{p1}, peak {g0} to {g1} dBFS, random onset;
   the trimmed word (<= {meta['max_speech_s']} s) always lies fully inside the clip.
 {BACKGROUND_NOISE_DIR}/  {', '.join(meta['background_noise'])} (16 kHz; babble = {BABBLE_STREAMS} overlapping
   espeak-ng talkers saying filler sentences)
@@ -362,12 +365,14 @@ Shards: python data/speech_commands.py --src <this folder> --out shards/spoken_k
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python data/spoken_keywords.py",
-        description="Synthesize a Speech-Commands-layout keyword corpus with espeak-ng: 10 keywords, 25 unknown "
-                    "words, background noise, validation/testing lists split by speaker (voice x variant). "
-                    "Deterministic given --seed.",
-        epilog="Then: python data/speech_commands.py --src corpora/spoken_keywords --out shards/spoken_keywords",
+        description="Synthesize a Speech-Commands-layout keyword corpus with espeak-ng: 10 keywords, 25 "
+                    "unknown words, background noise, validation/testing lists split by speaker (voice x "
+                    "variant). Deterministic given --seed.",
+        epilog="Then: python data/speech_commands.py --src corpora/spoken_keywords "
+               "--out shards/spoken_keywords",
     )
-    parser.add_argument("--out", required=True, type=Path, help="corpus folder to create (replaced atomically)")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="corpus folder to create (an existing one is replaced atomically)")
     parser.add_argument("--clips-per-keyword", type=int, default=200, help="clips per keyword (default 200)")
     parser.add_argument("--clips-per-unknown-word", type=int, default=30,
                         help="clips per unknown word (default 30)")

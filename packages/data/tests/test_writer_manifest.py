@@ -48,7 +48,11 @@ def test_same_input_gives_byte_identical_shards(tmp_path, make_toy_split):
     a, _ = make_toy_split(tmp_path / "a")
     b, _ = make_toy_split(tmp_path / "b")
     assert [s.sha256 for s in Manifest.load(a).shards] == [s.sha256 for s in Manifest.load(b).shards]
+    assert Manifest.load(a).fingerprint() == Manifest.load(b).fingerprint()
     assert Manifest.load(a).fingerprint() != Manifest.load(make_toy_split(tmp_path / "c", seed=1)[0]).fingerprint()
+    moved = Manifest.load(a)
+    moved.source = "/elsewhere"
+    assert moved.fingerprint() == Manifest.load(a).fingerprint(), "provenance must not change the fingerprint"
 
 
 def test_interrupted_write_leaves_nothing_and_keeps_the_previous_split(tmp_path, make_toy_split):
@@ -115,3 +119,17 @@ def test_verify_finds_truncated_and_altered_shards(toy_split):
     second.write_bytes(bytes(data))
     problems = verify_split(m)
     assert len(problems) == 2 and "truncated" in problems[0] and "sha256" in problems[1]
+
+
+def test_cli_show_and_verify(toy_split, tmp_path, capsys):
+    from patchplace.data.__main__ import main
+
+    split_dir, _ = toy_split
+    assert main(["verify", str(split_dir.parent)]) == 0
+    assert "toy/train: 23 image samples in 5 shard(s)" in capsys.readouterr().out
+    shard = split_dir / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:512])
+    assert main(["verify", str(split_dir)]) == 1
+    assert "train-000001.tar" in capsys.readouterr().out
+    assert main(["show", str(tmp_path / "missing")]) == 2
+    assert "no manifest.json in" in capsys.readouterr().err

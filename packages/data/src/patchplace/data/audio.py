@@ -13,6 +13,7 @@ seeded object is copied into every worker and all workers would then draw the sa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -222,3 +223,11 @@ class AudioTransform:
         if self.augment is not None:
             wave = self.augment(wave, generator)
         return wave
+
+
+def load_noise_bank(split_dir: str | os.PathLike) -> list[torch.Tensor]:
+    """Every clip of a ``background_noise`` split (written by ``data/speech_commands.py``), for
+    :class:`AudioAugment`'s ``noise_bank``."""
+    from .reader import ShardDataset  # the reader does not import this module; local import keeps it light
+
+    return [wave for wave, _ in ShardDataset(split_dir)]

@@ -18,6 +18,8 @@ from .errors import DataError
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MODALITIES = ("image", "audio")
+_CONTENT_FIELDS = ("dataset", "split", "modality", "classes", "num_samples", "shards", "fields", "info",
+                   "normalization")
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,10 @@ class Manifest:
         return [str(self.directory / s.name) for s in self.shards]
 
     def fingerprint(self) -> str:
-        """sha256 of the canonical JSON: checkpoints record it to name the data they were trained on."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        """sha256 of what the split *is* (classes, shard hashes, fields, info, normalization), not of where it
+        came from: checkpoints record it to name the data they were trained on, on any machine."""
+        content = {k: v for k, v in self.to_dict().items() if k in _CONTENT_FIELDS}
+        blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
     def summary(self) -> str:

@@ -7,6 +7,7 @@ crop / flip / (optional RandAugment, random erasing) / normalize with the manife
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -96,12 +97,17 @@ class ImageTransform:
 
 def build_transform(manifest: Manifest, train: bool, **options: Any) -> Callable[[Any], Any]:
     """The reader transform for a split: images -> :class:`ImageTransform`; audio -> fixed-length clips
-    (random crop + time shift + background noise when training; see :mod:`patchplace.data.audio`)."""
+    (random crop + time shift + background noise when training; see :mod:`patchplace.data.audio`).
+
+    Audio options are :class:`~patchplace.data.audio.AudioAugment`'s; ``noise_bank`` may be a list of clips or the
+    path of a ``background_noise`` split."""
     if manifest.modality == "image":
         return ImageTransform(manifest, train, ImageTransformConfig(**options))
-    from .audio import AudioAugment, AudioTransform
+    from .audio import AudioAugment, AudioTransform, load_noise_bank
 
     noise = options.pop("noise_bank", None)
+    if isinstance(noise, (str, os.PathLike)):  # a background_noise split directory
+        noise = load_noise_bank(noise)
     clip = int(manifest.info.get("clip_samples") or manifest.info["sample_rate"])
     augment = AudioAugment(noise_bank=noise or [], **options) if train else None
     return AudioTransform(train=train, clip_samples=clip, augment=augment)
