@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import re
 import sys
 from importlib.metadata import packages_distributions
@@ -54,6 +55,7 @@ def _normalize(name: str) -> str:
 
 def test_patchplace_is_a_pep420_namespace_everywhere():
     assert not [p for p in ROOT.rglob("patchplace/__init__.py") if ".venv" not in p.parts]
+    assert getattr(importlib.import_module("patchplace"), "__file__", None) is None
 
 
 @pytest.mark.parametrize("name", sorted(PACKAGES))
@@ -61,6 +63,12 @@ def test_package_layout(name):
     pkg = PACKAGES[name]
     for needed in ("pyproject.toml", "README.md", f"src/patchplace/{name}/__init__.py", "tests"):
         assert (pkg / needed).exists(), f"{pkg.relative_to(ROOT)} lacks {needed}"
+
+
+@pytest.mark.parametrize("name", sorted(PACKAGES))
+def test_package_is_installed_from_this_checkout(name):
+    module = importlib.import_module(f"patchplace.{name}")
+    assert Path(module.__file__).resolve().parent == PACKAGES[name] / "src" / "patchplace" / name
 
 
 @pytest.mark.parametrize("name", sorted(PACKAGES))
