@@ -1,8 +1,22 @@
-"""patchplace.models.
+"""patchplace.models — ViT and audio Transformer backbones with every position mode the methods need.
 
-ViT and audio Transformer backbones with every position-embedding mode the methods need (none, learned, sincos2d,
-sincos1d, relbias2d), attention with per-sample masks and context-only keys/values (MP3), safetensors save/load and
-timm interop.
-
-The implementation lands with a later issue; this portion of the namespace exists so the layout is stable.
+PE modes ``none``, ``learned``, ``sincos2d``, ``sincos1d``, ``relbias2d``; attention with per-sample masks and
+context-only keys/values (MP3); safetensors checkpoints; timm interop. See :mod:`patchplace.models.backbone` for
+the protocol objectives build on.
 """
+
+from .attention import Attention, gather_tokens
+from .backbone import AudioTransformer, Backbone, VisionTransformer, build_backbone
+from .config import POS_EMBED_MODES, BackboneConfig
+from .errors import ModelError
+from .hub import load_pretrained, read_config, save_pretrained
+from .pos_embed import RelativePositionBias2d, sincos_1d, sincos_2d
+from .registry import PRESETS, create_model, list_models
+from .timm_interop import from_timm, timm_kwargs, to_timm_state_dict
+
+__all__ = [
+    "POS_EMBED_MODES", "PRESETS", "Attention", "AudioTransformer", "Backbone", "BackboneConfig", "ModelError",
+    "RelativePositionBias2d", "VisionTransformer", "build_backbone", "create_model", "from_timm", "gather_tokens",
+    "list_models", "load_pretrained", "read_config", "save_pretrained", "sincos_1d", "sincos_2d", "timm_kwargs",
+    "to_timm_state_dict",
+]

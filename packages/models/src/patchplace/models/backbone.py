@@ -1,0 +1,299 @@
+"""ViT and audio Transformer backbones sharing one protocol (DESIGN.md §2).
+
+Protocol used by every objective (none of them copies the backbone):
+
+* ``patch_embed(x) -> (B, N, D)`` tokens without position information; ``grid``: (h, w) or (T,);
+* ``pos_embed(index=None)``: the additive PE of all patch positions (1, N, D), or of chosen positions
+  ``index`` (B, M) -> (B, M, D) — zeros in modes without an additive table (``none``, ``relbias2d``);
+  objectives build their own per-token PEs from it (unknown PE, [MASK] PE, stochastic PE);
+* ``cls_token`` and ``prepend_cls(tokens)`` (adds the CLS token with its own PE);
+* ``forward_tokens(tokens, *, attn_mask=None, context_index=None)``: blocks + final norm;
+* ``embed`` / ``forward_features`` / ``forward_head`` / ``forward``: the ordinary full-attention classifier path
+  used for fine-tuning and export (no data-dependent Python control flow).
+
+Parameter names follow timm's ``VisionTransformer`` (``patch_embed.proj``, ``blocks.i.attn.qkv``, ``mlp.fc1``,
+``norm``, ``head``) except the learned PE table, which is ``pos_table`` (``pos_embed`` is the protocol method).
+"""
+
+from __future__ import annotations
+
+import torch
+from timm.layers import DropPath, Mlp, trunc_normal_
+from torch import nn
+
+from .attention import Attention
+from .config import BackboneConfig
+from .errors import ModelError
+from .pos_embed import RelativePositionBias2d, sincos_1d, sincos_2d
+
+
+def _checking() -> bool:
+    """True in eager mode; value checks (which read tensor data) are skipped while tracing / exporting."""
+    return not (torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export())
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping p x p patches -> linear projection (a strided conv, as timm / MAE)."""
+
+    def __init__(self, img_size: tuple[int, int], patch_size: int, in_chans: int, embed_dim: int) -> None:
+        super().__init__()
+        self.img_size, self.in_chans = img_size, in_chans
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != self.img_size:
+            raise ModelError(f"expected images (B, {self.in_chans}, {self.img_size[0]}, {self.img_size[1]}), got "
+                             f"{tuple(x.shape)}: check in_chans / img_size of the model against the data")
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class FrameEmbed(nn.Module):
+    """Speech: each feature frame is a 1-D patch, projected by one shared Linear (MP3 §3.1)."""
+
+    def __init__(self, num_frames: int, in_features: int, embed_dim: int) -> None:
+        super().__init__()
+        self.num_frames, self.in_features = num_frames, in_features
+        self.proj = nn.Linear(in_features, embed_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[1] != self.num_frames or x.shape[2] != self.in_features:
+            raise ModelError(f"expected features (B, {self.num_frames}, {self.in_features}), got {tuple(x.shape)}: "
+                             "check num_frames / in_features against the MFCC frontend")
+        return self.proj(x)
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block (timm names) with an optional per-layer relative position bias."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, qkv_bias: bool, drop: float,
+                 attn_drop: float, drop_path: float, eps: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.rel_pos_bias: RelativePositionBias2d | None = None
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                context_index: torch.Tensor | None = None) -> torch.Tensor:
+        bias = None
+        if self.rel_pos_bias is not None:
+            bias = self.rel_pos_bias()  # (heads, T, T)
+            if context_index is not None:  # keep the columns of the context tokens, per sample
+                bias = torch.gather(bias.unsqueeze(0).expand(x.shape[0], -1, -1, -1), 3,
+                                    context_index[:, None, None, :].expand(-1, bias.shape[0], bias.shape[1], -1))
+        x = x + self.drop_path1(self.attn(self.norm1(x), attn_mask=attn_mask, context_index=context_index,
+                                          bias=bias))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class Backbone(nn.Module):
+    """Shared Transformer trunk; :class:`VisionTransformer` and :class:`AudioTransformer` add the patchifier."""
+
+    def __init__(self, config: BackboneConfig) -> None:
+        super().__init__()
+        self.config = config.validate()
+        c = config
+        self.patch_embed = self._make_patch_embed()
+        self.num_prefix_tokens = 1 if c.class_token else 0
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
+        self.pos_drop = nn.Dropout(c.drop_rate)
+        rates = torch.linspace(0, c.drop_path_rate, c.depth).tolist()
+        self.blocks = nn.ModuleList(
+            Block(c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.drop_rate, c.attn_drop_rate, rate, c.norm_eps)
+            for rate in rates)
+        self.norm = nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.head_drop = nn.Dropout(c.drop_rate)
+        self.head: nn.Module = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
+        self.pos_table: torch.Tensor | None = None
+        self.apply(_init_weights)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        self._build_pos_embed(c.pos_embed)
+
+    def _make_patch_embed(self) -> nn.Module:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ position embeddings
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return self.config.grid
+
+    @property
+    def num_patches(self) -> int:
+        return self.config.num_patches
+
+    @property
+    def embed_dim(self) -> int:
+        return self.config.embed_dim
+
+    def _build_pos_embed(self, mode: str) -> None:
+        """(Re)create the PE of ``mode``; every other weight is left untouched."""
+        c = self.config
+        if hasattr(self, "pos_table"):
+            delattr(self, "pos_table")
+        ref = self.norm.weight
+        rows = self.num_prefix_tokens
+        if mode == "learned":
+            table = torch.zeros(1, rows + self.num_patches, c.embed_dim, device=ref.device, dtype=ref.dtype)
+            self.pos_table = nn.Parameter(trunc_normal_(table, std=0.02))
+        elif mode in ("sincos2d", "sincos1d"):
+            if mode == "sincos2d":
+                fixed = sincos_2d(self.grid, c.embed_dim)
+            else:
+                fixed = sincos_1d(self.num_patches, c.embed_dim)
+            table = torch.cat([torch.zeros(rows, c.embed_dim), fixed]).unsqueeze(0)  # CLS row = 0, as MAE
+            self.register_buffer("pos_table", table.to(ref.device, ref.dtype), persistent=False)
+        else:
+            self.pos_table = None
+        for block in self.blocks:
+            block.rel_pos_bias = (RelativePositionBias2d(self.grid, c.num_heads, c.class_token).to(ref.device)
+                                  if mode == "relbias2d" else None)
+
+    def set_pos_embed(self, mode: str) -> None:
+        """Switch PE mode (e.g. MP3: ``none`` in pretraining -> ``learned`` for fine-tuning), keeping all other
+        weights; the new PE is freshly initialised (learned: trunc-normal .02, relbias2d: zeros)."""
+        from dataclasses import replace
+
+        self.config = replace(self.config, pos_embed=mode).validate()
+        self._build_pos_embed(mode)
+
+    def pos_embed(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Additive PE of patch positions: (1, N, D), or (B, M, D) for ``index`` (B, M); zeros without a table."""
+        if self.pos_table is None:
+            table = self.norm.weight.new_zeros(1, self.num_patches, self.embed_dim)
+        else:
+            table = self.pos_table[:, self.num_prefix_tokens:]
+        if index is None:
+            return table
+        return torch.gather(table.expand(index.shape[0], -1, -1), 1,
+                            index.unsqueeze(-1).expand(-1, -1, self.embed_dim))
+
+    def prepend_cls(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[CLS + its PE; tokens] (no-op without a class token)."""
+        if self.cls_token is None:
+            return tokens
+        cls = self.cls_token if self.pos_table is None else self.cls_token + self.pos_table[:, :1]
+        return torch.cat([cls.expand(tokens.shape[0], -1, -1), tokens], dim=1)
+
+    # ------------------------------------------------------------------ trunk
+    def _check_tokens(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None,
+                      context_index: torch.Tensor | None) -> torch.Tensor | None:
+        if tokens.dim() != 3 or tokens.shape[-1] != self.embed_dim:
+            raise ModelError(f"tokens must be (B, T, {self.embed_dim}), got {tuple(tokens.shape)}")
+        b, t, _ = tokens.shape
+        keys = t
+        if context_index is not None:
+            if context_index.dim() != 2 or context_index.shape[0] != b or context_index.dtype != torch.long:
+                raise ModelError(f"context_index must be a long tensor (B={b}, M), got {context_index.dtype} "
+                                 f"{tuple(context_index.shape)}")
+            if _checking() and (context_index.min() < 0 or context_index.max() >= t):
+                raise ModelError(f"context_index values must lie in [0, {t}) (the token positions), got "
+                                 f"[{int(context_index.min())}, {int(context_index.max())}]")
+            keys = context_index.shape[1]
+        if self.config.pos_embed == "relbias2d" and t != self.num_prefix_tokens + self.num_patches:
+            raise ModelError(f"relbias2d needs the full token sequence ({self.num_prefix_tokens + self.num_patches}"
+                             f" tokens), got {t}")
+        if attn_mask is None:
+            return None
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ModelError(f"attn_mask must be bool (True = attend) or additive float, got {attn_mask.dtype}")
+        shape = tuple(attn_mask.shape)
+        heads = self.config.num_heads
+        ok = (len(shape) == 2 and shape == (t, keys)) or (len(shape) == 3 and shape == (b, t, keys)) or (
+            len(shape) == 4 and shape[0] in (1, b) and shape[1] in (1, heads) and shape[2:] == (t, keys))
+        if not ok:
+            raise ModelError(f"attn_mask of shape {shape} does not fit {b} samples x {t} queries x {keys} keys: use "
+                             f"({t}, {keys}), ({b}, {t}, {keys}) or ({b}, heads or 1, {t}, {keys})")
+        return attn_mask.unsqueeze(1) if attn_mask.dim() == 3 else attn_mask  # per sample -> broadcast over heads
+
+    def forward_tokens(self, tokens: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+                       context_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every block and the final norm on ``tokens`` (B, T, D) that already carry their PEs.
+
+        ``context_index`` (B, M): every layer takes keys/values only from those tokens (MP3).
+        ``attn_mask``: bool (True = attend) or additive, (T, K), (B, T, K) or (B, 1|heads, T, K) with K = T or M.
+        """
+        mask = self._check_tokens(tokens, attn_mask, context_index)
+        x = tokens
+        for block in self.blocks:
+            x = block(x, attn_mask=mask, context_index=context_index)
+        return self.norm(x)
+
+    # ------------------------------------------------------------------ classifier path (fine-tuning, export)
+    def embed(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Patch tokens + PE (the model's own, or ``pos`` broadcastable to (B, N, D)) + CLS, with dropout."""
+        tokens = self.patch_embed(x)
+        if pos is not None:
+            tokens = tokens + pos
+        elif self.pos_table is not None:
+            tokens = tokens + self.pos_table[:, self.num_prefix_tokens:]
+        return self.pos_drop(self.prepend_cls(tokens))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_tokens(self.embed(x))
+
+    def pool(self, features: torch.Tensor) -> torch.Tensor:
+        if self.config.global_pool == "cls":
+            return features[:, 0]
+        return features[:, self.num_prefix_tokens:].mean(dim=1)
+
+    def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        pooled = self.head_drop(self.pool(features))
+        return pooled if pre_logits else self.head(pooled)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """Replace the head by a fresh trunc-normal(.02) Linear for ``num_classes`` (0 = features only)."""
+        from dataclasses import replace
+
+        self.config = replace(self.config, num_classes=num_classes,
+                              global_pool=global_pool or self.config.global_pool).validate()
+        ref = self.norm.weight
+        self.head = nn.Linear(self.embed_dim, num_classes).to(ref.device, ref.dtype) if num_classes else nn.Identity()
+        if num_classes:
+            _init_weights(self.head)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_pretrained(self, directory, metadata: dict | None = None):
+        from .hub import save_pretrained
+
+        return save_pretrained(self, directory, metadata)
+
+
+def _init_weights(module: nn.Module) -> None:
+    """timm's ViT init (trunc-normal .02 Linear weights, zero biases); the patch conv as MAE initialises it
+    (xavier-uniform of the weight viewed as a Linear)."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Conv2d):
+        nn.init.xavier_uniform_(module.weight.view(module.out_channels, -1))
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+class VisionTransformer(Backbone):
+    """ViT (Dosovitskiy et al. 2021) for any image size / patch size / channels, every PE mode."""
+
+    def _make_patch_embed(self) -> nn.Module:
+        c = self.config
+        return PatchEmbed(c.image_hw, c.patch_size, c.in_chans, c.embed_dim)
+
+
+class AudioTransformer(Backbone):
+    """MP3's speech Transformer (§3.1, §4.3): MFCC frames -> Linear -> CLS -> sin PE -> blocks."""
+
+    def _make_patch_embed(self) -> nn.Module:
+        c = self.config
+        return FrameEmbed(c.num_frames, c.in_features, c.embed_dim)
+
+
+def build_backbone(config: BackboneConfig) -> Backbone:
+    """The backbone class for ``config.modality``."""
+    return (AudioTransformer if config.modality == "audio" else VisionTransformer)(config)
