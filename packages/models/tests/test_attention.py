@@ -1,0 +1,88 @@
+"""Attention paths: context-only K/V (MP3), boolean / additive / per-sample masks (RandSAC), and their errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from patchplace.models import ModelError
+
+
+def _context(b: int, n: int, m: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(n, generator=g)[:m] for _ in range(b)])
+
+
+def test_non_context_tokens_cannot_influence_any_other_token(micro):
+    model = micro(pos_embed="none")
+    tokens = torch.randn(2, 16, 32)
+    ctx = _context(2, 16, 4)
+    out = model.forward_tokens(tokens, context_index=ctx)
+    outside = [i for i in range(16) if i not in ctx[0].tolist()][0]
+    changed = tokens.clone()
+    changed[0, outside] += 5.0 * torch.randn(32)  # not a constant: LayerNorm would erase it
+    out2 = model.forward_tokens(changed, context_index=ctx)
+    others = [i for i in range(16) if i != outside]
+    torch.testing.assert_close(out2[0, others], out[0, others], atol=1e-6, rtol=0)
+    assert not torch.allclose(out2[0, outside], out[0, outside])  # its own query still sees its content
+    torch.testing.assert_close(out2[1], out[1], atol=0, rtol=0)
+    inside = ctx[0, 0]
+    changed = tokens.clone()
+    changed[0, inside] += 5.0 * torch.randn(32)
+    out3 = model.forward_tokens(changed, context_index=ctx)
+    assert (out3[0, others] - out[0, others]).abs().amax() > 1e-3, "context tokens must reach every query"
+
+
+def test_context_path_equals_masked_full_attention(micro):
+    """Projecting K/V only for context tokens = full attention with non-context key columns masked out."""
+    model = micro(pos_embed="relbias2d")
+    for block in model.blocks:  # a non-zero bias, so its column gather is exercised too
+        torch.nn.init.normal_(block.rel_pos_bias.relative_position_bias_table, std=0.5)
+    tokens = torch.randn(3, 17, 32)
+    ctx = _context(3, 17, 6, seed=1)
+    mask = torch.zeros(3, 17, 17, dtype=torch.bool)
+    mask[torch.arange(3)[:, None], :, ctx] = True
+    torch.testing.assert_close(model.forward_tokens(tokens, context_index=ctx),
+                               model.forward_tokens(tokens, attn_mask=mask), atol=2e-5, rtol=0)
+
+
+def test_segment_causal_mask_hides_later_segments(micro):
+    model = micro(pos_embed="learned")
+    segments = torch.tensor([0] * 5 + [1] * 6 + [2] * 6)  # 17 tokens
+    mask = segments[None, :] <= segments[:, None]  # query i sees key j iff seg(j) <= seg(i)
+    tokens = torch.randn(2, 17, 32)
+    out = model.forward_tokens(tokens, attn_mask=mask)
+    later = tokens.clone()
+    later[:, 11:] += 3.0 * torch.randn(2, 6, 32)
+    torch.testing.assert_close(model.forward_tokens(later, attn_mask=mask)[:, :11], out[:, :11], atol=1e-6, rtol=0)
+    earlier = tokens.clone()
+    earlier[:, :5] += 3.0 * torch.randn(2, 5, 32)
+    assert (model.forward_tokens(earlier, attn_mask=mask)[:, 5:] - out[:, 5:]).abs().amax() > 1e-3
+
+
+def test_per_sample_and_additive_masks(micro):
+    model = micro()
+    tokens = torch.randn(2, 17, 32)
+    masks = torch.ones(2, 17, 17, dtype=torch.bool)
+    masks[1, :, 9:] = False  # sample 1 may only attend to its first 9 tokens
+    out = model.forward_tokens(tokens, attn_mask=masks)
+    torch.testing.assert_close(out[0], model.forward_tokens(tokens[:1])[0], atol=1e-6, rtol=0)
+    additive = torch.zeros(2, 17, 17).masked_fill(~masks, float("-inf"))
+    torch.testing.assert_close(model.forward_tokens(tokens, attn_mask=additive), out, atol=1e-6, rtol=0)
+    changed = tokens.clone()
+    changed[1, 12] += 4.0 * torch.randn(32)
+    torch.testing.assert_close(model.forward_tokens(changed, attn_mask=masks)[1, :12],
+                               out[1, :12], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"context_index": torch.tensor([[0, 17]])}, r"context_index values must lie in \[0, 17\)"),
+    ({"context_index": torch.tensor([[0, 1]], dtype=torch.int32)}, "must be a long tensor"),
+    ({"context_index": torch.tensor([0, 1])}, "must be a long tensor"),
+    ({"attn_mask": torch.ones(17, 16, dtype=torch.bool)}, r"attn_mask of shape \(17, 16\) does not fit"),
+    ({"attn_mask": torch.ones(2, 17, 17, dtype=torch.bool)}, r"does not fit 1 samples"),
+    ({"attn_mask": torch.ones(17, 17, dtype=torch.int64)}, "must be bool"),
+])
+def test_bad_masks_and_indices_are_refused_before_compute(micro, kwargs, message):
+    with pytest.raises(ModelError, match=message):
+        micro().forward_tokens(torch.randn(1, 17, 32), **kwargs)
