@@ -3,8 +3,8 @@
     python pipelines/benchmark.py --suite data --out runs/benchmark
 
 Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md``. Suites: ``data`` (shard read throughput with 0 and
-2 DataLoader workers, decode + train transform included; MFCC frontend clips/s). Later issues add model and
-objective suites.
+2 DataLoader workers, decode + train transform included; MFCC frontend clips/s); ``models`` (one block's
+forward + backward with MP3 context-only keys/values vs full attention, time ratio beside FLOP ratio).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from patchplace.data.benchmark import mfcc_throughput, shard_read_throughput
+from patchplace.models.benchmark import context_attention
 
 
 def data_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -32,16 +33,26 @@ def data_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-SUITES = {"data": data_suite}
+def models_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for eta in args.etas:
+        rows.append(context_attention(eta=eta, batch=args.batch))
+        print(json.dumps(rows[-1]))
+    return rows
+
+
+SUITES = {"data": data_suite, "models": models_suite}
+
+
+UNITS = (("samples_per_s", "samples/s"), ("clips_per_s", "clips/s"), ("time_ratio", "x full attention"))
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| benchmark | throughput | detail |", "| --- | --- | --- |"]
+    lines = ["| benchmark | result | detail |", "| --- | --- | --- |"]
     for row in rows:
-        rate = row.get("samples_per_s") or row.get("clips_per_s")
-        unit = "samples/s" if "samples_per_s" in row else "clips/s"
-        detail = ", ".join(f"{k}={v}" for k, v in row.items() if k not in {"name", "samples_per_s", "clips_per_s"})
-        lines.append(f"| {row['name']} | {rate} {unit} | {detail} |")
+        key, unit = next((k, u) for k, u in UNITS if k in row)
+        detail = ", ".join(f"{k}={v}" for k, v in row.items() if k not in {"name", key})
+        lines.append(f"| {row['name']} | {row[key]} {unit} | {detail} |")
     return "\n".join(lines) + "\n"
 
 
@@ -55,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-samples", type=int, default=None, help="stop each read after this many samples")
     parser.add_argument("--pad-to", type=int, default=32, help="image padding used by the transform")
     parser.add_argument("--mfcc-batches", type=int, default=20, help="timed MFCC batches of 64 clips")
+    parser.add_argument("--etas", type=float, nargs="+", default=[0.5, 0.75], help="models suite: masking ratios")
+    parser.add_argument("--batch", type=int, default=128, help="models suite: batch size")
     args = parser.parse_args(argv)
     rows = SUITES[args.suite](args)
     args.out.mkdir(parents=True, exist_ok=True)

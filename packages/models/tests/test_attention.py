@@ -18,7 +18,7 @@ def test_non_context_tokens_cannot_influence_any_other_token(micro):
     tokens = torch.randn(2, 16, 32)
     ctx = _context(2, 16, 4)
     out = model.forward_tokens(tokens, context_index=ctx)
-    outside = [i for i in range(16) if i not in ctx[0].tolist()][0]
+    outside = next(i for i in range(16) if i not in ctx[0].tolist())
     changed = tokens.clone()
     changed[0, outside] += 5.0 * torch.randn(32)  # not a constant: LayerNorm would erase it
     out2 = model.forward_tokens(changed, context_index=ctx)
@@ -86,3 +86,12 @@ def test_per_sample_and_additive_masks(micro):
 def test_bad_masks_and_indices_are_refused_before_compute(micro, kwargs, message):
     with pytest.raises(ModelError, match=message):
         micro().forward_tokens(torch.randn(1, 17, 32), **kwargs)
+
+
+def test_block_flop_count_gives_the_design_bound_and_the_benchmark_runs():
+    from patchplace.models.benchmark import block_flops, context_attention
+
+    # DESIGN.md §3: only K/V and attention shrink, so eta = 0.75 at N = 64, D = 192 bounds the ratio at ~0.84.
+    assert block_flops(64, 16, 192) / block_flops(64, 64, 192) == pytest.approx(0.842, abs=1e-3)
+    row = context_attention(batch=2, num_tokens=16, dim=32, num_heads=2, repeats=1, warmup=0)
+    assert row["context_tokens"] == 4 and row["full_ms"] > 0 and row["context_ms"] > 0

@@ -60,7 +60,7 @@ def test_pickles_are_refused_and_bad_configs_explained(micro, tmp_path):
     (tmp_path / "ok" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelError, match=r"unknown backbone config field\(s\) \['depht'\]"):
         load_pretrained(tmp_path / "ok")
-    with pytest.raises(ModelError, match="no config.json"):
+    with pytest.raises(ModelError, match=r"no config\.json"):
         load_pretrained(tmp_path / "nowhere")
 
 
