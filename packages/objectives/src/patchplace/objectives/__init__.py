@@ -1,7 +1,15 @@
-"""patchplace.objectives.
+"""patchplace.objectives — pretraining objectives on the backbone protocol of :mod:`patchplace.models`.
 
-The pretraining objectives — MP3 (vision and speech), DropPos, I-JEPA + StoP, Masked Jigsaw Puzzle, RandSAC — and
-the MAE and supervised baselines, each one readable module on the backbone protocol of patchplace.models.
-
-The implementation lands with a later issue; this portion of the namespace exists so the layout is stable.
+Each objective is an ``nn.Module`` built from ``(backbone, config)``; ``forward(batch, progress)`` returns a dict
+with ``loss`` and detached metrics. Progress-dependent schedules take ``progress`` in [0, 1].
 """
+
+from .common import ObjectiveConfig, ObjectiveError, TransformerDecoder, random_masking, topk_accuracy
+from .mae import MAE, MAEConfig, patchify
+from .mp3 import MP3, MP3Config, position_accuracy_vs_eta, reassemble
+from .supervised import Supervised, SupervisedConfig
+
+__all__ = [
+    "MAE", "MP3", "MAEConfig", "MP3Config", "ObjectiveConfig", "ObjectiveError", "Supervised", "SupervisedConfig",
+    "TransformerDecoder", "patchify", "position_accuracy_vs_eta", "random_masking", "reassemble", "topk_accuracy",
+]

@@ -1,0 +1,151 @@
+"""Pieces every objective shares (written once): config validation, batch unpacking, random masking / per-sample
+shuffles, grid geometry, position-accuracy metrics, and a small Transformer decoder built from the backbone's
+own blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from patchplace.models import Backbone
+from patchplace.models.backbone import Block
+
+
+class ObjectiveError(ValueError):
+    """A bad objective config or batch (one line naming the field and what is expected)."""
+
+
+# ---------------------------------------------------------------------------------------------- configs
+@dataclass
+class ObjectiveConfig:
+    """Base of every objective's config dataclass: paper defaults as defaults, ``validate()`` on build."""
+
+    def validate(self) -> ObjectiveConfig:
+        return self
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ObjectiveError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
+        return cls(**raw).validate()
+
+
+def check_ratio(name: str, value: float, *, high_inclusive: bool = False) -> None:
+    """A masking ratio in [0, 1) (or [0, 1])."""
+    ok = 0.0 <= value <= 1.0 if high_inclusive else 0.0 <= value < 1.0
+    if not ok:
+        raise ObjectiveError(f"{name} must be in [0, 1{']' if high_inclusive else ')'}, got {value}")
+
+
+def check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ObjectiveError(f"{name} must be > 0, got {value}")
+
+
+def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(inputs, labels)`` / ``[inputs, labels]`` / ``{"inputs", "labels"}`` / a bare tensor -> (inputs, labels)."""
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, dict):
+        return batch["inputs"], batch.get("labels")
+    if isinstance(batch, (tuple, list)) and len(batch) >= 1:
+        return batch[0], batch[1] if len(batch) > 1 else None
+    raise ObjectiveError(f"a batch must be a tensor, (inputs, labels) or a dict, got {type(batch).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------- masking
+def random_shuffle(batch: int, n: int, device: torch.device | str = "cpu",
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """One random permutation of ``range(n)`` per sample (B, n) — MAE's argsort-of-noise shuffle."""
+    noise = torch.rand(batch, n, device=device, generator=generator)
+    return noise.argsort(dim=1)
+
+
+def random_masking(batch: int, n: int, keep: int, device: torch.device | str = "cpu",
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MAE per-sample random masking: returns ``ids_keep`` (B, keep), ``mask`` (B, n) bool (True = removed) and
+    ``ids_restore`` (B, n) (the inverse permutation, to put [kept; removed] tokens back in order)."""
+    if not 0 <= keep <= n:
+        raise ObjectiveError(f"cannot keep {keep} of {n} tokens")
+    shuffle = random_shuffle(batch, n, device, generator)
+    restore = shuffle.argsort(dim=1)
+    mask = torch.ones(batch, n, dtype=torch.bool, device=shuffle.device)
+    mask[:, :keep] = False
+    return shuffle[:, :keep], torch.gather(mask, 1, restore), restore
+
+
+def num_kept(n: int, ratio: float) -> int:
+    """Tokens kept at masking ratio ``ratio``: round((1 - ratio) n), at least 1."""
+    return max(1, round((1.0 - ratio) * n))
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[b, index[b]]`` for (B, N, ...) and (B, M) -> (B, M, ...)."""
+    shape = index.shape + x.shape[2:]
+    return torch.gather(x, 1, index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(shape))
+
+
+# ---------------------------------------------------------------------------------------------- grid geometry
+def grid_coords(grid: tuple[int, ...]) -> torch.Tensor:
+    """(N, len(grid)) integer coordinates of raster-ordered positions: (row, col) for 2-D, (t,) for 1-D."""
+    axes = torch.meshgrid(*[torch.arange(g) for g in grid], indexing="ij")
+    return torch.stack([a.reshape(-1) for a in axes], dim=1)
+
+
+def squared_grid_distance(grid: tuple[int, ...]) -> torch.Tensor:
+    """(N, N) squared Euclidean distance between positions on the grid."""
+    c = grid_coords(grid).float()
+    return ((c[:, None, :] - c[None, :, :]) ** 2).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+@torch.no_grad()
+def topk_accuracy(logits: torch.Tensor, targets: torch.Tensor, k: int = 1,
+                  weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Fraction of rows whose target is among the top-k logits (optionally only rows where ``weight`` > 0)."""
+    k = min(k, logits.shape[-1])
+    hit = (logits.topk(k, dim=-1).indices == targets.unsqueeze(-1)).any(-1).float()
+    if weight is None:
+        return hit.mean()
+    weight = weight.float()
+    return (hit * weight).sum() / weight.sum().clamp_min(1.0)
+
+
+# ---------------------------------------------------------------------------------------------- decoder
+class TransformerDecoder(nn.Module):
+    """``depth`` pre-norm blocks (the backbone's own ``Block``) of width ``dim`` + a final LayerNorm; inputs are
+    projected from ``in_dim`` by ``embed`` (MAE / DropPos decoders, predictors)."""
+
+    def __init__(self, in_dim: int, dim: int, depth: int, num_heads: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ObjectiveError(f"decoder width {dim} is not divisible by decoder heads {num_heads}")
+        self.embed = nn.Linear(in_dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, True, 0.0, 0.0, 0.0, 1e-6) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.apply(_init_linear)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, attn_mask=attn_mask)
+        return self.norm(x)
+
+
+def _init_linear(module: nn.Module) -> None:
+    """MAE's init for heads and decoders: xavier-uniform Linear weights, zero biases."""
+    if isinstance(module, nn.Linear):
+        nn.init.xavier_uniform_(module.weight)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def require_pos_mode(backbone: Backbone, modes: tuple[str, ...], method: str) -> None:
+    if backbone.config.pos_embed not in modes:
+        raise ObjectiveError(f"{method} needs a backbone with pos_embed in {modes}, got "
+                             f"{backbone.config.pos_embed!r}: create it with pos_embed={modes[0]!r} "
+                             "(or call backbone.set_pos_embed)")

@@ -1,0 +1,103 @@
+"""MAE baseline (He et al. 2022): mask 75% of patches, encode the visible ones with fixed sin-cos PEs, a light
+decoder with mask tokens reconstructs normalized pixels; MSE on masked patches only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from patchplace.models import Backbone, sincos_2d
+
+from .common import (
+    ObjectiveConfig,
+    ObjectiveError,
+    TransformerDecoder,
+    check_positive,
+    check_ratio,
+    gather_rows,
+    num_kept,
+    random_masking,
+    require_pos_mode,
+    split_batch,
+)
+
+
+@dataclass
+class MAEConfig(ObjectiveConfig):
+    """MAE defaults: mask 0.75, decoder 512 wide x 8 deep x 16 heads, normalized-pixel targets."""
+
+    mask_ratio: float = 0.75
+    decoder_dim: int = 512
+    decoder_depth: int = 8
+    decoder_heads: int = 16
+    norm_pix_loss: bool = True
+
+    def validate(self) -> MAEConfig:
+        check_ratio("mask_ratio", self.mask_ratio)
+        for name in ("decoder_dim", "decoder_depth", "decoder_heads"):
+            check_positive(name, getattr(self, name))
+        return self
+
+
+def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, p*p*C), MAE's order (row-major patches, pixels then channels)."""
+    b, c, h, w = images.shape
+    p = patch_size
+    x = images.reshape(b, c, h // p, p, w // p, p)
+    return torch.einsum("nchpwq->nhwpqc", x).reshape(b, (h // p) * (w // p), p * p * c)
+
+
+class MAE(nn.Module):
+    """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token."""
+
+    def __init__(self, backbone: Backbone, config: MAEConfig | None = None) -> None:
+        super().__init__()
+        self.config = c = (config or MAEConfig()).validate()
+        require_pos_mode(backbone, ("sincos2d",), "MAE")
+        if backbone.config.modality != "image" or backbone.cls_token is None:
+            raise ObjectiveError("MAE needs an image backbone with a class token")
+        self.backbone = backbone
+        self.patch_size = backbone.config.patch_size
+        self.decoder = TransformerDecoder(backbone.embed_dim, c.decoder_dim, c.decoder_depth, c.decoder_heads)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, c.decoder_dim))
+        nn.init.normal_(self.mask_token, std=0.02)
+        table = torch.cat([torch.zeros(1, c.decoder_dim), sincos_2d(backbone.grid, c.decoder_dim)]).unsqueeze(0)
+        self.register_buffer("decoder_pos", table, persistent=False)  # fixed, CLS row 0 (as MAE)
+        out = self.patch_size**2 * backbone.config.in_chans
+        self.decoder_pred = nn.Linear(c.decoder_dim, out)
+        nn.init.xavier_uniform_(self.decoder_pred.weight)
+        nn.init.zeros_(self.decoder_pred.bias)
+
+    def forward_encoder(self, images: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None):
+        """Visible tokens (+ their sin-cos PE) -> encoder. Returns latent (B, 1+K, D), mask (B, N), ids_restore."""
+        tokens = self.backbone.patch_embed(images) + self.backbone.pos_embed()
+        b, n, _ = tokens.shape
+        keep, mask, restore = random_masking(b, n, num_kept(n, mask_ratio), tokens.device, generator)
+        latent = self.backbone.forward_tokens(self.backbone.prepend_cls(gather_rows(tokens, keep)))
+        return latent, mask, restore
+
+    def forward_decoder(self, latent: torch.Tensor, restore: torch.Tensor) -> torch.Tensor:
+        """Append mask tokens, unshuffle, add decoder PE, decode -> (B, N, p*p*C) pixel predictions."""
+        x = self.decoder.embed(latent)
+        b, n = restore.shape
+        masked = self.mask_token.expand(b, n + 1 - x.shape[1], -1)
+        patches = gather_rows(torch.cat([x[:, 1:], masked], dim=1), restore)  # back to raster order
+        x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos
+        return self.decoder_pred(self.decoder(x))[:, 1:]
+
+    def forward_loss(self, images: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean squared error per patch, averaged over the masked patches only."""
+        target = patchify(images, self.patch_size)
+        if self.config.norm_pix_loss:
+            mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+            target = (target - mean) / (var + 1e-6) ** 0.5
+        per_patch = ((pred - target) ** 2).mean(dim=-1)
+        return (per_patch * mask).sum() / mask.sum().clamp_min(1)
+
+    def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
+        images, _ = split_batch(batch)
+        latent, mask, restore = self.forward_encoder(images, self.config.mask_ratio, generator)
+        pred = self.forward_decoder(latent, restore)
+        return {"loss": self.forward_loss(images, pred, mask.float())}

@@ -1,0 +1,141 @@
+"""MP3 — Masked Patch Position Prediction (Zhai et al. 2022, ``mp3-position-prediction.txt``).
+
+Pretraining removes every position embedding, picks a random context of ``M = round((1 - eta) N)`` tokens per
+sample, and runs the backbone so that in *every* layer queries come from all N tokens while keys/values come
+only from the context tokens (§3, App. A pseudo-code ``masked_attention``); a linear head D -> N then classifies
+each token's position with cross-entropy over all tokens (App. A ``mp3_loss``).
+
+Speech (§3.1, §4.3): same objective on MFCC frames, eta = 0 by default, and a random 5% of the frames get their
+true (sinusoidal) PE as anchors and are excluded from the loss; the others are predicted among all T positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchplace.models import Backbone
+
+from .common import (
+    ObjectiveConfig,
+    ObjectiveError,
+    check_ratio,
+    num_kept,
+    random_shuffle,
+    split_batch,
+    topk_accuracy,
+)
+
+
+@dataclass
+class MP3Config(ObjectiveConfig):
+    """``eta``: masking ratio (paper: 0.5 on CIFAR-100, 0.75 on ImageNet, 0 for speech);
+    ``anchor_ratio``: fraction of tokens given their true PE and excluded from the loss (speech: 0.05)."""
+
+    eta: float = 0.75
+    anchor_ratio: float = 0.0
+
+    def validate(self) -> MP3Config:
+        check_ratio("eta", self.eta)
+        check_ratio("anchor_ratio", self.anchor_ratio)
+        return self
+
+    @classmethod
+    def speech(cls) -> MP3Config:
+        """MP3 §4.3 speech setting: full attention (eta = 0) and 5% anchors."""
+        return cls(eta=0.0, anchor_ratio=0.05)
+
+
+class MP3(nn.Module):
+    """MP3 on any backbone of ``patchplace.models`` (ViT patches or audio frames).
+
+    >>> backbone = create_model("vit_cpu", in_chans=1, pos_embed="none")
+    >>> mp3 = MP3(backbone, MP3Config(eta=0.75))
+    >>> out = mp3(images)                   # {"loss", "pos_acc", "pos_acc_top5"}
+    >>> out["loss"].backward()
+    """
+
+    def __init__(self, backbone: Backbone, config: MP3Config | None = None) -> None:
+        super().__init__()
+        self.config = (config or MP3Config()).validate()
+        mode = backbone.config.pos_embed
+        if mode == "relbias2d":
+            raise ObjectiveError("MP3 pretrains without any position information; a relbias2d backbone injects it "
+                                 "inside attention: create the backbone with pos_embed='none'")
+        if self.config.anchor_ratio > 0 and mode == "none":
+            raise ObjectiveError("MP3 anchors need the backbone's true PE: create it with pos_embed='sincos1d' "
+                                 "(speech) or 'sincos2d', or set anchor_ratio=0")
+        self.backbone = backbone
+        self.num_positions = backbone.num_patches
+        self.head = nn.Linear(backbone.embed_dim, self.num_positions)  # App. A: linear_head, D -> N
+        nn.init.xavier_uniform_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def position_logits(self, inputs: torch.Tensor, eta: float | None = None, anchor_ratio: float | None = None,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N, N) position logits and the (B, N) bool anchor mask, at masking ratio ``eta``."""
+        eta = self.config.eta if eta is None else eta
+        anchor_ratio = self.config.anchor_ratio if anchor_ratio is None else anchor_ratio
+        tokens = self.backbone.patch_embed(inputs)  # (B, N, D), no PE (§3: positions are removed)
+        b, n, _ = tokens.shape
+        anchors = torch.zeros(b, n, dtype=torch.bool, device=tokens.device)
+        if anchor_ratio > 0:  # §4.3: a random 5% of frames keep their true PE
+            picked = random_shuffle(b, n, tokens.device, generator)[:, : max(1, round(anchor_ratio * n))]
+            anchors.scatter_(1, picked, True)
+            tokens = tokens + anchors.unsqueeze(-1) * self.backbone.pos_embed()
+        m = num_kept(n, eta)
+        context = None if m == n else random_shuffle(b, n, tokens.device, generator)[:, :m]
+        features = self.backbone.forward_tokens(tokens, context_index=context)
+        return self.head(features), anchors
+
+    def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
+        inputs, _ = split_batch(batch)
+        logits, anchors = self.position_logits(inputs, generator=generator)
+        b, n, _ = logits.shape
+        targets = torch.arange(n, device=logits.device).expand(b, n)  # each token's original index
+        ce = F.cross_entropy(logits.reshape(b * n, n), targets.reshape(-1), reduction="none").view(b, n)
+        predicted = (~anchors).float()  # anchors are given, not predicted: excluded from the loss
+        loss = (ce * predicted).sum() / predicted.sum()
+        return {"loss": loss, "pos_acc": topk_accuracy(logits, targets, 1, predicted),
+                "pos_acc_top5": topk_accuracy(logits, targets, 5, predicted)}
+
+
+@torch.no_grad()
+def position_accuracy_vs_eta(model: MP3, inputs: torch.Tensor, etas=(0.0, 0.25, 0.5, 0.75, 0.9),
+                             generator: torch.Generator | None = None) -> dict[float, dict[str, float]]:
+    """Top-1 / top-5 position accuracy at each evaluation masking ratio (MP3 Fig. 3); eval mode, no grad."""
+    was_training = model.training
+    model.eval()
+    try:
+        table = {}
+        for eta in etas:
+            check_ratio("eta", eta)
+            logits, anchors = model.position_logits(inputs, eta=eta, generator=generator)
+            b, n, _ = logits.shape
+            targets = torch.arange(n, device=logits.device).expand(b, n)
+            table[float(eta)] = {"top1": float(topk_accuracy(logits, targets, 1, ~anchors)),
+                                 "top5": float(topk_accuracy(logits, targets, 5, ~anchors))}
+        return table
+    finally:
+        model.train(was_training)
+
+
+def reassemble(images: torch.Tensor, logits: torch.Tensor, patch_size: int) -> np.ndarray:
+    """MP3 Fig. 2: paste each patch at its *predicted* position (argmax), averaging patches that collide;
+    positions nobody predicted stay 0. ``images`` (B, C, H, W), ``logits`` (B, N, N) -> (B, H, W, C) array."""
+    b, c, h, w = images.shape
+    gh, gw, p = h // patch_size, w // patch_size, patch_size
+    if logits.shape[1:] != (gh * gw, gh * gw):
+        raise ObjectiveError(f"logits {tuple(logits.shape)} do not match a {gh}x{gw} grid of {b} images")
+    patches = images.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * p * p)
+    where = logits.argmax(-1)  # (B, N) predicted position of each patch
+    total = torch.zeros_like(patches).scatter_add_(1, where.unsqueeze(-1).expand_as(patches), patches)
+    count = torch.zeros(b, gh * gw, 1, dtype=patches.dtype, device=patches.device)
+    count.scatter_add_(1, where.unsqueeze(-1), torch.ones_like(count))
+    mean = total / count.clamp_min(1.0)
+    canvas = mean.reshape(b, gh, gw, c, p, p).permute(0, 1, 4, 2, 5, 3).reshape(b, h, w, c)
+    return canvas.detach().cpu().numpy()

@@ -1,0 +1,47 @@
+"""Supervised baseline: the backbone trained from scratch with the fine-tuning recipe's loss — cross-entropy
+with label smoothing, or soft-target cross-entropy when timm's Mixup / CutMix produced soft labels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchplace.models import Backbone
+
+from .common import ObjectiveConfig, ObjectiveError, check_ratio, split_batch
+
+
+@dataclass
+class SupervisedConfig(ObjectiveConfig):
+    label_smoothing: float = 0.1
+
+    def validate(self) -> SupervisedConfig:
+        check_ratio("label_smoothing", self.label_smoothing)
+        return self
+
+
+class Supervised(nn.Module):
+    """``forward((images, labels))``: labels are class indices (B,) or soft targets (B, classes) from mixup."""
+
+    def __init__(self, backbone: Backbone, config: SupervisedConfig | None = None) -> None:
+        super().__init__()
+        self.config = (config or SupervisedConfig()).validate()
+        if backbone.config.num_classes < 1:
+            raise ObjectiveError("supervised training needs a classifier head: create the backbone with num_classes")
+        self.backbone = backbone
+
+    def forward(self, batch, progress: float | None = None) -> dict:
+        inputs, labels = split_batch(batch)
+        if labels is None:
+            raise ObjectiveError("supervised training needs (inputs, labels) batches")
+        logits = self.backbone(inputs)
+        if labels.dim() == 2:  # soft targets (timm Mixup / CutMix already applied the smoothing)
+            loss = torch.sum(-labels * F.log_softmax(logits, dim=-1), dim=-1).mean()
+            hard = labels.argmax(dim=-1)
+        else:
+            loss = F.cross_entropy(logits, labels, label_smoothing=self.config.label_smoothing)
+            hard = labels
+        return {"loss": loss, "acc": (logits.argmax(-1) == hard).float().mean().detach()}
