@@ -4,7 +4,9 @@
 
 Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md``. Suites: ``data`` (shard read throughput with 0 and
 2 DataLoader workers, decode + train transform included; MFCC frontend clips/s); ``models`` (one block's
-forward + backward with MP3 context-only keys/values vs full attention, time ratio beside FLOP ratio).
+forward + backward with MP3 context-only keys/values vs full attention, time ratio beside FLOP ratio);
+``objectives`` (pretraining step time of MP3 at eta 0 / 0.5 / 0.75, DropPos and MAE relative to the supervised
+step of the same ``vit_cpu`` backbone and batch, beside each FLOP ratio).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from patchplace.data.benchmark import mfcc_throughput, shard_read_throughput
 from patchplace.models.benchmark import context_attention
+from patchplace.objectives.benchmark import default_objectives, step_times
 
 
 def data_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -41,10 +44,18 @@ def models_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-SUITES = {"data": data_suite, "models": models_suite}
+def objectives_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = step_times(default_objectives(), batch=args.batch, repeats=args.repeats)
+    for row in rows:
+        print(json.dumps(row))
+    return rows
 
 
-UNITS = (("samples_per_s", "samples/s"), ("clips_per_s", "clips/s"), ("time_ratio", "x full attention"))
+SUITES = {"data": data_suite, "models": models_suite, "objectives": objectives_suite}
+
+
+UNITS = (("samples_per_s", "samples/s"), ("clips_per_s", "clips/s"), ("time_vs_full", "x full attention"),
+         ("time_vs_supervised", "x supervised step"))
 
 
 def to_markdown(rows: list[dict[str, Any]]) -> str:
@@ -67,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-to", type=int, default=32, help="image padding used by the transform")
     parser.add_argument("--mfcc-batches", type=int, default=20, help="timed MFCC batches of 64 clips")
     parser.add_argument("--etas", type=float, nargs="+", default=[0.5, 0.75], help="models suite: masking ratios")
-    parser.add_argument("--batch", type=int, default=128, help="models suite: batch size")
+    parser.add_argument("--batch", type=int, default=128, help="models / objectives suites: batch size")
+    parser.add_argument("--repeats", type=int, default=10, help="objectives suite: timed steps per objective")
     args = parser.parse_args(argv)
     rows = SUITES[args.suite](args)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,6 @@ def context_attention(*, batch: int = 128, num_tokens: int = 64, dim: int = 192,
     t_full, t_ctx = statistics.median(full), statistics.median(ctx_times)
     return {"name": f"block_fwd_bwd/eta={eta}", "batch": batch, "tokens": num_tokens, "context_tokens": m,
             "dim": dim, "full_ms": round(t_full * 1e3, 2), "context_ms": round(t_ctx * 1e3, 2),
-            "time_ratio": round(t_ctx / t_full, 3),
+            "time_vs_full": round(t_ctx / t_full, 3),
             "flop_ratio": round(block_flops(num_tokens, m, dim) / block_flops(num_tokens, num_tokens, dim), 3),
             "threads": torch.get_num_threads()}

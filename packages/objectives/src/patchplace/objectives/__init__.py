@@ -5,11 +5,27 @@ with ``loss`` and detached metrics. Progress-dependent schedules take ``progress
 """
 
 from .common import ObjectiveConfig, ObjectiveError, TransformerDecoder, random_masking, topk_accuracy
+from .droppos import DropPos, DropPosConfig, position_accuracy_grid
 from .mae import MAE, MAEConfig, patchify
 from .mp3 import MP3, MP3Config, position_accuracy_vs_eta, reassemble
 from .supervised import Supervised, SupervisedConfig
 
 __all__ = [
-    "MAE", "MP3", "MAEConfig", "MP3Config", "ObjectiveConfig", "ObjectiveError", "Supervised", "SupervisedConfig",
-    "TransformerDecoder", "patchify", "position_accuracy_vs_eta", "random_masking", "reassemble", "topk_accuracy",
+    "MAE",
+    "MP3",
+    "DropPos",
+    "DropPosConfig",
+    "MAEConfig",
+    "MP3Config",
+    "ObjectiveConfig",
+    "ObjectiveError",
+    "Supervised",
+    "SupervisedConfig",
+    "TransformerDecoder",
+    "patchify",
+    "position_accuracy_grid",
+    "position_accuracy_vs_eta",
+    "random_masking",
+    "reassemble",
+    "topk_accuracy",
 ]

@@ -101,7 +101,8 @@ class DropPos(nn.Module):
         # "effectively" the same): a non-zero start lets dropped tokens differ from "no PE" from step 0, like
         # MAE's mask token; zeros would also train (its gradient is non-zero) but has no advantage.
         self.mask_pos_token = nn.Parameter(trunc_normal_(torch.zeros(1, 1, dim), std=0.02))
-        # Decoder without any PE (the visible tokens' order is the random MAE shuffle, so it leaks no position).
+        # Decoder without any PE (§3.2, official code): its blocks are permutation-equivariant, so the only position
+        # information it gets is what the encoder put into the features (anchors + content).
         self.decoder = TransformerDecoder(dim, c.decoder_dim, c.decoder_depth, c.decoder_heads)
         self.head = nn.Linear(c.decoder_dim, self.num_patches)  # logits over ALL N positions
         nn.init.xavier_uniform_(self.head.weight)
