@@ -102,7 +102,7 @@ def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64,
     rows = []
     for name, obj in objectives.items():
         t, f = statistics.median(times[name]), train_flops(obj)
-        rows.append({"name": f"pretrain_step/{name}", "step_ms": round(t * 1e3, 1), "time_vs_supervised": round(t / base_t, 3),
-                     "gflops_per_sample": round(f / 1e9, 3), "flop_ratio": round(f / base_f, 3), "batch": batch,
-                     "threads": torch.get_num_threads()})
+        rows.append({"name": f"pretrain_step/{name}", "step_ms": round(t * 1e3, 1),
+                     "time_vs_supervised": round(t / base_t, 3), "gflops_per_sample": round(f / 1e9, 3),
+                     "flop_ratio": round(f / base_f, 3), "batch": batch, "threads": torch.get_num_threads()})
     return rows
