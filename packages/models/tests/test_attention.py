@@ -95,3 +95,21 @@ def test_block_flop_count_gives_the_design_bound_and_the_benchmark_runs():
     assert block_flops(64, 16, 192) / block_flops(64, 64, 192) == pytest.approx(0.842, abs=1e-3)
     row = context_attention(batch=2, num_tokens=16, dim=32, num_heads=2, repeats=1, warmup=0)
     assert row["context_tokens"] == 4 and row["full_ms"] > 0 and row["context_ms"] > 0
+
+
+def test_cross_attention_takes_keys_and_values_from_memory():
+    from patchplace.models import Attention
+
+    torch.manual_seed(0)
+    attn = Attention(32, 2).eval()
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    out = attn(x, memory=memory)
+    # equals self-attention over [x; memory] where queries may only attend to the memory columns
+    joint = torch.cat([x, memory], dim=1)
+    mask = torch.zeros(12, 12, dtype=torch.bool)
+    mask[:, 5:] = True
+    torch.testing.assert_close(out, attn(joint, attn_mask=mask)[:, :5], atol=1e-6, rtol=0)
+    changed = memory.clone()
+    changed[0, 3] += torch.randn(32)
+    assert (attn(x, memory=changed)[0] - out[0]).abs().amax() > 1e-4
+    torch.testing.assert_close(attn(x, memory=changed)[1], out[1])

@@ -144,3 +144,29 @@ def test_a_tiny_vit_overfits_a_tiny_set(micro):
         opt.step()
     model.eval()
     assert (model(x).argmax(1) == y).float().mean() == 1.0, f"final loss {loss.item():.3f}"
+
+
+def test_unknown_pe_replaces_exactly_the_marked_positions(micro, tmp_path):
+    from patchplace.models import load_pretrained
+
+    model = micro(pos_embed="learned")
+    x = torch.randn(2, 3, 16, 16)
+    plain = model(x)
+    with pytest.raises(ModelError, match="no unknown PE"):
+        model(x, torch.zeros(2, 16, dtype=torch.bool))
+    model.enable_unknown_pos()
+    none_marked = torch.zeros(2, 16, dtype=torch.bool)
+    torch.testing.assert_close(model(x, none_marked), plain, atol=0, rtol=0)
+    marked = none_marked.clone()
+    marked[0, [2, 7]] = True
+    embedded = model.embed(x, unknown_pos=marked)
+    tokens = model.patch_embed(x)
+    torch.testing.assert_close(embedded[0, 1 + 2], tokens[0, 2] + model.unknown_pos_embed[0, 0])
+    torch.testing.assert_close(embedded[0, 1 + 3], tokens[0, 3] + model.pos_embed()[0, 3])
+    torch.testing.assert_close(embedded[:, 0], model.prepend_cls(tokens)[:, 0])  # CLS keeps its PE
+    torch.testing.assert_close(model(x, marked)[1], plain[1])
+    with pytest.raises(ModelError, match="bool mask of shape"):
+        model(x, marked.long())
+    model.save_pretrained(tmp_path / "mjp")
+    loaded, _ = load_pretrained(tmp_path / "mjp")
+    torch.testing.assert_close(loaded.eval()(x, marked), model(x, marked), atol=0, rtol=0)

@@ -43,3 +43,16 @@ def test_audio_transformer_exports_and_matches_onnx_runtime(tmp_path):
     x = torch.randn(3, 101, 40) * 10
     (got,) = session.run(None, {"features": x.numpy()})
     np.testing.assert_allclose(got, model(x).detach().numpy(), atol=ATOL, rtol=0)
+
+
+def test_mjp_classifier_exports_with_an_unknown_pos_input(micro, tmp_path):
+    model = micro(pos_embed="learned", unknown_pos=True)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    x, marked = torch.randn(2, 3, 16, 16), torch.rand(2, 16) < 0.3
+    torch.onnx.export(model, (x, marked), str(tmp_path / "mjp.onnx"), dynamo=True, opset_version=18,
+                      input_names=["pixels", "unknown_pos"], output_names=["logits"],
+                      dynamic_shapes={"x": {0: batch}, "unknown_pos": {0: batch}}, verbose=False)
+    session = ort.InferenceSession(str(tmp_path / "mjp.onnx"), providers=["CPUExecutionProvider"])
+    x, marked = torch.randn(3, 3, 16, 16), torch.rand(3, 16) < 0.3
+    (got,) = session.run(None, {"pixels": x.numpy(), "unknown_pos": marked.numpy()})
+    np.testing.assert_allclose(got, model(x, marked).detach().numpy(), atol=ATOL, rtol=0)

@@ -5,7 +5,9 @@
   or shared, e.g. RandSAC's segment-causal masks;
 * ``context_index`` (B, M): keys and values are projected **only** for the gathered context tokens while queries
   are projected for all N tokens — MP3's masked attention (paper §3, App. A pseudo-code), where the saving comes
-  from (K/V projections and the attention matrix shrink from N to M columns).
+  from (K/V projections and the attention matrix shrink from N to M columns);
+* ``memory`` (B, S, D): cross-attention — keys and values come from ``memory`` (e.g. RandSAC's decoder attending
+  to the encoder).
 
 The fused ``qkv`` Linear keeps timm's parameter names; the context path slices its weight rows.
 """
@@ -50,16 +52,21 @@ class Attention(nn.Module):
         return t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
-                context_index: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                context_index: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                memory: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, N, D); attn_mask broadcastable to (B, heads, N, K); bias (heads or B x heads, N, K) additive,
-        K = N, or M under ``context_index`` (mask / bias columns then refer to the context tokens)."""
+        K = N, M under ``context_index`` (mask / bias columns then refer to the context tokens), or S for
+        ``memory`` (B, S, D)."""
         b, n, d = x.shape
-        if context_index is None:
+        if context_index is None and memory is None:
             q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         else:
+            if context_index is not None and memory is not None:
+                raise ValueError("pass context_index or memory, not both")
+            source = memory if memory is not None else gather_tokens(x, context_index)
             w, bqkv = self.qkv.weight, self.qkv.bias
             q = self._heads(F.linear(x, w[:d], None if bqkv is None else bqkv[:d]))
-            kv = F.linear(gather_tokens(x, context_index), w[d:], None if bqkv is None else bqkv[d:])
+            kv = F.linear(source, w[d:], None if bqkv is None else bqkv[d:])
             k, v = (self._heads(t) for t in kv.chunk(2, dim=-1))
         mask = attn_mask
         if bias is not None:

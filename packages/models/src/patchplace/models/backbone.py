@@ -108,7 +108,11 @@ class Backbone(nn.Module):
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head: nn.Module = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
         self.pos_table: torch.Tensor | None = None
+        # MJP (mjp-masked-jigsaw-puzzle.txt §4.2): one shared learnable "unknown" PE for shuffled positions.
+        self.unknown_pos_embed = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.unknown_pos else None
         self.apply(_init_weights)
+        if self.unknown_pos_embed is not None:
+            trunc_normal_(self.unknown_pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
         self._build_pos_embed(c.pos_embed)
@@ -159,6 +163,15 @@ class Backbone(nn.Module):
 
         self.config = replace(self.config, pos_embed=mode).validate()
         self._build_pos_embed(mode)
+
+    def enable_unknown_pos(self) -> None:
+        """Add MJP's learnable unknown PE (trunc-normal .02) if the backbone has none; other weights unchanged."""
+        from dataclasses import replace
+
+        if self.unknown_pos_embed is None:
+            self.config = replace(self.config, unknown_pos=True).validate()
+            self.unknown_pos_embed = nn.Parameter(trunc_normal_(self.norm.weight.new_zeros(1, 1, self.embed_dim),
+                                                                std=0.02))
 
     def pos_embed(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """Additive PE of patch positions: (1, N, D), or (B, M, D) for ``index`` (B, M); zeros without a table."""
@@ -223,17 +236,29 @@ class Backbone(nn.Module):
         return self.norm(x)
 
     # ------------------------------------------------------------------ classifier path (fine-tuning, export)
-    def embed(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Patch tokens + PE (the model's own, or ``pos`` broadcastable to (B, N, D)) + CLS, with dropout."""
+    def embed(self, x: torch.Tensor, pos: torch.Tensor | None = None,
+              unknown_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Patch tokens + PE (the model's own, or ``pos`` broadcastable to (B, N, D)) + CLS, with dropout.
+
+        ``unknown_pos`` (B, N) bool: those positions get the unknown PE instead (MJP; CLS keeps its PE)."""
         tokens = self.patch_embed(x)
+        if pos is None and self.pos_table is not None:
+            pos = self.pos_table[:, self.num_prefix_tokens:]
+        if unknown_pos is not None:
+            if self.unknown_pos_embed is None:
+                raise ModelError("unknown_pos given but the backbone has no unknown PE: call enable_unknown_pos() "
+                                 "or create it with unknown_pos=True")
+            if unknown_pos.shape != tokens.shape[:2] or unknown_pos.dtype != torch.bool:
+                raise ModelError(f"unknown_pos must be a bool mask of shape {tuple(tokens.shape[:2])}, got "
+                                 f"{unknown_pos.dtype} {tuple(unknown_pos.shape)}")
+            base = pos if pos is not None else tokens.new_zeros(1, 1, 1)
+            pos = torch.where(unknown_pos.unsqueeze(-1), self.unknown_pos_embed, base)
         if pos is not None:
             tokens = tokens + pos
-        elif self.pos_table is not None:
-            tokens = tokens + self.pos_table[:, self.num_prefix_tokens:]
         return self.pos_drop(self.prepend_cls(tokens))
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_tokens(self.embed(x))
+    def forward_features(self, x: torch.Tensor, unknown_pos: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_tokens(self.embed(x, unknown_pos=unknown_pos))
 
     def pool(self, features: torch.Tensor) -> torch.Tensor:
         if self.config.global_pool == "cls":
@@ -244,8 +269,9 @@ class Backbone(nn.Module):
         pooled = self.head_drop(self.pool(features))
         return pooled if pre_logits else self.head(pooled)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
+    def forward(self, x: torch.Tensor, unknown_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (or pooled features without a head); ``unknown_pos`` (B, N) bool marks MJP-shuffled patches."""
+        return self.forward_head(self.forward_features(x, unknown_pos))
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the head by a fresh trunc-normal(.02) Linear for ``num_classes`` (0 = features only)."""

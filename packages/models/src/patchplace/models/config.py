@@ -34,6 +34,7 @@ class BackboneConfig:
     mlp_ratio: float = 4.0
     qkv_bias: bool = True
     pos_embed: str = "learned"
+    unknown_pos: bool = False  # MJP: a learnable unknown PE that replaces the PE of shuffled positions
     class_token: bool = True
     global_pool: str = "cls"
     num_classes: int = 0
