@@ -6,11 +6,14 @@ with ``loss`` and detached metrics. Progress-dependent schedules take ``progress
 
 from .common import ObjectiveConfig, ObjectiveError, TransformerDecoder, random_masking, topk_accuracy
 from .droppos import DropPos, DropPosConfig, position_accuracy_grid
+from .ijepa import IJEPA, IJEPAConfig
 from .mae import MAE, MAEConfig, patchify
 from .mp3 import MP3, MP3Config, position_accuracy_vs_eta, reassemble
 from .supervised import Supervised, SupervisedConfig
 
 __all__ = [
+    "IJEPA",
+    "IJEPAConfig",
     "MAE",
     "MP3",
     "DropPos",

@@ -1,0 +1,185 @@
+"""I-JEPA (Assran et al. 2023) with Stochastic Positional Embeddings — StoP (Bar et al. 2024,
+``stop-stochastic-positions.txt``).
+
+A context encoder sees one large context block minus 4 target blocks (I-JEPA multi-block masks); a target encoder,
+the EMA of the context encoder, sees the full image; its final-normed features at the target blocks, passed through a
+LayerNorm without affine, are the targets. A narrow predictor ViT receives the context tokens and one masked token per
+target position and regresses the targets with smooth-L1 (beta 1), as both official codes do.
+
+Predictor inputs (DESIGN.md §3, with A, b the predictor's input Linear and psi its fixed sin-cos PE):
+
+* I-JEPA: ``c_i = A s_i + b + psi_i``, ``m_j = m~ + psi_j`` (m~ a learned mask token);
+* StoP (Eq. 3, Alg. 1 lines 9-11): ``m_j = A n_j + b + psi_j`` with ``n_j ~ N(0, sigma^2 I)`` in encoder width —
+  sigma is a *standard deviation*; fresh noise per sample and target block; the *same* A for features and noise;
+  the bias b plays the paper's m~ (the official code has no separate mask token with StoP), so StoP at sigma = 0 is
+  I-JEPA with m~ tied to b. Ablations: noise on context tokens / both (Table 7), and a fixed covariance sigma * I
+  in predictor width instead of the learned A A^T (Fig. 3).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchplace.models import Backbone, sincos_2d
+
+from .block_masks import MultiBlockMasks, multiblock_masks
+from .common import (
+    ObjectiveConfig,
+    ObjectiveError,
+    TransformerDecoder,
+    check_positive,
+    check_ratio,
+    gather_rows,
+    require_pos_mode,
+    split_batch,
+)
+
+NOISE_ON = ("masked", "context", "both")
+COVARIANCES = ("learned", "fixed")
+
+
+@dataclass
+class IJEPAConfig(ObjectiveConfig):
+    """I-JEPA defaults (predictor 384 wide x 12 deep x 12 heads for ViT-H; 4 target blocks of scale 0.15-0.2 and
+    aspect 0.75-1.5; a context block of scale 0.85-1.0; EMA momentum 0.996 -> 1.0) and StoP (``stop=True``,
+    sigma = 0.25, noise on masked tokens, learned covariance)."""
+
+    predictor_dim: int = 384
+    predictor_depth: int = 12
+    predictor_heads: int = 12
+    num_targets: int = 4
+    target_scale: tuple[float, float] = (0.15, 0.2)
+    target_aspect: tuple[float, float] = (0.75, 1.5)
+    context_scale: tuple[float, float] = (0.85, 1.0)
+    min_keep: int = 4
+    ema_start: float = 0.996
+    ema_end: float = 1.0
+    stop: bool = False
+    sigma: float = 0.25
+    noise_on: str = "masked"
+    covariance: str = "learned"
+
+    def validate(self) -> IJEPAConfig:
+        for name in ("predictor_dim", "predictor_depth", "predictor_heads", "num_targets", "min_keep"):
+            check_positive(name, getattr(self, name))
+        for name in ("target_scale", "context_scale"):
+            low, high = getattr(self, name)
+            if not 0 < low <= high <= 1:
+                raise ObjectiveError(f"{name} must satisfy 0 < low <= high <= 1, got {(low, high)}")
+        if not 0 < self.target_aspect[0] <= self.target_aspect[1]:
+            raise ObjectiveError(f"target_aspect must satisfy 0 < low <= high, got {self.target_aspect}")
+        check_ratio("ema_start", self.ema_start, high_inclusive=True)
+        check_ratio("ema_end", self.ema_end, high_inclusive=True)
+        if self.sigma < 0:
+            raise ObjectiveError(f"sigma (a standard deviation) must be >= 0, got {self.sigma}")
+        if self.noise_on not in NOISE_ON or self.covariance not in COVARIANCES:
+            raise ObjectiveError(f"noise_on must be one of {NOISE_ON} and covariance one of {COVARIANCES}, got "
+                                 f"{self.noise_on!r}, {self.covariance!r}")
+        return self
+
+
+class IJEPA(nn.Module):
+    """I-JEPA / StoP on an image backbone with fixed ``sincos2d`` PE (the class token, if any, is not used here).
+
+    >>> model = IJEPA(create_model("vit_cpu", pos_embed="sincos2d"), IJEPAConfig(stop=True, predictor_dim=96,
+    ...                                                                           predictor_depth=4, predictor_heads=4))
+    >>> loss = model(images, progress=p)["loss"]; loss.backward(); opt.step(); model.update_target(p)
+    """
+
+    def __init__(self, backbone: Backbone, config: IJEPAConfig | None = None) -> None:
+        super().__init__()
+        self.config = c = (config or IJEPAConfig()).validate()
+        require_pos_mode(backbone, ("sincos2d",), "I-JEPA")
+        if backbone.config.modality != "image":
+            raise ObjectiveError("I-JEPA multi-block masks need an image backbone")
+        self.backbone = backbone
+        self.target_encoder = copy.deepcopy(backbone).requires_grad_(False)  # EMA of the context encoder
+        d = backbone.embed_dim
+        self.predictor = TransformerDecoder(d, c.predictor_dim, c.predictor_depth, c.predictor_heads)
+        self.predictor_proj = nn.Linear(c.predictor_dim, d)
+        # I-JEPA's separate mask token m~ (unused with StoP, where b plays its role).
+        self.mask_token = None if c.stop else nn.Parameter(torch.zeros(1, 1, c.predictor_dim))
+        if self.mask_token is not None:
+            nn.init.trunc_normal_(self.mask_token, std=0.02)
+        self.register_buffer("predictor_pos", sincos_2d(backbone.grid, c.predictor_dim).unsqueeze(0),
+                             persistent=False)
+
+    # ------------------------------------------------------------------ schedule and EMA
+    def momentum(self, progress: float) -> float:
+        """Linear EMA momentum schedule ema_start -> ema_end over training (I-JEPA)."""
+        progress = min(max(float(progress), 0.0), 1.0)
+        return self.config.ema_start + (self.config.ema_end - self.config.ema_start) * progress
+
+    @torch.no_grad()
+    def update_target(self, progress: float) -> float:
+        """theta_target <- m theta_target + (1 - m) theta_context; call after each optimizer step."""
+        m = self.momentum(progress)
+        for target, online in zip(self.target_encoder.parameters(), self.backbone.parameters(), strict=True):
+            target.mul_(m).add_(online.detach(), alpha=1.0 - m)
+        return m
+
+    # ------------------------------------------------------------------ steps
+    def sample_masks(self, batch: int, generator: torch.Generator | None = None) -> MultiBlockMasks:
+        c = self.config
+        return multiblock_masks(batch, self.backbone.grid, num_targets=c.num_targets, target_scale=c.target_scale,
+                                target_aspect=c.target_aspect, context_scale=c.context_scale, min_keep=c.min_keep,
+                                generator=generator)
+
+    @torch.no_grad()
+    def targets(self, images: torch.Tensor) -> torch.Tensor:
+        """Target encoder on the full image, final-normed, then LayerNorm without affine -> (B, N, D)."""
+        enc = self.target_encoder
+        features = enc.forward_tokens(enc.patch_embed(images) + enc.pos_embed())
+        return F.layer_norm(features, features.shape[-1:])
+
+    def encode_context(self, images: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Context encoder on the context tokens only (with their true PEs) -> (B, K, D)."""
+        tokens = self.backbone.patch_embed(images) + self.backbone.pos_embed()
+        return self.backbone.forward_tokens(gather_rows(tokens, context))
+
+    def predictor_inputs(self, s_x: torch.Tensor, context: torch.Tensor, target: torch.Tensor,
+                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context inputs c (R, K, Dp) and masked-token inputs m (R, T, Dp) for R = B x num_targets rows."""
+        c, a = self.config, self.predictor.embed  # a.weight = A, a.bias = b
+        psi = self.predictor_pos.expand(s_x.shape[0], -1, -1)
+        ctx = a(s_x) + gather_rows(psi, context)  # c_i = A s_i + b + psi_i
+        psi_t = gather_rows(psi, target)
+        if not c.stop:
+            return ctx, self.mask_token + psi_t  # I-JEPA: m_j = m~ + psi_j
+
+        device = s_x.device if generator is None else generator.device
+
+        def noise(shape: tuple[int, ...]) -> torch.Tensor:  # fresh per sample, block and token
+            return c.sigma * torch.randn(shape, generator=generator, device=device).to(s_x.device)
+
+        r, t, k = target.shape[0], target.shape[1], context.shape[1]
+        if c.covariance == "learned":  # Eq. 3: psi^ = A n + psi with n ~ N(0, sigma^2 I) in encoder width
+            masked = F.linear(noise((r, t, s_x.shape[-1])), a.weight, a.bias) + psi_t  # A n + b + psi
+            ctx_noise = F.linear(noise((r, k, s_x.shape[-1])), a.weight) if c.noise_on != "masked" else 0.0
+        else:  # Fig. 3 ablation: fixed covariance sigma * I, in predictor width
+            masked = a.bias + noise((r, t, c.predictor_dim)) + psi_t
+            ctx_noise = noise((r, k, c.predictor_dim)) if c.noise_on != "masked" else 0.0
+        if c.noise_on == "context":  # Table 7: deterministic masked positions, noisy context
+            masked = a.bias + psi_t
+        return ctx + ctx_noise, masked
+
+    def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
+        images, _ = split_batch(batch)
+        masks = self.sample_masks(images.shape[0], generator)
+        context, targets_idx = masks.context.to(images.device), masks.targets.to(images.device)
+        b, n_blocks, t = targets_idx.shape
+        s_x = self.encode_context(images, context)  # (B, K, D)
+        rows = lambda x: x.repeat_interleave(n_blocks, dim=0)  # noqa: E731 - one predictor row per target block
+        target_idx = targets_idx.reshape(b * n_blocks, t)
+        ctx_in, masked_in = self.predictor_inputs(rows(s_x), rows(context), target_idx, generator)
+        out = self.predictor(torch.cat([ctx_in, masked_in], dim=1))
+        prediction = self.predictor_proj(out[:, ctx_in.shape[1]:])  # (B * blocks, T, D)
+        target = gather_rows(rows(self.targets(images)), target_idx)
+        loss = F.smooth_l1_loss(prediction, target, beta=1.0)
+        return {"loss": loss, "context_tokens": torch.tensor(float(context.shape[1])),
+                "target_std": target.std(dim=1).mean().detach()}
