@@ -98,7 +98,8 @@ def test_bad_configs(micro):
 
 
 def test_ijepa_with_stop_learns(micro, images):
-    """Learning check: the loss falls clearly on a small fixed set (measured: ~5x lower after 80 steps)."""
+    """Learning check: the loss falls clearly on a small fixed set (measured: 0.42 -> 0.10 over 80 steps, while the
+    targets keep a spread across tokens of ~0.36, i.e. no collapse)."""
     torch.manual_seed(0)
     model = _model(micro, stop=True, ema_start=0.99)
     x = images(16, size=32)

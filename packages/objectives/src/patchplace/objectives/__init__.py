@@ -13,11 +13,11 @@ from .supervised import Supervised, SupervisedConfig
 
 __all__ = [
     "IJEPA",
-    "IJEPAConfig",
     "MAE",
     "MP3",
     "DropPos",
     "DropPosConfig",
+    "IJEPAConfig",
     "MAEConfig",
     "MP3Config",
     "ObjectiveConfig",
