@@ -22,6 +22,7 @@ from patchplace.models.benchmark import block_flops
 
 from .common import num_kept
 from .droppos import DropPos, DropPosConfig
+from .ijepa import IJEPA, IJEPAConfig
 from .mae import MAE, MAEConfig
 from .mp3 import MP3, MP3Config
 from .supervised import Supervised
@@ -55,6 +56,13 @@ def train_flops(objective: nn.Module) -> int:
         grad = _encoder_flops(bb, k + 1) + _decoder_flops(d, c.decoder_dim, c.decoder_depth, k + 1, n)
         reference = 0 if c.tau == float("inf") else _encoder_flops(bb, n + 1)
         return 3 * grad + reference
+    if isinstance(objective, IJEPA):
+        c = objective.config
+        masks = objective.sample_masks(64, torch.Generator().manual_seed(0))
+        k, t = masks.context.shape[1], masks.targets.shape[2]
+        predictor = c.num_targets * _decoder_flops(d, c.predictor_dim, c.predictor_depth, k + t, 0)
+        predictor += c.num_targets * 2 * t * c.predictor_dim * d
+        return 3 * (_encoder_flops(bb, k) + predictor) + _encoder_flops(bb, n)  # + no-grad target encoder
     raise TypeError(f"no FLOP model for {type(objective).__name__}")
 
 
@@ -65,6 +73,7 @@ def default_objectives(in_chans: int = 1, num_classes: int = 10, decoder_dim: in
     def backbone(pos: str, classes: int = 0) -> Backbone:
         return create_model("vit_cpu", in_chans=in_chans, pos_embed=pos, num_classes=classes)
 
+    predictor = dict(predictor_dim=decoder_dim // 2, predictor_depth=decoder_depth * 2, predictor_heads=decoder_heads)
     return {
         "supervised": lambda: Supervised(backbone("learned", num_classes)),
         "mp3_eta0": lambda: MP3(backbone("none"), MP3Config(eta=0.0)),
@@ -75,18 +84,23 @@ def default_objectives(in_chans: int = 1, num_classes: int = 10, decoder_dim: in
                                                                        decoder_heads=decoder_heads)),
         "mae": lambda: MAE(backbone("sincos2d"), MAEConfig(decoder_dim=decoder_dim, decoder_depth=decoder_depth,
                                                            decoder_heads=decoder_heads)),
+        "ijepa": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(**predictor)),
+        "stop": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **predictor)),
+        "stop_noema": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **predictor)),
     }
 
 
 def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64, img_size: int = 32,
                in_chans: int = 1, num_classes: int = 10, repeats: int = 10, warmup: int = 2,
                seed: int = 0) -> list[dict[str, Any]]:
-    """Median step time and FLOPs of each objective, with ratios to ``supervised`` (must be among them)."""
+    """Median step time and FLOPs of each objective, with ratios to ``supervised`` (must be among them).
+    Objectives with an EMA target encoder also run its update, unless their name ends in ``_noema``."""
     torch.manual_seed(seed)
     images = torch.randn(batch, in_chans, img_size, img_size)
     labels = torch.randint(0, num_classes, (batch,))
     objectives = {name: build() for name, build in builders.items()}
-    optimizers = {name: torch.optim.AdamW(obj.parameters(), lr=1e-4) for name, obj in objectives.items()}
+    optimizers = {name: torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-4)
+                  for name, obj in objectives.items()}
     times: dict[str, list[float]] = {name: [] for name in objectives}
     for i in range(warmup + repeats):
         for name, obj in objectives.items():  # round-robin: noise is shared
@@ -95,6 +109,8 @@ def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64,
             optimizers[name].zero_grad(set_to_none=True)
             loss.backward()
             optimizers[name].step()
+            if hasattr(obj, "update_target") and not name.endswith("_noema"):  # EMA target encoder (I-JEPA)
+                obj.update_target(0.5)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     base_t = statistics.median(times["supervised"])
