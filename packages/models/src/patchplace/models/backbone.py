@@ -284,6 +284,20 @@ class Backbone(nn.Module):
         if num_classes:
             _init_weights(self.head)
 
+    # ------------------------------------------------------------------ optimizer interface (timm's)
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """Parameter groups for timm's layer-wise lr decay (``create_optimizer_v2(..., layer_decay=)``): the
+        embeddings form layer 0, block i layer i + 1, the final norm the last block layer, the head the top."""
+        return dict(stem=r"^cls_token|^pos_table|^patch_embed|^unknown_pos_embed",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        """Parameters exempt from weight decay: PEs, CLS, the unknown PE and relative position bias tables."""
+        names = {"pos_table", "cls_token", "unknown_pos_embed"}
+        return names | {n for n, _ in self.named_parameters() if n.endswith("relative_position_bias_table")}
+
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, directory, metadata: dict | None = None):
         from .hub import save_pretrained

@@ -1,0 +1,162 @@
+"""Frozen-backbone evaluations: linear probe, layer-wise kNN probe (MP3 App. C), position probe (DropPos Table 7).
+
+Every probe takes iterables of ``(inputs, labels)`` batches (e.g. a DataLoader over shards) and never updates the
+backbone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchplace.models import Backbone
+
+from .metrics import topk_correct
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _pool(tokens: torch.Tensor, backbone: Backbone, pool: str) -> torch.Tensor:
+    if pool == "cls":
+        if backbone.cls_token is None:
+            raise ValueError("pool='cls' needs a class token; use pool='mean'")
+        return tokens[:, 0]
+    if pool == "mean":
+        return tokens[:, backbone.num_prefix_tokens:].mean(dim=1)
+    raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+
+
+@torch.no_grad()
+def layer_features(backbone: Backbone, x: torch.Tensor, layers: Sequence[int], pool: str = "mean",
+                   norm: bool = True) -> dict[int, torch.Tensor]:
+    """Pooled outputs of the given blocks (0-based; -1 = last) for one batch; ``norm`` applies the final norm."""
+    depth = len(backbone.blocks)
+    wanted = {layer % depth for layer in layers}
+    out, h = {}, backbone.embed(x)
+    for i, block in enumerate(backbone.blocks):
+        h = block(h)
+        if i in wanted:
+            out[i] = _pool(backbone.norm(h) if norm else h, backbone, pool)
+    return out
+
+
+@torch.no_grad()
+def extract_features(backbone: Backbone, batches: Batches, *, layers: Sequence[int] = (-1,), pool: str = "mean",
+                     norm: bool = True, device: torch.device | str = "cpu"
+                     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """{block index: (N, D) features} and (N,) labels over all batches (eval mode, no grad)."""
+    was_training = backbone.training
+    backbone.eval()
+    feats: dict[int, list[torch.Tensor]] = {}
+    labels = []
+    try:
+        for x, y in batches:
+            for layer, f in layer_features(backbone, x.to(device), layers, pool, norm).items():
+                feats.setdefault(layer, []).append(f.float().cpu())
+            labels.append(y.cpu())
+    finally:
+        backbone.train(was_training)
+    return {k: torch.cat(v) for k, v in feats.items()}, torch.cat(labels)
+
+
+def subsample_per_class(labels: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:
+    """Indices of a class-balanced ``fraction`` of the samples (at least one per class), e.g. 1% labels."""
+    g = torch.Generator().manual_seed(seed)
+    keep = []
+    for c in labels.unique():
+        idx = (labels == c).nonzero().squeeze(1)
+        n = max(1, round(fraction * len(idx)))
+        keep.append(idx[torch.randperm(len(idx), generator=g)[:n]])
+    return torch.cat(keep).sort().values
+
+
+def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor, *,
+                 num_classes: int, epochs: int = 100, lr: float = 1e-2, weight_decay: float = 0.0,
+                 batch_size: int = 256, seed: int = 0) -> dict[str, float]:
+    """Linear classifier on frozen features with a non-affine BatchNorm in front (MAE's linear probe), AdamW,
+    cosine schedule; returns test top-1 / top-5."""
+    torch.manual_seed(seed)
+    head = nn.Sequential(nn.BatchNorm1d(train_x.shape[1], affine=False, eps=1e-6), nn.Linear(train_x.shape[1],
+                                                                                             num_classes))
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
+    steps = epochs * max(1, -(-len(train_x) // batch_size))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    for _ in range(epochs):
+        head.train()
+        for idx in torch.randperm(len(train_x)).split(batch_size):
+            if len(idx) < 2:  # BatchNorm needs two samples
+                continue
+            loss = F.cross_entropy(head(train_x[idx]), train_y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    head.eval()
+    with torch.no_grad():
+        correct = topk_correct(head(test_x), test_y)
+    return {"top1": correct[1] / len(test_y), "top5": correct[5] / len(test_y)}
+
+
+@torch.no_grad()
+def knn_classify(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor, *,
+                 num_classes: int, k: int = 20, temperature: float = 0.07, chunk: int = 1024) -> dict[str, float]:
+    """Weighted kNN on cosine similarity (votes exp(sim / T) of the k nearest training features, as DINO)."""
+    train_x, test_x = F.normalize(train_x, dim=1), F.normalize(test_x, dim=1)
+    k = min(k, len(train_x))
+    correct = {1: 0, 5: 0}
+    for start in range(0, len(test_x), chunk):
+        sim, idx = (test_x[start: start + chunk] @ train_x.T).topk(k, dim=1)
+        votes = torch.zeros(len(sim), num_classes).scatter_add_(1, train_y[idx], (sim / temperature).exp())
+        for key, n in topk_correct(votes, test_y[start: start + chunk]).items():
+            correct[key] += n
+    return {"top1": correct[1] / len(test_y), "top5": correct[5] / len(test_y)}
+
+
+def knn_probe_per_layer(backbone: Backbone, train: Batches, test: Batches, *, num_classes: int, k: int = 20,
+                        temperature: float = 0.07, device: torch.device | str = "cpu") -> dict[int, float]:
+    """MP3 App. C: kNN top-1 of every layer's average-pooled representation (block outputs, before the final
+    norm), keyed by 1-based layer index."""
+    layers = list(range(len(backbone.blocks)))
+    tr, tr_y = extract_features(backbone, train, layers=layers, pool="mean", norm=False, device=device)
+    te, te_y = extract_features(backbone, test, layers=layers, pool="mean", norm=False, device=device)
+    return {layer + 1: knn_classify(tr[layer], tr_y, te[layer], te_y, num_classes=num_classes, k=k,
+                                    temperature=temperature)["top1"] for layer in layers}
+
+
+def position_probe(backbone: Backbone, train: Batches, test: Batches, *, mask_ratio: float = 0.75, epochs: int = 1,
+                   lr: float = 1e-3, device: torch.device | str = "cpu", seed: int = 0) -> dict[str, float]:
+    """DropPos Table 7: freeze the backbone, train a linear position head on its patch outputs, with a random
+    ``mask_ratio`` of the PEs removed per sample; accuracy is over the tokens whose PE was removed."""
+    gen = torch.Generator().manual_seed(seed)
+    backbone.eval()
+    head = nn.Linear(backbone.embed_dim, backbone.num_patches).to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+
+    def features(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            tokens = backbone.patch_embed(x)
+            b, n, _ = tokens.shape
+            dropped = torch.rand(b, n, generator=gen).argsort(1).argsort(1).to(x.device) < round(mask_ratio * n)
+            pos = torch.where(dropped.unsqueeze(-1), 0.0, backbone.pos_embed())
+            out = backbone.forward_tokens(backbone.prepend_cls(tokens + pos))
+        return out[:, backbone.num_prefix_tokens:], dropped
+
+    for _ in range(epochs):
+        for x, _ in train:
+            out, dropped = features(x.to(device))
+            target = torch.arange(out.shape[1], device=device).expand(out.shape[0], -1)
+            loss = F.cross_entropy(head(out[dropped]), target[dropped])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    hits = total = 0
+    with torch.no_grad():
+        for x, _ in test:
+            out, dropped = features(x.to(device))
+            target = torch.arange(out.shape[1], device=device).expand(out.shape[0], -1)
+            hits += int((head(out[dropped]).argmax(-1) == target[dropped]).sum())
+            total += int(dropped.sum())
+    return {"top1": hits / max(total, 1), "mask_ratio": mask_ratio}
