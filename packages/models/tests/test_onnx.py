@@ -47,11 +47,12 @@ def test_audio_transformer_exports_and_matches_onnx_runtime(tmp_path):
 
 def test_mjp_classifier_exports_with_an_unknown_pos_input(micro, tmp_path):
     model = micro(pos_embed="learned", unknown_pos=True)
-    batch = torch.export.Dim("batch", min=1, max=1024)
+    batch = torch.export.Dim("batch", min=1, max=1024)  # one shared batch dimension for both inputs
     x, marked = torch.randn(2, 3, 16, 16), torch.rand(2, 16) < 0.3
     torch.onnx.export(model, (x, marked), str(tmp_path / "mjp.onnx"), dynamo=True, opset_version=18,
                       input_names=["pixels", "unknown_pos"], output_names=["logits"],
                       dynamic_shapes={"x": {0: batch}, "unknown_pos": {0: batch}}, verbose=False)
+    # (torch warns that the shared name "batch" is used once: expected for two inputs with one batch axis)
     session = ort.InferenceSession(str(tmp_path / "mjp.onnx"), providers=["CPUExecutionProvider"])
     x, marked = torch.randn(3, 3, 16, 16), torch.rand(3, 16) < 0.3
     (got,) = session.run(None, {"pixels": x.numpy(), "unknown_pos": marked.numpy()})

@@ -7,28 +7,44 @@ with ``loss`` and detached metrics. Progress-dependent schedules take ``progress
 from .common import ObjectiveConfig, ObjectiveError, TransformerDecoder, random_masking, topk_accuracy
 from .droppos import DropPos, DropPosConfig, position_accuracy_grid
 from .ijepa import IJEPA, IJEPAConfig
-from .mae import MAE, MAEConfig, patchify
+from .mae import MAE, MAEConfig, patchify, pixel_targets
+from .mjp import MJP, DALRegressor, MJPConfig, dal_loss, jigsaw, permute_selected
 from .mp3 import MP3, MP3Config, position_accuracy_vs_eta, reassemble
-from .supervised import Supervised, SupervisedConfig
+from .randsac import RandSAC, RandSACConfig
+from .segments import blob_segments, serialize, square_segments
+from .supervised import Supervised, SupervisedConfig, classification_loss
 
 __all__ = [
     "IJEPA",
     "MAE",
+    "MJP",
     "MP3",
+    "DALRegressor",
     "DropPos",
     "DropPosConfig",
     "IJEPAConfig",
     "MAEConfig",
+    "MJPConfig",
     "MP3Config",
     "ObjectiveConfig",
     "ObjectiveError",
+    "RandSAC",
+    "RandSACConfig",
     "Supervised",
     "SupervisedConfig",
     "TransformerDecoder",
+    "blob_segments",
+    "classification_loss",
+    "dal_loss",
+    "jigsaw",
     "patchify",
+    "permute_selected",
+    "pixel_targets",
     "position_accuracy_grid",
     "position_accuracy_vs_eta",
     "random_masking",
     "reassemble",
+    "serialize",
+    "square_segments",
     "topk_accuracy",
 ]

@@ -25,6 +25,7 @@ from .droppos import DropPos, DropPosConfig
 from .ijepa import IJEPA, IJEPAConfig
 from .mae import MAE, MAEConfig
 from .mp3 import MP3, MP3Config
+from .randsac import RandSAC, RandSACConfig
 from .supervised import Supervised
 
 
@@ -63,6 +64,12 @@ def train_flops(objective: nn.Module) -> int:
         predictor = c.num_targets * _decoder_flops(d, c.predictor_dim, c.predictor_depth, k + t, 0)
         predictor += c.num_targets * 2 * t * c.predictor_dim * d
         return 3 * (_encoder_flops(bb, k) + predictor) + _encoder_flops(bb, n)  # + no-grad target encoder
+    if isinstance(objective, RandSAC):
+        c, out = objective.config, bb.config.patch_size**2 * bb.config.in_chans
+        dd = c.decoder_dim
+        cross = 2 * n * dd * dd * 2 + 2 * n * dd * dd * 2 + 2 * n * n * dd * 2  # Q + out, K + V, attention
+        layer = block_flops(n, n, dd, c.decoder_mlp_ratio) + cross + 2 * n * d * dd  # + memory projection
+        return 3 * (_encoder_flops(bb, n) + c.decoder_depth * layer + 2 * n * dd * out)
     raise TypeError(f"no FLOP model for {type(objective).__name__}")
 
 
@@ -84,6 +91,9 @@ def default_objectives(in_chans: int = 1, num_classes: int = 10, decoder_dim: in
                                                                        decoder_heads=decoder_heads)),
         "mae": lambda: MAE(backbone("sincos2d"), MAEConfig(decoder_dim=decoder_dim, decoder_depth=decoder_depth,
                                                            decoder_heads=decoder_heads)),
+        "randsac": lambda: RandSAC(backbone("sincos2d"), RandSACConfig(decoder_dim=decoder_dim,
+                                                                       decoder_depth=decoder_depth,
+                                                                       decoder_heads=decoder_heads)),
         "ijepa": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(**predictor)),
         "stop": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **predictor)),
         "stop_noema": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **predictor)),

@@ -90,6 +90,21 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(shape))
 
 
+# ---------------------------------------------------------------------------------------------- patches
+def image_to_patches(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, C, p, p) patches in raster order (lossless; inverse: :func:`patches_to_image`)."""
+    b, c, h, w = images.shape
+    p = patch_size
+    return images.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, -1, c, p, p)
+
+
+def patches_to_image(patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """(B, N, C, p, p) raster-ordered patches -> (B, C, gh * p, gw * p)."""
+    b, _, c, p, _ = patches.shape
+    gh, gw = grid
+    return patches.reshape(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, gh * p, gw * p)
+
+
 # ---------------------------------------------------------------------------------------------- grid geometry
 def grid_coords(grid: tuple[int, ...]) -> torch.Tensor:
     """(N, len(grid)) integer coordinates of raster-ordered positions: (row, col) for 2-D, (t,) for 1-D."""
@@ -128,7 +143,7 @@ class TransformerDecoder(nn.Module):
         self.embed = nn.Linear(in_dim, dim)
         self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, True, 0.0, 0.0, 0.0, 1e-6) for _ in range(depth))
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.apply(_init_linear)
+        self.apply(init_linear)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         for block in self.blocks:
@@ -136,7 +151,7 @@ class TransformerDecoder(nn.Module):
         return self.norm(x)
 
 
-def _init_linear(module: nn.Module) -> None:
+def init_linear(module: nn.Module) -> None:
     """MAE's init for heads and decoders: xavier-uniform Linear weights, zero biases."""
     if isinstance(module, nn.Linear):
         nn.init.xavier_uniform_(module.weight)

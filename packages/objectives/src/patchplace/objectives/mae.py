@@ -49,6 +49,16 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return torch.einsum("nchpwq->nhwpqc", x).reshape(b, (h // p) * (w // p), p * p * c)
 
 
+def pixel_targets(images: torch.Tensor, patch_size: int, normalize: bool = True) -> torch.Tensor:
+    """(B, N, p*p*C) patches; with ``normalize`` each patch is standardized by its own mean / variance (MAE's
+    norm_pix_loss, eps 1e-6), the target of MAE and RandSAC."""
+    target = patchify(images, patch_size)
+    if normalize:
+        mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
+        target = (target - mean) / (var + 1e-6) ** 0.5
+    return target
+
+
 class MAE(nn.Module):
     """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token."""
 
@@ -89,11 +99,7 @@ class MAE(nn.Module):
 
     def forward_loss(self, images: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean squared error per patch, averaged over the masked patches only."""
-        target = patchify(images, self.patch_size)
-        if self.config.norm_pix_loss:
-            mean, var = target.mean(dim=-1, keepdim=True), target.var(dim=-1, keepdim=True)
-            target = (target - mean) / (var + 1e-6) ** 0.5
-        per_patch = ((pred - target) ** 2).mean(dim=-1)
+        per_patch = ((pred - pixel_targets(images, self.patch_size, self.config.norm_pix_loss)) ** 2).mean(dim=-1)
         return (per_patch * mask).sum() / mask.sum().clamp_min(1)
 
     def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:

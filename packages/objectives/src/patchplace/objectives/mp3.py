@@ -24,7 +24,9 @@ from .common import (
     ObjectiveConfig,
     ObjectiveError,
     check_ratio,
+    image_to_patches,
     num_kept,
+    patches_to_image,
     random_shuffle,
     split_batch,
     topk_accuracy,
@@ -131,11 +133,10 @@ def reassemble(images: torch.Tensor, logits: torch.Tensor, patch_size: int) -> n
     gh, gw, p = h // patch_size, w // patch_size, patch_size
     if logits.shape[1:] != (gh * gw, gh * gw):
         raise ObjectiveError(f"logits {tuple(logits.shape)} do not match a {gh}x{gw} grid of {b} images")
-    patches = images.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * p * p)
+    patches = image_to_patches(images, p).reshape(b, gh * gw, c * p * p)
     where = logits.argmax(-1)  # (B, N) predicted position of each patch
     total = torch.zeros_like(patches).scatter_add_(1, where.unsqueeze(-1).expand_as(patches), patches)
     count = torch.zeros(b, gh * gw, 1, dtype=patches.dtype, device=patches.device)
     count.scatter_add_(1, where.unsqueeze(-1), torch.ones_like(count))
-    mean = total / count.clamp_min(1.0)
-    canvas = mean.reshape(b, gh, gw, c, p, p).permute(0, 1, 4, 2, 5, 3).reshape(b, h, w, c)
-    return canvas.detach().cpu().numpy()
+    mean = (total / count.clamp_min(1.0)).reshape(b, gh * gw, c, p, p)
+    return patches_to_image(mean, (gh, gw)).permute(0, 2, 3, 1).detach().cpu().numpy()

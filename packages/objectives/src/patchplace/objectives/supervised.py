@@ -38,10 +38,22 @@ class Supervised(nn.Module):
         if labels is None:
             raise ObjectiveError("supervised training needs (inputs, labels) batches")
         logits = self.backbone(inputs)
-        if labels.dim() == 2:  # soft targets (timm Mixup / CutMix already applied the smoothing)
-            loss = torch.sum(-labels * F.log_softmax(logits, dim=-1), dim=-1).mean()
-            hard = labels.argmax(dim=-1)
-        else:
-            loss = F.cross_entropy(logits, labels, label_smoothing=self.config.label_smoothing)
-            hard = labels
-        return {"loss": loss, "acc": (logits.argmax(-1) == hard).float().mean().detach()}
+        loss, acc = classification_loss(logits, labels, self.config.label_smoothing)
+        return {"loss": loss, "acc": acc}
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor,
+                        label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fine-tuning recipe's loss, shared by every supervised objective (Supervised, MJP).
+
+    ``labels``: class indices (B,) -> cross-entropy with ``label_smoothing``; soft targets (B, classes) from timm's
+    Mixup / CutMix -> soft-target cross-entropy (the smoothing is already in the targets). Returns the loss and the
+    detached top-1 accuracy against the (argmax of the) labels.
+    """
+    if labels.dim() == 2:  # soft targets (timm Mixup / CutMix already applied the smoothing)
+        loss = torch.sum(-labels * F.log_softmax(logits, dim=-1), dim=-1).mean()
+        hard = labels.argmax(dim=-1)
+    else:
+        loss = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+        hard = labels
+    return loss, (logits.argmax(-1) == hard).float().mean().detach()

@@ -1,0 +1,363 @@
+"""MJP: Masked Jigsaw Puzzle position embedding (Ren et al., CVPR 2023, ``mjp-masked-jigsaw-puzzle.txt``).
+
+Supervised training in which, per sample, a block-wise selected subset of patches is shuffled among itself (Alg. 1),
+the shuffled positions get one shared learnable *unknown* PE ``E_unk`` instead of their own (Eq. 4-5; CLS keeps its
+PE), and a dense absolute localization (DAL) regressor maps the PE rows of the unshuffled positions back to their
+(row, col) grid coordinates (Eq. 1-2): ``L_all = L_CE + lambda L_DAL`` (§4.2). DESIGN.md §3 ("MJP") is the precise
+spec; the comments below say where we deviate from the official code (github.com/yhlleo/MJP).
+
+Usage::
+
+    backbone = create_model("vit_small", num_classes=1000, pos_embed="learned")
+    objective = MJP(backbone, MJPConfig())                    # adds backbone.unknown_pos_embed (E_unk)
+    out = objective((images, labels), progress=step / total_steps)  # {"loss", "ce", "dal", "acc", "jigsaw", ...}
+    out["loss"].backward()
+    shuffled, unknown_pos = jigsaw(images, patch_size=16, ratio=0.15)  # evaluation (consistency, Eq. 6-7)
+    logits = backbone(shuffled, unknown_pos=unknown_pos)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from patchplace.models import Backbone
+
+from .block_masks import blockwise_masks
+from .common import (
+    ObjectiveConfig,
+    ObjectiveError,
+    check_ratio,
+    gather_rows,
+    grid_coords,
+    image_to_patches,
+    patches_to_image,
+    require_pos_mode,
+    split_batch,
+)
+from .supervised import classification_loss
+
+DAL_KINDS = ("pca", "linear", "mlp")
+DAL_SCHEDULES = ("constant", "official")
+
+
+@dataclass
+class MJPConfig(ObjectiveConfig):
+    """MJP hyper-parameters; defaults are the paper's ImageNet recipe.
+
+    * ``ratio`` gamma, the fraction of patches the block-wise generator selects (Alg. 1 line 3). 0.03 is the model of
+      Table 1 (DeiT-S + MJP: 80.5 top-1, consistency 82.9), i.e. the best top-1 of the gamma sweep in Table 3
+      (0.03: 80.5, 0.09: 80.3, 0.15: 80.4, 0.21: 80.2, 0.27: 80.3) and the "trained with gamma = 0.03" model of
+      Fig. 3 (a, b). Larger gamma trades a little accuracy for consistency (Table 3: 82.9 -> 93.1 at 0.27). NB: on
+      small grids 0.03 selects fewer than 2 patches (e.g. round(0.03 * 49) = 1), so :class:`MJP` rejects it there.
+    * ``min_block`` 8 patches and ``min_aspect`` 0.3 (aspect in [0.3, 1/0.3]): BEiT's generator as the official
+      training uses it (``data/masking_generator.py``).
+    * ``apply_prob`` 0.5: the jigsaw is applied to a random half of the batches (official ``AUG.JIGSAW = 0.5``), and
+      only after ``warmup_fraction`` = 20 / 300 of training (official: ``epoch >= WARMUP_EPOCHS`` with 20 warm-up
+      epochs of 300, supp. Table 7).
+    * ``dal``: the DAL map g of Eq. 1 — ``pca`` (non-parametric), ``linear`` (LN) or ``mlp`` (NLN, 3 layers; §5.3
+      / Table 4: "a 3-layers MLP" is the best variant, 80.5 top-1). ``dal_weight`` lambda = 0.01 (§4.2, "for all
+      experiments"); ``dal_schedule="official"`` is the official code's warm-up + cosine 0.01 -> 0.005 instead
+      (see :meth:`MJP.dal_weight_at`).
+    * ``label_smoothing`` 0.1: the DeiT recipe the paper follows (supp. Table 7; official ``LABEL_SMOOTHING``).
+    """
+
+    ratio: float = 0.03
+    min_block: int = 8
+    min_aspect: float = 0.3
+    apply_prob: float = 0.5
+    warmup_fraction: float = 20 / 300
+    dal: str = "mlp"
+    dal_weight: float = 0.01
+    dal_schedule: str = "constant"
+    label_smoothing: float = 0.1
+
+    def validate(self) -> MJPConfig:
+        check_ratio("ratio", self.ratio)
+        if isinstance(self.min_block, bool) or not isinstance(self.min_block, int) or self.min_block < 1:
+            raise ObjectiveError(f"min_block must be an integer >= 1 (patches), got {self.min_block!r}")
+        if not 0.0 < self.min_aspect <= 1.0:
+            raise ObjectiveError(f"min_aspect must be in (0, 1] (aspects span [min_aspect, 1/min_aspect]), got "
+                                 f"{self.min_aspect}")
+        check_ratio("apply_prob", self.apply_prob, high_inclusive=True)
+        check_ratio("warmup_fraction", self.warmup_fraction)
+        if self.dal not in DAL_KINDS:
+            raise ObjectiveError(f"dal must be one of {DAL_KINDS}, got {self.dal!r}")
+        if not (math.isfinite(self.dal_weight) and self.dal_weight >= 0):
+            raise ObjectiveError(f"dal_weight (lambda) must be a finite number >= 0, got {self.dal_weight}")
+        if self.dal_schedule not in DAL_SCHEDULES:
+            raise ObjectiveError(f"dal_schedule must be one of {DAL_SCHEDULES}, got {self.dal_schedule!r}")
+        check_ratio("label_smoothing", self.label_smoothing)
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- Alg. 1
+def _noise_device(device: torch.device, generator: torch.Generator | None) -> torch.device:
+    """Draw noise where the generator lives (a CPU generator then gives the same shuffle on any device)."""
+    return generator.device if generator is not None else device
+
+
+def permute_selected(mask: torch.Tensor, generator: torch.Generator | None = None,
+                     derange: bool = True) -> torch.Tensor:
+    """Per sample, a random permutation of the selected positions among themselves (Alg. 1 ``JigsawPuzzle``).
+
+    ``mask`` (B, N) bool -> ``source`` (B, N) long: position i receives the patch of position ``source[b, i]``;
+    unselected positions map to themselves, selected ones to selected ones (a bijection per sample).
+
+    ``derange=True`` (default): a uniformly random single cycle through the m selected positions (Sattolo's
+    permutation, built from a random order), so *every* selected patch moves whenever m >= 2. The official code
+    applies ``np.random.shuffle`` to the selected indices, a uniform permutation that leaves on average one patch
+    in place — it then carries ``E_unk`` although nothing moved. Both give each selected position a patch drawn
+    uniformly from the *other* selected positions (the cycle) / from all of them (official), so the per-position
+    marginal is what the model sees either way; the cycle just guarantees that the unknown PE always marks a
+    displaced patch. ``derange=False`` is the official uniform permutation. m = 1 cannot move (identity).
+    """
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ObjectiveError(f"the jigsaw mask must be a (B, N) bool tensor, got {mask.dtype} {tuple(mask.shape)}")
+    b, n = mask.shape
+    device = mask.device
+    rank = torch.arange(n, device=device).expand(b, n)
+    noise = torch.rand(b, n, generator=generator, device=_noise_device(device, generator)).to(device)
+    # Selected positions first in random order (keys in [0, 1)), then the unselected ones in raster order (keys
+    # 1 + i), so the tail of ``order`` is the identity part of the permutation.
+    order = torch.where(mask, noise, 1.0 + rank.float()).argsort(dim=1)
+    count = mask.sum(dim=1, keepdim=True)
+    if derange:
+        # order[k] receives the patch of order[k + 1 mod m]: one m-cycle, no fixed point for m >= 2.
+        nxt = torch.where(rank < count, (rank + 1) % count.clamp_min(1), rank)
+        src_sorted = torch.gather(order, 1, nxt)
+        dest = order
+    else:
+        # selected positions in raster order receive the patches of ``order`` (a uniformly random arrangement).
+        dest = torch.where(mask, rank, n + rank).argsort(dim=1)
+        src_sorted = order
+    return torch.empty_like(order).scatter_(1, dest, src_sorted)
+
+
+def jigsaw(images: torch.Tensor, patch_size: int, ratio: float, *, min_block: int = 8, min_aspect: float = 0.3,
+           generator: torch.Generator | None = None, mask: torch.Tensor | None = None,
+           derange: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise random jigsaw puzzle shuffle (MJP Alg. 1) of a batch of images.
+
+    Per sample, BEiT's block-wise generator selects ~round(``ratio`` N) patches (Alg. 1 line 3; per sample, where
+    the official code draws one mask for the whole batch — DESIGN §3), and the selected patches are permuted among
+    themselves (line 4; see :func:`permute_selected` for ``derange``); all other patches stay bit-identical.
+
+    ``images`` (B, C, H, W) with H, W multiples of ``patch_size`` -> ``(shuffled, unknown_pos)``: the shuffled
+    images (same shape and dtype) and the (B, N) bool mask of the selected positions, raster order — the
+    ``unknown_pos`` input of the backbone / ONNX model (Eq. 4). A precomputed ``mask`` (B, N) skips the generator.
+    Deterministic given ``generator`` (mask, then permutation). Pure: usable in evaluation (consistency, Eq. 7).
+    """
+    if images.dim() != 4:
+        raise ObjectiveError(f"jigsaw expects images (B, C, H, W), got shape {tuple(images.shape)}")
+    b, _, h, w = images.shape
+    if patch_size < 1 or h % patch_size or w % patch_size:
+        raise ObjectiveError(f"patch_size {patch_size} must divide the image size {h} x {w}")
+    grid = (h // patch_size, w // patch_size)
+    if mask is None:
+        check_ratio("ratio", ratio)
+        mask = blockwise_masks(b, grid, ratio, min_block=min_block, min_aspect=min_aspect, generator=generator)
+    elif tuple(mask.shape) != (b, grid[0] * grid[1]) or mask.dtype != torch.bool:
+        raise ObjectiveError(f"mask must be a bool tensor of shape {(b, grid[0] * grid[1])}, got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+    mask = mask.to(images.device)
+    source = permute_selected(mask, generator, derange)
+    shuffled = patches_to_image(gather_rows(image_to_patches(images, patch_size), source), grid)
+    return shuffled, mask
+
+
+# ---------------------------------------------------------------------------------------------- DAL (§4.2)
+class DALRegressor(nn.Module):
+    """The map g: PE row -> (row, col) of Eq. 1, as the three variants of §5.3 / Table 4.
+
+    * ``pca``: no parameters — project the rows on their top-2 principal directions (``torch.pca_lowrank``, 5
+      iterations as the official code; differentiable w.r.t. the PE rows). As the official code, the basis comes
+      from the centred rows but the *uncentred* rows are projected. Added here: each direction's sign is fixed
+      (largest-magnitude score positive, sklearn's ``svd_flip``) so the randomized PCA does not flip the map
+      between steps.
+    * ``linear``: one Linear(D, 2) (LN).
+    * ``mlp``: Linear(D, D) - ReLU - Linear(D, D) - ReLU - Linear(D, 2), the paper's "3-layers MLP" (§5.3; the
+      official ``nonlinear`` has 2 layers, DESIGN §3 follows the paper). Hidden width D and ReLU as the official code;
+      Linear weights trunc-normal(.02), zero biases (the official model's ``_init_vit_weights`` reaches them too).
+
+    ``forward(pe_rows)``: (M, D) -> (M, 2) predicted (row, col).
+
+    >>> g = DALRegressor(backbone.embed_dim, "mlp")
+    >>> loss = dal_loss(g, backbone.pos_embed()[0], keep_mask=~unknown_pos, grid=backbone.grid)
+    """
+
+    def __init__(self, dim: int, kind: str = "mlp") -> None:
+        super().__init__()
+        if kind not in DAL_KINDS:
+            raise ObjectiveError(f"DAL map must be one of {DAL_KINDS}, got {kind!r}")
+        if dim < 2:
+            raise ObjectiveError(f"DAL needs PE rows of width >= 2, got {dim}")
+        self.kind, self.dim = kind, dim
+        if kind == "linear":
+            self.layers: nn.Module = nn.Linear(dim, 2)
+        elif kind == "mlp":
+            self.layers = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim), nn.ReLU(),
+                                        nn.Linear(dim, 2))
+        else:
+            self.layers = nn.Identity()
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, pe_rows: torch.Tensor) -> torch.Tensor:
+        if pe_rows.dim() != 2 or pe_rows.shape[1] != self.dim:
+            raise ObjectiveError(f"DAL expects PE rows (M, {self.dim}), got {tuple(pe_rows.shape)}")
+        if self.kind != "pca":
+            return self.layers(pe_rows)
+        rows = pe_rows.float()
+        u, _, v = torch.pca_lowrank(rows, q=2, center=True, niter=5)
+        with torch.no_grad():
+            sign = torch.sign(torch.gather(u, 0, u.abs().argmax(dim=0, keepdim=True)))
+            sign[sign == 0] = 1.0
+        return (rows @ (v * sign)).to(pe_rows.dtype)
+
+
+def dal_loss(regressor: DALRegressor, pe_table: torch.Tensor, keep_mask: torch.Tensor | None = None,
+             grid: tuple[int, int] | None = None) -> torch.Tensor:
+    """L_DAL (Eq. 2): mean L1 between g(E_pos^{i,j}) and the integer grid coordinate (i, j) of each kept position.
+
+    ``pe_table`` (N, D) or (1, N, D): the PE rows of the patch positions in raster order (``backbone.pos_embed()``;
+    no CLS row) — image-independent. ``grid`` (h, w); None = a square grid. ``keep_mask``: None (all positions),
+    (N,) or (B, N) bool — the *unshuffled* positions (Alg. 2 line 3). With per-sample masks (B, N) the loss is the
+    mean over samples of each sample's mean over its kept positions (with one mask for the batch, as the official
+    code, this is exactly its loss). The L1 is averaged over the two coordinates as the official ``F.l1_loss``
+    (lambda = 0.01 was tuned with it), i.e. half of Eq. 2's ||.||_1. For ``pca`` the basis is fitted on all N rows
+    (the official code fits it on the kept rows of its one batch mask; per-sample masks have no single kept set).
+    """
+    table = pe_table[0] if pe_table.dim() == 3 and pe_table.shape[0] == 1 else pe_table
+    if table.dim() != 2:
+        raise ObjectiveError(f"pe_table must be (N, D) or (1, N, D), got {tuple(pe_table.shape)}")
+    n = table.shape[0]
+    if grid is None:
+        side = math.isqrt(n)
+        if side * side != n:
+            raise ObjectiveError(f"{n} PE rows are not a square grid: pass grid=(h, w)")
+        grid = (side, side)
+    if len(grid) != 2 or grid[0] * grid[1] != n:
+        raise ObjectiveError(f"grid {tuple(grid)} does not have {n} positions (the PE rows)")
+    coords = grid_coords(tuple(grid)).to(table.device, torch.float32)
+    err = F.l1_loss(regressor(table).float(), coords, reduction="none").mean(dim=1)  # (N,)
+    if keep_mask is None:
+        return err.mean()
+    keep = keep_mask if keep_mask.dim() == 2 else keep_mask.unsqueeze(0)
+    if keep.dtype != torch.bool or keep.shape[-1] != n:
+        raise ObjectiveError(f"keep_mask must be bool (N={n},) or (B, {n}), got {keep_mask.dtype} "
+                             f"{tuple(keep_mask.shape)}")
+    keep = keep.to(err.device).float()
+    count = keep.sum(dim=1)
+    per_sample = (keep * err).sum(dim=1) / count.clamp_min(1.0)
+    return per_sample.sum() / (count > 0).sum().clamp_min(1)  # samples with every position shuffled drop out
+
+
+# ---------------------------------------------------------------------------------------------- objective
+class MJP(nn.Module):
+    """MJP objective (Alg. 2) on an image backbone with an additive PE (``learned`` or ``sincos2d``) and a head.
+
+    Calls ``backbone.enable_unknown_pos()``: the shared ``E_unk`` of Eq. 4 lives in the backbone (saved with the
+    checkpoint, an input of the ONNX graph through ``unknown_pos``). The DAL regressor lives here: training only.
+    With a fixed ``sincos2d`` table DAL trains g alone and cannot change the backbone; it acts on ``learned`` PEs.
+
+    ``forward(batch, progress=None, generator=None)`` on ``(images, labels)`` (labels: indices or soft targets):
+    in training mode, once ``progress >= warmup_fraction`` and with probability ``apply_prob`` per batch, the batch
+    goes through :func:`jigsaw` and the shuffled positions get ``E_unk``; loss = CE (+ label smoothing, or soft
+    targets, as :class:`Supervised`) + lambda(progress) * DAL over the unshuffled positions (all positions on steps
+    without jigsaw). ``progress=None`` means "no schedule": past the warm-up, lambda = ``dal_weight``. In eval mode
+    it is the plain classifier loss (no jigsaw, no DAL). Returns ``loss`` and detached ``ce``, ``dal``, ``acc``,
+    ``jigsaw`` (1.0 when this batch was shuffled) and ``dal_weight``.
+    """
+
+    def __init__(self, backbone: Backbone, config: MJPConfig | None = None) -> None:
+        super().__init__()
+        self.config = c = (config or MJPConfig()).validate()
+        require_pos_mode(backbone, ("learned", "sincos2d"), "MJP")  # Eq. 3-5: an additive, per-position PE table
+        if backbone.config.modality != "image":
+            raise ObjectiveError("MJP shuffles 2-D image patches: it needs an image backbone")
+        if backbone.config.num_classes < 1:
+            raise ObjectiveError("MJP is supervised training: create the backbone with num_classes >= 1")
+        n = backbone.num_patches
+        if c.ratio > 0 and round(c.ratio * n) < 2:
+            raise ObjectiveError(f"ratio {c.ratio} selects round({c.ratio} * {n}) = {round(c.ratio * n)} of the "
+                                 f"{n} patches: the jigsaw needs at least 2 to permute; use ratio >= {2 / n:.3f}")
+        backbone.enable_unknown_pos()
+        self.backbone = backbone
+        self.patch_size = backbone.config.patch_size
+        self.dal = DALRegressor(backbone.embed_dim, c.dal)
+
+    # ------------------------------------------------------------------ schedules
+    @staticmethod
+    def _progress(progress: float | None) -> float | None:
+        if progress is None:
+            return None
+        p = float(progress)
+        if not 0.0 <= p <= 1.0:
+            raise ObjectiveError(f"progress must be in [0, 1] (training fraction done), got {progress}")
+        return p
+
+    def dal_weight_at(self, progress: float | None) -> float:
+        """lambda at training ``progress``: ``constant`` = ``dal_weight`` (§4.2); ``official`` = the official
+        ``utils.cosine_scheduler(lambda, lambda / 2, epochs, warmup_epochs)`` as a function of progress: linear
+        0 -> lambda over the warm-up, then cosine lambda -> lambda / 2 (0.01 -> 0.005) until the end."""
+        c = self.config
+        p = self._progress(progress)
+        if c.dal_schedule == "constant" or p is None:
+            return c.dal_weight
+        w = c.warmup_fraction
+        if p < w:
+            return c.dal_weight * p / w
+        t = (p - w) / (1.0 - w)
+        final = 0.5 * c.dal_weight
+        return final + 0.5 * (c.dal_weight - final) * (1.0 + math.cos(math.pi * t))
+
+    def jigsaw_applies(self, progress: float | None, generator: torch.Generator | None = None) -> bool:
+        """Whether this batch is shuffled: training mode, past the warm-up, and a coin with ``apply_prob`` (the
+        official ``torch.rand(1) > AUG.JIGSAW``: a random half of the batches). Draws from ``generator``."""
+        c = self.config
+        p = self._progress(progress)
+        if not self.training or c.ratio == 0 or (p is not None and p < c.warmup_fraction):
+            return False
+        device = generator.device if generator is not None else "cpu"
+        return bool(torch.rand(1, generator=generator, device=device).item() < c.apply_prob)
+
+    # ------------------------------------------------------------------ steps (Alg. 2)
+    def apply_jigsaw(self, images: torch.Tensor, progress: float | None = None,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Alg. 2 line 1: ``(images, None)`` or, when :meth:`jigsaw_applies`, ``jigsaw(images)`` with its mask."""
+        if not self.jigsaw_applies(progress, generator):
+            return images, None
+        c = self.config
+        return jigsaw(images, self.patch_size, c.ratio, min_block=c.min_block, min_aspect=c.min_aspect,
+                      generator=generator)
+
+    def dal_term(self, unknown_pos: torch.Tensor | None) -> torch.Tensor:
+        """Alg. 2 line 3: L_DAL on the PE table rows of the positions not shuffled (per sample)."""
+        keep = None if unknown_pos is None else ~unknown_pos
+        return dal_loss(self.dal, self.backbone.pos_embed()[0], keep, grid=self.backbone.grid)
+
+    def forward(self, batch: Any, progress: float | None = None,
+                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        images, labels = split_batch(batch)
+        if labels is None:
+            raise ObjectiveError("MJP is supervised: it needs (inputs, labels) batches")
+        shuffled, unknown_pos = self.apply_jigsaw(images, progress, generator)
+        logits = self.backbone(shuffled, unknown_pos=unknown_pos)  # Eq. 5: E_unk where shuffled, CLS keeps its PE
+        ce, acc = classification_loss(logits, labels, self.config.label_smoothing)
+        weight = self.dal_weight_at(progress)
+        if self.training and self.config.dal_weight > 0:
+            dal = self.dal_term(unknown_pos)
+            loss = ce + weight * dal
+        else:
+            dal, loss = ce.new_zeros(()), ce
+        flag = 1.0 if unknown_pos is not None else 0.0
+        return {"loss": loss, "ce": ce.detach(), "dal": dal.detach(), "acc": acc,
+                "jigsaw": ce.new_tensor(flag).detach(), "dal_weight": ce.new_tensor(weight).detach()}

@@ -1,0 +1,236 @@
+"""RandSAC — Random Segments with Autoregressive Coding (Hua et al. 2022, ``randsac.txt``).
+
+Tokens are grouped into segments (blobs or squares, §3.2), the segments are serialized in a random, optionally
+hierarchical order (§3.3), and a masked encoder-decoder predicts the pixels of each segment from the segments before
+it (§4.1, Fig. 4): tokens inside a segment are predicted in parallel, segments one after another.
+
+* Encoder: the backbone on all patch tokens + fixed 2-D sin-cos PE, no class token (the paper has none: App. B.2
+  pools the encoder's average feature), under the segment-causal *source mask* (a token sees its own segment and
+  the earlier ones).
+* Decoder: inputs are the fixed sin-cos PEs of the tokens to predict; self-attention under the same source mask;
+  cross-attention to the encoder under the *memory mask*, which also hides the segment being predicted — except for
+  the first segment, which has no predecessor and "attends to its own encoding" (§4.1). Its prediction can thus
+  see its own pixels, so it is left out of the loss.
+* Trainable skip connections (§4.2, Table 8): decoder layer l attends to ``Z^l = sum_k W[k, l] H^k`` over the
+  encoder layers' outputs H^1..H^L_enc.
+* Loss: MSE to per-patch normalized pixels (``norm_pix_loss``, Tables 7, 13-14) on every token whose segment is
+  not the first.
+
+Evaluation and fine-tuning drop both masks and the decoder (§4.1 "Evaluation"): use ``model.backbone`` as is, with
+full attention (the paper fine-tunes / probes on the average-pooled feature, App. B.2: ``global_pool="mean"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from timm.layers import Mlp
+from torch import nn
+
+from patchplace.models import Backbone, sincos_2d
+from patchplace.models.attention import Attention
+
+from .common import ObjectiveConfig, ObjectiveError, check_positive, init_linear, require_pos_mode, split_batch
+from .mae import pixel_targets
+from .segments import blob_segments, patch_random_order, raster_order, serialize, square_segments
+
+SEGMENT_TYPES = ("blob", "square", "raster", "patch_random")
+
+
+@dataclass
+class RandSACConfig(ObjectiveConfig):
+    """RandSAC defaults.
+
+    ``segments``: ``blob`` (paper default, §3.2 "we choose blobs for the remainder"), ``square``, or the segment-free
+    ablations ``raster`` / ``patch_random`` (one token per segment, Tables 1-3).
+    ``num_segments``: K blobs (11, the default of the CIFAR-10 / ImageNet-100 / ImageNet-1K runs, Table 7, §5).
+    ``square_size``: M for square segments (2, the best of Table 4).
+    ``hierarchy``: partition counts per level above the segments, strictly decreasing: ``(5,)`` is "11 -> 5", the
+    CIFAR-10 / ImageNet-100 default (App. A.1, §5 low-data); ImageNet-1K uses ``(7, 3)`` ("11 -> 7 -> 3", §5);
+    ``()`` is flat random serialization.
+    Decoder: 4 layers of width 512 with 16 heads — the ImageNet-1K model of §5 / Table 10 (CIFAR-10 used 3 layers,
+    ImageNet-100 4 layers, each as wide as the encoder, App. A.1).
+    ``skip_connections``: trainable skip connections (§4.2, on in every final model, Table 8).
+    ``norm_pix_loss``: per-patch normalized pixel targets (Tables 7, 13, 14).
+    """
+
+    segments: str = "blob"
+    num_segments: int = 11
+    square_size: int = 2
+    hierarchy: tuple[int, ...] = (5,)
+    decoder_dim: int = 512
+    decoder_depth: int = 4
+    decoder_heads: int = 16
+    decoder_mlp_ratio: float = 4.0
+    skip_connections: bool = True
+    norm_pix_loss: bool = True
+
+    def validate(self) -> RandSACConfig:
+        if self.segments not in SEGMENT_TYPES:
+            raise ObjectiveError(f"segments must be one of {SEGMENT_TYPES}, got {self.segments!r}")
+        self.hierarchy = tuple(self.hierarchy)  # from JSON / YAML lists
+        if self.segments == "blob" and self.num_segments < 2:
+            raise ObjectiveError(f"num_segments must be >= 2 (one segment leaves nothing to predict), got "
+                                 f"{self.num_segments}")
+        check_positive("square_size", self.square_size)
+        if self.hierarchy and self.segments in ("raster", "patch_random"):
+            raise ObjectiveError(f"hierarchy must be () for segments={self.segments!r} (one token per segment), got "
+                                 f"{self.hierarchy}")
+        top = self.num_segments if self.segments == "blob" else None
+        for parts in self.hierarchy:
+            if not isinstance(parts, int) or parts < 1 or (top is not None and parts >= top):
+                raise ObjectiveError(f"hierarchy must be strictly decreasing partition counts >= 1 below "
+                                     f"num_segments={self.num_segments} (e.g. (5,) for 11 -> 5), got {self.hierarchy}")
+            top = parts
+        for name in ("decoder_dim", "decoder_depth", "decoder_heads", "decoder_mlp_ratio"):
+            check_positive(name, getattr(self, name))
+        if self.decoder_dim % self.decoder_heads or self.decoder_dim % 4:
+            raise ObjectiveError(f"decoder_dim must be divisible by decoder_heads ({self.decoder_heads}) and by 4 "
+                                 f"(2-D sin-cos PE), got {self.decoder_dim}")
+        return self
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm Transformer decoder block (§4.1, Fig. 4 right): masked self-attention, masked cross-attention to the
+    memory, MLP — each with a residual connection."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.cross_attn = Attention(dim, num_heads)
+        self.norm3 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, d), memory (B, S, d); masks bool (True = attend), broadcastable to (B, heads, T, T / S)."""
+        x = x + self.attn(self.norm1(x), attn_mask=self_mask)
+        x = x + self.cross_attn(self.norm2(x), attn_mask=memory_mask, memory=memory)
+        return x + self.mlp(self.norm3(x))
+
+
+class RandSAC(nn.Module):
+    """RandSAC pretraining on an image backbone with ``pos_embed='sincos2d'``.
+
+    >>> backbone = create_model("vit_tiny", img_size=32, patch_size=4, pos_embed="sincos2d", global_pool="mean")
+    >>> model = RandSAC(backbone, RandSACConfig(decoder_dim=192, decoder_depth=3, decoder_heads=3))
+    >>> out = model(images)                      # {"loss", "num_segments"}
+    >>> out["loss"].backward()
+    >>> features = model.backbone.forward_features(images)   # evaluation: no masks, no decoder
+    """
+
+    def __init__(self, backbone: Backbone, config: RandSACConfig | None = None) -> None:
+        super().__init__()
+        self.config = c = (config or RandSACConfig()).validate()
+        require_pos_mode(backbone, ("sincos2d",), "RandSAC")
+        if backbone.config.modality != "image":
+            raise ObjectiveError("RandSAC needs an image backbone (2-D token grid)")
+        self.backbone = backbone
+        self.grid = tuple(backbone.grid)
+        self.patch_size = backbone.config.patch_size
+        if c.segments == "square" and self._num_squares() < 2:
+            raise ObjectiveError(f"square_size={c.square_size} gives one segment on the {self.grid} token grid: "
+                                 "nothing to predict; use a smaller square_size")
+        if c.segments == "square" and c.hierarchy and c.hierarchy[0] >= self._num_squares():
+            raise ObjectiveError(f"hierarchy {c.hierarchy} must start below the {self._num_squares()} square "
+                                 f"segments of the {self.grid} grid")
+        enc_depth, dim = len(backbone.blocks), backbone.embed_dim
+        # §4.1: the decoder input is a fixed sin-cos PE of the tokens to predict, built directly in decoder width.
+        self.register_buffer("decoder_pos", sincos_2d(self.grid, c.decoder_dim).unsqueeze(0), persistent=False)
+        self.decoder_embed = nn.Linear(dim, c.decoder_dim)  # encoder memory -> decoder width
+        self.decoder_blocks = nn.ModuleList(DecoderBlock(c.decoder_dim, c.decoder_heads, c.decoder_mlp_ratio)
+                                            for _ in range(c.decoder_depth))
+        self.decoder_norm = nn.LayerNorm(c.decoder_dim, eps=1e-6)
+        self.decoder_pred = nn.Linear(c.decoder_dim, self.patch_size**2 * backbone.config.in_chans)
+        # App. B.1: xavier-uniform for the Transformer blocks (as MAE's decoder; common.init_linear).
+        self._init_decoder()
+        # §4.2 skip connections: W (L_enc x L_dec), Z^l = sum_k W[k, l] H^k. The paper calls it a plain linear layer
+        # (no softmax / normalization) and gives no init: we start every decoder layer from the average of the
+        # encoder layers (W = 1 / L_enc), so all layers feed the decoder from step 0 and W stays unconstrained.
+        self.skip_weight = (nn.Parameter(torch.full((enc_depth, c.decoder_depth), 1.0 / enc_depth))
+                            if c.skip_connections else None)
+
+    def _init_decoder(self) -> None:
+        for module in (self.decoder_embed, self.decoder_blocks, self.decoder_pred):
+            module.apply(init_linear)
+
+    def _num_squares(self) -> int:
+        return int(square_segments(self.grid, self.config.square_size).max()) + 1
+
+    # ------------------------------------------------------------------ segments, serialization, masks
+    def make_order(self, batch: int, generator: torch.Generator | None = None,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+        """(B, N) per-sample segment rank of every token (0 = first segment), §3.1-§3.3."""
+        c = self.config
+        if c.segments == "raster":
+            order = raster_order(self.grid, batch)
+        elif c.segments == "patch_random":
+            order = patch_random_order(self.grid, generator, batch)
+        else:
+            if c.segments == "blob":
+                ids = blob_segments(self.grid, c.num_segments, generator, batch)
+            else:
+                ids = square_segments(self.grid, c.square_size, batch)
+            order = serialize(ids, self.grid, c.hierarchy, generator)
+        return order.to(device)
+
+    @staticmethod
+    def source_mask(order: torch.Tensor) -> torch.Tensor:
+        """(B, 1, N, N) bool: query i may attend to key j iff j's segment is i's or an earlier one (Fig. 4)."""
+        return (order[:, None, :] <= order[:, :, None]).unsqueeze(1)
+
+    @staticmethod
+    def memory_mask(order: torch.Tensor) -> torch.Tensor:
+        """(B, 1, N, N) bool: a token of segment s sees encoder tokens of segments < s only; the first segment has
+        no predecessor and sees its own encoding (§4.1)."""
+        earlier = order[:, None, :] < order[:, :, None]
+        first = (order[:, None, :] == 0) & (order[:, :, None] == 0)
+        return (earlier | first).unsqueeze(1)
+
+    # ------------------------------------------------------------------ encoder, decoder, loss
+    def forward_encoder(self, images: torch.Tensor, order: torch.Tensor) -> list[torch.Tensor]:
+        """Patch tokens + sin-cos PE through every block under the source mask. Returns H^1..H^L_enc, each
+        (B, N, D) and passed through the backbone's final norm (so H^L_enc is ``forward_tokens``' output)."""
+        x = self.backbone.patch_embed(images) + self.backbone.pos_embed()
+        mask = self.source_mask(order)
+        hidden = []
+        for block in self.backbone.blocks:
+            x = block(x, attn_mask=mask)
+            hidden.append(self.backbone.norm(x))
+        return hidden
+
+    def memories(self, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """(L_dec, B, N, d) memory per decoder layer: the skip-connection mix of all encoder layers (§4.2), or the
+        last encoder layer for every decoder layer without skip connections."""
+        if self.skip_weight is None:
+            return self.decoder_embed(hidden[-1]).expand(len(self.decoder_blocks), -1, -1, -1)
+        mixed = torch.einsum("kl,kbnd->lbnd", self.skip_weight, torch.stack(hidden))
+        return self.decoder_embed(mixed)
+
+    def forward_decoder(self, hidden: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
+        """Decode every token from its PE -> (B, N, p*p*C) pixel predictions (raster order)."""
+        self_mask, memory_mask = self.source_mask(order), self.memory_mask(order)
+        x = self.decoder_pos.expand(order.shape[0], -1, -1)
+        for block, memory in zip(self.decoder_blocks, self.memories(hidden), strict=True):
+            x = block(x, memory, self_mask, memory_mask)
+        return self.decoder_pred(self.decoder_norm(x))
+
+    def targets(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, N, p*p*C) patches, normalized per patch with ``norm_pix_loss`` (as MAE)."""
+        return pixel_targets(images, self.patch_size, self.config.norm_pix_loss)
+
+    def forward_loss(self, images: torch.Tensor, pred: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """Mean squared error per patch, averaged over the tokens of every segment after the first."""
+        per_patch = ((pred - self.targets(images)) ** 2).mean(dim=-1)
+        predicted = (order > 0).to(per_patch.dtype)
+        return (per_patch * predicted).sum() / predicted.sum().clamp_min(1)
+
+    def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
+        images, _ = split_batch(batch)
+        order = self.make_order(images.shape[0], generator, images.device)
+        pred = self.forward_decoder(self.forward_encoder(images, order), order)
+        loss = self.forward_loss(images, pred, order)
+        return {"loss": loss, "num_segments": (order.amax(dim=1) + 1).float().mean().detach()}
