@@ -24,6 +24,7 @@ from .common import num_kept
 from .droppos import DropPos, DropPosConfig
 from .ijepa import IJEPA, IJEPAConfig
 from .mae import MAE, MAEConfig
+from .mjp import MJP, MJPConfig
 from .mp3 import MP3, MP3Config
 from .randsac import RandSAC, RandSACConfig
 from .supervised import Supervised
@@ -43,8 +44,11 @@ def train_flops(objective: nn.Module) -> int:
     """FLOPs of one training step of ``objective`` (see module docstring for the model)."""
     bb = objective.backbone if hasattr(objective, "backbone") else objective
     n, d = bb.num_patches, bb.embed_dim
-    if isinstance(objective, Supervised):
-        return 3 * (_encoder_flops(bb, n + 1) + 2 * d * bb.config.num_classes)
+    if isinstance(objective, (Supervised, MJP)):
+        flops = 3 * (_encoder_flops(bb, n + 1) + 2 * d * bb.config.num_classes)
+        if isinstance(objective, MJP):  # + the DAL regressor on the N PE-table rows (mlp: D -> D -> D -> 2)
+            flops += 3 * 2 * n * (2 * d * d + 2 * d)
+        return flops
     if isinstance(objective, MP3):
         m = num_kept(n, objective.config.eta)
         return 3 * (_encoder_flops(bb, n, m) + 2 * n * d * n)
@@ -91,6 +95,9 @@ def default_objectives(in_chans: int = 1, num_classes: int = 10, decoder_dim: in
                                                                        decoder_heads=decoder_heads)),
         "mae": lambda: MAE(backbone("sincos2d"), MAEConfig(decoder_dim=decoder_dim, decoder_depth=decoder_depth,
                                                            decoder_heads=decoder_heads)),
+        # MJP with the jigsaw on every step (the recipe shuffles half the batches after warm-up): the worst case.
+        "mjp": lambda: MJP(backbone("learned", num_classes), MJPConfig(ratio=0.15, apply_prob=1.0,
+                                                                       warmup_fraction=0.0)),
         "randsac": lambda: RandSAC(backbone("sincos2d"), RandSACConfig(decoder_dim=decoder_dim,
                                                                        decoder_depth=decoder_depth,
                                                                        decoder_heads=decoder_heads)),
@@ -112,8 +119,10 @@ def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64,
     optimizers = {name: torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-4)
                   for name, obj in objectives.items()}
     times: dict[str, list[float]] = {name: [] for name in objectives}
+    names = list(objectives)
     for i in range(warmup + repeats):
-        for name, obj in objectives.items():  # round-robin: noise is shared
+        for name in names[i % len(names):] + names[: i % len(names)]:  # rotated round-robin: shared noise, no
+            obj = objectives[name]  # systematic advantage for whoever runs first in a round
             start = time.perf_counter()
             loss = obj((images, labels), progress=0.5)["loss"]
             optimizers[name].zero_grad(set_to_none=True)

@@ -119,8 +119,11 @@ class IJEPA(nn.Module):
     def update_target(self, progress: float) -> float:
         """theta_target <- m theta_target + (1 - m) theta_context; call after each optimizer step."""
         m = self.momentum(progress)
-        for target, online in zip(self.target_encoder.parameters(), self.backbone.parameters(), strict=True):
-            target.mul_(m).add_(online.detach(), alpha=1.0 - m)
+        targets, online = list(self.target_encoder.parameters()), list(self.backbone.parameters())
+        if len(targets) != len(online):
+            raise ObjectiveError("the target encoder no longer mirrors the context encoder (parameters differ)")
+        torch._foreach_mul_(targets, m)  # one fused pass over all tensors (as timm's ModelEmaV3)
+        torch._foreach_add_(targets, [p.detach() for p in online], alpha=1.0 - m)
         return m
 
     # ------------------------------------------------------------------ steps

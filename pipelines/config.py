@@ -1,0 +1,217 @@
+"""Pipeline configs: YAML files in ``pipelines/configs/`` + ``section.field=value`` overrides on the command line,
+loaded into validated dataclasses. Unknown keys, bad ranges and missing datasets fail up front with one line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong (names the key and what is expected)."""
+
+
+@dataclass
+class DataSection:
+    """Shards and the input pipeline (see patchplace.data)."""
+
+    train: str = "shards/fashion_mnist/train"  # split directory with manifest.json
+    val: str = "shards/fashion_mnist/test"
+    train_urls: str | None = None  # optional override: brace pattern or pipe: URLs of the same shards
+    val_urls: str | None = None
+    batch_size: int = 128  # per process
+    num_workers: int = 2
+    shuffle_buffer: int = 5000
+    pad_to: int | None = 32  # images: zero-pad (28 -> 32 for patch 4)
+    img_size: int | None = None  # images: resize/crop side (default: native or padded side)
+    scale: tuple[float, float] = (0.35, 1.0)  # RandomResizedCrop area range
+    hflip: float = 0.5
+    auto_augment: str | None = None
+    re_prob: float = 0.0
+    noise_split: str | None = None  # audio: background_noise split for noise mixing
+    train_limit: int | None = None  # cap on samples per process per epoch (None: the whole split)
+    val_limit: int | None = None
+
+    def validate(self) -> None:
+        for name in ("batch_size",):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_workers < 0 or self.shuffle_buffer < 0:
+            raise ConfigError("data.num_workers and data.shuffle_buffer must be >= 0")
+        for name in ("train", "val"):
+            path = Path(getattr(self, name))
+            if not (path / "manifest.json").is_file():
+                raise ConfigError(f"data.{name}: no manifest.json in {path}; build the shards first (make data, or "
+                                  f"python data/fashion_mnist.py --out {path.parent})")
+
+
+@dataclass
+class ModelSection:
+    """Backbone: a preset of patchplace.models plus overrides, or a pretrained checkpoint (fine-tuning)."""
+
+    preset: str = "vit_cpu"
+    overrides: dict[str, Any] = field(default_factory=dict)  # BackboneConfig fields, e.g. {embed_dim: 128}
+    checkpoint: str | None = None  # save_pretrained() directory to start from
+
+
+@dataclass
+class OptimSection:
+    """AdamW (timm) with linear warm-up and cosine decay."""
+
+    epochs: float = 1.0
+    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.01
+    clip_grad: float | None = 1.0
+    layer_decay: float | None = None  # layer-wise lr decay (fine-tuning, e.g. 0.75)
+
+    def validate(self) -> None:
+        if self.epochs <= 0 and not self.max_steps:
+            raise ConfigError(f"optim.epochs must be > 0 (or set optim.max_steps), got {self.epochs}")
+        if self.lr <= 0 or self.weight_decay < 0:
+            raise ConfigError(f"optim.lr must be > 0 and optim.weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+        if not 0 <= self.warmup_fraction < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("optim.warmup_fraction must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
+            raise ConfigError(f"optim.layer_decay must be in (0, 1], got {self.layer_decay}")
+
+
+@dataclass
+class RunSection:
+    """Output, seeds, precision, logging and checkpoint cadence."""
+
+    output: str = "runs/default"
+    seed: int = 0
+    mixed_precision: str = "no"  # no | fp16 | bf16
+    grad_accum: int = 1
+    log_every: int = 10  # steps
+    checkpoint_every: int = 0  # steps; 0 = only at the end
+    eval_every: int = 0  # steps; 0 = only at the end
+    resume: bool = False  # continue from output/state if it exists
+    tensorboard: bool = True
+
+    def validate(self) -> None:
+        if self.mixed_precision not in ("no", "fp16", "bf16"):
+            raise ConfigError(f"run.mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
+        if self.grad_accum < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.eval_every < 0:
+            raise ConfigError("run.grad_accum and run.log_every must be >= 1, checkpoint/eval cadences >= 0")
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check / convert a YAML value against a (simple) type hint."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} is not a {hint}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, key) for v, a in zip(value, args, strict=True))
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
+    if hint is Any:
+        return value
+    return value
+
+
+def build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    """Instantiate dataclass ``cls`` from a nested dict; unknown keys and wrong types are errors."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {[prefix + u for u in unknown]}; known: {sorted(known)}")
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        values[name] = build(hint, value, f"{prefix}{name}.") if is_dataclass(hint) else _coerce(
+            value, hint, prefix + name)
+    return cls(**values)
+
+
+def set_dotted(raw: dict[str, Any], assignment: str) -> None:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like section.field=value")
+    key, text = assignment.split("=", 1)
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {part} is not a section")
+    node[parts[-1]] = yaml.safe_load(text)
+
+
+def load(cls: type, path: str | None, overrides: list[str]) -> Any:
+    """YAML file (optional) + overrides -> validated ``cls`` instance."""
+    raw: dict[str, Any] = {}
+    if path:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {file} not found; see pipelines/configs/ for the shipped ones")
+        raw = yaml.safe_load(file.read_text()) or {}
+    for assignment in overrides:
+        set_dotted(raw, assignment)
+    config = build(cls, raw)
+    validate(config)
+    return config
+
+
+def validate(config: Any) -> None:
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if is_dataclass(value):
+            validate(value)
+    if hasattr(config, "validate"):
+        config.validate()
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """One line per field with its default (for --help)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        hint = hints[f.name]
+        if is_dataclass(hint):
+            lines += describe(hint, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {prefix}{f.name} = {default!r}")
+    return lines
+
+
+def parser(cls: type, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="config fields (override with section.field=value):\n"
+                                       + "\n".join(describe(cls)))
+    p.add_argument("--config", help="YAML file (pipelines/configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.field=value, e.g. optim.lr=3e-4 run.output=runs/x")
+    return p
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
