@@ -131,3 +131,30 @@ def test_raw_mode_yields_undecoded_webdataset_samples(toy_split):
     split_dir, _ = toy_split
     sample = next(iter(ShardDataset(split_dir, decode=False)))
     assert sample["__key__"] == "00000" and sample["png"][:4] == b"\x89PNG" and sample["cls"] == b"0"
+
+
+def test_seeded_transforms_do_not_depend_on_worker_count_or_global_rng(toy_split):
+    split_dir, _ = toy_split
+    noise = lambda x: x.float() + torch.rand(1)  # noqa: E731 - uses the global torch RNG
+
+    def run(workers: int, global_seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(global_seed)
+        ds = ShardDataset(split_dir, transform=noise, seeded_transforms=True, return_key=True, seed=5,
+                          num_workers=workers)
+        return {k: x for batch in make_loader(ds, 4) for x, k in zip(batch[0], batch[2], strict=True)}
+
+    a, b = run(0, 1), run(2, 2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.manual_seed(3)
+    before = torch.rand(1)
+    torch.manual_seed(3)
+    ds = ShardDataset(split_dir, transform=noise, seeded_transforms=True)
+    ds._prepare(next(iter(ShardDataset(split_dir, decode=False))))
+    assert torch.equal(torch.rand(1), before), "the caller's RNG state is restored"
+
+
+def test_num_batches_matches_the_loader(toy_split):
+    split_dir, _ = toy_split
+    for workers in (0, 2):
+        ds = ShardDataset(split_dir, num_workers=workers, world_size=2, rank=1)
+        assert ds.num_batches(3) == len(list(make_loader(ds, 3)))

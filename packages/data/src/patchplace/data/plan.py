@@ -136,11 +136,17 @@ def _trim_balanced(quotas: list[int], total: int) -> list[int]:
     return out
 
 
-def samples_per_rank(
+def worker_quotas_for_epoch(
     counts: Sequence[int], *, epoch: int, seed: int, world_size: int, num_workers: int,
     shuffle_shards: bool = True, split_by: str = "auto", epoch_length: int | None = None,
-) -> int:
-    """Length of an epoch on every rank (what ``len(dataset)`` reports)."""
+) -> list[int]:
+    """Samples each worker index yields in ``epoch`` (the same on every rank)."""
     dealt = dealt_shards(split_by, len(counts), world_size * num_workers)
     order = shard_order(len(counts), seed, epoch, shuffle_shards)
-    return sum(worker_quotas(counts, order, dealt, world_size, num_workers, epoch_length))
+    return worker_quotas(counts, order, dealt, world_size, num_workers, epoch_length)
+
+
+def samples_per_rank(counts: Sequence[int], **kwargs) -> int:
+    """Length of an epoch on every rank (what ``len(dataset)`` reports); kwargs as
+    :func:`worker_quotas_for_epoch`."""
+    return sum(worker_quotas_for_epoch(counts, **kwargs))

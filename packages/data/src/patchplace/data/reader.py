@@ -16,6 +16,7 @@ same shards from elsewhere — the manifest still provides counts, classes and n
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import tarfile
@@ -32,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .codecs import decode_image_bytes, read_wav
 from .errors import DataError
 from .manifest import Manifest
-from .plan import WorkerPlan, plan_epoch, samples_per_rank
+from .plan import WorkerPlan, plan_epoch, worker_quotas_for_epoch
 
 _CORRUPT = (tarfile.TarError, OSError, EOFError, ValueError, KeyError)
 
@@ -59,6 +60,9 @@ class ShardDataset(IterableDataset):
         epoch_length: cap on samples per rank per epoch (``with_epoch`` style).
         skip_corrupt: skip (and count in ``skipped``) unreadable or truncated shards instead of raising.
         return_key: also yield each sample's ``__key__``.
+        seeded_transforms: run ``transform`` under a random state derived from (seed, epoch, sample key), so
+            augmentations are the same whatever the worker count and survive an exact resume (the caller's
+            global RNG state is restored afterwards).
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class ShardDataset(IterableDataset):
         epoch_length: int | None = None,
         skip_corrupt: bool = False,
         return_key: bool = False,
+        seeded_transforms: bool = False,
     ) -> None:
         super().__init__()
         self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
@@ -91,6 +96,7 @@ class ShardDataset(IterableDataset):
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.split_by, self.epoch_length, self.skip_corrupt = split_by, epoch_length, skip_corrupt
+        self.seeded_transforms = seeded_transforms
         self.epoch = 0
         self.skipped: list[str] = []
         len(self)  # validate the plan parameters now, not in a worker
@@ -100,10 +106,19 @@ class ShardDataset(IterableDataset):
         """Select the epoch whose shard order and shuffles to produce (call before iterating)."""
         self.epoch = int(epoch)
 
+    def _quotas(self) -> list[int]:
+        return worker_quotas_for_epoch(self.counts, epoch=self.epoch, seed=self.seed, world_size=self.world_size,
+                                       num_workers=max(self.num_workers, 1), shuffle_shards=self.shuffle_buffer > 0,
+                                       split_by=self.split_by, epoch_length=self.epoch_length)
+
     def __len__(self) -> int:
-        return samples_per_rank(self.counts, epoch=self.epoch, seed=self.seed, world_size=self.world_size,
-                                num_workers=max(self.num_workers, 1), shuffle_shards=self.shuffle_buffer > 0,
-                                split_by=self.split_by, epoch_length=self.epoch_length)
+        return sum(self._quotas())
+
+    def num_batches(self, batch_size: int, drop_last: bool = False) -> int:
+        """Batches a DataLoader over this dataset yields this epoch (each worker batches its own samples);
+        identical on every rank."""
+        per = (lambda q: q // batch_size) if drop_last else (lambda q: -(-q // batch_size))
+        return sum(per(q) for q in self._quotas())
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
@@ -181,8 +196,20 @@ class ShardDataset(IterableDataset):
             x = torch.from_numpy(np.ascontiguousarray(
                 read_wav(sample[fields["input"]], int(m.info["sample_rate"]), key=where)))
         if self.transform is not None:
-            x = self.transform(x)
+            x = self._seeded(key, x) if self.seeded_transforms else self.transform(x)
         return (x, label, key) if self.return_key else (x, label)
+
+    def _seeded(self, key: str, x: Any) -> Any:
+        """Apply the transform with python's and torch's RNGs seeded from (seed, epoch, key), then restore them."""
+        seed = int.from_bytes(hashlib.sha256(f"{self.seed}-{self.epoch}-{key}".encode()).digest()[:8], "little")
+        state = random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            random.seed(seed)
+            torch.manual_seed(seed % 2**63)
+            try:
+                return self.transform(x)
+            finally:
+                random.setstate(state)
 
 
 def make_loader(dataset: ShardDataset, batch_size: int, *, drop_last: bool = False,
