@@ -1,0 +1,259 @@
+"""The shared training engine of the pipelines (with ``config.py``, the only code that imports accelerate).
+
+Accelerator setup (mixed precision, gradient accumulation, trackers: JSONL always + TensorBoard), shard readers
+split by ``accelerator.process_index`` / ``num_processes``, AdamW through timm's ``create_optimizer_v2`` (layer-wise
+lr decay when asked), linear warm-up + cosine schedule, grad clipping, EMA hooks (``update_target``), ``progress``
+fed to objectives, tqdm on the main process, periodic evaluation, and atomic checkpoints with exact resume.
+
+Run directory (``run.output``)::
+
+    config.yaml        the resolved config
+    log.jsonl          one JSON object per logged step / evaluation (main process)
+    checkpoint/        backbone ``save_pretrained`` (config.json + model.safetensors) + objective.safetensors
+    state/             Accelerate state (model, optimizer, scheduler, RNG) + trainer.json, for ``run.resume=true``
+    tensorboard/       TensorBoard event files
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from config import DataSection, OptimSection, RunSection, to_dict
+from safetensors.torch import save_file
+from timm.optim import create_optimizer_v2
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from patchplace.data import Manifest, ShardDataset, build_transform
+from patchplace.data.mfcc import MFCC
+from patchplace.models import Backbone, save_pretrained
+
+
+def make_accelerator(run: RunSection) -> Accelerator:
+    Path(run.output).mkdir(parents=True, exist_ok=True)
+    return Accelerator(mixed_precision=run.mixed_precision, gradient_accumulation_steps=run.grad_accum,
+                       log_with="tensorboard" if run.tensorboard else None,
+                       project_config=ProjectConfiguration(project_dir=run.output, logging_dir=str(
+                           Path(run.output) / "tensorboard")))
+
+
+@dataclass
+class Data:
+    """The readers of one run, plus the on-device speech frontend for audio manifests."""
+
+    train: ShardDataset
+    val: ShardDataset
+    manifest: Manifest
+    frontend: nn.Module | None
+
+
+def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: bool = True) -> Data:
+    """Train reader split across processes; the validation reader is read whole by the main process."""
+    manifest, val_manifest = Manifest.load(cfg.train), Manifest.load(cfg.val)
+    if manifest.classes != val_manifest.classes:
+        raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
+    if manifest.modality == "image":
+        options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, scale=cfg.scale, hflip=cfg.hflip,
+                       auto_augment=cfg.auto_augment, re_prob=cfg.re_prob)
+        eval_options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size)
+    else:
+        options, eval_options = {"noise_bank": cfg.noise_split}, {}
+    train = ShardDataset(manifest, urls=cfg.train_urls, transform=build_transform(manifest, augment, **options),
+                         shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=accelerator.process_index,
+                         world_size=accelerator.num_processes, num_workers=cfg.num_workers,
+                         epoch_length=cfg.train_limit, seeded_transforms=True)
+    val = ShardDataset(val_manifest, urls=cfg.val_urls, transform=build_transform(val_manifest, False,
+                                                                                  **eval_options),
+                       num_workers=cfg.num_workers, epoch_length=cfg.val_limit)
+    frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
+    return Data(train, val, manifest, frontend)
+
+
+def loader(dataset: ShardDataset, batch_size: int, seed: int, epoch: int, rank: int = 0) -> DataLoader:
+    """A per-epoch DataLoader whose worker seeds derive from (seed, epoch, rank) — part of exact resume."""
+    dataset.set_epoch(epoch)
+    generator = torch.Generator().manual_seed(hash((seed, epoch, rank)) % 2**63)
+    return DataLoader(dataset, batch_size=batch_size, num_workers=dataset.num_workers, generator=generator,
+                      persistent_workers=False)
+
+
+def make_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimizer:
+    """AdamW via timm (no weight decay on norms, biases, PEs, tokens); layer-wise lr decay if configured."""
+    return create_optimizer_v2(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
+                               layer_decay=cfg.layer_decay)
+
+
+def warmup_cosine(total_steps: int, warmup_fraction: float, min_ratio: float) -> Callable[[int], float]:
+    warmup = round(warmup_fraction * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, total_steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+    return factor
+
+
+class JsonlLog:
+    """Append-only JSON-lines log, written by the main process only."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class Trainer:
+    """Runs ``objective(batch, progress=) -> {"loss", ...}`` over the train reader for the configured budget.
+
+    ``backbone`` is what ``checkpoint/`` saves (with ``metadata``); the objective's own extra parameters (heads,
+    decoders, predictors) go to ``checkpoint/objective.safetensors`` so evaluations can rebuild it.
+    """
+
+    def __init__(self, accelerator: Accelerator, objective: nn.Module, backbone: Backbone, data: Data,
+                 optim: OptimSection, run: RunSection, *, metadata: dict[str, Any], config: Any,
+                 batch_transform: Callable[[torch.Tensor, torch.Tensor], tuple] | None = None,
+                 evaluate: Callable[[nn.Module, int], dict[str, Any]] | None = None) -> None:
+        self.acc, self.objective, self.backbone, self.data = accelerator, objective, backbone, data
+        self.optim_cfg, self.run, self.metadata, self.config = optim, run, metadata, config
+        self.batch_transform, self.evaluate = batch_transform, evaluate
+        self.out = Path(run.output)
+        self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
+        self.batch_size = None
+
+    # ------------------------------------------------------------------ budget
+    def budget(self, batch_size: int) -> tuple[int, int]:
+        """(optimizer steps per epoch, total optimizer steps)."""
+        per_epoch = max(1, self.data.train.num_batches(batch_size) // self.run.grad_accum)
+        total = self.optim_cfg.max_steps or max(1, round(self.optim_cfg.epochs * per_epoch))
+        return per_epoch, total
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, step: int) -> None:
+        """Atomic: backbone + objective extras to checkpoint/, Accelerate state to state/."""
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            save_pretrained(self.backbone, self.out / "checkpoint", metadata={**self.metadata, "step": step})
+            extras = {k: v.detach().contiguous().cpu() for k, v in self.acc.unwrap_model(self.objective)
+                      .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
+            if extras:
+                tmp = self.out / "checkpoint" / ".objective.tmp"
+                save_file(extras, str(tmp))
+                os.replace(tmp, self.out / "checkpoint" / "objective.safetensors")
+        tmp_state = self.out / ".state.tmp"
+        self.acc.save_state(str(tmp_state))
+        if self.acc.is_main_process:
+            (tmp_state / "trainer.json").write_text(json.dumps({"step": step}))
+            _replace_dir(tmp_state, self.out / "state")
+        self.acc.wait_for_everyone()
+
+    def resume_step(self) -> int:
+        state = self.out / "state"
+        if not (self.run.resume and (state / "trainer.json").is_file()):
+            return 0
+        self.acc.load_state(str(state))
+        return int(json.loads((state / "trainer.json").read_text())["step"])
+
+    # ------------------------------------------------------------------ loop
+    def _inputs(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = (t.to(self.acc.device, non_blocking=True) for t in batch[:2])
+        if self.data.frontend is not None:
+            x = self.data.frontend(x)  # waveforms -> MFCC frames on device
+        if self.batch_transform is not None:
+            x, y = self.batch_transform(x, y)
+        return x, y
+
+    def fit(self, batch_size: int) -> dict[str, Any]:
+        acc, run = self.acc, self.run
+        per_epoch, total = self.budget(batch_size)
+        optimizer = make_optimizer(self.objective, self.optim_cfg)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(
+            total, self.optim_cfg.warmup_fraction, self.optim_cfg.min_lr_ratio))
+        objective, optimizer, scheduler = acc.prepare(self.objective, optimizer, scheduler)
+        if acc.is_main_process:
+            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
+            if run.tensorboard:
+                acc.init_trackers("tensorboard")
+        step = self.resume_step()
+        bar = tqdm(total=total, initial=step, disable=not acc.is_main_process, desc=self.metadata.get("method"))
+        last_eval: dict[str, Any] = {}
+        start = time.perf_counter()
+        while step < total:
+            epoch, skip = divmod(step, per_epoch)
+            micro = 0
+            for i, batch in enumerate(loader(self.data.train, batch_size, run.seed, epoch, acc.process_index)):
+                if i < skip * run.grad_accum:  # resume: replay the epoch's deterministic stream up to the step
+                    continue
+                x, y = self._inputs(batch)
+                progress = step / total
+                with acc.accumulate(objective):
+                    out = objective((x, y), progress=progress)
+                    acc.backward(out["loss"])
+                    if acc.sync_gradients and self.optim_cfg.clip_grad:
+                        acc.clip_grad_norm_(objective.parameters(), self.optim_cfg.clip_grad)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                micro += 1
+                if not acc.sync_gradients:
+                    continue
+                step += 1
+                unwrapped = acc.unwrap_model(objective)
+                if hasattr(unwrapped, "update_target"):  # EMA target encoder (I-JEPA / StoP)
+                    unwrapped.update_target(step / total)
+                bar.update(1)
+                if step % run.log_every == 0 or step == total:
+                    scalars = {k: float(acc.reduce(v.detach().float(), "mean")) for k, v in out.items()
+                               if torch.is_tensor(v) and v.numel() == 1}
+                    scalars.update(lr=scheduler.get_last_lr()[0], epoch=epoch, samples_per_s=round(
+                        step * batch_size * acc.num_processes * run.grad_accum / (time.perf_counter() - start), 1))
+                    self.log.write({"step": step, **scalars})
+                    if run.tensorboard:
+                        acc.log(scalars, step=step)
+                    bar.set_postfix(loss=f"{scalars['loss']:.4f}")
+                if run.checkpoint_every and step % run.checkpoint_every == 0 and step < total:
+                    self.save_checkpoint(step)
+                if self.evaluate is not None and run.eval_every and step % run.eval_every == 0 and step < total:
+                    last_eval = self._evaluate(objective, step)
+                if step >= total:
+                    break
+        bar.close()
+        self.save_checkpoint(step)
+        if self.evaluate is not None:
+            last_eval = self._evaluate(objective, step)
+        if run.tensorboard:
+            acc.end_training()
+        return last_eval
+
+    def _evaluate(self, objective: nn.Module, step: int) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        if self.acc.is_main_process:
+            result = self.evaluate(self.acc.unwrap_model(objective), step)
+            self.log.write({"step": step, "eval": result})
+        self.acc.wait_for_everyone()
+        return result

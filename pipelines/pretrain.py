@@ -1,0 +1,108 @@
+"""Pretrain a backbone with one of the methods, on WebDataset shards, with Accelerate.
+
+    accelerate launch pipelines/pretrain.py --config pipelines/configs/mp3_fashion_mnist.yaml [section.field=value ...]
+    python pipelines/pretrain.py --config pipelines/configs/mp3_fashion_mnist.yaml optim.epochs=0.1
+
+Methods: mp3, mp3_speech, droppos, mae, ijepa, stop, randsac, mjp, supervised. MJP is a supervised training
+recipe (jigsaw + unknown PE + DAL, with labels); it runs here, from scratch, like ``supervised``. The backbone
+(``checkpoint/``) is what ``finetune.py`` and ``evaluate.py`` start from.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection, load, parser
+from engine import Trainer, build_data, make_accelerator
+
+from patchplace.data import DataError
+from patchplace.models import create_model, load_pretrained
+from patchplace.objectives import (
+    IJEPA,
+    MAE,
+    MJP,
+    MP3,
+    DropPos,
+    DropPosConfig,
+    IJEPAConfig,
+    MAEConfig,
+    MJPConfig,
+    MP3Config,
+    RandSAC,
+    RandSACConfig,
+    Supervised,
+    SupervisedConfig,
+)
+
+# method -> (objective class, config class, config defaults, backbone PE mode, needs a classifier head)
+METHODS: dict[str, tuple[type, type, dict[str, Any], str, bool]] = {
+    "mp3": (MP3, MP3Config, {}, "none", False),
+    "mp3_speech": (MP3, MP3Config, {"eta": 0.0, "anchor_ratio": 0.05}, "sincos1d", False),
+    "droppos": (DropPos, DropPosConfig, {}, "sincos2d", False),
+    "mae": (MAE, MAEConfig, {}, "sincos2d", False),
+    "ijepa": (IJEPA, IJEPAConfig, {}, "sincos2d", False),
+    "stop": (IJEPA, IJEPAConfig, {"stop": True}, "sincos2d", False),
+    "randsac": (RandSAC, RandSACConfig, {}, "sincos2d", False),
+    "mjp": (MJP, MJPConfig, {}, "learned", True),
+    "supervised": (Supervised, SupervisedConfig, {}, "learned", True),
+}
+
+
+@dataclass
+class PretrainConfig:
+    """``method`` picks the objective; ``objective`` holds its config fields (paper defaults otherwise)."""
+
+    method: str = "mp3"
+    objective: dict[str, Any] = field(default_factory=dict)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1.5e-3, betas=(0.9, 0.95)))
+    run: RunSection = field(default_factory=lambda: RunSection(output="runs/pretrain"))
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"method {self.method!r} is not one of {sorted(METHODS)}")
+        _, config_cls, defaults, _, _ = METHODS[self.method]
+        config_cls.from_dict({**defaults, **self.objective})  # unknown / out-of-range fields fail here
+
+
+def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modality: str):
+    """Backbone (preset + overrides, PE mode of the method) and the objective around it."""
+    objective_cls, config_cls, defaults, pos_embed, needs_head = METHODS[cfg.method]
+    if cfg.model.checkpoint:
+        backbone, _ = load_pretrained(cfg.model.checkpoint)
+    else:
+        overrides = {"pos_embed": pos_embed, "num_classes": num_classes if needs_head else 0,
+                     **({"in_chans": in_chans} if modality == "image" else {}), **cfg.model.overrides}
+        backbone = create_model(cfg.model.preset, **overrides)
+    return objective_cls(backbone, config_cls.from_dict({**defaults, **cfg.objective})), backbone
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser(PretrainConfig, __doc__).parse_args(argv)
+    try:
+        cfg = load(PretrainConfig, args.config, args.overrides)
+        accelerator = make_accelerator(cfg.run)
+        from accelerate.utils import set_seed
+
+        set_seed(cfg.run.seed)
+        data = build_data(cfg.data, accelerator, cfg.run.seed)
+        m = data.manifest
+        objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
+    except (ConfigError, DataError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    metadata = {"method": cfg.method, "objective": cfg.objective, "classes": m.classes,
+                "normalization": m.normalization, "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()},
+                "pad_to": cfg.data.pad_to, "modality": m.modality}
+    trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg)
+    trainer.fit(cfg.data.batch_size)
+    if accelerator.is_main_process:
+        print(f"checkpoint: {cfg.run.output}/checkpoint")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
