@@ -97,6 +97,7 @@ class RunSection:
     checkpoint_every: int = 0  # steps; 0 = only at the end
     eval_every: int = 0  # steps; 0 = only at the end
     resume: bool = False  # continue from output/state if it exists
+    stop_after: int | None = None  # leave after this many steps, as if interrupted (resume tests and demos)
     tensorboard: bool = True
 
     def validate(self) -> None:

@@ -108,6 +108,24 @@ def warmup_cosine(total_steps: int, warmup_fraction: float, min_ratio: float) ->
     return factor
 
 
+@torch.no_grad()
+def classify(backbone: Backbone, dataset: ShardDataset, batch_size: int, device: torch.device,
+             frontend: nn.Module | None = None, unknown_pos: Callable | None = None) -> dict[str, Any]:
+    """Top-1 / top-5 / confusion matrix of ``backbone``'s head over the whole dataset (eval mode)."""
+    from patchplace.finetune import Accuracy
+
+    was_training = backbone.training
+    backbone.eval()
+    accuracy = Accuracy(backbone.config.num_classes)
+    for x, y in loader(dataset, batch_size, seed=0, epoch=0):
+        x = x.to(device)
+        if frontend is not None:
+            x = frontend(x)
+        accuracy.update(backbone(x), y)
+    backbone.train(was_training)
+    return accuracy.compute()
+
+
 class JsonlLog:
     """Append-only JSON-lines log, written by the main process only."""
 
@@ -240,8 +258,12 @@ class Trainer:
                     self.save_checkpoint(step)
                 if self.evaluate is not None and run.eval_every and step % run.eval_every == 0 and step < total:
                     last_eval = self._evaluate(objective, step)
-                if step >= total:
+                if step >= total or (run.stop_after and step >= run.stop_after):
                     break
+            if run.stop_after and step >= run.stop_after and step < total:
+                bar.close()
+                self.save_checkpoint(step)  # as a periodic checkpoint would have been
+                return {}
         bar.close()
         self.save_checkpoint(step)
         if self.evaluate is not None:

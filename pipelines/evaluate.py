@@ -1,0 +1,221 @@
+"""Evaluate a checkpoint with PyTorch: classification, frozen-feature probes and each method's own curves.
+
+    python pipelines/evaluate.py --config pipelines/configs/evaluate_fashion_mnist.yaml \
+        model.checkpoint=runs/x/checkpoint
+
+Reports (``results.json`` + ``report.md`` + PNGs in ``run.output``): top-1 / top-5 / confusion matrix when the
+checkpoint has a head; linear probe and layer-wise kNN probe (MP3 App. C) on frozen features; position probe
+(DropPos Table 7); MJP consistency and Diff. Norm over the eval jigsaw ratios (MJP Table 1 / Fig. 3) for
+classifiers; MP3 position accuracy vs eta (Fig. 3) + a reassembled image (Fig. 2) and the DropPos 4 x 4 position
+grid when the checkpoint holds those objectives.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from config import ConfigError, DataSection, ModelSection, RunSection, load, parser
+from engine import build_data, classify, loader, make_accelerator
+from safetensors.torch import load_file
+
+from patchplace.data import DataError
+from patchplace.finetune import extract_features, knn_probe_per_layer, linear_probe, position_probe
+from patchplace.models import ModelError, load_pretrained
+from patchplace.objectives import (
+    MP3,
+    DropPos,
+    DropPosConfig,
+    MP3Config,
+    jigsaw,
+    position_accuracy_grid,
+    position_accuracy_vs_eta,
+    reassemble,
+)
+
+
+@dataclass
+class EvalSection:
+    """What to compute (each can be switched off) and with how much data."""
+
+    linear_probe: bool = True
+    knn: bool = True
+    position_probe: bool = True
+    consistency_ratios: tuple[float, ...] = (0.03, 0.09, 0.15, 0.27, 0.5)
+    probe_train_samples: int = 5000  # train samples used for the probes' features
+    probe_epochs: int = 100
+    max_eval_samples: int = 2000  # images for the method curves (eta curve, DropPos grid, consistency)
+
+
+@dataclass
+class EvaluateConfig:
+    eval: EvalSection = field(default_factory=EvalSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    run: RunSection = field(default_factory=lambda: RunSection(output="runs/evaluate", tensorboard=False))
+
+    def validate(self) -> None:
+        if not self.model.checkpoint:
+            raise ConfigError("model.checkpoint is required: the checkpoint/ directory of a pretrain or finetune run")
+
+
+def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys, seen = [], [], 0
+    for x, y in loader(dataset, batch_size, seed=0, epoch=0):
+        xs.append(x)
+        ys.append(y)
+        seen += len(x)
+        if seen >= n:
+            break
+    return torch.cat(xs)[:n], torch.cat(ys)[:n]
+
+
+@torch.no_grad()
+def consistency_curve(backbone, images: torch.Tensor, ratios, batch_size: int = 256) -> dict[str, dict[str, float]]:
+    """MJP: % of images whose prediction survives a block-wise jigsaw of ratio gamma, and ||F_cls(x) - F_cls(x~)||
+    (Diff. Norm); models with an unknown PE are told which positions were shuffled (official consistency.py)."""
+    backbone.eval()
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for ratio in ratios:
+        same = total = 0
+        diff = 0.0
+        for chunk in images.split(batch_size):
+            shuffled, marked = jigsaw(chunk, backbone.config.patch_size, ratio, generator=gen)
+            unknown = marked if backbone.unknown_pos_embed is not None else None
+            clean_f, shuf_f = backbone.forward_features(chunk), backbone.forward_features(shuffled, unknown)
+            same += int((backbone.forward_head(clean_f).argmax(-1) == backbone.forward_head(shuf_f).argmax(-1)).sum())
+            diff += float((clean_f[:, 0] - shuf_f[:, 0]).norm(dim=-1).sum())
+            total += len(chunk)
+        out[str(ratio)] = {"consistency": same / total, "diff_norm": diff / total}
+    return out
+
+
+def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tensor, out_dir: Path) -> dict:
+    """MP3 eta curve + reassembled picture, or the DropPos grid, from the saved objective parameters."""
+    method, extras = metadata.get("method"), checkpoint / "objective.safetensors"
+    if method not in ("mp3", "droppos") or not extras.is_file():
+        return {}
+    if method == "mp3":
+        objective = MP3(backbone, MP3Config.from_dict(metadata.get("objective", {})))
+    else:
+        objective = DropPos(backbone, DropPosConfig.from_dict(metadata.get("objective", {})))
+    missing, unexpected = objective.load_state_dict(load_file(str(extras)), strict=False)
+    if unexpected or any(not k.startswith("backbone.") for k in missing):
+        raise ModelError(f"{extras} does not match the {method} objective")
+    if method == "droppos":
+        grid = position_accuracy_grid(objective, images, generator=torch.Generator().manual_seed(0))
+        return {"droppos_grid": {("mean" if k == "mean" else f"gamma={k[0]},gamma_pos={k[1]}"): v
+                                 for k, v in grid.items()}}
+    curve = position_accuracy_vs_eta(objective, images, etas=(0.0, 0.25, 0.5, 0.75, 0.9),
+                                     generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, _ = objective.eval().position_logits(images[:8], eta=0.0)
+    picture = reassemble(images[:8], logits, backbone.config.patch_size)
+    plot_mp3(curve, images[:8], picture, out_dir)
+    return {"mp3_position_accuracy": {str(k): v for k, v in curve.items()}}
+
+
+def plot_mp3(curve: dict, images: torch.Tensor, picture, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    etas = sorted(curve)
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot(etas, [curve[e]["top1"] for e in etas], marker="o", label="top-1")
+    ax.plot(etas, [curve[e]["top5"] for e in etas], marker="o", label="top-5")
+    ax.set(xlabel="evaluation masking ratio eta", ylabel="position accuracy", title="MP3 position accuracy (Fig. 3)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "mp3_position_accuracy.png", dpi=120)
+    plt.close(fig)
+    fig, axes = plt.subplots(2, len(images), figsize=(1.2 * len(images), 2.6))
+    for i in range(len(images)):
+        axes[0, i].imshow(images[i].permute(1, 2, 0).squeeze(-1).numpy(), cmap="gray")
+        axes[1, i].imshow(picture[i].squeeze(-1), cmap="gray")
+        axes[0, i].axis("off")
+        axes[1, i].axis("off")
+    fig.suptitle("input (top) and patches placed at predicted positions (bottom), eta = 0")
+    fig.tight_layout()
+    fig.savefig(out_dir / "mp3_reassembled.png", dpi=120)
+    plt.close(fig)
+
+
+def to_markdown(results: dict[str, Any]) -> str:
+    lines = [f"# Evaluation of {results['checkpoint']}", "", f"method: {results['method']}", ""]
+    if "classification" in results:
+        c = results["classification"]
+        lines += [f"- top-1 {c['top1']:.4f}, top-5 {c['top5']:.4f} on {c['count']} images"]
+    for key in ("linear_probe", "position_probe"):
+        if key in results:
+            lines += [f"- {key.replace('_', ' ')}: top-1 {results[key]['top1']:.4f}"]
+    if "knn_per_layer" in results:
+        lines += ["- kNN top-1 per layer: " + ", ".join(f"{k}: {v:.3f}" for k, v in results["knn_per_layer"].items())]
+    if "consistency" in results:
+        lines += ["", "| eval gamma | consistency | Diff. Norm |", "| --- | --- | --- |"]
+        lines += [f"| {g} | {v['consistency']:.4f} | {v['diff_norm']:.4f} |" for g, v in results["consistency"].items()]
+    if "mp3_position_accuracy" in results:
+        lines += ["", "| eval eta | position top-1 | top-5 |", "| --- | --- | --- |"]
+        lines += [f"| {e} | {v['top1']:.4f} | {v['top5']:.4f} |" for e, v in results["mp3_position_accuracy"].items()]
+    if "droppos_grid" in results:
+        lines += ["", "DropPos position accuracy: " + ", ".join(f"{k}: {v:.3f}" for k, v in
+                                                          results["droppos_grid"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser(EvaluateConfig, __doc__).parse_args(argv)
+    try:
+        cfg = load(EvaluateConfig, args.config, args.overrides)
+        accelerator = make_accelerator(cfg.run)
+        data = build_data(cfg.data, accelerator, cfg.run.seed, augment=False)
+        backbone, metadata = load_pretrained(cfg.model.checkpoint)
+    except (ConfigError, DataError, ModelError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not accelerator.is_main_process:
+        return 0
+    device, ev, bs = accelerator.device, cfg.eval, cfg.data.batch_size
+    backbone = backbone.to(device).eval()
+    out_dir = Path(cfg.run.output)
+    results: dict[str, Any] = {"checkpoint": cfg.model.checkpoint, "method": metadata.get("method")}
+    is_image = data.manifest.modality == "image"
+    if backbone.config.num_classes == data.manifest.num_classes:
+        results["classification"] = classify(backbone, data.val, bs, device, data.frontend)
+    train_x, train_y = first_images(data.train, ev.probe_train_samples, bs)
+    train = list(zip(train_x.split(bs), train_y.split(bs), strict=True))
+    val = list(loader(data.val, bs, seed=0, epoch=0))
+    if data.frontend is not None:
+        train = [(data.frontend(x.to(device)).cpu(), y) for x, y in train]
+        val = [(data.frontend(x.to(device)).cpu(), y) for x, y in val]
+    if ev.linear_probe:
+        pool = "cls" if backbone.cls_token is not None else "mean"
+        tr, tr_y = extract_features(backbone, train, pool=pool, device=device)
+        te, te_y = extract_features(backbone, val, pool=pool, device=device)
+        results["linear_probe"] = linear_probe(tr[max(tr)], tr_y, te[max(te)], te_y,
+                                               num_classes=data.manifest.num_classes, epochs=ev.probe_epochs)
+    if ev.knn:
+        results["knn_per_layer"] = knn_probe_per_layer(backbone, train, val, num_classes=data.manifest.num_classes,
+                                                       device=device)
+    if ev.position_probe:
+        results["position_probe"] = position_probe(backbone, train, val, device=device)
+    if is_image:
+        images, _ = first_images(data.val, ev.max_eval_samples, bs)
+        if backbone.config.num_classes == data.manifest.num_classes and ev.consistency_ratios:
+            results["consistency"] = consistency_curve(backbone, images.to(device), ev.consistency_ratios)
+        results.update(method_curves(backbone, metadata, Path(cfg.model.checkpoint), images, out_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "report.md").write_text(to_markdown(results))
+    print(to_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
