@@ -34,7 +34,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q --config-settings editable_mode=compat -e '.[dev]' $(foreach p,$(PACKAGES),-e '$(p)[test]')
+	$(PIP) install -q --config-settings editable_mode=compat -e '.[dev,pipelines]' $(foreach p,$(PACKAGES),-e '$(p)[test]')
 	@touch $@
 
 # ---------------------------------------------------------------------------------------------- demo
@@ -54,8 +54,11 @@ $(KWS_MANIFEST): $(KWS_CORPUS)
 
 data: $(FMNIST_MANIFEST) $(KWS_MANIFEST)
 
+# The main job: MP3 pretraining on Fashion-MNIST -> fine-tuning -> evaluation -> runs/demo/report.md (~25 min on
+# 2 CPU cores; resumable: run it again after an interruption). Budget knobs: see `python pipelines/demo.py --help`.
 demo: setup data
 	$(PY) -m patchplace.data verify $(SHARDS)/fashion_mnist $(SHARDS)/spoken_keywords
+	$(PY) pipelines/demo.py --out runs/demo
 
 # ---------------------------------------------------------------------------------------------- test
 lint: setup
