@@ -191,17 +191,16 @@ def validate(config: Any) -> None:
         config.validate()
 
 
-def describe(cls: type, prefix: str = "") -> list[str]:
-    """One line per field with its default (for --help)."""
+def describe(config: Any, prefix: str = "") -> list[str]:
+    """One line per field with its default (for --help); ``config`` is a dataclass type or instance."""
+    instance = config() if isinstance(config, type) else config
     lines = []
-    hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        hint = hints[f.name]
-        if is_dataclass(hint):
-            lines += describe(hint, f"{prefix}{f.name}.")
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {prefix}{f.name} = {default!r}")
+    for f in fields(instance):
+        value = getattr(instance, f.name)
+        if is_dataclass(value):
+            lines += describe(value, f"{prefix}{f.name}.")
+        else:
+            lines.append(f"  {prefix}{f.name} = {value!r}")
     return lines
 
 

@@ -1,0 +1,174 @@
+"""Pipelines end to end on tiny shards the test writes: configs, every method, fine-tune, evaluate, resume,
+two processes, and the demo orchestration."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from patchplace.data import SplitWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+
+import config as pipeline_config  # noqa: E402
+import demo  # noqa: E402
+import evaluate  # noqa: E402
+import finetune  # noqa: E402
+import pretrain  # noqa: E402
+
+TINY = ["model.preset=vit_micro", "data.batch_size=8", "data.num_workers=0", "run.tensorboard=false",
+        "run.log_every=1", "data.shuffle_buffer=16"]
+SMALL_HEADS = {
+    "droppos": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "mae": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "randsac": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "ijepa": ["objective.predictor_dim=32", "objective.predictor_heads=2", "objective.predictor_depth=1",
+              "objective.min_keep=2"],
+    "stop": ["objective.predictor_dim=32", "objective.predictor_heads=2", "objective.predictor_depth=1",
+             "objective.min_keep=2"],
+    "mjp": ["objective.ratio=0.15"],
+}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Fashion-MNIST-shaped image shards (28 px gray, 3 classes) and 1 s audio shards (12 classes + noise)."""
+    root = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 64), ("test", 32)):
+        with SplitWriter(root / "img", split, dataset="toy", modality="image", classes=["a", "b", "c"],
+                         info={"image_size": [28, 28], "channels": 1}, source="test", recipe="test",
+                         recipe_version=1, max_count=16) as w:
+            for i in range(n):
+                w.add_image(f"{i:04d}", i % 3, rng.integers(0, 256, (28, 28), dtype=np.uint8))
+    classes = [f"k{i}" for i in range(12)]
+    for split, n in (("train", 16), ("validation", 8)):
+        with SplitWriter(root / "audio", split, dataset="kws", modality="audio", classes=classes,
+                         info={"sample_rate": 16000, "clip_samples": 16000}, source="test", recipe="test",
+                         recipe_version=1) as w:
+            for i in range(n):
+                w.add_audio(f"{i:04d}", i % 12, (0.1 * rng.standard_normal(16000)).astype(np.float32))
+    with SplitWriter(root / "audio", "background_noise", dataset="kws", modality="audio",
+                     classes=["_background_noise_"], info={"sample_rate": 16000, "clip_samples": None},
+                     source="test", recipe="test", recipe_version=1) as w:
+        w.add_audio("noise", 0, (0.1 * rng.standard_normal(32000)).astype(np.float32))
+    return root
+
+
+def img(shards: Path) -> list[str]:
+    return [f"data.train={shards / 'img' / 'train'}", f"data.val={shards / 'img' / 'test'}"]
+
+
+def audio(shards: Path) -> list[str]:
+    return [f"data.train={shards / 'audio' / 'train'}", f"data.val={shards / 'audio' / 'validation'}",
+            f"data.noise_split={shards / 'audio' / 'background_noise'}"]
+
+
+def test_every_shipped_config_loads_and_validates(shards):
+    classes = {"finetune": finetune.FinetuneConfig, "evaluate": evaluate.EvaluateConfig}
+    for path in sorted((ROOT / "pipelines" / "configs").glob("*.yaml")):
+        kind = next((k for k in classes if path.name.startswith(k)), "pretrain")
+        data = audio(shards) if "spoken" in path.name else img(shards)
+        extra = ["model.checkpoint=unused"] if kind == "evaluate" else []
+        cfg = pipeline_config.load(classes.get(kind, pretrain.PretrainConfig), str(path), data + extra)
+        assert Path(cfg.data.train).is_dir(), path
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["optim.lrr=1"], r"unknown config key\(s\) \['optim.lrr'\]"),
+    (["optim.lr=-1"], "optim.lr must be > 0"),
+    (["method=mp4"], "method 'mp4' is not one of"),
+    (["objective.eta=1.5"], r"eta must be in \[0, 1\)"),
+    (["data.train=/nowhere/train"], "data.train: no manifest.json in /nowhere/train"),
+    (["data.batch_size=many"], "data.batch_size: expected int"),
+])
+def test_bad_configs_fail_with_one_line(shards, capsys, overrides, message):
+    assert pretrain.main([*img(shards), *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and __import__("re").search(message, err), err
+
+
+def test_help_lists_every_field_with_its_default(capsys):
+    with pytest.raises(SystemExit):
+        pretrain.main(["--help"])
+    out = capsys.readouterr().out
+    assert "optim.lr = 0.0015" in out and "data.pad_to = 32" in out and "run.resume = False" in out
+
+
+@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+def test_every_method_pretrains_end_to_end(shards, tmp_path, method):
+    data = audio(shards) if method == "mp3_speech" else img(shards)
+    model = ["model.preset=audio_mp3", "data.batch_size=8"] if method == "mp3_speech" else []
+    out = tmp_path / method
+    assert pretrain.main([f"method={method}", *data, *TINY, *model, *SMALL_HEADS.get(method, []),
+                          "optim.max_steps=3", f"run.output={out}"]) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in log)
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert config["metadata"]["method"] == method and config["metadata"]["data"]["dataset"] in ("toy", "kws")
+
+
+def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
+    assert pretrain.main(["method=mp3", *img(shards), *TINY, "optim.max_steps=3",
+                          f"run.output={tmp_path / 'pre'}"]) == 0
+    assert finetune.main([*img(shards), *TINY, "optim.max_steps=3", f"run.output={tmp_path / 'ft'}",
+                          f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "finetune.pos_embed=relbias2d"]) == 0
+    ft_config = json.loads((tmp_path / "ft" / "checkpoint" / "config.json").read_text())
+    assert ft_config["backbone"]["pos_embed"] == "relbias2d" and ft_config["backbone"]["num_classes"] == 3
+    assert evaluate.main([*img(shards), "data.batch_size=8", "data.num_workers=0", f"run.output={tmp_path / 'ev'}",
+                          f"model.checkpoint={tmp_path / 'ft' / 'checkpoint'}", "eval.probe_train_samples=32",
+                          "eval.probe_epochs=2", "eval.max_eval_samples=16"]) == 0
+    results = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert results["classification"]["count"] == 32 and set(results["consistency"]) == {
+        "0.03", "0.09", "0.15", "0.27", "0.5"}
+    assert len(results["knn_per_layer"]) == 2 and 0 <= results["position_probe"]["top1"] <= 1
+    assert evaluate.main([*img(shards), "data.batch_size=8", "data.num_workers=0", f"run.output={tmp_path / 'ev2'}",
+                          f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "eval.probe_train_samples=32",
+                          "eval.probe_epochs=2", "eval.max_eval_samples=16"]) == 0
+    results = json.loads((tmp_path / "ev2" / "results.json").read_text())
+    assert set(results["mp3_position_accuracy"]) == {"0.0", "0.25", "0.5", "0.75", "0.9"}
+    assert (tmp_path / "ev2" / "mp3_reassembled.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_resumed_run_ends_with_the_same_weights(shards, tmp_path, workers):
+    args = ["method=stop", *img(shards), *TINY, *SMALL_HEADS["stop"], f"data.num_workers={workers}",
+            "optim.max_steps=6"]
+    assert pretrain.main([*args, f"run.output={tmp_path / 'straight'}"]) == 0
+    assert pretrain.main([*args, f"run.output={tmp_path / 'cut'}", "run.stop_after=4"]) == 0
+    assert json.loads((tmp_path / "cut" / "state" / "trainer.json").read_text()) == {"step": 4}
+    assert pretrain.main([*args, f"run.output={tmp_path / 'cut'}", "run.resume=true"]) == 0
+    for name in ("model.safetensors", "objective.safetensors"):
+        a, b = (load_file(str(tmp_path / run / "checkpoint" / name)) for run in ("straight", "cut"))
+        assert a.keys() == b.keys() and all(np.allclose(a[k].numpy(), b[k].numpy(), atol=1e-6) for k in a)
+
+
+def test_two_processes_split_the_data_and_only_rank0_writes(shards, tmp_path):
+    accelerate = Path(sys.executable).with_name("accelerate")
+    out = tmp_path / "ddp"
+    launch = [str(accelerate), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no"]
+    result = subprocess.run([*launch, str(ROOT / "pipelines" / "pretrain.py"), "method=mp3", *img(shards), *TINY,
+                             "optim.max_steps=3", f"run.output={out}"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3], "one log line per step: only the main process writes"
+    assert log[-1]["samples_per_s"] > 0 and (out / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
+    args = ["--out", str(tmp_path / "demo"), "--preset", "vit_micro", "--pretrain-epochs", "1",
+            "--finetune-epochs", "1", *img(shards), "data.num_workers=0", "data.batch_size=16", "run.tensorboard=false",
+            "eval.probe_train_samples=32", "eval.probe_epochs=2", "eval.max_eval_samples=16"]
+    assert demo.main(args) == 0
+    report = (tmp_path / "demo" / "report.md").read_text()
+    assert "test top-1" in report and (tmp_path / "demo" / "losses.png").is_file()
+    first = (tmp_path / "demo" / "pretrain" / "DONE").read_text()
+    assert demo.main(args) == 0 and (tmp_path / "demo" / "pretrain" / "DONE").read_text() == first  # skipped
