@@ -5,8 +5,9 @@
 Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md``. Suites: ``data`` (shard read throughput with 0 and
 2 DataLoader workers, decode + train transform included; MFCC frontend clips/s); ``models`` (one block's
 forward + backward with MP3 context-only keys/values vs full attention, time ratio beside FLOP ratio);
-``objectives`` (pretraining step time of MP3 at eta 0 / 0.5 / 0.75, DropPos and MAE relative to the supervised
-step of the same ``vit_cpu`` backbone and batch, beside each FLOP ratio).
+``objectives`` (pretraining step time of every objective relative to the supervised step of the same ``vit_cpu``
+backbone and batch, beside each FLOP ratio); ``pipelines`` (end-to-end samples/s of every Fashion-MNIST
+pretraining config through ``pretrain.py`` and the data loader's share of step time; needs the shards).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # pretrain.py / engine.py / config.py
 
 from patchplace.data.benchmark import mfcc_throughput, shard_read_throughput
 from patchplace.models.benchmark import context_attention
@@ -51,7 +54,32 @@ def objectives_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-SUITES = {"data": data_suite, "models": models_suite, "objectives": objectives_suite}
+def pipelines_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """End-to-end training throughput of every Fashion-MNIST pretraining config through pretrain.py (data loading,
+    transforms, Accelerate, optimizer, EMA), and the share of step time spent waiting for the data loader."""
+    import tempfile
+
+    import pretrain
+
+    rows = []
+    configs = sorted((Path(__file__).parent / "configs").glob("*_fashion_mnist.yaml"))
+    for config in (c for c in configs if not c.name.startswith(("finetune", "evaluate"))):
+        with tempfile.TemporaryDirectory() as tmp:
+            code = pretrain.main(["--config", str(config), f"optim.max_steps={args.steps}",
+                                  f"data.batch_size={args.batch}", f"run.output={tmp}", "run.tensorboard=false",
+                                  f"run.log_every={args.steps}", "run.checkpoint_every=0"])
+            if code != 0:
+                raise SystemExit(f"{config.name} failed")
+            last = [json.loads(line) for line in (Path(tmp) / "log.jsonl").read_text().splitlines()][-1]
+        rows.append({"name": f"train/{config.stem}", "samples_per_s": last["samples_per_s"],
+                     "data_share": last["data_share"], "steps": args.steps, "batch": args.batch,
+                     "threads": torch.get_num_threads()})
+        print(json.dumps(rows[-1]))
+    return rows
+
+
+SUITES = {"data": data_suite, "models": models_suite, "objectives": objectives_suite,
+          "pipelines": pipelines_suite}
 
 
 UNITS = (("samples_per_s", "samples/s"), ("clips_per_s", "clips/s"), ("time_vs_full", "x full attention"),
@@ -80,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etas", type=float, nargs="+", default=[0.5, 0.75], help="models suite: masking ratios")
     parser.add_argument("--batch", type=int, default=128, help="models / objectives suites: batch size")
     parser.add_argument("--repeats", type=int, default=10, help="objectives suite: timed steps per objective")
+    parser.add_argument("--steps", type=int, default=20, help="pipelines suite: optimizer steps per method")
     args = parser.parse_args(argv)
     rows = SUITES[args.suite](args)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,17 +29,38 @@ from typing import Any
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
-from config import DataSection, OptimSection, RunSection, to_dict
+from accelerate.utils import ProjectConfiguration, set_seed
+from config import ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
 from safetensors.torch import save_file
 from timm.optim import create_optimizer_v2
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from patchplace.data import Manifest, ShardDataset, build_transform
+from patchplace.data import DataError, Manifest, ShardDataset, build_transform
 from patchplace.data.mfcc import MFCC
-from patchplace.models import Backbone, save_pretrained
+from patchplace.models import Backbone, ModelError, save_pretrained
+from patchplace.objectives import ObjectiveError
+
+# Errors a user can act on: printed as one line by the pipeline scripts (exit code 2).
+USER_ERRORS = (ConfigError, DataError, ModelError, ObjectiveError, ValueError)
+
+
+def start(config_cls: type, description: str, argv: list[str] | None, augment: bool = True
+          ) -> tuple[Any, Accelerator, Data]:
+    """Parse ``--config`` + overrides, validate, seed, create the Accelerator and the readers."""
+    args = parser(config_cls, description).parse_args(argv)
+    cfg = load(config_cls, args.config, args.overrides)
+    accelerator = make_accelerator(cfg.run)
+    set_seed(cfg.run.seed)
+    return cfg, accelerator, build_data(cfg.data, accelerator, cfg.run.seed, augment=augment)
+
+
+def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
+    """What a checkpoint records about its data (classes, normalization, manifest fingerprint, input layout)."""
+    m = data.manifest
+    return {"classes": m.classes, "normalization": m.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
+            "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()}}
 
 
 def make_accelerator(run: RunSection) -> Accelerator:
@@ -217,16 +238,19 @@ class Trainer:
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
             if run.tensorboard:
                 acc.init_trackers("tensorboard")
-        step = self.resume_step()
+        step = first_step = self.resume_step()
         bar = tqdm(total=total, initial=step, disable=not acc.is_main_process, desc=self.metadata.get("method"))
         last_eval: dict[str, Any] = {}
         start = time.perf_counter()
+        waited = 0.0  # seconds spent waiting for the data loader (its share of step time is logged)
         while step < total:
             epoch, skip = divmod(step, per_epoch)
-            micro = 0
+            fetch = time.perf_counter()
             for i, batch in enumerate(loader(self.data.train, batch_size, run.seed, epoch, acc.process_index)):
                 if i < skip * run.grad_accum:  # resume: replay the epoch's deterministic stream up to the step
+                    fetch = time.perf_counter()
                     continue
+                waited += time.perf_counter() - fetch
                 x, y = self._inputs(batch)
                 progress = step / total
                 with acc.accumulate(objective):
@@ -237,7 +261,7 @@ class Trainer:
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                micro += 1
+                fetch = time.perf_counter()
                 if not acc.sync_gradients:
                     continue
                 step += 1
@@ -248,8 +272,10 @@ class Trainer:
                 if step % run.log_every == 0 or step == total:
                     scalars = {k: float(acc.reduce(v.detach().float(), "mean")) for k, v in out.items()
                                if torch.is_tensor(v) and v.numel() == 1}
-                    scalars.update(lr=scheduler.get_last_lr()[0], epoch=epoch, samples_per_s=round(
-                        step * batch_size * acc.num_processes * run.grad_accum / (time.perf_counter() - start), 1))
+                    elapsed = time.perf_counter() - start
+                    seen = (step - first_step) * batch_size * acc.num_processes * run.grad_accum
+                    scalars.update(lr=scheduler.get_last_lr()[0], epoch=epoch, data_share=round(waited / elapsed, 4),
+                                   samples_per_s=round(seen / elapsed, 1))
                     self.log.write({"step": step, **scalars})
                     if run.tensorboard:
                         acc.log(scalars, step=step)
@@ -260,6 +286,7 @@ class Trainer:
                     last_eval = self._evaluate(objective, step)
                 if step >= total or (run.stop_after and step >= run.stop_after):
                     break
+                fetch = time.perf_counter()  # logging, checkpoints and evaluation are not data time
             if run.stop_after and step >= run.stop_after and step < total:
                 bar.close()
                 self.save_checkpoint(step)  # as a periodic checkpoint would have been

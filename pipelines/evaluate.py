@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from config import ConfigError, DataSection, ModelSection, RunSection, load, parser
-from engine import build_data, classify, loader, make_accelerator
+from config import ConfigError, DataSection, ModelSection, RunSection
+from engine import USER_ERRORS, classify, loader, start
 from safetensors.torch import load_file
 
-from patchplace.data import DataError
 from patchplace.finetune import extract_features, knn_probe_per_layer, linear_probe, position_probe
 from patchplace.models import ModelError, load_pretrained
 from patchplace.objectives import (
@@ -170,13 +169,10 @@ def to_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser(EvaluateConfig, __doc__).parse_args(argv)
     try:
-        cfg = load(EvaluateConfig, args.config, args.overrides)
-        accelerator = make_accelerator(cfg.run)
-        data = build_data(cfg.data, accelerator, cfg.run.seed, augment=False)
+        cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False)
         backbone, metadata = load_pretrained(cfg.model.checkpoint)
-    except (ConfigError, DataError, ModelError, ValueError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not accelerator.is_main_process:

@@ -15,12 +15,11 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection, load, parser
-from engine import Trainer, build_data, classify, make_accelerator
+from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
+from engine import USER_ERRORS, Trainer, classify, data_metadata, start
 
-from patchplace.data import DataError
 from patchplace.finetune import build_mixup, prepare_for_finetune
-from patchplace.models import ModelError, create_model, load_pretrained
+from patchplace.models import create_model, load_pretrained
 from patchplace.objectives import Supervised, SupervisedConfig
 
 
@@ -65,17 +64,11 @@ def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modalit
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser(FinetuneConfig, __doc__).parse_args(argv)
     try:
-        cfg = load(FinetuneConfig, args.config, args.overrides)
-        accelerator = make_accelerator(cfg.run)
-        from accelerate.utils import set_seed
-
-        set_seed(cfg.run.seed)
-        data = build_data(cfg.data, accelerator, cfg.run.seed)
+        cfg, accelerator, data = start(FinetuneConfig, __doc__, argv)
         m = data.manifest
         backbone, pretrained = build_backbone(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
-    except (ConfigError, DataError, ModelError, ValueError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ft = cfg.finetune
@@ -92,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return {k: v for k, v in result.items() if k != "confusion"}
 
     metadata = {"method": f"finetune:{pretrained.get('method', '?')}", "pretrained": cfg.model.checkpoint,
-                "pretrain_metadata": pretrained, "classes": m.classes, "normalization": m.normalization,
-                "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()}, "pad_to": cfg.data.pad_to,
-                "modality": m.modality}
+                "pretrain_metadata": pretrained, **data_metadata(data, cfg.data)}
     trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
                       batch_transform=batch_transform, evaluate=evaluate)
     final = trainer.fit(cfg.data.batch_size)

@@ -14,10 +14,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection, load, parser
-from engine import Trainer, build_data, make_accelerator
+from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
+from engine import USER_ERRORS, Trainer, data_metadata, start
 
-from patchplace.data import DataError
 from patchplace.models import create_model, load_pretrained
 from patchplace.objectives import (
     IJEPA,
@@ -81,22 +80,14 @@ def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modali
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser(PretrainConfig, __doc__).parse_args(argv)
     try:
-        cfg = load(PretrainConfig, args.config, args.overrides)
-        accelerator = make_accelerator(cfg.run)
-        from accelerate.utils import set_seed
-
-        set_seed(cfg.run.seed)
-        data = build_data(cfg.data, accelerator, cfg.run.seed)
+        cfg, accelerator, data = start(PretrainConfig, __doc__, argv)
         m = data.manifest
         objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
-    except (ConfigError, DataError, ValueError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    metadata = {"method": cfg.method, "objective": cfg.objective, "classes": m.classes,
-                "normalization": m.normalization, "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()},
-                "pad_to": cfg.data.pad_to, "modality": m.modality}
+    metadata = {"method": cfg.method, "objective": cfg.objective, **data_metadata(data, cfg.data)}
     trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg)
     trainer.fit(cfg.data.batch_size)
     if accelerator.is_main_process:
