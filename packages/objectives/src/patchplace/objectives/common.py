@@ -59,11 +59,17 @@ def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 # ---------------------------------------------------------------------------------------------- masking
+def noise_device(device: torch.device | str, generator: torch.Generator | None) -> torch.device | str:
+    """Where to draw random numbers: on the generator's device when one is given (so a CPU generator gives the same
+    masks whatever device the model is on), else on ``device``."""
+    return generator.device if generator is not None else device
+
+
 def random_shuffle(batch: int, n: int, device: torch.device | str = "cpu",
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """One random permutation of ``range(n)`` per sample (B, n) — MAE's argsort-of-noise shuffle."""
-    noise = torch.rand(batch, n, device=device, generator=generator)
-    return noise.argsort(dim=1)
+    noise = torch.rand(batch, n, device=noise_device(device, generator), generator=generator)
+    return noise.argsort(dim=1).to(device)
 
 
 def random_masking(batch: int, n: int, keep: int, device: torch.device | str = "cpu",

@@ -119,8 +119,8 @@ class DropPos(nn.Module):
         Returns ``ids_vis`` (B, V): the (shuffled) positions of the visible patches, V = (1 - gamma) N.
         """
         ids_vis, _, _ = random_masking(batch, self.num_patches, num_kept(self.num_patches, mask_ratio),
-                                       _noise_device(device, generator), generator)
-        return ids_vis.to(device)
+                                       device, generator)
+        return ids_vis
 
     def drop_positions(self, batch: int, num_vis: int, pos_mask_ratio: float, device: torch.device | str,
                        generator: torch.Generator | None = None) -> torch.Tensor:
@@ -130,8 +130,8 @@ class DropPos(nn.Module):
         keeps its PE (``num_kept``).
         """
         _, dropped, _ = random_masking(batch, num_vis, num_kept(num_vis, pos_mask_ratio),
-                                       _noise_device(device, generator), generator)
-        return dropped.to(device)
+                                       device, generator)
+        return dropped
 
     # ------------------------------------------------------------------ encoder / decoder
     def position_embeddings(self, ids_vis: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
@@ -250,10 +250,6 @@ class DropPos(nn.Module):
             "sigma": torch.tensor(sigma, device=loss.device),
         }
 
-
-def _noise_device(device: torch.device | str, generator: torch.Generator | None) -> torch.device | str:
-    """Draw the masking noise where the generator lives (a CPU generator then gives the same masks on any device)."""
-    return generator.device if generator is not None else device
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ from .common import (
     gather_rows,
     grid_coords,
     image_to_patches,
+    noise_device,
     patches_to_image,
     require_pos_mode,
     split_batch,
@@ -97,11 +98,6 @@ class MJPConfig(ObjectiveConfig):
 
 
 # ---------------------------------------------------------------------------------------------- Alg. 1
-def _noise_device(device: torch.device, generator: torch.Generator | None) -> torch.device:
-    """Draw noise where the generator lives (a CPU generator then gives the same shuffle on any device)."""
-    return generator.device if generator is not None else device
-
-
 def permute_selected(mask: torch.Tensor, generator: torch.Generator | None = None,
                      derange: bool = True) -> torch.Tensor:
     """Per sample, a random permutation of the selected positions among themselves (Alg. 1 ``JigsawPuzzle``).
@@ -122,7 +118,7 @@ def permute_selected(mask: torch.Tensor, generator: torch.Generator | None = Non
     b, n = mask.shape
     device = mask.device
     rank = torch.arange(n, device=device).expand(b, n)
-    noise = torch.rand(b, n, generator=generator, device=_noise_device(device, generator)).to(device)
+    noise = torch.rand(b, n, generator=generator, device=noise_device(device, generator)).to(device)
     # Selected positions first in random order (keys in [0, 1)), then the unselected ones in raster order (keys
     # 1 + i), so the tail of ``order`` is the identity part of the permutation.
     order = torch.where(mask, noise, 1.0 + rank.float()).argsort(dim=1)
