@@ -23,7 +23,13 @@ from config import ConfigError, DataSection, ModelSection, RunSection
 from engine import USER_ERRORS, classify, loader, start
 from safetensors.torch import load_file
 
-from patchplace.finetune import extract_features, knn_probe_per_layer, linear_probe, position_probe
+from patchplace.finetune import (
+    extract_features,
+    knn_probe_per_layer,
+    linear_probe,
+    position_probe,
+    subsample_per_class,
+)
 from patchplace.models import ModelError, load_pretrained
 from patchplace.objectives import (
     MP3,
@@ -47,6 +53,7 @@ class EvalSection:
     consistency_ratios: tuple[float, ...] = (0.03, 0.09, 0.15, 0.27, 0.5)
     probe_train_samples: int = 5000  # train samples used for the probes' features
     probe_epochs: int = 100
+    low_label_fraction: float = 0.01  # a second linear probe on this fraction of the probe's labels (StoP: 1%)
     max_eval_samples: int = 2000  # images for the method curves (eta curve, DropPos grid, consistency)
 
 
@@ -151,7 +158,7 @@ def to_markdown(results: dict[str, Any]) -> str:
     if "classification" in results:
         c = results["classification"]
         lines += [f"- top-1 {c['top1']:.4f}, top-5 {c['top5']:.4f} on {c['count']} images"]
-    for key in ("linear_probe", "position_probe"):
+    for key in ("linear_probe", "linear_probe_low_label", "position_probe"):
         if key in results:
             lines += [f"- {key.replace('_', ' ')}: top-1 {results[key]['top1']:.4f}"]
     if "knn_per_layer" in results:
@@ -196,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         te, te_y = extract_features(backbone, val, pool=pool, device=device)
         results["linear_probe"] = linear_probe(tr[max(tr)], tr_y, te[max(te)], te_y,
                                                num_classes=data.manifest.num_classes, epochs=ev.probe_epochs)
+        few = subsample_per_class(tr_y, ev.low_label_fraction)  # StoP / I-JEPA also report 1% of the labels
+        results["linear_probe_low_label"] = {**linear_probe(tr[max(tr)][few], tr_y[few], te[max(te)], te_y,
+                                                            num_classes=data.manifest.num_classes,
+                                                            epochs=ev.probe_epochs),
+                                             "fraction": ev.low_label_fraction, "train_samples": len(few)}
     if ev.knn:
         results["knn_per_layer"] = knn_probe_per_layer(backbone, train, val, num_classes=data.manifest.num_classes,
                                                        device=device)

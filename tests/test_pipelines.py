@@ -129,6 +129,7 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
     assert results["classification"]["count"] == 32 and set(results["consistency"]) == {
         "0.03", "0.09", "0.15", "0.27", "0.5"}
     assert len(results["knn_per_layer"]) == 2 and 0 <= results["position_probe"]["top1"] <= 1
+    assert results["linear_probe_low_label"]["train_samples"] == 3  # 1% of 32, at least one per class
     assert evaluate.main([*img(shards), "data.batch_size=8", "data.num_workers=0", f"run.output={tmp_path / 'ev2'}",
                           f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "eval.probe_train_samples=32",
                           "eval.probe_epochs=2", "eval.max_eval_samples=16"]) == 0
