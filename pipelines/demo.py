@@ -1,4 +1,5 @@
-"""The main job on the built-in data: MP3 pretraining on Fashion-MNIST -> fine-tuning -> evaluation -> report.
+"""The main job on the built-in data: MP3 pretraining on Fashion-MNIST -> fine-tuning -> evaluation -> ONNX export
+(with the PyTorch / ONNX Runtime parity check) -> report.
 
     python pipelines/demo.py                       # ~25 min on a 2-core CPU (the defaults of `make demo`)
     python pipelines/demo.py --pretrain-epochs 20 --finetune-epochs 20 --out runs/demo_long
@@ -21,11 +22,14 @@ import evaluate
 import finetune
 import pretrain
 
+from patchplace.export.__main__ import main as export_main
+
 CONFIGS = Path(__file__).parent / "configs"
 
 
 def stage(out: Path, name: str, run, argv: list[str]) -> float:
     """Run one pipeline stage unless it finished before; returns its wall-clock seconds (0 when skipped)."""
+    (out / name).mkdir(parents=True, exist_ok=True)
     done = out / name / "DONE"
     if done.is_file():
         print(f"[demo] {name}: done before, skipping ({done})")
@@ -59,6 +63,7 @@ def loss_plot(logs: dict[str, Path], path: Path) -> None:
 def report(out: Path, seconds: dict[str, float]) -> str:
     ft = json.loads((out / "evaluate_finetuned" / "results.json").read_text())
     pre = json.loads((out / "evaluate_pretrained" / "results.json").read_text())
+    onnx_parity = json.loads((out / "export" / "model.json").read_text())["parity"]["max_abs_diff"]
     pretrain_log = [json.loads(line) for line in (out / "pretrain" / "log.jsonl").read_text().splitlines()]
     last = [r for r in pretrain_log if "pos_acc" in r][-1]
     lines = ["# patchplace demo: MP3 on Fashion-MNIST", "",
@@ -80,7 +85,9 @@ def report(out: Path, seconds: dict[str, float]) -> str:
     lines += [f"kNN top-1 per layer (pretrained): {knn}",
               "", "MJP consistency of the fine-tuned model (eval gamma: consistency / Diff. Norm): "
               + ", ".join(f"{g}: {v['consistency']:.3f} / {v['diff_norm']:.3f}" for g, v in ft["consistency"].items()),
-              "", "![losses](losses.png)", "", "![MP3 position accuracy](mp3_position_accuracy.png)", "",
+              "", f"ONNX export of the fine-tuned model: `export/model.onnx`, max |ONNX Runtime - PyTorch| = "
+             f"{max(onnx_parity.values()):.1e} (tolerance 1e-4)",
+             "", "![losses](losses.png)", "", "![MP3 position accuracy](mp3_position_accuracy.png)", "",
               "![reassembled](mp3_reassembled.png)", "",
               "Full results: `evaluate_pretrained/results.json`, `evaluate_finetuned/results.json`."]
     return "\n".join(lines) + "\n"
@@ -112,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds[name] = stage(out, name, evaluate.main, [
             "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={out / name}",
             f"model.checkpoint={out / checkpoint / 'checkpoint'}", *extra, *eval_extra])
+    seconds["export"] = stage(out, "export", export_main, [
+        str(out / "finetune" / "checkpoint"), "--out", str(out / "export" / "model.onnx")])
     loss_plot({"MP3 pretraining": out / "pretrain" / "log.jsonl", "fine-tuning": out / "finetune" / "log.jsonl"},
               out / "losses.png")
     for picture in ("mp3_position_accuracy.png", "mp3_reassembled.png"):

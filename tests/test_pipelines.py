@@ -171,5 +171,6 @@ def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
     assert demo.main(args) == 0
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "test top-1" in report and (tmp_path / "demo" / "losses.png").is_file()
+    assert "max |ONNX Runtime - PyTorch|" in report and (tmp_path / "demo" / "export" / "model.onnx").is_file()
     first = (tmp_path / "demo" / "pretrain" / "DONE").read_text()
     assert demo.main(args) == 0 and (tmp_path / "demo" / "pretrain" / "DONE").read_text() == first  # skipped

@@ -1,7 +1,9 @@
-"""patchplace.export.
+"""patchplace.export — ONNX export with a PyTorch-vs-ONNX-Runtime parity check (DESIGN.md §2).
 
-ONNX export with a PyTorch-vs-ONNX-Runtime parity check, and the ONNX Runtime evaluator (accuracy, MJP consistency /
-Diff. Norm, corruption robustness, latency).
-
-The implementation lands with a later issue; this portion of the namespace exists so the layout is stable.
+``python -m patchplace.export CHECKPOINT --out model.onnx`` or :func:`export_checkpoint`. The ONNX Runtime evaluator
+(accuracy, consistency, robustness, latency) is the rest of issue 7.
 """
+
+from .exporter import ExportError, FeatureExtractor, SpeechModel, export_checkpoint, onnx_session, plan_export
+
+__all__ = ["ExportError", "FeatureExtractor", "SpeechModel", "export_checkpoint", "onnx_session", "plan_export"]

@@ -1,0 +1,181 @@
+"""Export a checkpoint to ONNX (DESIGN.md §2 ONNX contract) and check it against PyTorch with ONNX Runtime.
+
+Kinds:
+
+* ``classifier`` — image models take ``pixels (B, C, H, W) float32`` (normalized, as the data path produces) and,
+  for MJP models, ``unknown_pos (B, N) bool``; speech models take ``waveform (B, samples)`` with the MFCC frontend
+  inside the graph (``speech_input="waveform"``) or ``features (B, T, 40)``. Output ``logits``.
+* ``features`` — the backbone as a feature extractor: outputs ``pooled (B, D)`` and ``tokens (B, T, D)``.
+
+Every export is run on random and (optionally) real inputs through PyTorch and ONNX Runtime; if the max abs
+difference exceeds the tolerance (1e-4 fp32, DESIGN §2) the export fails and leaves no file behind. A sidecar
+``model.json`` records inputs, outputs, normalization, class names and provenance (checkpoint sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import onnxscript  # noqa: F401 - torch.onnx.export(dynamo=True) builds the graph with it: a runtime requirement
+import torch
+from torch import nn
+
+from patchplace.data.mfcc import MFCC
+from patchplace.models import Backbone, ModelError, load_pretrained
+
+KINDS = ("classifier", "features")
+SPEECH_INPUTS = ("waveform", "features")
+DEFAULT_OPSET = 18
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported as asked, or the exported graph disagrees with PyTorch."""
+
+
+class FeatureExtractor(nn.Module):
+    """Backbone -> (pooled, tokens) for downstream use."""
+
+    def __init__(self, backbone: Backbone) -> None:
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.backbone.forward_features(x)
+        return self.backbone.forward_head(tokens, pre_logits=True), tokens
+
+
+class SpeechModel(nn.Module):
+    """MFCC frontend + speech backbone (classifier or feature extractor) on raw 16 kHz waveforms."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.frontend, self.model = MFCC(), model
+
+    def forward(self, waveform: torch.Tensor):
+        return self.model(self.frontend(waveform))
+
+
+@dataclass
+class ExportPlan:
+    module: nn.Module
+    inputs: dict[str, torch.Tensor]  # example inputs, in argument order
+    input_specs: list[dict[str, Any]]
+    outputs: list[str]
+
+
+def plan_export(backbone: Backbone, kind: str = "classifier", speech_input: str = "waveform",
+                batch: int = 2) -> ExportPlan:
+    """Wrap ``backbone`` for ``kind`` and build example inputs and the sidecar's input description."""
+    if kind not in KINDS or speech_input not in SPEECH_INPUTS:
+        raise ExportError(f"kind must be one of {KINDS} and speech_input one of {SPEECH_INPUTS}")
+    c = backbone.config
+    if kind == "classifier" and c.num_classes < 1:
+        raise ExportError("this checkpoint has no classifier head (num_classes = 0): export it with "
+                          "--kind features, or fine-tune it first")
+    module: nn.Module = backbone if kind == "classifier" else FeatureExtractor(backbone)
+    outputs = ["logits"] if kind == "classifier" else ["pooled", "tokens"]
+    if c.modality == "audio":
+        if speech_input == "waveform":
+            module = SpeechModel(module)
+            samples = (c.num_frames - 1) * MFCC().hop_length  # center=True: T = 1 + samples // hop
+            inputs = {"waveform": torch.randn(batch, samples) * 0.1}
+            specs = [{"name": "waveform", "shape": ["batch", samples], "dtype": "float32",
+                      "meaning": "16 kHz mono waveform in [-1, 1]"}]
+        else:
+            inputs = {"features": torch.randn(batch, c.num_frames, c.in_features) * 10}
+            specs = [{"name": "features", "shape": ["batch", c.num_frames, c.in_features], "dtype": "float32",
+                      "meaning": "MFCC frames (patchplace.data.mfcc.MFCC)"}]
+        return ExportPlan(module.eval(), inputs, specs, outputs)
+    h, w = c.image_hw
+    inputs = {"pixels": torch.randn(batch, c.in_chans, h, w)}
+    specs = [{"name": "pixels", "shape": ["batch", c.in_chans, h, w], "dtype": "float32",
+              "meaning": "normalized images ((x / 255 - mean) / std after padding / resizing)"}]
+    if c.unknown_pos and kind == "classifier":
+        inputs["unknown_pos"] = torch.rand(batch, backbone.num_patches) < 0.15
+        specs.append({"name": "unknown_pos", "shape": ["batch", backbone.num_patches], "dtype": "bool",
+                      "meaning": "MJP: True where a patch was shuffled (gets the unknown PE)"})
+    return ExportPlan(module.eval(), inputs, specs, outputs)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def onnx_session(path: str | os.PathLike, providers: list[str] | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime session on CUDA when available, else CPU."""
+    available = ort.get_available_providers()
+    chosen = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    try:
+        return ort.InferenceSession(str(path), providers=chosen)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ExportError(f"{path} is not a loadable ONNX model ({exc})") from exc
+
+
+def max_abs_diff(module: nn.Module, session: ort.InferenceSession, inputs: dict[str, torch.Tensor]) -> float:
+    with torch.no_grad():
+        expected = module(*inputs.values())
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+    return max(float(np.abs(g - e.numpy()).max()) for g, e in zip(got, expected, strict=True))
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, kind: str = "classifier",
+                      speech_input: str = "waveform", opset: int = DEFAULT_OPSET, tolerance: float = 1e-4,
+                      real_inputs: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """Export ``checkpoint`` to ``out`` (model.onnx) + ``out`` with .json (sidecar); returns the sidecar dict.
+
+    Raises :class:`ExportError` (and writes nothing) when the parity check fails."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    try:
+        backbone, metadata = load_pretrained(checkpoint)
+    except ModelError as exc:
+        raise ExportError(str(exc)) from exc
+    plan = plan_export(backbone.eval(), kind, speech_input)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    dynamic = {name: {0: batch} for name in plan.inputs}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        tmp_model = Path(tmp) / out.name
+        # dynamo=True: the maintained exporter (the TorchScript one is deprecated since torch 2.9).
+        torch.onnx.export(plan.module, tuple(plan.inputs.values()), str(tmp_model), dynamo=True,
+                          opset_version=opset, input_names=list(plan.inputs), output_names=plan.outputs,
+                          dynamic_shapes=tuple(dynamic.values()), external_data=False, verbose=False)
+        onnx.checker.check_model(onnx.load(str(tmp_model)), full_check=True)
+        session = onnx_session(tmp_model, ["CPUExecutionProvider"])
+        checks = {"random_batch_2": max_abs_diff(plan.module, session, plan.inputs),
+                  "random_batch_5": max_abs_diff(plan.module, session, plan_export(
+                      backbone, kind, speech_input, batch=5).inputs)}
+        for i, inputs in enumerate(real_inputs or []):
+            checks[f"real_{i}"] = max_abs_diff(plan.module, session, inputs)
+        worst = max(checks.values())
+        if worst > tolerance:
+            raise ExportError(f"ONNX Runtime disagrees with PyTorch by {worst:.2e} (> {tolerance:.0e}) on "
+                              f"{max(checks, key=checks.get)}; nothing was written")
+        sidecar = {
+            "format": "patchplace.export/1", "kind": kind, "modality": backbone.config.modality,
+            "inputs": plan.input_specs, "outputs": plan.outputs, "opset": opset,
+            "classes": metadata.get("classes"), "normalization": metadata.get("normalization"),
+            "pad_to": metadata.get("pad_to"), "backbone": backbone.config.to_dict(),
+            "parity": {"max_abs_diff": checks, "tolerance": tolerance},
+            "provenance": {"checkpoint": str(checkpoint.resolve()), "method": metadata.get("method"),
+                           "checkpoint_sha256": _sha256(checkpoint / "model.safetensors"),
+                           "data": metadata.get("data")},
+        }
+        tmp_json = Path(tmp) / "model.json"
+        tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
+        os.replace(tmp_model, out)
+        os.replace(tmp_json, out.with_suffix(".json"))
+    return sidecar
