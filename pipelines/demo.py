@@ -23,6 +23,7 @@ import finetune
 import pretrain
 
 from patchplace.export.__main__ import main as export_main
+from patchplace.export.evaluate import main as ort_evaluate_main
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -60,10 +61,28 @@ def loss_plot(logs: dict[str, Path], path: Path) -> None:
     plt.close(fig)
 
 
+def ort_summary(ort: dict) -> str:
+    """One paragraph of the ONNX Runtime evaluation (accuracy, consistency, robustness, latency)."""
+    a, c = ort["accuracy"], ort["consistency"].get("0.15", {})
+    text = (f"ONNX Runtime ({', '.join(ort['providers'])}): test top-1 {a['top1']:.4f} on {a['count']} images; "
+            f"consistency {c.get('consistency', float('nan')):.3f} / Diff. Norm {c.get('diff_norm', float('nan')):.3f} "
+            "at gamma 0.15")
+    if "robustness" in ort:
+        r = ort["robustness"]
+        text += (f"; mean corruption error {r['mean_error']:.3f} over {len(r['ran'])} corruptions x 5 severities "
+                 f"(failed here: {', '.join(r['failed']) or 'none'})")
+    lat = ort.get("latency", {})
+    if "onnxruntime/batch64" in lat and "pytorch/batch64" in lat:
+        text += (f"; batch-64 latency p50 {lat['onnxruntime/batch64']['p50_ms']:.0f} ms (ONNX Runtime) vs "
+                 f"{lat['pytorch/batch64']['p50_ms']:.0f} ms (PyTorch eager)")
+    return text + ". Details: `evaluate_onnx/results.md`."
+
+
 def report(out: Path, seconds: dict[str, float]) -> str:
     ft = json.loads((out / "evaluate_finetuned" / "results.json").read_text())
     pre = json.loads((out / "evaluate_pretrained" / "results.json").read_text())
     onnx_parity = json.loads((out / "export" / "model.json").read_text())["parity"]["max_abs_diff"]
+    ort = json.loads((out / "evaluate_onnx" / "results.json").read_text())
     pretrain_log = [json.loads(line) for line in (out / "pretrain" / "log.jsonl").read_text().splitlines()]
     last = [r for r in pretrain_log if "pos_acc" in r][-1]
     lines = ["# patchplace demo: MP3 on Fashion-MNIST", "",
@@ -87,6 +106,7 @@ def report(out: Path, seconds: dict[str, float]) -> str:
               + ", ".join(f"{g}: {v['consistency']:.3f} / {v['diff_norm']:.3f}" for g, v in ft["consistency"].items()),
               "", f"ONNX export of the fine-tuned model: `export/model.onnx`, max |ONNX Runtime - PyTorch| = "
              f"{max(onnx_parity.values()):.1e} (tolerance 1e-4)",
+             "", ort_summary(ort),
              "", "![losses](losses.png)", "", "![MP3 position accuracy](mp3_position_accuracy.png)", "",
               "![reassembled](mp3_reassembled.png)", "",
               "Full results: `evaluate_pretrained/results.json`, `evaluate_finetuned/results.json`."]
@@ -99,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-epochs", type=float, default=1.0, help="MP3 epochs (default: %(default)s)")
     parser.add_argument("--finetune-epochs", type=float, default=1.0, help="fine-tuning epochs (default: %(default)s)")
     parser.add_argument("--preset", default="vit_cpu", help="backbone preset (default: %(default)s)")
+    parser.add_argument("--ort-robustness-limit", type=int, default=500,
+                        help="test images for the ONNX Runtime corruption sweep (default: %(default)s)")
+    parser.add_argument("--ort-latency-repeats", type=int, default=20, help="timed runs per batch size")
     parser.add_argument("overrides", nargs="*", help="section.field=value passed to every stage (eval.* to the "
                                                      "evaluations only)")
     args = parser.parse_args(argv)
@@ -121,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             f"model.checkpoint={out / checkpoint / 'checkpoint'}", *extra, *eval_extra])
     seconds["export"] = stage(out, "export", export_main, [
         str(out / "finetune" / "checkpoint"), "--out", str(out / "export" / "model.onnx")])
+    val = next((o.split("=", 1)[1] for o in extra if o.startswith("data.val=")), "shards/fashion_mnist/test")
+    seconds["evaluate_onnx"] = stage(out, "evaluate_onnx", ort_evaluate_main, [
+        str(out / "export" / "model.onnx"), "--data", val, "--out", str(out / "evaluate_onnx"),
+        "--checkpoint", str(out / "finetune" / "checkpoint"), "--robustness-limit", str(args.ort_robustness_limit),
+        "--latency-repeats", str(args.ort_latency_repeats)])
     loss_plot({"MP3 pretraining": out / "pretrain" / "log.jsonl", "fine-tuning": out / "finetune" / "log.jsonl"},
               out / "losses.png")
     for picture in ("mp3_position_accuracy.png", "mp3_reassembled.png"):

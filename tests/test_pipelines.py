@@ -167,10 +167,12 @@ def test_two_processes_split_the_data_and_only_rank0_writes(shards, tmp_path):
 def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
     args = ["--out", str(tmp_path / "demo"), "--preset", "vit_micro", "--pretrain-epochs", "1",
             "--finetune-epochs", "1", *img(shards), "data.num_workers=0", "data.batch_size=16", "run.tensorboard=false",
-            "eval.probe_train_samples=32", "eval.probe_epochs=2", "eval.max_eval_samples=16"]
+            "eval.probe_train_samples=32", "eval.probe_epochs=2", "eval.max_eval_samples=16",
+            "--ort-robustness-limit", "2", "--ort-latency-repeats", "1"]
     assert demo.main(args) == 0
     report = (tmp_path / "demo" / "report.md").read_text()
     assert "test top-1" in report and (tmp_path / "demo" / "losses.png").is_file()
     assert "max |ONNX Runtime - PyTorch|" in report and (tmp_path / "demo" / "export" / "model.onnx").is_file()
+    assert "ONNX Runtime (CPUExecutionProvider): test top-1" in report
     first = (tmp_path / "demo" / "pretrain" / "DONE").read_text()
     assert demo.main(args) == 0 and (tmp_path / "demo" / "pretrain" / "DONE").read_text() == first  # skipped

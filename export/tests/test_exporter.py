@@ -33,7 +33,10 @@ def test_image_classifier_exports_with_parity_and_a_sidecar(tmp_path, pos_embed)
     assert len(saved["provenance"]["checkpoint_sha256"]) == 64
     session = onnx_session(tmp_path / "out" / "model.onnx")
     x = torch.randn(7, 3, 16, 16)
-    np.testing.assert_allclose(session.run(None, {"pixels": x.numpy()})[0], model(x).detach().numpy(), atol=1e-4)
+    logits, pooled = session.run(None, {"pixels": x.numpy()})
+    np.testing.assert_allclose(logits, model(x).detach().numpy(), atol=1e-4)
+    np.testing.assert_allclose(pooled, model.forward_head(model.forward_features(x), pre_logits=True).detach().numpy(),
+                               atol=1e-4)
 
 
 def test_mjp_classifier_takes_unknown_pos(tmp_path):

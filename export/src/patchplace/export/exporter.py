@@ -4,7 +4,8 @@ Kinds:
 
 * ``classifier`` — image models take ``pixels (B, C, H, W) float32`` (normalized, as the data path produces) and,
   for MJP models, ``unknown_pos (B, N) bool``; speech models take ``waveform (B, samples)`` with the MFCC frontend
-  inside the graph (``speech_input="waveform"``) or ``features (B, T, 40)``. Output ``logits``.
+  inside the graph (``speech_input="waveform"``) or ``features (B, T, 40)``. Outputs ``logits`` and ``pooled``
+  (the pre-logit features, for MJP's Diff. Norm).
 * ``features`` — the backbone as a feature extractor: outputs ``pooled (B, D)`` and ``tokens (B, T, D)``.
 
 Every export is run on random and (optionally) real inputs through PyTorch and ONNX Runtime; if the max abs
@@ -39,6 +40,18 @@ DEFAULT_OPSET = 18
 
 class ExportError(ValueError):
     """The checkpoint cannot be exported as asked, or the exported graph disagrees with PyTorch."""
+
+
+class Classifier(nn.Module):
+    """Backbone -> (logits, pooled): the pooled features (final-normed CLS or mean) give MJP's Diff. Norm."""
+
+    def __init__(self, backbone: Backbone) -> None:
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x: torch.Tensor, unknown_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.backbone.forward_head(self.backbone.forward_features(x, unknown_pos), pre_logits=True)
+        return self.backbone.head(pooled), pooled
 
 
 class FeatureExtractor(nn.Module):
@@ -81,8 +94,8 @@ def plan_export(backbone: Backbone, kind: str = "classifier", speech_input: str 
     if kind == "classifier" and c.num_classes < 1:
         raise ExportError("this checkpoint has no classifier head (num_classes = 0): export it with "
                           "--kind features, or fine-tune it first")
-    module: nn.Module = backbone if kind == "classifier" else FeatureExtractor(backbone)
-    outputs = ["logits"] if kind == "classifier" else ["pooled", "tokens"]
+    module: nn.Module = Classifier(backbone) if kind == "classifier" else FeatureExtractor(backbone)
+    outputs = ["logits", "pooled"] if kind == "classifier" else ["pooled", "tokens"]
     if c.modality == "audio":
         if speech_input == "waveform":
             module = SpeechModel(module)
@@ -117,7 +130,9 @@ def _sha256(path: Path) -> str:
 def onnx_session(path: str | os.PathLike, providers: list[str] | None = None) -> ort.InferenceSession:
     """An ONNX Runtime session on CUDA when available, else CPU."""
     available = ort.get_available_providers()
-    chosen = providers or [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    wanted = ("CUDAExecutionProvider", "CPUExecutionProvider") if torch.cuda.is_available() else (
+        "CPUExecutionProvider",)  # onnxruntime-gpu lists CUDA even where no GPU / CUDA libraries exist
+    chosen = providers or [p for p in wanted if p in available]
     try:
         return ort.InferenceSession(str(path), providers=chosen)
     except Exception as exc:  # onnxruntime raises its own exception types

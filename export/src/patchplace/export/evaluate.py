@@ -1,0 +1,301 @@
+"""Evaluate an exported ONNX model with ONNX Runtime on shards: accuracy, MJP consistency / Diff. Norm,
+corruption robustness (ImageNet-C protocol) and latency.
+
+    python -m patchplace.export.evaluate model.onnx --data shards/fashion_mnist/test --out runs/ort_eval \\
+        [--checkpoint runs/x/checkpoint]       # also time PyTorch eager on the same inputs
+        [--reference-errors supervised.json]   # mCE: corruption errors normalized by a reference model's
+
+Writes ``results.json``, ``results.md`` and PNG curves into ``--out``. Providers: CUDA when available, else CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from patchplace.data import DataError, Manifest, ShardDataset, make_loader
+from patchplace.objectives import jigsaw
+
+from .exporter import Classifier, ExportError, onnx_session
+
+CONSISTENCY_RATIOS = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP Table 1 uses 0.15, Fig. 3 the curve
+IMAGENET_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
+              "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
+              "jpeg_compression")
+
+
+class OnnxModel:
+    """An exported classifier: its session, sidecar and the preprocessing the sidecar describes."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        sidecar = path.with_suffix(".json")
+        if path.suffix != ".onnx" or not sidecar.is_file():
+            raise ExportError(f"{path} is not an exported model: expected model.onnx with its model.json sidecar "
+                              "(python -m patchplace.export CHECKPOINT --out model.onnx)")
+        self.meta = json.loads(sidecar.read_text())
+        if self.meta.get("kind") != "classifier" or self.meta.get("modality") != "image":
+            raise ExportError(f"{path}: this evaluator takes image classifiers, got {self.meta.get('modality')} "
+                              f"{self.meta.get('kind')}")
+        self.session = onnx_session(path)
+        self.inputs = [i["name"] for i in self.meta["inputs"]]
+        self.channels, self.height, self.width = self.meta["inputs"][0]["shape"][1:]
+        self.patch_size = self.meta["backbone"]["patch_size"]
+        norm = self.meta.get("normalization") or {"mean": [0.5] * self.channels, "std": [0.5] * self.channels}
+        self.mean = torch.tensor(norm["mean"]).view(1, -1, 1, 1)
+        self.std = torch.tensor(norm["std"]).view(1, -1, 1, 1)
+
+    def check_data(self, manifest: Manifest) -> None:
+        """Refuse shards the model was not made for (class count, channels, image size)."""
+        classes = self.meta.get("classes") or []
+        if classes and len(classes) != manifest.num_classes:
+            raise ExportError(f"the model has {len(classes)} classes but {manifest.dataset}/{manifest.split} has "
+                              f"{manifest.num_classes}: evaluate it on the dataset it was trained on")
+        if int(manifest.info.get("channels", 3)) != self.channels:
+            raise ExportError(f"the model takes {self.channels} channel(s), the shards hold "
+                              f"{manifest.info.get('channels')}")
+        side = self.meta.get("pad_to") or max(manifest.info.get("image_size") or [0])
+        if side != self.height:
+            raise ExportError(f"the model takes {self.height}x{self.width} pixels, the shards give {side} px "
+                              "after padding")
+
+    def pad(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, C, h, w) -> uint8 (B, C, H, W), zero-padded and centered like the data path's PadTo."""
+        h, w = images.shape[-2:]
+        top, left = (self.height - h) // 2, (self.width - w) // 2
+        return F.pad(images, (left, self.width - w - left, top, self.height - h - top))
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.float() / 255.0 - self.mean) / self.std
+
+    def run(self, pixels: torch.Tensor, unknown_pos: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+        feed = {"pixels": pixels.numpy().astype(np.float32)}
+        if "unknown_pos" in self.inputs:
+            feed["unknown_pos"] = (unknown_pos if unknown_pos is not None else torch.zeros(
+                pixels.shape[0], (self.height // self.patch_size) * (self.width // self.patch_size),
+                dtype=torch.bool)).numpy()
+        logits, pooled = self.session.run(None, feed)
+        return logits, pooled
+
+
+def load_uint8(split: str | Path, limit: int | None, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``limit`` images (uint8, un-normalized) and labels of a split, in manifest order."""
+    dataset = ShardDataset(split, epoch_length=limit)
+    xs, ys = [], []
+    for x, y in make_loader(dataset, batch_size):
+        xs.append(x)
+        ys.append(y)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def accuracy(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, batch_size: int,
+             desc: str = "accuracy") -> dict[str, float]:
+    top1 = top5 = 0
+    for x, y in tqdm(list(zip(images.split(batch_size), labels.split(batch_size), strict=True)), desc=desc,
+                     leave=False):
+        logits, _ = model.run(model.normalize(model.pad(x)))
+        top = torch.from_numpy(logits).topk(min(5, logits.shape[1]), dim=1).indices
+        top1 += int((top[:, 0] == y).sum())
+        top5 += int((top == y[:, None]).any(1).sum())
+    return {"top1": top1 / len(labels), "top5": top5 / len(labels), "count": len(labels)}
+
+
+def consistency(model: OnnxModel, images: torch.Tensor, batch_size: int, ratios=CONSISTENCY_RATIOS,
+                seed: int = 0) -> dict[str, dict[str, float]]:
+    """MJP: % of images whose argmax survives the block-wise jigsaw of ratio gamma, and the mean
+    ||F(x) - F(x~)|| of the pooled features; models with an ``unknown_pos`` input receive the shuffled positions."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for ratio in ratios:
+        same, diff = 0, 0.0
+        for x in images.split(batch_size):
+            clean = model.normalize(model.pad(x))
+            shuffled, marked = jigsaw(clean, model.patch_size, ratio, generator=gen)
+            logits, pooled = model.run(clean)
+            logits_s, pooled_s = model.run(shuffled, marked)
+            same += int((logits.argmax(1) == logits_s.argmax(1)).sum())
+            diff += float(np.linalg.norm(pooled - pooled_s, axis=1).sum())
+        out[str(ratio)] = {"consistency": same / len(images), "diff_norm": diff / len(images)}
+    return out
+
+
+def corrupt_batch(images: torch.Tensor, name: str, severity: int) -> torch.Tensor:
+    """imagecorruptions on uint8 (B, C, H, W); gray images go through RGB and back (ITU-R 601 luma)."""
+    with warnings.catch_warnings():  # it imports pkg_resources (hence setuptools<81), which warns on import
+        warnings.simplefilter("ignore")
+        from imagecorruptions import corrupt
+
+    if min(images.shape[-2:]) < 32:
+        raise ExportError(f"imagecorruptions needs images of at least 32 px, got {tuple(images.shape[-2:])}: pad "
+                          "or resize them (Fashion-MNIST is padded to 32)")
+    out = []
+    for image in images:
+        hwc = image.permute(1, 2, 0).numpy()
+        rgb = np.repeat(hwc, 3, axis=2) if hwc.shape[2] == 1 else hwc
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            c = np.asarray(corrupt(rgb, corruption_name=name, severity=severity), dtype=np.float32)
+        if hwc.shape[2] == 1:
+            c = (c @ np.array([0.299, 0.587, 0.114], dtype=np.float32))[..., None]
+        out.append(torch.from_numpy(np.clip(c, 0, 255).round().astype(np.uint8)).permute(2, 0, 1))
+    return torch.stack(out)
+
+
+def robustness(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, batch_size: int,
+               corruptions=IMAGENET_C, severities=(1, 2, 3, 4, 5),
+               reference: dict[str, float] | None = None) -> dict[str, Any]:
+    """ImageNet-C protocol on the padded images: error per corruption (mean over severities); corruptions that
+    fail in this environment are listed, not faked; CE / mCE when reference errors are given."""
+    errors, failed = {}, {}
+    for name in tqdm(corruptions, desc="corruptions", leave=False):
+        try:
+            per_severity = []
+            for severity in severities:
+                wrong = 0
+                for x, y in zip(images.split(batch_size), labels.split(batch_size), strict=True):
+                    logits, _ = model.run(model.normalize(corrupt_batch(model.pad(x), name, severity)))
+                    wrong += int((torch.from_numpy(logits).argmax(1) != y).sum())
+                per_severity.append(wrong / len(labels))
+            errors[name] = {"error": statistics.mean(per_severity), "per_severity": per_severity}
+        except ExportError:
+            raise
+        except Exception as exc:  # e.g. glass_blur / fog under NumPy 2 / new scikit-image
+            failed[name] = f"{type(exc).__name__}: {exc}"[:200]
+    mean_error = statistics.mean(e["error"] for e in errors.values()) if errors else float("nan")
+    result: dict[str, Any] = {"errors": errors, "ran": sorted(errors), "failed": failed, "mean_error": mean_error}
+    if reference:
+        ce = {n: e["error"] / reference[n] for n, e in errors.items() if reference.get(n)}
+        result.update(ce=ce, mce=statistics.mean(ce.values()) if ce else None)
+    return result
+
+
+def latency(model: OnnxModel, batch_sizes=(1, 8, 64), repeats: int = 20, checkpoint: str | None = None
+            ) -> dict[str, Any]:
+    """p50 / p95 seconds per batch and images/s for ONNX Runtime, and PyTorch eager on the same inputs."""
+    torch_model = None
+    if checkpoint:
+        from patchplace.models import load_pretrained
+
+        torch_model = Classifier(load_pretrained(checkpoint)[0].eval())
+    out: dict[str, Any] = {}
+    for bs in batch_sizes:
+        x = torch.randn(bs, model.channels, model.height, model.width)
+        runners = {"onnxruntime": lambda x=x: model.run(x)}
+        if torch_model is not None:
+            runners["pytorch"] = lambda x=x: torch_model(x)
+        for name, run in runners.items():
+            with torch.inference_mode():
+                for _ in range(3):
+                    run()
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+            times.sort()
+            p50, p95 = times[len(times) // 2], times[min(len(times) - 1, int(0.95 * len(times)))]
+            out[f"{name}/batch{bs}"] = {"p50_ms": round(p50 * 1e3, 3), "p95_ms": round(p95 * 1e3, 3),
+                                        "images_per_s": round(bs / p50, 1)}
+    return out
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = results["consistency"]
+    gammas = [float(g) for g in curve]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    axes[0].plot(gammas, [v["consistency"] for v in curve.values()], marker="o")
+    axes[0].set(xlabel="eval jigsaw ratio gamma", ylabel="consistency", title="prediction consistency")
+    axes[1].plot(gammas, [v["diff_norm"] for v in curve.values()], marker="o")
+    axes[1].set(xlabel="eval jigsaw ratio gamma", ylabel="Diff. Norm", title="feature change")
+    fig.tight_layout()
+    fig.savefig(out / "consistency.png", dpi=120)
+    plt.close(fig)
+    if results.get("robustness", {}).get("errors"):
+        errors = results["robustness"]["errors"]
+        fig, ax = plt.subplots(figsize=(8, 3))
+        ax.bar(range(len(errors)), [e["error"] for e in errors.values()])
+        ax.set_xticks(range(len(errors)), list(errors), rotation=60, ha="right", fontsize=7)
+        ax.set(ylabel="error (mean over 5 severities)", title="corruption robustness")
+        fig.tight_layout()
+        fig.savefig(out / "robustness.png", dpi=120)
+        plt.close(fig)
+
+
+def to_markdown(results: dict[str, Any]) -> str:
+    a = results["accuracy"]
+    lines = [f"# ONNX Runtime evaluation of {results['model']}", "", f"providers: {results['providers']}", "",
+             f"- top-1 {a['top1']:.4f}, top-5 {a['top5']:.4f} on {a['count']} images", "",
+             "| eval gamma | consistency | Diff. Norm |", "| --- | --- | --- |"]
+    lines += [f"| {g} | {v['consistency']:.4f} | {v['diff_norm']:.4f} |" for g, v in results["consistency"].items()]
+    if "robustness" in results:
+        r = results["robustness"]
+        lines += ["", f"Corruptions ran: {', '.join(r['ran'])}; failed here: {', '.join(r['failed']) or 'none'}.",
+                  f"Mean corruption error: {r['mean_error']:.4f}" + (f"; mCE {r['mce']:.4f}" if r.get("mce") else "")]
+    if "latency" in results:
+        lines += ["", "| runtime / batch | p50 ms | p95 ms | images/s |", "| --- | --- | --- | --- |"]
+        lines += [f"| {k} | {v['p50_ms']} | {v['p95_ms']} | {v['images_per_s']} |" for k, v in
+                  results["latency"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m patchplace.export.evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="model.onnx written by python -m patchplace.export")
+    parser.add_argument("--data", required=True, help="test split directory (manifest.json + shards)")
+    parser.add_argument("--out", default="runs/ort_eval", help="output directory (default: %(default)s)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N test images (default: all)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--robustness-limit", type=int, default=1000,
+                        help="images for the 15 x 5 corruption sweep (0 = skip; default %(default)s)")
+    parser.add_argument("--consistency-limit", type=int, default=2000, help="images for the consistency curves")
+    parser.add_argument("--reference-errors", help="JSON {corruption: error} of a reference model, for mCE")
+    parser.add_argument("--checkpoint", help="the PyTorch checkpoint, to time PyTorch eager beside ONNX Runtime")
+    parser.add_argument("--latency-repeats", type=int, default=20, help="timed runs per batch size (0 = skip)")
+    args = parser.parse_args(argv)
+    try:
+        model = OnnxModel(args.model)
+        manifest = Manifest.load(args.data)
+        model.check_data(manifest)
+        images, labels = load_uint8(args.data, args.limit, args.batch_size)
+    except (ExportError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {"model": str(args.model), "data": str(args.data),
+                               "providers": model.session.get_providers()}
+    results["accuracy"] = accuracy(model, images, labels, args.batch_size)
+    n = min(args.consistency_limit, len(images))
+    results["consistency"] = consistency(model, images[:n], args.batch_size)
+    if args.robustness_limit:
+        reference = json.loads(Path(args.reference_errors).read_text()) if args.reference_errors else None
+        n = min(args.robustness_limit, len(images))
+        results["robustness"] = robustness(model, images[:n], labels[:n], args.batch_size, reference=reference)
+    if args.latency_repeats:
+        results["latency"] = latency(model, repeats=args.latency_repeats, checkpoint=args.checkpoint)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(to_markdown(results))
+    plot(results, out)
+    print(to_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

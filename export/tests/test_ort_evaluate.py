@@ -1,0 +1,114 @@
+"""The ONNX Runtime evaluator: numbers equal to PyTorch's on the same model, consistency behaviour, corruptions,
+latency, and errors for mismatched models / data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from patchplace.data import SplitWriter
+from patchplace.export import ExportError, export_checkpoint
+from patchplace.export.evaluate import OnnxModel, accuracy, consistency, corrupt_batch, latency, load_uint8, main
+from patchplace.models import create_model, save_pretrained
+from patchplace.objectives import jigsaw
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """28 x 28 gray shards (3 classes) and exported 32 px / patch 4 classifiers (pad 28 -> 32, as Fashion-MNIST)."""
+    root = tmp_path_factory.mktemp("ort")
+    rng = np.random.default_rng(0)
+    with SplitWriter(root / "shards", "test", dataset="toy", modality="image", classes=["a", "b", "c"],
+                     info={"image_size": [28, 28], "channels": 1}, source="t", recipe="t", recipe_version=1) as w:
+        for i in range(24):  # the class is *where* a bright square sits (left / middle / right): layout matters
+            image = rng.integers(0, 40, (28, 28), dtype=np.uint8)
+            top, left = [2, 6, 10, 14][i % 4], [2, 10, 18][i % 3]  # patch-aligned after padding: no content cue
+            image[top: top + 8, left: left + 8] = 250
+            w.add_image(f"{i:03d}", i % 3, image)
+    meta = {"classes": ["a", "b", "c"], "normalization": {"mean": [0.5], "std": [0.25]}, "pad_to": 32}
+    models = {}
+    for name, overrides in {"learned": {"pos_embed": "learned"},
+                            "nope": {"pos_embed": "none", "class_token": False, "global_pool": "mean"},
+                            "mjp": {"pos_embed": "learned", "unknown_pos": True}}.items():
+        torch.manual_seed(0)
+        model = create_model("vit_micro", img_size=32, in_chans=1, num_classes=3, **overrides)
+        if model.pos_table is not None:
+            with torch.no_grad():
+                model.pos_table.mul_(100)  # strong PEs, so the model's features depend on patch layout
+        model.eval()
+        save_pretrained(model, root / name, metadata=meta)
+        export_checkpoint(root / name, root / f"{name}.onnx")
+        models[name] = model
+    return root, models
+
+
+def test_onnx_numbers_equal_pytorch_numbers(toy):
+    root, models = toy
+    onnx_model = OnnxModel(root / "learned.onnx")
+    images, labels = load_uint8(root / "shards" / "test", None, 8)
+    got = accuracy(onnx_model, images, labels, 8)
+    with torch.no_grad():
+        logits = models["learned"](onnx_model.normalize(onnx_model.pad(images)))
+    assert round(got["top1"] * 24) == int((logits.argmax(1) == labels).sum()) and got["count"] == 24
+    curve = consistency(onnx_model, images, 8, ratios=(0.3,), seed=1)
+    gen, same = torch.Generator().manual_seed(1), 0
+    for x in images.split(8):  # the PyTorch evaluator's recipe: same jigsaw, same generator
+        clean = onnx_model.normalize(onnx_model.pad(x))
+        shuffled, _ = jigsaw(clean, 4, 0.3, generator=gen)
+        with torch.no_grad():
+            same += int((models["learned"](clean).argmax(1) == models["learned"](shuffled).argmax(1)).sum())
+    assert curve["0.3"]["consistency"] == same / 24
+
+
+def test_no_pe_models_are_fully_consistent_pe_models_are_not(toy):
+    root, _ = toy
+    images, _ = load_uint8(root / "shards" / "test", None, 8)
+    nope = consistency(OnnxModel(root / "nope.onnx"), images, 8, ratios=(0.5,))
+    assert nope["0.5"]["consistency"] == 1.0 and nope["0.5"]["diff_norm"] < 1e-3  # permutation invariant
+    pe = consistency(OnnxModel(root / "learned.onnx"), images, 8, ratios=(0.5,))
+    # The no-PE model moves by float noise only (measured 4e-7); the PE model's features move ~1000x more (3e-4).
+    # (An untrained model is nearly linear, so its argmax rarely flips: consistency < 100% needs a trained model.)
+    assert pe["0.5"]["diff_norm"] > 100 * nope["0.5"]["diff_norm"] and pe["0.5"]["diff_norm"] > 1e-5
+    mjp = OnnxModel(root / "mjp.onnx")
+    assert mjp.inputs == ["pixels", "unknown_pos"] and 0.0 <= consistency(mjp, images, 8, (0.5,))["0.5"][
+        "consistency"] <= 1.0
+
+
+def test_corruptions_keep_shape_and_change_pixels():
+    images = torch.full((2, 1, 32, 32), 128, dtype=torch.uint8)
+    for name in ("gaussian_noise", "contrast", "pixelate"):
+        out = corrupt_batch(images, name, 3)
+        assert out.shape == images.shape and out.dtype == torch.uint8
+    assert not torch.equal(corrupt_batch(images, "gaussian_noise", 5), images)
+    with pytest.raises(ExportError, match="at least 32 px"):
+        corrupt_batch(images[:, :, :16, :16], "contrast", 1)
+
+
+def test_cli_writes_results_and_reports_which_corruptions_ran(toy, tmp_path):
+    root, _ = toy
+    assert main([str(root / "learned.onnx"), "--data", str(root / "shards" / "test"), "--out", str(tmp_path),
+                 "--robustness-limit", "4", "--latency-repeats", "2", "--checkpoint", str(root / "learned")]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    r = results["robustness"]
+    assert len(r["ran"]) + len(r["failed"]) == 15 and "gaussian_noise" in r["ran"]
+    assert set(results["latency"]) >= {"onnxruntime/batch1", "pytorch/batch64"}
+    assert (tmp_path / "consistency.png").is_file() and "top-1" in (tmp_path / "results.md").read_text()
+
+
+def test_mismatched_models_and_data_are_refused(toy, tmp_path, capsys):
+    root, _ = toy
+    (tmp_path / "model.onnx").write_bytes(b"junk")
+    (tmp_path / "model.json").write_text(json.dumps({"kind": "classifier", "modality": "image"}))
+    with pytest.raises(ExportError, match="not a loadable ONNX model"):
+        OnnxModel(tmp_path / "model.onnx")
+    with pytest.raises(ExportError, match="not an exported model"):
+        OnnxModel(tmp_path / "other.onnx")
+    with SplitWriter(tmp_path / "s", "test", dataset="five", modality="image", classes=list("abcde"),
+                     info={"image_size": [28, 28], "channels": 1}, source="t", recipe="t", recipe_version=1) as w:
+        w.add_image("0", 0, np.zeros((28, 28), np.uint8))
+    assert main([str(root / "learned.onnx"), "--data", str(tmp_path / "s" / "test")]) == 2
+    assert "the model has 3 classes but five/test has 5" in capsys.readouterr().err
+    assert latency(OnnxModel(root / "learned.onnx"), batch_sizes=(2,), repeats=1)["onnxruntime/batch2"]["p50_ms"] > 0
