@@ -101,7 +101,8 @@ def test_cli_writes_results_and_reports_which_corruptions_ran(toy, tmp_path):
 def test_mismatched_models_and_data_are_refused(toy, tmp_path, capsys):
     root, _ = toy
     (tmp_path / "model.onnx").write_bytes(b"junk")
-    (tmp_path / "model.json").write_text(json.dumps({"kind": "classifier", "modality": "image"}))
+    (tmp_path / "model.json").write_text(json.dumps({"kind": "classifier", "modality": "image",
+                                                    "outputs": ["logits", "pooled"]}))
     with pytest.raises(ExportError, match="not a loadable ONNX model"):
         OnnxModel(tmp_path / "model.onnx")
     with pytest.raises(ExportError, match="not an exported model"):
@@ -112,3 +113,16 @@ def test_mismatched_models_and_data_are_refused(toy, tmp_path, capsys):
     assert main([str(root / "learned.onnx"), "--data", str(tmp_path / "s" / "test")]) == 2
     assert "the model has 3 classes but five/test has 5" in capsys.readouterr().err
     assert latency(OnnxModel(root / "learned.onnx"), batch_sizes=(2,), repeats=1)["onnxruntime/batch2"]["p50_ms"] > 0
+
+
+def test_cli_real_input_parity_and_int8_variant(toy, tmp_path, capsys):
+    from patchplace.export.__main__ import main as export_main
+
+    root, _ = toy
+    assert export_main([str(root / "learned"), "--out", str(tmp_path / "m.onnx"), "--data",
+                        str(root / "shards" / "test"), "--samples", "8", "--quantize"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parity"]["max_abs_diff"]["real_0"] <= 1e-4
+    int8 = report["int8"]
+    assert int8["samples"] == 8 and int8["bytes"] < int8["fp32_bytes"] and 0 <= int8["agreement"] <= 1
+    assert (tmp_path / "m.int8.onnx").is_file()

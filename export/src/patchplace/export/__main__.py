@@ -1,12 +1,64 @@
-"""``python -m patchplace.export CHECKPOINT --out model.onnx``: export + PyTorch / ONNX Runtime parity check."""
+"""``python -m patchplace.export CHECKPOINT --out model.onnx``: export + PyTorch / ONNX Runtime parity check.
+
+``--data SPLIT`` adds real inputs (the first images / clips of a shard split, preprocessed as for evaluation) to
+the parity check; ``--quantize`` also writes an int8 dynamically quantized copy (``model.int8.onnx``) and, with
+``--data``, reports its top-1 change on those samples."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
+from pathlib import Path
 
-from .exporter import DEFAULT_OPSET, KINDS, SPEECH_INPUTS, ExportError, export_checkpoint
+import onnx
+import torch
+
+from patchplace.data import DataError, Manifest, ShardDataset, build_transform
+from patchplace.data.mfcc import MFCC
+from patchplace.models import read_config
+
+from .exporter import DEFAULT_OPSET, KINDS, SPEECH_INPUTS, ExportError, export_checkpoint, onnx_session
+
+
+def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_input: str
+                ) -> list[dict[str, torch.Tensor]]:
+    """The first ``samples`` inputs of ``split``, preprocessed as for evaluation, as ONNX feeds (+ labels)."""
+    config, metadata = read_config(checkpoint)
+    manifest = Manifest.load(split)
+    options = {"pad_to": metadata.get("pad_to")} if manifest.modality == "image" else {}
+    dataset = ShardDataset(manifest, transform=build_transform(manifest, train=False, **options),
+                           epoch_length=min(samples, manifest.num_samples))
+    x, y = (torch.stack(t) if i == 0 else torch.tensor(t) for i, t in enumerate(zip(*dataset, strict=True)))
+    if manifest.modality == "audio":
+        feed = {"waveform": x} if speech_input == "waveform" else {"features": MFCC()(x)}
+    else:
+        feed = {"pixels": x}
+        if config.unknown_pos and kind == "classifier":
+            feed["unknown_pos"] = torch.zeros(len(x), config.num_patches, dtype=torch.bool)
+    return [{**feed, "_labels": y}]
+
+
+def quantize(path: str, real: list[dict[str, torch.Tensor]], split: str | None) -> dict:
+    """int8 dynamic quantization (onnxruntime.quantization) and its top-1 change on the real samples."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    out = Path(path).with_suffix(".int8.onnx")
+    model = onnx.load(path)
+    del model.graph.value_info[:]  # the dynamo exporter's value_info trips ORT's shape re-inference; drop it
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx.save(model, f"{tmp}/model.onnx")
+        quantize_dynamic(f"{tmp}/model.onnx", str(out), weight_type=QuantType.QInt8)
+    result = {"path": str(out), "bytes": out.stat().st_size, "fp32_bytes": Path(path).stat().st_size}
+    if real:
+        feed = {k: v.numpy() for k, v in real[0].items() if not k.startswith("_")}
+        labels = real[0]["_labels"].numpy()
+        fp32 = onnx_session(path).run(None, feed)[0].argmax(1)
+        int8 = onnx_session(out).run(None, feed)[0].argmax(1)
+        result.update(samples=len(labels), split=split, fp32_top1=float((fp32 == labels).mean()),
+                      int8_top1=float((int8 == labels).mean()), agreement=float((fp32 == int8).mean()))
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,16 +70,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="speech models: MFCC inside the graph (waveform) or not (features)")
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset (>= 17; default %(default)s)")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="max abs diff allowed (default %(default)s)")
+    parser.add_argument("--data", help="shard split whose first samples join the parity check (e.g. the test split)")
+    parser.add_argument("--samples", type=int, default=256, help="real samples for parity / int8 check")
+    parser.add_argument("--quantize", action="store_true", help="also write an int8 dynamic-quantized model")
     args = parser.parse_args(argv)
     if args.opset < 17:
         parser.error("--opset must be >= 17")
     try:
+        real = real_inputs(args.checkpoint, args.data, args.samples, args.kind, args.speech_input) if args.data else []
         sidecar = export_checkpoint(args.checkpoint, args.out, kind=args.kind, speech_input=args.speech_input,
-                                    opset=args.opset, tolerance=args.tolerance)
-    except ExportError as exc:
+                                    opset=args.opset, tolerance=args.tolerance, real_inputs=real)
+        report = {"onnx": args.out, "parity": sidecar["parity"]}
+        if args.quantize:
+            report["int8"] = quantize(args.out, real, args.data)
+    except (ExportError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"onnx": args.out, "parity": sidecar["parity"]}, indent=2))
+    print(json.dumps(report, indent=2))
     return 0
 
 

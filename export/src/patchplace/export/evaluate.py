@@ -48,6 +48,9 @@ class OnnxModel:
         if self.meta.get("kind") != "classifier" or self.meta.get("modality") != "image":
             raise ExportError(f"{path}: this evaluator takes image classifiers, got {self.meta.get('modality')} "
                               f"{self.meta.get('kind')}")
+        if self.meta.get("outputs") != ["logits", "pooled"]:
+            raise ExportError(f"{path} has outputs {self.meta.get('outputs')}, expected ['logits', 'pooled']: "
+                              "re-export it with this version of patchplace.export")
         self.session = onnx_session(path)
         self.inputs = [i["name"] for i in self.meta["inputs"]]
         self.channels, self.height, self.width = self.meta["inputs"][0]["shape"][1:]

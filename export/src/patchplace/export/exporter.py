@@ -174,7 +174,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
                   "random_batch_5": max_abs_diff(plan.module, session, plan_export(
                       backbone, kind, speech_input, batch=5).inputs)}
         for i, inputs in enumerate(real_inputs or []):
-            checks[f"real_{i}"] = max_abs_diff(plan.module, session, inputs)
+            feed = {k: v for k, v in inputs.items() if not k.startswith("_")}  # "_labels" ride along
+            if list(feed) != list(plan.inputs):
+                raise ExportError(f"real inputs {list(feed)} do not match the model's inputs {list(plan.inputs)}")
+            checks[f"real_{i}"] = max_abs_diff(plan.module, session, feed)
         worst = max(checks.values())
         if worst > tolerance:
             raise ExportError(f"ONNX Runtime disagrees with PyTorch by {worst:.2e} (> {tolerance:.0e}) on "
