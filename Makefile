@@ -54,7 +54,8 @@ $(KWS_MANIFEST): $(KWS_CORPUS)
 
 data: $(FMNIST_MANIFEST) $(KWS_MANIFEST)
 
-# The main job: MP3 pretraining on Fashion-MNIST -> fine-tuning -> evaluation -> runs/demo/report.md (~25 min on
+# The main job: MP3 pretraining on Fashion-MNIST -> fine-tuning -> evaluation -> ONNX export + ONNX Runtime
+# evaluation -> runs/demo/report.md (~32 min on
 # 2 CPU cores; resumable: run it again after an interruption). Budget knobs: see `python pipelines/demo.py --help`.
 demo: setup data
 	$(PY) -m patchplace.data verify $(SHARDS)/fashion_mnist $(SHARDS)/spoken_keywords
