@@ -1,7 +1,7 @@
 """The main job on the built-in data: MP3 pretraining on Fashion-MNIST -> fine-tuning -> evaluation -> ONNX export
 (with the PyTorch / ONNX Runtime parity check) -> report.
 
-    python pipelines/demo.py                       # ~25 min on a 2-core CPU (the defaults of `make demo`)
+    python pipelines/demo.py                       # ~32 min on a 2-core CPU (the defaults of `make demo`)
     python pipelines/demo.py --pretrain-epochs 20 --finetune-epochs 20 --out runs/demo_long
 
 Resumable: every stage resumes from its last checkpoint and is skipped once done (``<stage>/DONE``). Writes
