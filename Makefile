@@ -12,11 +12,13 @@ PACKAGES := packages/data packages/models packages/objectives packages/finetune 
 SHARDS   := shards
 CORPORA  := corpora
 
-.PHONY: help setup apt venv demo data test lint clean
+.PHONY: help setup apt venv demo study benchmark data test lint clean
 
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
+	@echo "make study  the reproduction study of every method (results/study.md; ~75 min on 2 CPU cores)"
+	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
 setup: apt venv
 
@@ -60,6 +62,15 @@ data: $(FMNIST_MANIFEST) $(KWS_MANIFEST)
 demo: setup data
 	$(PY) -m patchplace.data verify $(SHARDS)/fashion_mnist $(SHARDS)/spoken_keywords
 	$(PY) pipelines/demo.py --out runs/demo
+
+# Reproduction study: every method + the papers' ablations on Fashion-MNIST and spoken keywords -> results/
+# (study.md, study.json, PNGs). Two processes share the groups; resumable. Knobs: pipelines/configs/study_fashion_mnist.yaml
+STUDY_JOBS ?= 2
+study: setup data
+	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_fashion_mnist.yaml
+
+benchmark: setup data
+	$(PY) pipelines/benchmark.py --suite all --out results
 
 # ---------------------------------------------------------------------------------------------- test
 lint: setup

@@ -119,6 +119,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{key}: {value!r} is not a {hint}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[float, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(_coerce(v, args[0], key) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
@@ -127,8 +131,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return dict(value)
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
     if hint in (int, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
         raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
     if hint is Any:

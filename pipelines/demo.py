@@ -15,12 +15,13 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import evaluate
 import finetune
 import pretrain
+from stages import StageError
+from stages import stage as run_stage
 
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
@@ -29,19 +30,11 @@ CONFIGS = Path(__file__).parent / "configs"
 
 
 def stage(out: Path, name: str, run, argv: list[str]) -> float:
-    """Run one pipeline stage unless it finished before; returns its wall-clock seconds (0 when skipped)."""
-    (out / name).mkdir(parents=True, exist_ok=True)
-    done = out / name / "DONE"
-    if done.is_file():
-        print(f"[demo] {name}: done before, skipping ({done})")
-        return float(json.loads(done.read_text())["seconds"])
-    print(f"[demo] {name}: {' '.join(argv)}")
-    start = time.perf_counter()
-    if run(argv) != 0:
-        raise SystemExit(f"[demo] {name} failed; fix the error above and run the demo again (it resumes)")
-    seconds = time.perf_counter() - start
-    done.write_text(json.dumps({"seconds": round(seconds, 1)}))
-    return seconds
+    """One demo stage (``<out>/<name>/DONE`` when finished; see stages.stage)."""
+    try:
+        return run_stage(out / name, run, argv, label=f"demo {name}")
+    except StageError as exc:
+        raise SystemExit(f"[demo] {exc}") from None
 
 
 def loss_plot(logs: dict[str, Path], path: Path) -> None:

@@ -4,6 +4,7 @@ two processes, and the demo orchestration."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,8 @@ import demo  # noqa: E402
 import evaluate  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
+import stages  # noqa: E402
+import study  # noqa: E402
 
 TINY = ["model.preset=vit_micro", "data.batch_size=8", "data.num_workers=0", "run.tensorboard=false",
         "run.log_every=1", "data.shuffle_buffer=16"]
@@ -49,7 +52,7 @@ def shards(tmp_path_factory) -> Path:
             for i in range(n):
                 w.add_image(f"{i:04d}", i % 3, rng.integers(0, 256, (28, 28), dtype=np.uint8))
     classes = [f"k{i}" for i in range(12)]
-    for split, n in (("train", 16), ("validation", 8)):
+    for split, n in (("train", 16), ("validation", 8), ("test", 8)):
         with SplitWriter(root / "audio", split, dataset="kws", modality="audio", classes=classes,
                          info={"sample_rate": 16000, "clip_samples": 16000}, source="test", recipe="test",
                          recipe_version=1) as w:
@@ -74,6 +77,10 @@ def audio(shards: Path) -> list[str]:
 def test_every_shipped_config_loads_and_validates(shards):
     classes = {"finetune": finetune.FinetuneConfig, "evaluate": evaluate.EvaluateConfig}
     for path in sorted((ROOT / "pipelines" / "configs").glob("*.yaml")):
+        if path.name.startswith("study"):
+            cfg = pipeline_config.load(study.StudyConfig, str(path), [])
+            assert set(cfg.groups) == set(study.GROUPS), "the shipped study runs every group"
+            continue
         kind = next((k for k in classes if path.name.startswith(k)), "pretrain")
         data = audio(shards) if "spoken" in path.name else img(shards)
         extra = ["model.checkpoint=unused"] if kind == "evaluate" else []
@@ -176,3 +183,58 @@ def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
     assert "ONNX Runtime (CPUExecutionProvider): test top-1" in report
     first = (tmp_path / "demo" / "pretrain" / "DONE").read_text()
     assert demo.main(args) == 0 and (tmp_path / "demo" / "pretrain" / "DONE").read_text() == first  # skipped
+
+
+def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
+    """The main table, MP3 Table 3 (fine-tunes of the main pretraining) and speech with two seeds, on tiny data."""
+    args = ["--config", str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"), f"runs={tmp_path / 'runs'}",
+            f"results={tmp_path / 'results'}", "preset=vit_micro", "pretrain_epochs=0.25", "finetune_epochs=0.25",
+            "batch_size=8", "num_workers=0", f"fashion_mnist={shards / 'img'}", f"spoken_keywords={shards / 'audio'}",
+            "groups=[main,mp3_pe,speech]", "probe_train_samples=32", "probe_val_samples=32", "probe_epochs=2",
+            "curve_samples=16", "ort_consistency_samples=8", "robustness_samples=2", "test_samples=32",
+            "speech_pretrain_epochs=1",
+            "speech_finetune_epochs=1", "speech_seeds=[0,1]", "overrides=[data.shuffle_buffer=16]",
+            "speech_overrides=[data.batch_size=8]"]
+    assert study.main(args) == 0
+    result = json.loads((tmp_path / "results" / "study.json").read_text())
+    rows = result["results"]
+    assert set(rows) == {r.name for r in study.RUNS if r.group in ("main", "mp3_pe", "speech")}
+    sup, mp3 = rows["supervised"][0], rows["mp3"][0]
+    assert sup["pretrain_epochs"] == 0 and sup["finetune_epochs"] == 0.5, "supervised: the same total epochs"
+    assert mp3["pretrain_epochs"] == 0.25 and mp3["finetune_pe"] == "learned"
+    assert sup["mce"] == pytest.approx(1.0), "mCE is normalized by the supervised run"
+    for name in ("supervised", "mp3", "mjp", "stop"):  # ONNX Runtime and PyTorch agree on the same 32 images
+        assert abs(rows[name][0]["top1_ort"] - rows[name][0]["top1"]) <= 1 / 32, name
+    assert "position_accuracy" in mp3 and "mp3_eta_curve" in mp3 and "droppos_grid" in rows["droppos"][0]
+    assert "linear_probe_1pct" in rows["stop"][0] and "consistency" in rows["mjp"][0]
+    runs = tmp_path / "runs" / "seed0"
+    assert not (runs / "mp3_ft_none" / "pretrain").exists(), "MP3 Table 3 rows fine-tune the main MP3 pretraining"
+    assert (runs / "mp3_ft_none" / "finetune" / "DONE").is_file()
+    assert [m["seed"] for m in rows["speech_mp3"]] == [0, 1]
+    text = (tmp_path / "results" / "study.md").read_text()
+    assert "Hardware: " in text and "| MP3 | 0 |" in text and " ± " in text  # two speech seeds: mean ± std
+    claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 3: MP3 pretraining"))
+    assert any(word in claim for word in ("agrees", "contradicts", "tie")), claim
+    assert "| DropPos gamma 0.5 | not run |" in text
+    for figure in ("study_main.png", "study_mp3_eta.png", "study_mjp_consistency.png"):
+        assert (tmp_path / "results" / figure).is_file(), figure
+    capsys.readouterr()
+    assert study.main(args) == 0  # resumes: every stage is skipped
+    out = capsys.readouterr().out
+    assert "done before, skipping" in out and "] --config" not in out
+
+
+def test_study_splits_groups_over_jobs_and_stages_refuse_a_busy_directory(tmp_path):
+    buckets = study.split_groups(study.GROUPS, 2)
+    assert sorted(g for b in buckets for g in b) == sorted(study.GROUPS) and len(buckets) == 2
+    host = next(b for b in buckets if "main" in b)
+    assert host.index("mp3_pe") > host.index("main"), "mp3_pe fine-tunes main's MP3 pretraining"
+    (tmp_path / "LOCK").write_text(str(os.getppid()))  # a live process holds the stage
+    with pytest.raises(stages.StageError, match="is being run by process"):
+        stages.stage(tmp_path, lambda argv: 0, [])
+    (tmp_path / "LOCK").write_text("999999999")  # its process is gone: taken over
+    assert stages.stage(tmp_path, lambda argv: 0, []) >= 0 and (tmp_path / "DONE").is_file()
+    assert not (tmp_path / "LOCK").exists()
+    with pytest.raises(stages.StageError, match="failed"):
+        stages.stage(tmp_path / "x", lambda argv: 1, [])
+    assert not (tmp_path / "x" / "DONE").exists() and not (tmp_path / "x" / "LOCK").exists()

@@ -131,3 +131,17 @@ def test_cli_real_input_parity_and_int8_variant(toy, tmp_path, capsys):
     int8 = report["int8"]
     assert int8["samples"] == 8 and int8["bytes"] < int8["fp32_bytes"] and 0 <= int8["agreement"] <= 1
     assert (tmp_path / "m.int8.onnx").is_file()
+
+
+def test_corrupted_images_are_seeded_and_cached(tmp_path):
+    from patchplace.export.evaluate import corrupted_images
+
+    images = torch.randint(0, 256, (3, 1, 32, 32), dtype=torch.uint8)
+    first = corrupted_images(images, "gaussian_noise", 2)
+    assert torch.equal(first, corrupted_images(images, "gaussian_noise", 2))  # same images for every model
+    assert not torch.equal(first, corrupted_images(images, "gaussian_noise", 4))
+    cached = corrupted_images(images, "shot_noise", 1, tmp_path)
+    (file,) = tmp_path.glob("shot_noise-1-3-*.npy")
+    np.save(file, np.zeros_like(cached.numpy()))  # a second call reads the cache instead of recomputing
+    assert int(corrupted_images(images, "shot_noise", 1, tmp_path).sum()) == 0
+    assert not list(tmp_path.glob("*.tmp.npy"))

@@ -11,11 +11,14 @@ Writes ``results.json``, ``results.md`` and PNG curves into ``--out``. Providers
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
 import sys
 import time
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -155,19 +158,44 @@ def corrupt_batch(images: torch.Tensor, name: str, severity: int) -> torch.Tenso
     return torch.stack(out)
 
 
+def corrupted_images(images: torch.Tensor, name: str, severity: int, cache: Path | None = None) -> torch.Tensor:
+    """``corrupt_batch`` with a fixed NumPy seed per (corruption, severity), so every model sees the same corrupted
+    images; with ``cache`` the uint8 result is stored there (``<name>-<severity>-<n>-<digest>.npy``, written
+    atomically) and reused by the next model evaluated on the same images."""
+    digest = hashlib.sha256(images.numpy().tobytes()).hexdigest()[:16]
+    file = cache / f"{name}-{severity}-{len(images)}-{digest}.npy" if cache else None
+    if file is not None and file.is_file():
+        return torch.from_numpy(np.load(file))
+    state = np.random.get_state()
+    np.random.seed(zlib.crc32(f"{name}/{severity}".encode()))
+    try:
+        out = corrupt_batch(images, name, severity)
+    finally:
+        np.random.set_state(state)
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp.npy")
+        np.save(tmp, out.numpy())
+        os.replace(tmp, file)
+    return out
+
+
 def robustness(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, batch_size: int,
                corruptions=IMAGENET_C, severities=(1, 2, 3, 4, 5),
-               reference: dict[str, float] | None = None) -> dict[str, Any]:
+               reference: dict[str, float] | None = None, cache: Path | None = None) -> dict[str, Any]:
     """ImageNet-C protocol on the padded images: error per corruption (mean over severities); corruptions that
-    fail in this environment are listed, not faked; CE / mCE when reference errors are given."""
+    fail in this environment are listed, not faked; CE / mCE when reference errors are given. The corrupted
+    images are seeded per (corruption, severity) — identical for every model — and cached in ``cache`` if given."""
     errors, failed = {}, {}
+    padded = model.pad(images)
     for name in tqdm(corruptions, desc="corruptions", leave=False):
         try:
             per_severity = []
             for severity in severities:
+                corrupted = corrupted_images(padded, name, severity, cache)
                 wrong = 0
-                for x, y in zip(images.split(batch_size), labels.split(batch_size), strict=True):
-                    logits, _ = model.run(model.normalize(corrupt_batch(model.pad(x), name, severity)))
+                for x, y in zip(corrupted.split(batch_size), labels.split(batch_size), strict=True):
+                    logits, _ = model.run(model.normalize(x))
                     wrong += int((torch.from_numpy(logits).argmax(1) != y).sum())
                 per_severity.append(wrong / len(labels))
             errors[name] = {"error": statistics.mean(per_severity), "per_severity": per_severity}
@@ -269,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="images for the 15 x 5 corruption sweep (0 = skip; default %(default)s)")
     parser.add_argument("--consistency-limit", type=int, default=2000, help="images for the consistency curves")
     parser.add_argument("--reference-errors", help="JSON {corruption: error} of a reference model, for mCE")
+    parser.add_argument("--corruption-cache", type=Path, help="directory caching the corrupted images (reused by "
+                                                                "every model evaluated on the same images)")
     parser.add_argument("--checkpoint", help="the PyTorch checkpoint, to time PyTorch eager beside ONNX Runtime")
     parser.add_argument("--latency-repeats", type=int, default=20, help="timed runs per batch size (0 = skip)")
     args = parser.parse_args(argv)
@@ -288,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.robustness_limit:
         reference = json.loads(Path(args.reference_errors).read_text()) if args.reference_errors else None
         n = min(args.robustness_limit, len(images))
-        results["robustness"] = robustness(model, images[:n], labels[:n], args.batch_size, reference=reference)
+        results["robustness"] = robustness(model, images[:n], labels[:n], args.batch_size, reference=reference,
+                                           cache=args.corruption_cache)
     if args.latency_repeats:
         results["latency"] = latency(model, repeats=args.latency_repeats, checkpoint=args.checkpoint)
     out = Path(args.out)

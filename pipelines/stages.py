@@ -1,0 +1,83 @@
+"""Resumable multi-stage jobs (demo, study): a stage runs once, then leaves ``<dir>/DONE`` with its wall-clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class StageError(RuntimeError):
+    """A stage's pipeline returned a non-zero exit code."""
+
+
+def stage(directory: Path, run: Callable[[list[str]], int], argv: list[str], label: str = "") -> float:
+    """Run ``run(argv)`` unless ``directory/DONE`` exists; returns the stage's wall-clock seconds (the recorded ones
+    when it was done before). A failing stage leaves no DONE, so the next invocation retries (and resumes)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    done = directory / "DONE"
+    name = label or str(directory)
+    if done.is_file():
+        print(f"[{name}] done before, skipping ({done})")
+        return float(json.loads(done.read_text())["seconds"])
+    with _Lock(directory / "LOCK", name):
+        print(f"[{name}] {' '.join(argv)}", flush=True)
+        start = time.perf_counter()
+        if run(argv) != 0:
+            raise StageError(f"{name} failed; fix the error above and run the same command again (it resumes)")
+        seconds = time.perf_counter() - start
+        done.write_text(json.dumps({"seconds": round(seconds, 1)}))
+    return seconds
+
+
+class _Lock:
+    """``directory/LOCK`` holding the pid of the process running the stage; a lock left by a dead process is
+    taken over (a killed job resumes), one held by a live process is refused."""
+
+    def __init__(self, path: Path, name: str):
+        self.path, self.name = path, name
+
+    def __enter__(self) -> None:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(self.path.read_text() or 0)
+                os.kill(pid, 0)
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                return self.__enter__()
+            except PermissionError:
+                pass
+            raise StageError(f"{self.name} is being run by process {pid} ({self.path}); wait for it or run "
+                             "other groups") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def stage_seconds(directory: Path) -> float | None:
+    """Recorded wall-clock of a finished stage, None when it has not finished."""
+    done = directory / "DONE"
+    return float(json.loads(done.read_text())["seconds"]) if done.is_file() else None
+
+
+def hardware_line() -> str:
+    """'<CPU model>, <n> cores, torch <v> (<threads> threads), <GPU or no GPU>' for the head of result tables."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"
