@@ -57,7 +57,8 @@ class StudyConfig:
     finetune_epochs: float = 0.25  # supervised / MJP train pretrain_epochs + finetune_epochs from scratch
     seeds: tuple[int, ...] = (0,)  # main table
     ablation_seeds: tuple[int, ...] = (0,)
-    groups: tuple[str, ...] = GROUPS
+    groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
+    probe_only: tuple[str, ...] = ()  # ablation groups evaluated by probes only (no fine-tuning; not main)
     batch_size: int = 128
     num_workers: int = 1
     threads: int = 0  # torch threads per study process (0: torch's default)
@@ -86,6 +87,9 @@ class StudyConfig:
         if min(self.pretrain_epochs, self.finetune_epochs, self.speech_pretrain_epochs,
                self.speech_finetune_epochs) <= 0:
             raise ConfigError("study epochs must be > 0")
+        if not set(self.probe_only) <= set(GROUPS) - {"main", "mp3_pe", "mjp", "speech"}:
+            raise ConfigError(f"probe_only: only pretraining ablation groups (mp3_eta, droppos, randsac), got "
+                              f"{list(self.probe_only)}")
         if not self.seeds or not self.ablation_seeds or not self.speech_seeds:
             raise ConfigError("seeds, ablation_seeds and speech_seeds need at least one seed each")
         if self.threads < 0:
@@ -123,15 +127,15 @@ RUNS: tuple[Run, ...] = (
     Run("randsac", "main", "RandSAC", "randsac_fashion_mnist", ort=True),
     Run("mjp", "main", "MJP", "mjp_fashion_mnist", finetune_pe=None, ort=True),
     # MP3 Table 3: fine-tuning PE of the MP3 backbone, and the supervised baseline with the same three PEs
+    Run("mp3_ft_none", "mp3_pe", "MP3, no PE", "mp3_fashion_mnist", finetune_pe="none", pretrain_from="mp3"),
+    Run("supervised_nope", "mp3_pe", "supervised, no PE", None, finetune_pe=None, scratch_pe="none"),
     Run("mp3_ft_relbias2d", "mp3_pe", "MP3, 2D relative", "mp3_fashion_mnist", finetune_pe="relbias2d",
         pretrain_from="mp3"),
-    Run("mp3_ft_none", "mp3_pe", "MP3, no PE", "mp3_fashion_mnist", finetune_pe="none", pretrain_from="mp3"),
     Run("supervised_relbias2d", "mp3_pe", "supervised, 2D relative", None, finetune_pe=None, scratch_pe="relbias2d"),
-    Run("supervised_nope", "mp3_pe", "supervised, no PE", None, finetune_pe=None, scratch_pe="none"),
     # MP3 Figs. 3 and 6: masking ratio eta of pretraining (0.5 is the main run)
-    Run("mp3_eta0", "mp3_eta", "MP3 eta 0", "mp3_fashion_mnist", ("objective.eta=0.0",), finetune_pe="learned"),
     Run("mp3_eta0.75", "mp3_eta", "MP3 eta 0.75", "mp3_fashion_mnist", ("objective.eta=0.75",),
         finetune_pe="learned"),
+    Run("mp3_eta0", "mp3_eta", "MP3 eta 0", "mp3_fashion_mnist", ("objective.eta=0.0",), finetune_pe="learned"),
     # DropPos Tables 1, 3, 4 (gamma 0.75, sigma 1 -> 0, tau 0.1 is the main run)
     Run("droppos_gamma0.5", "droppos", "DropPos gamma 0.5", "droppos_fashion_mnist", ("objective.mask_ratio=0.5",)),
     Run("droppos_gamma0.9", "droppos", "DropPos gamma 0.9", "droppos_fashion_mnist", ("objective.mask_ratio=0.9",)),
@@ -139,17 +143,17 @@ RUNS: tuple[Run, ...] = (
         ("objective.sigma_start=0.0", "objective.sigma_end=0.0")),
     Run("droppos_tau_inf", "droppos", "DropPos tau inf", "droppos_fashion_mnist", ("objective.tau=.inf",)),
     # MJP Table 3 / Fig. 3 (gamma 0.15 is the main run)
-    Run("mjp_gamma0", "mjp", "MJP gamma 0", "mjp_fashion_mnist", ("objective.ratio=0.0",), finetune_pe=None),
     Run("mjp_gamma0.03", "mjp", "MJP gamma 0.03", "mjp_fashion_mnist", ("objective.ratio=0.03",), finetune_pe=None),
     Run("mjp_gamma0.27", "mjp", "MJP gamma 0.27", "mjp_fashion_mnist", ("objective.ratio=0.27",), finetune_pe=None),
+    Run("mjp_gamma0", "mjp", "MJP gamma 0", "mjp_fashion_mnist", ("objective.ratio=0.0",), finetune_pe=None),
     # RandSAC Tables 2, 5, 7 (hierarchical blob 11 -> 5 is the main run)
-    Run("randsac_raster", "randsac", "RandSAC raster", "randsac_fashion_mnist",
-        ("objective.segments=raster", "objective.hierarchy=[]")),
     Run("randsac_patch_random", "randsac", "RandSAC patch-random", "randsac_fashion_mnist",
         ("objective.segments=patch_random", "objective.hierarchy=[]")),
+    Run("randsac_raster", "randsac", "RandSAC raster", "randsac_fashion_mnist",
+        ("objective.segments=raster", "objective.hierarchy=[]")),
+    Run("randsac_blob_flat", "randsac", "RandSAC blob (flat)", "randsac_fashion_mnist", ("objective.hierarchy=[]",)),
     Run("randsac_square", "randsac", "RandSAC square 2x2", "randsac_fashion_mnist",
         ("objective.segments=square", "objective.hierarchy=[]")),
-    Run("randsac_blob_flat", "randsac", "RandSAC blob (flat)", "randsac_fashion_mnist", ("objective.hierarchy=[]",)),
     # MP3 Table 5: keyword spotting with the ~70K-parameter audio Transformer
     Run("speech_supervised", "speech", "supervised Transformer", None, finetune_pe=None, speech=True),
     Run("speech_mp3", "speech", "MP3-pretrained Transformer", "mp3_speech_spoken_keywords", speech=True),
@@ -203,8 +207,11 @@ class Study:
                                                                                          c.finetune_epochs)
 
     # ------------------------------------------------------------------------------------------ stages
-    def train(self, run: Run, seed: int) -> tuple[Path, Path, dict[str, float]]:
-        """-> (backbone checkpoint to probe, classifier checkpoint, stage seconds)."""
+    def probe_only(self, run: Run) -> bool:
+        return run.group in self.cfg.probe_only and run.group != "main"
+
+    def train(self, run: Run, seed: int) -> tuple[Path, Path | None, dict[str, float]]:
+        """-> (backbone checkpoint to probe, classifier checkpoint (None: probes only), stage seconds)."""
         d, (pre, ft) = self.dir(run, seed), self.epochs(run)
         common, seconds = self.common(run, seed), {}
         ft_config = CONFIGS / ("finetune_spoken_keywords.yaml" if run.speech else "finetune_fashion_mnist.yaml")
@@ -224,6 +231,8 @@ class Study:
         seconds["pretrain"] = stage(source / "pretrain", pretrain.main, [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
             f"optim.epochs={pre}", *run.objective, *common], label=f"{source} pretrain")
+        if self.probe_only(run):
+            return source / "pretrain" / "checkpoint", None, seconds
         pe = "null" if run.finetune_pe == "keep" else run.finetune_pe
         seconds["finetune"] = stage(d / "finetune", finetune.main, [
             "--config", str(ft_config), f"run.output={d / 'finetune'}", f"optim.epochs={ft}",
@@ -231,7 +240,7 @@ class Study:
             *ft_extra], label=f"{d} finetune")
         return source / "pretrain" / "checkpoint", d / "finetune" / "checkpoint", seconds
 
-    def evaluate(self, run: Run, seed: int, backbone: Path, classifier: Path) -> None:
+    def evaluate(self, run: Run, seed: int, backbone: Path, classifier: Path | None) -> None:
         c, d = self.cfg, self.dir(run, seed)
         data = self.data(run, evaluation=True)
         if run.speech:  # one evaluation on the test split: top-1 + probes of the fine-tuned model
@@ -248,6 +257,8 @@ class Study:
                 f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
                 f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]", *data],
                 label=f"{d} probe")
+        if classifier is None:
+            return
         stage(d / "eval", evaluate.main, [
             "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'eval'}",
             f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
@@ -282,14 +293,18 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     """The numbers of one (run, seed), or None when its classifier evaluation has not finished."""
     d = study.dir(run, seed)
     ev = read_json(d / "eval" / "results.json")
-    if ev is None:
-        return None
     source = study.dir(next(r for r in RUNS if r.name == run.pretrain_from), seed) if run.pretrain_from else d
     probe = ev if run.speech else read_json(source / "probe" / "results.json") or {}
+    if ev is None and not (study.probe_only(run) and probe):
+        return None
+    ev = ev or {}
     ort = read_json(d / "ort" / "results.json") or {}
     pre, ft = study.epochs(run)
-    m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"]}
-    if run.config is None or run.classifier_only:
+    m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None}
+    if study.probe_only(run):
+        m.update(pretrain_epochs=pre, finetune_epochs=0.0, minutes=(stage_seconds(d / "pretrain") or 0) / 60,
+                 finetune_pe="(probes only)")
+    elif run.config is None or run.classifier_only:
         m.update(pretrain_epochs=0.0, finetune_epochs=pre + ft, minutes=(stage_seconds(d / "train") or 0) / 60,
                  finetune_pe=run.scratch_pe if not run.speech else "sincos1d")
     else:
@@ -393,18 +408,34 @@ def verdict(ours: float | None, other: float | None, paper_says_higher: bool, no
     return f"{'agrees' if agrees else '**contradicts**'} ({delta * 100:+.1f} pt)"
 
 
+def on_par(ours: float | None, other: float | None, tolerance: float = 0.01) -> str:
+    """A claim that two numbers match: agrees within +-tolerance."""
+    if ours is None or other is None:
+        return "not run"
+    delta = ours - other
+    return f"{'agrees' if abs(delta) <= tolerance else '**contradicts**'} ({delta * 100:+.1f} pt)"
+
+
 def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Each paper's claim beside what this study measured (a delta within 0.5 pt is called a tie)."""
     def m(name, key):
         return mean_of(rows, name, key)
 
+    def eta_curve(name: str, eta: str) -> float | None:
+        values = [r["mp3_eta_curve"][eta]["top1"] for r in rows.get(name, []) if eta in r.get("mp3_eta_curve", {})]
+        return statistics.mean(values) if values else None
+
     items = [
         ("MP3 Table 3: MP3 pretraining + fine-tuning beats supervised training of the same ViT",
          verdict(m("mp3", "top1"), m("supervised", "top1"), True)),
         ("MP3 Table 3: with MP3 pretraining, 2D relative PE is on par with absolute (84.2 vs 84.0)",
-         verdict(m("mp3_ft_relbias2d", "top1"), m("mp3", "top1"), True, noise=0.01)),
+         on_par(m("mp3_ft_relbias2d", "top1"), m("mp3", "top1"))),
         ("MP3 Table 3: MP3 without any PE stays far above supervised without PE (82.6 vs 64.6)",
          verdict(m("mp3_ft_none", "top1"), m("supervised_nope", "top1"), True)),
+        ("MP3 Fig. 3: position accuracy falls as the evaluation eta grows (eval 0.9 vs 0, train eta 0.5)",
+         verdict(eta_curve("mp3", "0.9"), eta_curve("mp3", "0.0"), False)),
+        ("MP3 Fig. 3: a model trained with eta 0.75 predicts positions better at eval eta 0.75 than one trained "
+         "with eta 0", verdict(eta_curve("mp3_eta0.75", "0.75"), eta_curve("mp3_eta0", "0.75"), True)),
         ("MP3 Fig. 6: an intermediate eta (0.5) fine-tunes better than eta 0",
          verdict(m("mp3", "top1"), m("mp3_eta0", "top1"), True)),
         ("DropPos Table 1: gamma 0.75 fine-tunes better than gamma 0.5",
@@ -423,7 +454,7 @@ def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
         ("MJP Table 3: larger training gamma -> higher consistency (0.27 vs 0.03)",
          verdict(m("mjp_gamma0.27", "consistency"), m("mjp_gamma0.03", "consistency"), True)),
         ("MJP Table 3: top-1 stays flat across training gamma (0.27 vs 0.03, within 1 pt)",
-         verdict(m("mjp_gamma0.27", "top1"), m("mjp_gamma0.03", "top1"), True, noise=0.01)),
+         on_par(m("mjp_gamma0.27", "top1"), m("mjp_gamma0.03", "top1"))),
         ("RandSAC Table 2: random serialization beats raster order (linear probe)",
          verdict(m("randsac_patch_random", "linear_probe"), m("randsac_raster", "linear_probe"), True)),
         ("RandSAC Table 5: segments (blob) beat patch-random (linear probe)",
@@ -510,10 +541,12 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
              f"Fashion-MNIST padded to 32 px, patch 4 (64 positions); backbone `{cfg.preset}` for every image run; "
              f"pretraining {cfg.pretrain_epochs} epoch(s) + fine-tuning {cfg.finetune_epochs} epoch(s) "
              f"(supervised and MJP: {cfg.pretrain_epochs + cfg.finetune_epochs} from scratch); fine-tuning recipe "
-             f"`finetune_fashion_mnist.yaml` + {list(cfg.finetune_overrides)}. Accuracies in %, on the 10,000 test "
-             f"images (top-1), probes on {cfg.probe_train_samples} train / {cfg.probe_val_samples} test images, "
+             f"`finetune_fashion_mnist.yaml` + {list(cfg.finetune_overrides)}. Accuracies in %, on "
+             f"{cfg.test_samples or 'the 10,000'} test images (top-1), "
+             f"probes on {cfg.probe_train_samples} train / {cfg.probe_val_samples} test images, "
              f"curves on {cfg.curve_samples}; mCE over the corruptions that ran, normalized by the supervised run "
-             "(= 1.00). `mean ± std` where several seeds ran. Command and config: `study.json`.", "",
+             "(= 1.00). `mean ± std` where several seeds ran. Wall-clock: pretraining + fine-tuning minutes with "
+             "the study's processes sharing the machine. Command and config: `study.json`.", "",
              "## Every method", ""]
     lines += table(rows, group["main"], MAIN_COLUMNS, "method")
     lines += ["", "position acc.: MP3 top-1 at the training eta, DropPos mean of its 4 x 4 grid; position probe: a "
@@ -589,7 +622,7 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
 
 
 # relative cost of each group at the default budget (training epochs + evaluations), to balance --jobs
-GROUP_COST = {"main": 9.0, "mp3_pe": 1.5, "mp3_eta": 2.0, "droppos": 4.0, "mjp": 1.5, "randsac": 3.5, "speech": 0.5}
+GROUP_COST = {"main": 9.0, "mp3_pe": 3.0, "mp3_eta": 2.0, "droppos": 4.0, "mjp": 2.5, "randsac": 2.5, "speech": 0.5}
 
 
 def split_groups(groups: tuple[str, ...], jobs: int) -> list[list[str]]:
@@ -602,7 +635,8 @@ def split_groups(groups: tuple[str, ...], jobs: int) -> list[list[str]]:
     buckets: list[list[str]] = [[] for _ in range(min(jobs, len(units)))]
     for unit in sorted(units, key=lambda u: -sum(GROUP_COST[g] for g in u)):
         min(buckets, key=lambda b: sum(GROUP_COST[g] for g in b)).extend(unit)
-    return [b for b in buckets if b]
+    return [sorted(b, key=lambda g: (groups.index(g) if g != "mp3_pe" else groups.index("main") + 0.5))
+            for b in buckets if b]  # each process keeps the priority order of ``groups``
 
 
 def run_jobs(args: argparse.Namespace, cfg: StudyConfig) -> int:

@@ -186,11 +186,13 @@ def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
 
 
 def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
-    """The main table, MP3 Table 3 (fine-tunes of the main pretraining) and speech with two seeds, on tiny data."""
+    """The main table, MP3 Table 3 (fine-tunes of the main pretraining), speech with two seeds and the RandSAC
+    ablations probed only, on tiny data."""
     args = ["--config", str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"), f"runs={tmp_path / 'runs'}",
             f"results={tmp_path / 'results'}", "preset=vit_micro", "pretrain_epochs=0.25", "finetune_epochs=0.25",
             "batch_size=8", "num_workers=0", f"fashion_mnist={shards / 'img'}", f"spoken_keywords={shards / 'audio'}",
-            "groups=[main,mp3_pe,speech]", "probe_train_samples=32", "probe_val_samples=32", "probe_epochs=2",
+            "groups=[main,mp3_pe,speech,randsac]", "probe_only=[randsac]", "probe_train_samples=32",
+            "probe_val_samples=32", "probe_epochs=2",
             "curve_samples=16", "ort_consistency_samples=8", "robustness_samples=2", "test_samples=32",
             "speech_pretrain_epochs=1",
             "speech_finetune_epochs=1", "speech_seeds=[0,1]", "overrides=[data.shuffle_buffer=16]",
@@ -198,7 +200,10 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert study.main(args) == 0
     result = json.loads((tmp_path / "results" / "study.json").read_text())
     rows = result["results"]
-    assert set(rows) == {r.name for r in study.RUNS if r.group in ("main", "mp3_pe", "speech")}
+    assert set(rows) == {r.name for r in study.RUNS if r.group in ("main", "mp3_pe", "speech", "randsac")}
+    raster = rows["randsac_raster"][0]  # probe-only ablation: pretrained and probed, not fine-tuned
+    assert raster["top1"] is None and raster["finetune_epochs"] == 0 and "linear_probe" in raster
+    assert not (tmp_path / "runs" / "seed0" / "randsac_raster" / "finetune").exists()
     sup, mp3 = rows["supervised"][0], rows["mp3"][0]
     assert sup["pretrain_epochs"] == 0 and sup["finetune_epochs"] == 0.5, "supervised: the same total epochs"
     assert mp3["pretrain_epochs"] == 0.25 and mp3["finetune_pe"] == "learned"
@@ -229,6 +234,11 @@ def test_study_splits_groups_over_jobs_and_stages_refuse_a_busy_directory(tmp_pa
     assert sorted(g for b in buckets for g in b) == sorted(study.GROUPS) and len(buckets) == 2
     host = next(b for b in buckets if "main" in b)
     assert host.index("mp3_pe") > host.index("main"), "mp3_pe fine-tunes main's MP3 pretraining"
+    order = ("randsac", "main", "mjp", "mp3_pe", "speech", "droppos", "mp3_eta")
+    for bucket in study.split_groups(order, 3):  # every process keeps the priority order given
+        assert bucket == sorted(bucket, key=lambda g: order.index(g) if g != "mp3_pe" else 1.5), bucket
+    with pytest.raises(pipeline_config.ConfigError, match="probe_only"):
+        pipeline_config.load(study.StudyConfig, None, ["probe_only=[main]"])
     (tmp_path / "LOCK").write_text(str(os.getppid()))  # a live process holds the stage
     with pytest.raises(stages.StageError, match="is being run by process"):
         stages.stage(tmp_path, lambda argv: 0, [])
