@@ -1,21 +1,47 @@
 """Benchmarks: speed and memory figures live here, never in timed tests.
 
-    python pipelines/benchmark.py --suite data --out runs/benchmark
+    python pipelines/benchmark.py --suite all                  # everything, laptop sizes -> results/benchmark.*
+    python pipelines/benchmark.py --suite objectives --preset vit_small --img-size 224 --batch 8 --repeats 3
 
-Writes ``<out>/benchmark.json`` and ``<out>/benchmark.md``. Suites: ``data`` (shard read throughput with 0 and
-2 DataLoader workers, decode + train transform included; MFCC frontend clips/s); ``models`` (one block's
-forward + backward with MP3 context-only keys/values vs full attention, time ratio beside FLOP ratio);
-``objectives`` (pretraining step time of every objective relative to the supervised step of the same ``vit_cpu``
-backbone and batch, beside each FLOP ratio); ``pipelines`` (end-to-end samples/s of every Fashion-MNIST
-pretraining config through ``pretrain.py`` and the data loader's share of step time; needs the shards).
+Writes ``<out>/benchmark.json`` (``meta``: hardware, torch / ONNX Runtime versions, the fp32 matmul peak, seconds per
+part; ``results``: one row per measurement) and ``<out>/benchmark.md`` (one table per part, each headed by the
+hardware line); ``--suite all`` also draws ``<out>/benchmark_objectives.png``. ``--out`` defaults to ``results``
+for ``all`` and ``runs/benchmark`` otherwise. Suites:
+
+  matmul      fp32 GEMM GFLOP/s of a large square matmul (torch threads as configured): the machine's peak, the
+              denominator of every "fraction of peak" below.
+  objectives  pretraining step (forward + backward + AdamW, EMA update where there is one) of every objective on
+              backbone --preset, relative to the supervised step of the same run (rotated round-robin), beside its
+              FLOP ratio counted from the shapes; training samples/s; achieved GFLOP/s (FLOPs from the shapes x
+              batch / step time) and its fraction of the matmul peak; memory of each objective measured in a fresh
+              process (peak RSS, the part of it the steps added, and CUDA max_memory_allocated on a GPU).
+              Decoders / predictors: the study configs' sizes (--widths study: 128 x 2, predictor 96 x 4) for the
+              32 px presets, the papers' defaults (--widths paper) otherwise. --before adds mjp_before,
+              ijepa_before and stop_before (MJP / I-JEPA / StoP with the mask generators as they were before the
+              optimization, same run); --compile NAME adds NAME+compile (torch.compile) rows.
+  masks       mask generation per batch, before vs after, interleaved in one run: I-JEPA multi-block (per-sample
+              Python loop -> batched tensor ops), MJP block-wise (torch ops per rectangle -> NumPy, same masks).
+  data        shard read throughput (decode + train transform) with each --workers count; MFCC frontend clips/s.
+  models      one Transformer block's forward + backward with MP3 context-only keys/values vs full attention.
+  onnx        ONNX Runtime vs PyTorch eager inference latency (p50 / p95) and images/s of a randomly initialised
+              --onnx-preset classifier exported with patchplace.export, at each --onnx-batches size.
+  pipelines   end-to-end samples/s of Fashion-MNIST pretraining configs through pretrain.py (data loading,
+              Accelerate, optimizer) and the share of time spent waiting for the data loader; needs the shards.
+  all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128, --before) and for ViT-S/16
+              at 224 px (3 channels, batch --vits-batch, paper widths, without stop_noema); masks; data (+ loader
+              samples/s vs the study ViT's training consumption); models; onnx; pipelines (supervised + MP3 on the
+              study ViT, its loader settings). Roughly 10 minutes on an idle 2-core CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,100 +49,445 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # pretrain.py / engine.py / config.py
 
+from stages import hardware_line
+
 from patchplace.data.benchmark import mfcc_throughput, shard_read_throughput
-from patchplace.models.benchmark import context_attention
-from patchplace.objectives.benchmark import default_objectives, step_times
+from patchplace.models import PRESETS
+from patchplace.models.benchmark import context_attention, matmul_peak
+from patchplace.objectives.benchmark import default_objectives, isolated_step_memory, mask_times, step_times
+
+STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pipelines/configs/study_fashion_mnist.yaml
+MP3_PAPER = {"eta": 0.75, "time_ratio": 0.69, "flop_bound": 0.84}  # MP3 Table 2 (ViT-B) and DESIGN.md §3
 
 
-def data_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = []
-    for workers in args.workers:
-        rows.append(shard_read_throughput(args.shards, num_workers=workers, max_samples=args.max_samples,
-                                          pad_to=args.pad_to))
-        print(json.dumps(rows[-1]))
-    rows.append(mfcc_throughput(batch_size=64, batches=args.mfcc_batches))
-    print(json.dumps(rows[-1]))
-    return rows
+# ---------------------------------------------------------------------------------------------- helpers
+def _device(args: argparse.Namespace) -> str:
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def models_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = []
-    for eta in args.etas:
-        rows.append(context_attention(eta=eta, batch=args.batch))
-        print(json.dumps(rows[-1]))
-    return rows
+def _peak(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
+    """The matmul peak of this run, measured once."""
+    if "matmul_peak" not in state:
+        device = _device(args)
+        state["matmul_peak"] = matmul_peak(size=args.matmul_size or (8192 if device == "cuda" else 2048),
+                                           device=device)
+        print(json.dumps(state["matmul_peak"]))
+    return state["matmul_peak"]
 
 
-def objectives_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = step_times(default_objectives(), batch=args.batch, repeats=args.repeats)
+def _setting(preset: str, img_size: int | None, in_chans: int | None, widths: str | None
+             ) -> tuple[int, int, str]:
+    """Image size, channels and decoder widths: the 32 px presets default to the study (1 channel, study widths),
+    others to their own size and channels with the papers' widths."""
+    config = PRESETS[preset]
+    small = (img_size or config.img_size) <= 32
+    return (img_size or config.img_size, in_chans or (1 if small else config.in_chans),
+            widths or ("study" if small else "paper"))
+
+
+def _run_objectives(args: argparse.Namespace, state: dict[str, Any], *, preset: str, img_size: int | None,
+                    in_chans: int | None, widths: str | None, batch: int, repeats: int, warmup: int,
+                    before: bool, memory_steps: int, compile_names: list[str],
+                    exclude: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    img_size, in_chans, widths = _setting(preset, img_size, in_chans, widths)
+    device = _device(args)
+    builders = default_objectives(preset, in_chans=in_chans, img_size=img_size, widths=widths, before=before)
+    builders = {k: v for k, v in builders.items() if k not in exclude}
+    if args.objectives:
+        unknown = sorted(set(args.objectives) - set(builders))
+        if unknown:
+            raise SystemExit(f"--objectives: unknown {unknown}; known: {sorted(builders)}")
+        builders = {k: v for k, v in builders.items() if k == "supervised" or k in args.objectives}
+    for name in compile_names:
+        if name not in builders:
+            raise SystemExit(f"--compile: unknown objective {name!r}; known: {sorted(builders)}")
+        builders[f"{name}+compile"] = lambda build=builders[name]: torch.compile(build())
+    setting = f"{preset}, {in_chans} x {img_size} px, batch {batch}, {widths} widths"
+    print(f"objectives: {setting}", flush=True)
+    rows = step_times(builders, batch=batch, repeats=repeats, warmup=warmup, device=device,
+                      peak_gflops=_peak(args, state)["gflops"])
     for row in rows:
-        print(json.dumps(row))
+        name = row["name"].split("/", 1)[1]
+        row.update(setting=setting, preset=preset, img_size=img_size, in_chans=in_chans, widths=widths)
+        if memory_steps and not name.endswith(("+compile", "_before")):  # the same shapes as their after rows
+            memory = isolated_step_memory(name, preset=preset, in_chans=in_chans, img_size=img_size,
+                                          widths=widths, batch=batch, steps=memory_steps, device=device)
+            row.update({k: v for k, v in memory.items() if k.endswith("_mb")})
+        print(json.dumps(row), flush=True)
     return rows
 
 
-def pipelines_suite(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """End-to-end training throughput of every Fashion-MNIST pretraining config through pretrain.py (data loading,
-    transforms, Accelerate, optimizer, EMA), and the share of step time spent waiting for the data loader."""
-    import tempfile
+# ---------------------------------------------------------------------------------------------- suites
+def matmul_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{**_peak(args, state), "suite": "matmul"}]
 
+
+def objectives_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = _run_objectives(args, state, preset=args.preset, img_size=args.img_size, in_chans=args.in_chans,
+                           widths=args.widths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
+                           before=args.before, memory_steps=args.memory_steps, compile_names=args.compile)
+    return [{**row, "suite": "objectives"} for row in rows]
+
+
+def masks_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for preset, batch in ((STUDY["preset"], STUDY["batch"]), ("vit_small", args.vits_batch)):
+        side = PRESETS[preset].img_size // PRESETS[preset].patch_size  # 8 x 8 (32 px), 14 x 14 (224 px)
+        for row in mask_times((side, side), batch, repeats=args.mask_repeats):
+            rows.append({**row, "preset": preset, "suite": "masks"})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def data_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    if not (args.shards / "manifest.json").is_file():
+        print(f"data: no shards at {args.shards} (python data/fashion_mnist.py --out shards/fashion_mnist): "
+              "shard reads skipped", flush=True)
+    else:
+        for workers in args.workers:
+            rows.append(shard_read_throughput(args.shards, num_workers=workers, batch_size=args.loader_batch,
+                                              max_samples=args.max_samples, pad_to=args.pad_to))
+            print(json.dumps(rows[-1]), flush=True)
+    rows.append(mfcc_throughput(batch_size=64, batches=args.mfcc_batches))
+    print(json.dumps(rows[-1]), flush=True)
+    return [{**row, "suite": "data"} for row in rows]
+
+
+def models_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    presets = [(args.preset, args.batch)] if args.suite != "all" else [(STUDY["preset"], STUDY["batch"]),
+                                                                         ("vit_small", args.vits_batch)]
+    for preset, batch in presets:
+        c = PRESETS[preset]
+        img = args.img_size if (args.suite != "all" and args.img_size) else c.img_size
+        for eta in args.etas:
+            row = context_attention(eta=eta, batch=batch, num_tokens=(img // c.patch_size) ** 2, dim=c.embed_dim,
+                                    num_heads=c.num_heads)
+            rows.append({**row, "preset": preset, "suite": "models"})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def onnx_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Export a randomly initialised classifier (weights do not change the latency) and time it."""
+    import onnxruntime as ort
+
+    from patchplace.export import export_checkpoint
+    from patchplace.export.evaluate import OnnxModel, latency
+    from patchplace.models import create_model, save_pretrained
+
+    img_size, in_chans, _ = _setting(args.onnx_preset, None, None, None)
+    torch.manual_seed(0)
+    backbone = create_model(args.onnx_preset, in_chans=in_chans, img_size=img_size, num_classes=10,
+                            pos_embed="learned").eval()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = save_pretrained(backbone, Path(tmp) / "checkpoint", metadata={"method": "random-init"})
+        start = time.perf_counter()
+        export_checkpoint(checkpoint, Path(tmp) / "model.onnx")
+        export_s = time.perf_counter() - start
+        model = OnnxModel(Path(tmp) / "model.onnx")
+        timings = latency(model, tuple(args.onnx_batches), args.onnx_repeats, checkpoint=str(checkpoint))
+        providers = model.session.get_providers()
+    for bs in args.onnx_batches:
+        o, p = timings[f"onnxruntime/batch{bs}"], timings[f"pytorch/batch{bs}"]
+        rows.append({"name": f"inference/{args.onnx_preset}/batch{bs}", "batch": bs,
+                     "ort_p50_ms": o["p50_ms"], "ort_p95_ms": o["p95_ms"], "torch_p50_ms": p["p50_ms"],
+                     "torch_p95_ms": p["p95_ms"], "ort_images_per_s": o["images_per_s"],
+                     "torch_images_per_s": p["images_per_s"], "ort_speedup": round(p["p50_ms"] / o["p50_ms"], 2),
+                     "input": f"{in_chans} x {img_size} px", "export_s": round(export_s, 1),
+                     "onnxruntime": ort.__version__, "providers": providers[0], "repeats": args.onnx_repeats,
+                     "suite": "onnx"})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """End-to-end training throughput of Fashion-MNIST pretraining configs through pretrain.py (data loading,
+    transforms, Accelerate, optimizer, EMA), and the share of step time spent waiting for the data loader."""
     import pretrain
 
+    if not (args.shards / "manifest.json").is_file():
+        print(f"pipelines: no shards at {args.shards}: skipped", flush=True)
+        return []
     rows = []
     configs = sorted((Path(__file__).parent / "configs").glob("*_fashion_mnist.yaml"))
-    for config in (c for c in configs if not c.name.startswith(("finetune", "evaluate"))):
+    configs = [c for c in configs if not c.name.startswith(("finetune", "evaluate", "study"))
+               and (not args.methods or c.name.removesuffix("_fashion_mnist.yaml") in args.methods)]
+    preset = args.pipelines_preset
+    for config in configs:
+        overrides = [f"optim.max_steps={args.steps}", f"data.batch_size={args.pipelines_batch}",
+                     "run.tensorboard=false", f"run.log_every={args.steps}", "run.checkpoint_every=0",
+                     f"data.num_workers={args.pipelines_workers}"] + ([f"model.preset={preset}"] if preset else [])
         with tempfile.TemporaryDirectory() as tmp:
-            code = pretrain.main(["--config", str(config), f"optim.max_steps={args.steps}",
-                                  f"data.batch_size={args.batch}", f"run.output={tmp}", "run.tensorboard=false",
-                                  f"run.log_every={args.steps}", "run.checkpoint_every=0"])
+            code = pretrain.main(["--config", str(config), f"run.output={tmp}", *overrides])
             if code != 0:
                 raise SystemExit(f"{config.name} failed")
             last = [json.loads(line) for line in (Path(tmp) / "log.jsonl").read_text().splitlines()][-1]
         rows.append({"name": f"train/{config.stem}", "samples_per_s": last["samples_per_s"],
-                     "data_share": last["data_share"], "steps": args.steps, "batch": args.batch,
-                     "threads": torch.get_num_threads()})
-        print(json.dumps(rows[-1]))
+                     "data_share": last["data_share"], "steps": args.steps, "batch": args.pipelines_batch,
+                     "num_workers": args.pipelines_workers, "preset": preset or "config's",
+                     "threads": torch.get_num_threads(), "suite": "pipelines"})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-SUITES = {"data": data_suite, "models": models_suite, "objectives": objectives_suite,
-          "pipelines": pipelines_suite}
+def data_vs_training(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Loader samples/s (each worker count) against the samples/s the study ViT's training consumes: supervised,
+    and the fastest objective (the hardest to feed). Headroom = loader / consumption (> 1: the loader keeps up when
+    it has cores of its own; in training both share them, see the pipelines suite's data-wait share)."""
+    loaders = [r for r in rows if r.get("suite") == "data" and r["name"].startswith("shard_read")]
+    training = {r["name"].split("/", 1)[1]: r["samples_per_s"] for r in rows if r.get("suite") == "objectives"
+                and r.get("preset") == STUDY["preset"] and not r["name"].endswith(("_before", "+compile"))}
+    if not loaders or "supervised" not in training:
+        return []
+    fastest = max(training, key=training.get)
+    return [{"name": f"data_vs_training/workers={loader['num_workers']}", "num_workers": loader["num_workers"],
+             "loader_samples_per_s": loader["samples_per_s"], "supervised_samples_per_s": training["supervised"],
+             "headroom_supervised": round(loader["samples_per_s"] / training["supervised"], 2),
+             "fastest_objective": fastest, "fastest_samples_per_s": training[fastest],
+             "headroom_fastest": round(loader["samples_per_s"] / training[fastest], 2), "suite": "data_vs_training"}
+            for loader in loaders]
 
 
-UNITS = (("samples_per_s", "samples/s"), ("clips_per_s", "clips/s"), ("time_vs_full", "x full attention"),
-         ("time_vs_supervised", "x supervised step"))
+def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    seconds = state.setdefault("seconds", {})
+
+    def part(name: str, fn) -> None:
+        start = time.perf_counter()
+        rows.extend(fn())
+        seconds[name] = round(time.perf_counter() - start, 1)
+        print(f"== {name}: {seconds[name]} s", flush=True)
+
+    part("matmul", lambda: matmul_suite(args, state))
+    part("objectives/study_vit", lambda: [{**r, "suite": "objectives"} for r in _run_objectives(
+        args, state, **STUDY, widths="study", repeats=args.repeats, warmup=args.warmup, before=True,
+        memory_steps=args.memory_steps, compile_names=args.compile)])
+    part("objectives/vit_small", lambda: [{**r, "suite": "objectives"} for r in _run_objectives(
+        args, state, preset="vit_small", img_size=224, in_chans=3, widths="paper", batch=args.vits_batch,
+        repeats=args.vits_repeats, warmup=1, before=False, memory_steps=args.memory_steps, compile_names=[],
+        exclude=("stop_noema",))])  # the EMA's cost is shown on the study ViT; saves ~1 min here
+    part("masks", lambda: masks_suite(args, state))
+    part("data", lambda: data_suite(args, state))
+    rows.extend(data_vs_training(rows))
+    part("models", lambda: models_suite(args, state))
+    part("onnx", lambda: onnx_suite(args, state))
+    part("pipelines", lambda: pipelines_suite(args, state))
+    return rows
 
 
-def to_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| benchmark | result | detail |", "| --- | --- | --- |"]
-    for row in rows:
-        key, unit = next((k, u) for k, u in UNITS if k in row)
-        detail = ", ".join(f"{k}={v}" for k, v in row.items() if k not in {"name", key})
-        lines.append(f"| {row['name']} | {row[key]} {unit} | {detail} |")
-    return "\n".join(lines) + "\n"
+SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks_suite, "data": data_suite,
+          "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "all": all_suite}
+
+
+# ---------------------------------------------------------------------------------------------- markdown + figure
+TABLES = {  # suite -> (title, [(column header, row key)])
+    "matmul": ("fp32 matmul peak", [("benchmark", "name"), ("best GFLOP/s", "gflops"),
+                                    ("median GFLOP/s", "median_gflops"), ("device", "device")]),
+    "objectives": ("Pretraining step per objective (forward + backward + AdamW), relative to supervised", [
+        ("objective", "name"), ("step ms", "step_ms"), ("time ratio", "time_vs_supervised"),
+        ("FLOP ratio", "flop_ratio"), ("samples/s", "samples_per_s"), ("GFLOP/sample", "gflops_per_sample"),
+        ("achieved GFLOP/s", "achieved_gflops"), ("of peak", "peak_fraction"), ("peak RSS MB", "peak_rss_mb"),
+        ("steps' RSS MB", "step_rss_mb"), ("CUDA peak MB", "cuda_peak_mb")]),
+    "masks": ("Mask generation per batch, before vs after the optimization (same run)", [
+        ("generator", "name"), ("before ms", "before_ms"), ("after ms", "after_ms"), ("speed-up", "speedup")]),
+    "data": ("Data path", [("benchmark", "name"), ("samples/s", "samples_per_s"), ("clips/s", "clips_per_s"),
+                           ("batch", "batch_size"), ("samples", "samples"), ("seconds", "seconds")]),
+    "data_vs_training": ("Data loader samples/s vs what training consumes (study ViT; measured apart — in training "
+                         "both share the cores)", [
+                             ("loader workers", "num_workers"), ("loader samples/s", "loader_samples_per_s"),
+                             ("supervised training samples/s", "supervised_samples_per_s"),
+                             ("headroom", "headroom_supervised"), ("fastest objective", "fastest_objective"),
+                             ("its samples/s", "fastest_samples_per_s"), ("headroom ", "headroom_fastest")]),
+    "models": ("One block fwd + bwd: MP3 context-only K/V vs full attention", [
+        ("benchmark", "name"), ("preset", "preset"), ("batch", "batch"), ("tokens", "tokens"),
+        ("full ms", "full_ms"), ("context ms", "context_ms"), ("time ratio", "time_vs_full"),
+        ("FLOP ratio", "flop_ratio")]),
+    "onnx": ("Inference: ONNX Runtime vs PyTorch eager", [
+        ("model / batch", "name"), ("ORT p50 ms", "ort_p50_ms"), ("PyTorch p50 ms", "torch_p50_ms"),
+        ("ORT p95 ms", "ort_p95_ms"), ("PyTorch p95 ms", "torch_p95_ms"), ("ORT images/s", "ort_images_per_s"),
+        ("PyTorch images/s", "torch_images_per_s"), ("ORT speed-up", "ort_speedup"), ("ORT provider", "providers")]),
+    "pipelines": ("End-to-end pretraining through pretrain.py", [
+        ("config", "name"), ("preset", "preset"), ("samples/s", "samples_per_s"), ("data-wait share", "data_share"),
+        ("batch", "batch"), ("workers", "num_workers"), ("steps", "steps")]),
+}
+
+
+def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> list[str]:
+    columns = [(h, k) for h, k in columns if any(k in r for r in rows)]
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + " --- |" * len(columns)]
+    for r in rows:
+        cells = []
+        for _, key in columns:
+            value = r.get(key, "")
+            cells.append(value.split("/", 1)[1] if key == "name" and isinstance(value, str) and "/" in value
+                         else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    hardware = f"_Hardware: {meta['hardware']}"
+    if meta.get("matmul_peak"):
+        hardware += f"; fp32 matmul peak {meta['matmul_peak']['gflops']} GFLOP/s_"
+    else:
+        hardware += "_"
+    lines = [f"# Benchmarks (`--suite {meta['suite']}`)", ""]
+    for suite, (title, columns) in TABLES.items():
+        chunk = [r for r in rows if r.get("suite") == suite]
+        if not chunk:
+            continue
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in chunk:
+            groups.setdefault(r.get("setting", ""), []).append(r)
+        for setting, group in groups.items():
+            lines += [f"## {title}" + (f" — {setting}" if setting else ""), "", hardware, ""]
+            lines += _table(group, columns)
+            lines.append("")
+            if suite == "objectives":
+                lines += ["Time ratio: median step time / the supervised step's in the same rotated round-robin "
+                          "run. FLOP ratio: matmul FLOPs counted from the shapes (3x forward for what gets "
+                          "gradients, 1x for no-grad passes). Achieved GFLOP/s = FLOP/sample x batch / step time; "
+                          "'of peak' divides by the fp32 matmul peak. Peak RSS: the high-water mark of a fresh "
+                          "process that builds only this objective and runs its steps; steps' RSS: what the steps "
+                          "added to the RSS of the built model (activations, gradients, AdamW state, allocator "
+                          f"caches). MP3 paper (ViT-B): wall-clock ratio {MP3_PAPER['time_ratio']} at eta = "
+                          f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}.", ""]
+    if meta.get("seconds"):
+        lines += ["Seconds per part: " + ", ".join(f"{k} {v}" for k, v in meta["seconds"].items()), ""]
+    return "\n".join(lines)
+
+
+def plot_objectives(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Time ratio vs FLOP ratio per objective, one panel per backbone setting; False when there is nothing."""
+    chunk = [r for r in rows if r.get("suite") == "objectives"]
+    settings = list(dict.fromkeys(r["setting"] for r in chunk))
+    if not settings:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 5), squeeze=False)
+    for ax, setting in zip(axes[0], settings, strict=True):
+        group = [r for r in chunk if r["setting"] == setting]
+        xs, ys = [r["flop_ratio"] for r in group], [r["time_vs_supervised"] for r in group]
+        ax.scatter(xs, ys, zorder=3)
+        for r, x, y in zip(group, xs, ys, strict=True):
+            ax.annotate(r["name"].split("/", 1)[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.scatter([MP3_PAPER["flop_bound"]], [MP3_PAPER["time_ratio"]], marker="*", s=120, color="tab:red",
+                   zorder=3, label="MP3 paper, eta 0.75 (ViT-B)")
+        top = max(xs + ys + [1.0]) * 1.08
+        ax.plot([0, top], [0, top], color="gray", lw=0.8, ls="--", label="time ratio = FLOP ratio")
+        ax.set(xlim=(0, top), ylim=(0, top), xlabel="FLOP ratio vs supervised (from shapes)",
+               ylabel="step time ratio vs supervised (same run)", title=setting)
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=list(SUITES), default="data", help="what to measure (default: data)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: results for --suite all, else runs/benchmark)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="objectives / matmul device (default: cuda when available)")
+    g = parser.add_argument_group("matmul")
+    g.add_argument("--matmul-size", type=int, default=None, help="square GEMM size (default 2048 CPU, 8192 CUDA)")
+    g = parser.add_argument_group("objectives (and models)")
+    g.add_argument("--preset", default=STUDY["preset"], help="backbone preset (default: %(default)s, the study ViT)")
+    g.add_argument("--img-size", type=int, default=None, help="image size (default: the preset's)")
+    g.add_argument("--in-chans", type=int, default=None,
+                   help="input channels (default: 1 for the 32 px presets, Fashion-MNIST; else the preset's)")
+    g.add_argument("--widths", choices=["study", "paper"], default=None,
+                   help="decoder / predictor sizes (default: study for 32 px presets, paper otherwise)")
+    g.add_argument("--batch", type=int, default=STUDY["batch"], help="batch size (default: %(default)s)")
+    g.add_argument("--repeats", type=int, default=10, help="timed steps per objective (default: %(default)s)")
+    g.add_argument("--warmup", type=int, default=2, help="untimed steps per objective first (default: %(default)s)")
+    g.add_argument("--objectives", nargs="+", default=None, help="only these (supervised is always included)")
+    g.add_argument("--before", action="store_true",
+                   help="add mjp_before / ijepa_before / stop_before (mask generators before the optimization)")
+    g.add_argument("--compile", nargs="+", default=[], metavar="NAME",
+                   help="also time torch.compile'd copies of these objectives (slow to compile on a CPU)")
+    g.add_argument("--memory-steps", type=int, default=2,
+                   help="steps per objective in the fresh memory process (0: skip memory; default: %(default)s)")
+    g.add_argument("--vits-batch", type=int, default=8, help="all / masks: ViT-S/16 224 px batch (default: 8)")
+    g.add_argument("--vits-repeats", type=int, default=3, help="all: ViT-S timed steps per objective (default: 3)")
+    g.add_argument("--etas", type=float, nargs="+", default=[0.5, 0.75], help="models suite: masking ratios")
+    g = parser.add_argument_group("masks")
+    g.add_argument("--mask-repeats", type=int, default=20, help="timed batches per generator (default: 20)")
+    g = parser.add_argument_group("data")
+    g.add_argument("--shards", type=Path, default=Path("shards/fashion_mnist/train"),
+                   help="split read by the data and pipelines suites (default: %(default)s)")
+    g.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts")
+    g.add_argument("--loader-batch", type=int, default=STUDY["batch"], help="loader batch size (default: 128)")
+    g.add_argument("--max-samples", type=int, default=15360, help="stop each read after this many samples "
+                   "(default: %(default)s; 0: the whole split)")
+    g.add_argument("--pad-to", type=int, default=32, help="image padding used by the transform")
+    g.add_argument("--mfcc-batches", type=int, default=20, help="timed MFCC batches of 64 clips")
+    g = parser.add_argument_group("onnx")
+    g.add_argument("--onnx-preset", default=STUDY["preset"], help="classifier to export (default: %(default)s)")
+    g.add_argument("--onnx-batches", type=int, nargs="+", default=[1, 8, 64], help="batch sizes")
+    g.add_argument("--onnx-repeats", type=int, default=20, help="timed runs per batch size (default: 20)")
+    g = parser.add_argument_group("pipelines")
+    g.add_argument("--steps", type=int, default=20, help="optimizer steps per config (default: %(default)s)")
+    g.add_argument("--methods", nargs="+", default=None,
+                   help="only these configs (e.g. supervised mp3; default: every one, or supervised + mp3 in all)")
+    g.add_argument("--pipelines-preset", default=None,
+                   help="model.preset override (default: the configs' own; vit_cpu_narrow in all)")
+    g.add_argument("--pipelines-batch", type=int, default=None, help="data.batch_size (default: 64; 128 in all)")
+    g.add_argument("--pipelines-workers", type=int, default=None, help="data.num_workers (default: 2; 1 in all)")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=sorted(SUITES), default="data", help="what to measure (default: data)")
-    parser.add_argument("--out", type=Path, default=Path("runs/benchmark"), help="output directory")
-    parser.add_argument("--shards", type=Path, default=Path("shards/fashion_mnist/train"),
-                        help="split read by the data suite (default: %(default)s)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts")
-    parser.add_argument("--max-samples", type=int, default=None, help="stop each read after this many samples")
-    parser.add_argument("--pad-to", type=int, default=32, help="image padding used by the transform")
-    parser.add_argument("--mfcc-batches", type=int, default=20, help="timed MFCC batches of 64 clips")
-    parser.add_argument("--etas", type=float, nargs="+", default=[0.5, 0.75], help="models suite: masking ratios")
-    parser.add_argument("--batch", type=int, default=128, help="models / objectives suites: batch size")
-    parser.add_argument("--repeats", type=int, default=10, help="objectives suite: timed steps per objective")
-    parser.add_argument("--steps", type=int, default=20, help="pipelines suite: optimizer steps per method")
-    args = parser.parse_args(argv)
-    rows = SUITES[args.suite](args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"suite": args.suite, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "python": platform.python_version()}
-    (args.out / "benchmark.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    (args.out / "benchmark.md").write_text(to_markdown(rows))
-    print(to_markdown(rows))
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.max_samples == 0:
+        args.max_samples = None
+    study = args.suite == "all"  # all: the study's model and loader (pipelines/configs/study_fashion_mnist.yaml)
+    if study:
+        args.methods = args.methods or ["supervised", "mp3"]
+        args.pipelines_preset = args.pipelines_preset or STUDY["preset"]
+    if args.pipelines_batch is None:
+        args.pipelines_batch = STUDY["batch"] if study else 64
+    if args.pipelines_workers is None:
+        args.pipelines_workers = 1 if study else 2
+    out = args.out or Path("results" if args.suite == "all" else "runs/benchmark")
+    state: dict[str, Any] = {}
+    start = time.perf_counter()
+    rows = SUITES[args.suite](args, state)
+    meta = {"suite": args.suite, "hardware": hardware_line(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
+            "python": platform.python_version(), "matmul_peak": state.get("matmul_peak"),
+            "seconds": {**state.get("seconds", {}), "total": round(time.perf_counter() - start, 1)},
+            "argv": argv if argv is not None else sys.argv[1:]}
+    try:
+        import onnxruntime
+
+        meta["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    out.mkdir(parents=True, exist_ok=True)
+    markdown = to_markdown(rows, meta)
+    for name, text in (("benchmark.json", json.dumps({"meta": meta, "results": rows}, indent=2) + "\n"),
+                       ("benchmark.md", markdown)):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+    if plot_objectives(rows, out / "benchmark_objectives.png"):
+        print(f"wrote {out / 'benchmark_objectives.png'}")
+    print(markdown)
     return 0
 
 

@@ -97,6 +97,13 @@ def test_block_flop_count_gives_the_design_bound_and_the_benchmark_runs():
     assert row["context_tokens"] == 4 and row["full_ms"] > 0 and row["context_ms"] > 0
 
 
+def test_matmul_peak_reports_positive_gflops():
+    from patchplace.models.benchmark import matmul_peak
+
+    row = matmul_peak(size=64, repeats=2, warmup=0)
+    assert row["gflops"] >= row["median_gflops"] > 0 and row["size"] == 64 and row["device"] == "cpu"
+
+
 def test_cross_attention_takes_keys_and_values_from_memory():
     from patchplace.models import Attention
 

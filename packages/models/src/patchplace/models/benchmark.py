@@ -4,6 +4,9 @@
 masking ratio eta (MP3) vs full attention, measured interleaved in the same run, with the FLOP ratio counted
 from the shapes beside it (only the K/V projections and the attention matrix shrink, so the bound at
 eta = 0.75, N = 64, D = 192 is ~0.84).
+
+``matmul_peak``: fp32 GEMM GFLOP/s of a large square matmul with torch's threads as configured — the denominator of
+"achieved FLOP/s as a fraction of the machine's peak" in the objectives benchmark.
 """
 
 from __future__ import annotations
@@ -59,3 +62,29 @@ def context_attention(*, batch: int = 128, num_tokens: int = 64, dim: int = 192,
             "time_vs_full": round(t_ctx / t_full, 3),
             "flop_ratio": round(block_flops(num_tokens, m, dim) / block_flops(num_tokens, num_tokens, dim), 3),
             "threads": torch.get_num_threads()}
+
+
+def matmul_peak(*, size: int = 2048, repeats: int = 5, warmup: int = 2, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, Any]:
+    """Best and median GFLOP/s of ``size`` x ``size`` @ ``size`` x ``size`` (2 size^3 FLOPs) over ``repeats`` runs."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=g)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=g)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+
+    def run() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        run()
+    rates = [2 * size**3 / run() / 1e9 for _ in range(repeats)]
+    return {"name": f"matmul_peak/{str(dtype).removeprefix('torch.')}/{size}", "size": size,
+            "gflops": round(max(rates), 1), "median_gflops": round(statistics.median(rates), 1),
+            "repeats": repeats, "threads": torch.get_num_threads(), "device": str(device)}

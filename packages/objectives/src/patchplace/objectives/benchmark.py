@@ -1,33 +1,64 @@
-"""Pretraining step benchmarks (called by ``pipelines/benchmark.py --suite objectives``).
+"""Pretraining step benchmarks (called by ``pipelines/benchmark.py --suite objectives`` and ``--suite masks``).
 
 Measures forward + backward + AdamW step time of each objective on the same backbone and batch, interleaved
 round-robin in one run so machine noise hits all alike, and reports each one's time ratio to the supervised
 step beside its FLOP ratio counted from the shapes (matmul FLOPs of projections, attention and MLPs; a training
 step = 3x the forward FLOPs of everything that gets gradients, 1x for no-grad passes such as DropPos's
-full-image reference forward).
+full-image reference forward and I-JEPA's target encoder), the training samples/s and the achieved FLOP/s.
+
+Peak memory (:func:`step_memory`) is measured per objective in a **fresh process** (:func:`isolated_step_memory`):
+a high-water mark never goes down, so in one process shared with other objectives it would only ever report the
+largest of them, and freed memory the allocator keeps would hide what a later objective needs.
+
+:func:`mask_times` times the mask generators against the versions they replaced (kept here as references:
+:func:`multiblock_masks_loop` for I-JEPA, :func:`blockwise_masks_torch` for MJP), and
+``default_objectives(..., before=True)`` adds ``mjp_before``, ``ijepa_before`` and ``stop_before`` rows that run
+MJP / I-JEPA / StoP as they were before those optimizations (and, for I-JEPA, before the target features stopped
+being repeated per block ahead of the gather), so one run shows before and after.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+import random
+import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from patchplace.models import Backbone, create_model
 from patchplace.models.benchmark import block_flops
 
-from .common import num_kept
+from .block_masks import MultiBlockMasks, _block_size, blockwise_masks, multiblock_masks
+from .common import ObjectiveError, gather_rows, num_kept, split_batch
 from .droppos import DropPos, DropPosConfig
 from .ijepa import IJEPA, IJEPAConfig
 from .mae import MAE, MAEConfig
-from .mjp import MJP, MJPConfig
+from .mjp import MJP, MJPConfig, jigsaw
 from .mp3 import MP3, MP3Config
 from .randsac import RandSAC, RandSACConfig
 from .supervised import Supervised
+
+# Decoder / predictor sizes. "study": the Fashion-MNIST configs of the study (pipelines/configs/*_fashion_mnist.yaml:
+# decoders 128 x 2 x 4 heads, predictor 96 x 4 x 4 heads, MJP gamma 0.15). "paper": each config dataclass's
+# defaults, i.e. the papers' ImageNet settings (MAE decoder 512 x 8, DropPos 512 x 2, RandSAC 512 x 4, I-JEPA / StoP
+# predictor 384 x 12, MJP gamma 0.03).
+WIDTHS: dict[str, dict[str, Any]] = {
+    "study": {"decoder": dict(decoder_dim=128, decoder_depth=2, decoder_heads=4),
+              "predictor": dict(predictor_dim=96, predictor_depth=4, predictor_heads=4), "mjp_ratio": 0.15},
+    "paper": {"decoder": {}, "predictor": {}, "mjp_ratio": MJPConfig().ratio},
+}
+
+
+def _unwrap(objective: nn.Module) -> nn.Module:
+    return getattr(objective, "_orig_mod", objective)  # torch.compile's OptimizedModule
 
 
 def _encoder_flops(backbone: Backbone, tokens: int, keys: int | None = None) -> int:
@@ -40,8 +71,10 @@ def _decoder_flops(in_dim: int, dim: int, depth: int, tokens: int, out: int) -> 
     return 2 * tokens * in_dim * dim + depth * block_flops(tokens, tokens, dim) + 2 * tokens * dim * out
 
 
-def train_flops(objective: nn.Module) -> int:
-    """FLOPs of one training step of ``objective`` (see module docstring for the model)."""
+def train_flops(objective: nn.Module, batch: int = 64) -> int:
+    """FLOPs of one training step of ``objective`` per sample (see module docstring for the model). I-JEPA's
+    context and target sizes vary with the masks: they are averaged over 16 draws of ``batch`` samples."""
+    objective = _unwrap(objective)
     bb = objective.backbone if hasattr(objective, "backbone") else objective
     n, d = bb.num_patches, bb.embed_dim
     if isinstance(objective, (Supervised, MJP)):
@@ -62,12 +95,16 @@ def train_flops(objective: nn.Module) -> int:
         reference = 0 if c.tau == float("inf") else _encoder_flops(bb, n + 1)
         return 3 * grad + reference
     if isinstance(objective, IJEPA):
-        c = objective.config
-        masks = objective.sample_masks(64, torch.Generator().manual_seed(0))
-        k, t = masks.context.shape[1], masks.targets.shape[2]
-        predictor = c.num_targets * _decoder_flops(d, c.predictor_dim, c.predictor_depth, k + t, 0)
-        predictor += c.num_targets * 2 * t * c.predictor_dim * d
-        return 3 * (_encoder_flops(bb, k) + predictor) + _encoder_flops(bb, n)  # + no-grad target encoder
+        c, gen, total = objective.config, torch.Generator().manual_seed(0), 0
+        for _ in range(16):  # the batched generator for every variant, so before / after count the same
+            masks = multiblock_masks(batch, bb.grid, num_targets=c.num_targets, target_scale=c.target_scale,
+                                     target_aspect=c.target_aspect, context_scale=c.context_scale,
+                                     min_keep=c.min_keep, generator=gen)
+            k, t = masks.context.shape[1], masks.targets.shape[2]
+            predictor = c.num_targets * _decoder_flops(d, c.predictor_dim, c.predictor_depth, k + t, 0)
+            predictor += c.num_targets * 2 * t * c.predictor_dim * d
+            total += 3 * (_encoder_flops(bb, k) + predictor) + _encoder_flops(bb, n)  # + no-grad target encoder
+        return total // 16
     if isinstance(objective, RandSAC):
         c, out = objective.config, bb.config.patch_size**2 * bb.config.in_chans
         dd = c.decoder_dim
@@ -77,67 +114,325 @@ def train_flops(objective: nn.Module) -> int:
     raise TypeError(f"no FLOP model for {type(objective).__name__}")
 
 
-def default_objectives(in_chans: int = 1, num_classes: int = 10, decoder_dim: int = 128,
-                       decoder_depth: int = 2, decoder_heads: int = 4) -> dict[str, Callable[[], nn.Module]]:
-    """Builders for the CPU study setting: ``vit_cpu`` (192 x 6, 32 px, patch 4 -> N = 64) for every method."""
+# ---------------------------------------------------------------------------------------------- before / after
+def multiblock_masks_loop(batch: int, grid: tuple[int, int], *, num_targets: int = 4,
+                          target_scale: tuple[float, float] = (0.15, 0.2),
+                          target_aspect: tuple[float, float] = (0.75, 1.5),
+                          context_scale: tuple[float, float] = (0.85, 1.0), min_keep: int = 4,
+                          generator: torch.Generator | None = None, max_tries: int = 20) -> MultiBlockMasks:
+    """Reference for the benchmark only: :func:`multiblock_masks` as it was before, one sample (and one block) at
+    a time in Python. Same distribution, different draws from the generator."""
+    gen = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+    target_size = _block_size(gen, grid, target_scale, target_aspect)
+    context_size = _block_size(gen, grid, context_scale, (1.0, 1.0))
+    h, w = grid
+
+    def place(size: tuple[int, int]) -> torch.Tensor:
+        top = int(torch.randint(0, h - size[0] + 1, (1,), generator=gen))
+        left = int(torch.randint(0, w - size[1] + 1, (1,), generator=gen))
+        block = torch.zeros(h, w, dtype=torch.bool)
+        block[top: top + size[0], left: left + size[1]] = True
+        return block
+
+    contexts, targets = [], []
+    for _ in range(batch):
+        for _ in range(max_tries):
+            blocks = [place(target_size) for _ in range(num_targets)]
+            context = place(context_size) & ~torch.stack(blocks).any(0)
+            if int(context.sum()) >= min_keep:
+                break
+        else:
+            raise ObjectiveError(f"could not leave {min_keep} context patches on a {grid} grid")
+        contexts.append(context.reshape(-1).nonzero().squeeze(1))
+        targets.append(torch.stack([b.reshape(-1).nonzero().squeeze(1) for b in blocks]))
+    keep = min(len(c) for c in contexts)
+    return MultiBlockMasks(context=torch.stack([c[:keep] for c in contexts]), targets=torch.stack(targets))
+
+
+def blockwise_masks_torch(batch: int, grid: tuple[int, int], ratio: float, *, min_block: int = 8,
+                          min_aspect: float = 0.3, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Reference for the benchmark only: :func:`blockwise_masks` as it was before, reading and writing each
+    rectangle through torch ops. The same draws and the same masks as the NumPy version (a test checks it)."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    rng = random.Random(seed)
+    h, w = grid
+    target = round(ratio * h * w)
+    log_aspect = (math.log(min_aspect), math.log(1 / min_aspect))
+    masks = []
+    for _ in range(batch):
+        mask = torch.zeros(h, w, dtype=torch.bool)
+        count = 0
+        while count < target:
+            budget = min(target - count, target)
+            delta = 0
+            for _ in range(10):
+                area = rng.uniform(min_block, budget)
+                aspect = math.exp(rng.uniform(*log_aspect))
+                bh, bw = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+                if bw < w and bh < h:
+                    top, left = rng.randint(0, h - bh), rng.randint(0, w - bw)
+                    new = bh * bw - int(mask[top: top + bh, left: left + bw].sum())
+                    if 0 < new <= budget:
+                        mask[top: top + bh, left: left + bw] = True
+                        delta = new
+                if delta > 0:
+                    break
+            if delta == 0:
+                break
+            count += delta
+        masks.append(mask.reshape(-1))
+    return torch.stack(masks)
+
+
+class MJPBefore(MJP):
+    """Reference for the benchmark only: MJP with the torch-op block-wise masks (:func:`blockwise_masks_torch`)."""
+
+    def apply_jigsaw(self, images: torch.Tensor, progress: float | None = None,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.jigsaw_applies(progress, generator):
+            return images, None
+        c = self.config
+        mask = blockwise_masks_torch(images.shape[0], self.backbone.grid, c.ratio, min_block=c.min_block,
+                                     min_aspect=c.min_aspect, generator=generator)
+        return jigsaw(images, self.patch_size, c.ratio, generator=generator, mask=mask)
+
+
+class IJEPABefore(IJEPA):
+    """Reference for the benchmark only: I-JEPA / StoP as before the optimization — loop masks
+    (:func:`multiblock_masks_loop`) and the target features repeated once per block before the gather."""
+
+    def sample_masks(self, batch: int, generator: torch.Generator | None = None) -> MultiBlockMasks:
+        c = self.config
+        return multiblock_masks_loop(batch, self.backbone.grid, num_targets=c.num_targets,
+                                     target_scale=c.target_scale, target_aspect=c.target_aspect,
+                                     context_scale=c.context_scale, min_keep=c.min_keep, generator=generator)
+
+    def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
+        images, _ = split_batch(batch)
+        masks = self.sample_masks(images.shape[0], generator)
+        context, targets_idx = masks.context.to(images.device), masks.targets.to(images.device)
+        b, n_blocks, t = targets_idx.shape
+        s_x = self.encode_context(images, context)
+        rows = lambda x: x.repeat_interleave(n_blocks, dim=0)  # noqa: E731
+        target_idx = targets_idx.reshape(b * n_blocks, t)
+        ctx_in, masked_in = self.predictor_inputs(rows(s_x), rows(context), target_idx, generator)
+        out = self.predictor(torch.cat([ctx_in, masked_in], dim=1))
+        prediction = self.predictor_proj(out[:, ctx_in.shape[1]:])
+        target = gather_rows(rows(self.targets(images)), target_idx)
+        return {"loss": F.smooth_l1_loss(prediction, target, beta=1.0)}
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def mask_times(grid: tuple[int, int], batch: int, *, repeats: int = 20, seed: int = 0) -> list[dict[str, Any]]:
+    """Milliseconds per batch of the mask generators, before and after, interleaved in one run: I-JEPA multi-block
+    (per-sample Python loop -> batched tensor ops) and MJP block-wise at gamma 0.15 (BEiT's sequential loop with
+    torch ops on each rectangle -> the same loop on NumPy arrays; batching it would not pay, the iterations are
+    bounded by the slowest sample)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(2):  # warm-up
+        multiblock_masks_loop(batch, grid, generator=gen), multiblock_masks(batch, grid, generator=gen)
+        blockwise_masks_torch(batch, grid, 0.15, generator=gen), blockwise_masks(batch, grid, 0.15, generator=gen)
+    before, after = [], []
+    for _ in range(repeats):  # alternate, so machine noise hits both alike
+        before.append(_median_ms(lambda: multiblock_masks_loop(batch, grid, generator=gen), 1, warmup=0))
+        after.append(_median_ms(lambda: multiblock_masks(batch, grid, generator=gen), 1, warmup=0))
+    bw_before, bw_after = [], []
+    for _ in range(repeats):
+        bw_before.append(_median_ms(lambda: blockwise_masks_torch(batch, grid, 0.15, generator=gen), 1, warmup=0))
+        bw_after.append(_median_ms(lambda: blockwise_masks(batch, grid, 0.15, generator=gen), 1, warmup=0))
+    shape = f"grid={grid[0]}x{grid[1]}/batch={batch}"
+    rows = []
+    for name, b, a in (("ijepa_multiblock", before, after), ("mjp_blockwise_0.15", bw_before, bw_after)):
+        t_before, t_after = statistics.median(b), statistics.median(a)
+        rows.append({"name": f"masks/{name}/{shape}", "before_ms": round(t_before, 3), "after_ms": round(t_after, 3),
+                     "speedup": round(t_before / t_after, 1), "batch": batch})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- objectives
+def default_objectives(preset: str = "vit_cpu", *, in_chans: int = 1, num_classes: int = 10,
+                       img_size: int | None = None, widths: str = "study",
+                       before: bool = False) -> dict[str, Callable[[], nn.Module]]:
+    """Builders of every objective on backbone ``preset`` (``img_size`` / ``in_chans`` override the preset's), with
+    decoder / predictor sizes ``widths`` (see :data:`WIDTHS`). ``before=True`` adds ``mjp_before``
+    (:class:`MJPBefore`), ``ijepa_before`` and ``stop_before`` (:class:`IJEPABefore`)."""
+    if widths not in WIDTHS:
+        raise ObjectiveError(f"widths must be one of {sorted(WIDTHS)}, got {widths!r}")
+    w = WIDTHS[widths]
+    size = {} if img_size is None else {"img_size": img_size}
 
     def backbone(pos: str, classes: int = 0) -> Backbone:
-        return create_model("vit_cpu", in_chans=in_chans, pos_embed=pos, num_classes=classes)
+        return create_model(preset, in_chans=in_chans, pos_embed=pos, num_classes=classes, **size)
 
-    predictor = dict(predictor_dim=decoder_dim // 2, predictor_depth=decoder_depth * 2, predictor_heads=decoder_heads)
-    return {
+    dec, pred = w["decoder"], w["predictor"]
+    builders: dict[str, Callable[[], nn.Module]] = {
         "supervised": lambda: Supervised(backbone("learned", num_classes)),
         "mp3_eta0": lambda: MP3(backbone("none"), MP3Config(eta=0.0)),
         "mp3_eta0.5": lambda: MP3(backbone("none"), MP3Config(eta=0.5)),
         "mp3_eta0.75": lambda: MP3(backbone("none"), MP3Config(eta=0.75)),
-        "droppos": lambda: DropPos(backbone("sincos2d"), DropPosConfig(decoder_dim=decoder_dim,
-                                                                       decoder_depth=decoder_depth,
-                                                                       decoder_heads=decoder_heads)),
-        "mae": lambda: MAE(backbone("sincos2d"), MAEConfig(decoder_dim=decoder_dim, decoder_depth=decoder_depth,
-                                                           decoder_heads=decoder_heads)),
+        "droppos": lambda: DropPos(backbone("sincos2d"), DropPosConfig(**dec)),
+        "mae": lambda: MAE(backbone("sincos2d"), MAEConfig(**dec)),
         # MJP with the jigsaw on every step (the recipe shuffles half the batches after warm-up): the worst case.
-        "mjp": lambda: MJP(backbone("learned", num_classes), MJPConfig(ratio=0.15, apply_prob=1.0,
+        "mjp": lambda: MJP(backbone("learned", num_classes), MJPConfig(ratio=w["mjp_ratio"], apply_prob=1.0,
                                                                        warmup_fraction=0.0)),
-        "randsac": lambda: RandSAC(backbone("sincos2d"), RandSACConfig(decoder_dim=decoder_dim,
-                                                                       decoder_depth=decoder_depth,
-                                                                       decoder_heads=decoder_heads)),
-        "ijepa": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(**predictor)),
-        "stop": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **predictor)),
-        "stop_noema": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **predictor)),
+        "randsac": lambda: RandSAC(backbone("sincos2d"), RandSACConfig(**dec)),
+        "ijepa": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(**pred)),
+        "stop": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **pred)),
+        "stop_noema": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **pred)),
     }
+    if before:
+        builders["mjp_before"] = lambda: MJPBefore(backbone("learned", num_classes), MJPConfig(
+            ratio=w["mjp_ratio"], apply_prob=1.0, warmup_fraction=0.0))
+        builders["ijepa_before"] = lambda: IJEPABefore(backbone("sincos2d"), IJEPAConfig(**pred))
+        builders["stop_before"] = lambda: IJEPABefore(backbone("sincos2d"), IJEPAConfig(stop=True, **pred))
+    return builders
 
 
-def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64, img_size: int = 32,
-               in_chans: int = 1, num_classes: int = 10, repeats: int = 10, warmup: int = 2,
-               seed: int = 0) -> list[dict[str, Any]]:
-    """Median step time and FLOPs of each objective, with ratios to ``supervised`` (must be among them).
-    Objectives with an EMA target encoder also run its update, unless their name ends in ``_noema``."""
+def _input_shape(objective: nn.Module) -> tuple[int, int, int]:
+    c = _unwrap(objective).backbone.config
+    return c.in_chans, c.img_size, c.img_size
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _takes_generator(obj: nn.Module) -> bool:
+    return "generator" in inspect.signature(_unwrap(obj).forward).parameters
+
+
+def _train_step(name: str, obj: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
+                generator: torch.Generator | None = None) -> None:
+    kwargs = {"generator": generator} if generator is not None and _takes_generator(obj) else {}
+    loss = obj(batch, progress=0.5, **kwargs)["loss"]
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    if hasattr(obj, "update_target") and not name.endswith("_noema"):  # EMA target encoder (I-JEPA)
+        obj.update_target(0.5)
+
+
+def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64, img_size: int | None = None,
+               in_chans: int | None = None, num_classes: int = 10, repeats: int = 10, warmup: int = 2,
+               seed: int = 0, device: str | torch.device = "cpu",
+               peak_gflops: float | None = None) -> list[dict[str, Any]]:
+    """Median step time and FLOPs of each objective, with ratios to ``supervised`` (must be among them), training
+    samples/s and achieved GFLOP/s (FLOPs from the shapes / step time; as a fraction of ``peak_gflops`` when
+    given). Inputs default to the supervised backbone's shape. Objectives with an EMA target encoder also run its
+    update, unless their name ends in ``_noema``."""
+    device = torch.device(device)
     torch.manual_seed(seed)
-    images = torch.randn(batch, in_chans, img_size, img_size)
-    labels = torch.randint(0, num_classes, (batch,))
-    objectives = {name: build() for name, build in builders.items()}
+    objectives = {name: build().to(device) for name, build in builders.items()}
+    c, h, _ = _input_shape(objectives["supervised"])
+    images = torch.randn(batch, in_chans or c, img_size or h, img_size or h, device=device)
+    labels = torch.randint(0, num_classes, (batch,), device=device)
     optimizers = {name: torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-4)
                   for name, obj in objectives.items()}
     times: dict[str, list[float]] = {name: [] for name in objectives}
     names = list(objectives)
     for i in range(warmup + repeats):
         for name in names[i % len(names):] + names[: i % len(names)]:  # rotated round-robin: shared noise, no
-            obj = objectives[name]  # systematic advantage for whoever runs first in a round
+            _sync(device)  # systematic advantage for whoever runs first in a round
+            gen = torch.Generator().manual_seed(seed + i)  # step i draws the same sizes in every variant
             start = time.perf_counter()
-            loss = obj((images, labels), progress=0.5)["loss"]
-            optimizers[name].zero_grad(set_to_none=True)
-            loss.backward()
-            optimizers[name].step()
-            if hasattr(obj, "update_target") and not name.endswith("_noema"):  # EMA target encoder (I-JEPA)
-                obj.update_target(0.5)
+            _train_step(name, objectives[name], optimizers[name], (images, labels), gen)
+            _sync(device)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     base_t = statistics.median(times["supervised"])
-    base_f = train_flops(objectives["supervised"])
+    base_f = train_flops(objectives["supervised"], batch)
     rows = []
     for name, obj in objectives.items():
-        t, f = statistics.median(times[name]), train_flops(obj)
-        rows.append({"name": f"pretrain_step/{name}", "step_ms": round(t * 1e3, 1),
-                     "time_vs_supervised": round(t / base_t, 3), "gflops_per_sample": round(f / 1e9, 3),
-                     "flop_ratio": round(f / base_f, 3), "batch": batch, "threads": torch.get_num_threads()})
+        t, f = statistics.median(times[name]), train_flops(obj, batch)
+        achieved = f * batch / t / 1e9
+        row = {"name": f"pretrain_step/{name}", "step_ms": round(t * 1e3, 1),
+               "time_vs_supervised": round(t / base_t, 3), "gflops_per_sample": round(f / 1e9, 4),
+               "flop_ratio": round(f / base_f, 3), "samples_per_s": round(batch / t, 1),
+               "achieved_gflops": round(achieved, 2)}
+        if peak_gflops:
+            row["peak_fraction"] = round(achieved / peak_gflops, 3)
+        row.update({"batch": batch, "threads": torch.get_num_threads(), "device": str(device)})
+        rows.append(row)
     return rows
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def _proc_status_mb(field: str) -> float | None:
+    """``VmRSS`` / ``VmHWM`` of /proc/self/status in MiB (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _rss_mb() -> float:
+    """Current resident set size."""
+    rss = _proc_status_mb("VmRSS")
+    return rss if rss is not None else _peak_rss_mb()
+
+
+def _peak_rss_mb() -> float:
+    """Peak resident set size of this process image. Linux: ``VmHWM`` — not ``ru_maxrss``, which a spawned child
+    inherits from its parent's RSS at fork time (it survives exec), so it would report the parent's size."""
+    hwm = _proc_status_mb("VmHWM")
+    if hwm is not None:
+        return hwm
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
+
+
+def step_memory(name: str, *, preset: str = "vit_cpu", in_chans: int = 1, num_classes: int = 10,
+                img_size: int | None = None, widths: str = "study", batch: int = 64, steps: int = 2,
+                device: str = "cpu", threads: int | None = None) -> dict[str, Any]:
+    """Memory of ``steps`` training steps of objective ``name`` (of :func:`default_objectives`) in THIS process:
+    ``rss_before_mb`` (RSS with the model, optimizer and batch built, before the first step), ``peak_rss_mb``
+    (the process's RSS high-water mark after the steps) and ``step_rss_mb`` = their difference (activations,
+    gradients, AdamW state, allocator caches); ``cuda_peak_mb`` (``torch.cuda.max_memory_allocated``) on CUDA.
+    Honest only in a fresh process: use :func:`isolated_step_memory`."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    builders = default_objectives(preset, in_chans=in_chans, num_classes=num_classes, img_size=img_size,
+                                  widths=widths, before=name.endswith("_before"))
+    obj = builders[name]().to(dev)
+    c, h, _ = _input_shape(obj)
+    batch_data = (torch.randn(batch, c, h, h, device=dev), torch.randint(0, num_classes, (batch,), device=dev))
+    optimizer = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-4)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    before = _rss_mb()
+    for _ in range(steps):
+        _train_step(name, obj, optimizer, batch_data)
+    _sync(dev)
+    peak = _peak_rss_mb()
+    row = {"name": f"memory/{name}", "rss_before_mb": round(before, 1), "peak_rss_mb": round(peak, 1),
+           "step_rss_mb": round(max(peak - before, 0.0), 1), "steps": steps, "batch": batch}
+    if dev.type == "cuda":
+        row["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(dev) / 2**20, 1)
+    return row
+
+
+def isolated_step_memory(name: str, **kwargs: Any) -> dict[str, Any]:
+    """:func:`step_memory` in a fresh (spawned) Python process, so the high-water mark is this objective's alone."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    kwargs.setdefault("threads", torch.get_num_threads())
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(step_memory, name, **kwargs).result()

@@ -182,7 +182,9 @@ class IJEPA(nn.Module):
         ctx_in, masked_in = self.predictor_inputs(rows(s_x), rows(context), target_idx, generator)
         out = self.predictor(torch.cat([ctx_in, masked_in], dim=1))
         prediction = self.predictor_proj(out[:, ctx_in.shape[1]:])  # (B * blocks, T, D)
-        target = gather_rows(rows(self.targets(images)), target_idx)
+        # Gather every block's targets from the (B, N, D) features at once: the same rows as repeating the features
+        # per block first, without copying them num_targets times.
+        target = gather_rows(self.targets(images), targets_idx.reshape(b, n_blocks * t)).reshape(b * n_blocks, t, -1)
         loss = F.smooth_l1_loss(prediction, target, beta=1.0)
         return {"loss": loss, "context_tokens": torch.tensor(float(context.shape[1])),
                 "target_std": target.std(dim=1).mean().detach()}

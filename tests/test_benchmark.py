@@ -1,0 +1,66 @@
+"""pipelines/benchmark.py: suites run end to end at toy sizes and write JSON + markdown (hardware line on every table)
++ the figure; no timing assertions."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+
+import benchmark  # noqa: E402
+
+
+def test_help_documents_every_suite(capsys):
+    with contextlib.suppress(SystemExit):
+        benchmark.main(["--help"])
+    text = capsys.readouterr().out
+    for suite in benchmark.SUITES:
+        assert f"\n  {suite} " in text, suite
+
+
+def test_objectives_suite_writes_json_markdown_and_figure(tmp_path):
+    out = tmp_path / "bench"
+    assert benchmark.main(["--suite", "objectives", "--batch", "2", "--repeats", "1", "--warmup", "0",
+                           "--memory-steps", "0", "--objectives", "mp3_eta0.75", "--before",
+                           "--matmul-size", "128", "--out", str(out)]) == 0
+    data = json.loads((out / "benchmark.json").read_text())
+    assert data["meta"]["matmul_peak"]["gflops"] > 0 and "cores" in data["meta"]["hardware"]
+    rows = {r["name"]: r for r in data["results"]}
+    assert set(rows) == {"pretrain_step/supervised", "pretrain_step/mp3_eta0.75"}
+    assert rows["pretrain_step/supervised"]["time_vs_supervised"] == 1.0
+    mp3 = rows["pretrain_step/mp3_eta0.75"]
+    assert 0 < mp3["flop_ratio"] < 1 and mp3["peak_fraction"] > 0
+    markdown = (out / "benchmark.md").read_text()
+    assert markdown.count("_Hardware: ") == markdown.count("\n## ") >= 1
+    assert "fp32 matmul peak" in markdown and (out / "benchmark_objectives.png").stat().st_size > 0
+
+
+def test_masks_suite_and_data_vs_training(tmp_path):
+    assert benchmark.main(["--suite", "masks", "--mask-repeats", "1", "--vits-batch", "2",
+                           "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "benchmark.json").read_text())["results"]
+    assert len(rows) == 4 and all(r["speedup"] > 0 for r in rows)
+    study = benchmark.STUDY["preset"]
+    fake = [{"suite": "data", "name": "shard_read/x/train/workers=1", "num_workers": 1, "samples_per_s": 300.0},
+            {"suite": "objectives", "preset": study, "name": "pretrain_step/supervised", "samples_per_s": 100.0},
+            {"suite": "objectives", "preset": study, "name": "pretrain_step/mae", "samples_per_s": 150.0},
+            {"suite": "objectives", "preset": study, "name": "pretrain_step/ijepa_before", "samples_per_s": 900.0}]
+    [row] = benchmark.data_vs_training(fake)
+    assert row["headroom_supervised"] == 3.0 and row["fastest_objective"] == "mae" and row["headroom_fastest"] == 2.0
+
+
+def test_markdown_heads_every_table_with_the_hardware_line():
+    meta = {"suite": "all", "hardware": benchmark.hardware_line(), "matmul_peak": {"gflops": 50.0}}
+    rows = [{"suite": "matmul", "name": "matmul_peak/float32/64", "gflops": 50.0, "median_gflops": 40.0,
+             "device": "cpu"},
+            {"suite": "onnx", "name": "inference/vit/batch1", "ort_p50_ms": 1.0, "torch_p50_ms": 2.0}]
+    text = benchmark.to_markdown(rows, meta)
+    sections = text.split("\n## ")[1:]
+    assert len(sections) == 2
+    for section in sections:
+        assert section.splitlines()[2] == f"_Hardware: {meta['hardware']}; fp32 matmul peak 50.0 GFLOP/s_"
+    assert "torch" in meta["hardware"] and ("GPU" in meta["hardware"])
