@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -41,6 +42,7 @@ import torch
 from config import ConfigError, describe, load
 from stages import StageError, hardware_line, stage, stage_seconds
 
+from patchplace.data.atomic import write_json_atomic
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
 
@@ -351,12 +353,47 @@ def add_mce(rows: dict[str, list[dict[str, Any]]]) -> None:
                 m["mce"] = statistics.mean(e / ref[k] for k, e in m["corruption_errors"].items() if ref.get(k))
 
 
+# Fields that change a run's numbers: an earlier results/study.json is reused only when all of them match.
+BUDGET_FIELDS = ("preset", "pretrain_epochs", "finetune_epochs", "probe_only", "batch_size", "finetune_overrides",
+                 "probe_train_samples", "probe_val_samples", "probe_epochs", "curve_samples",
+                 "ort_consistency_samples", "robustness_samples", "speech_pretrain_epochs", "speech_finetune_epochs",
+                 "test_samples", "overrides", "speech_overrides")
+
+
+def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
+    """Rows of an earlier ``results/study.json`` measured at this budget (another machine, or a ``runs/`` since
+    cleaned): seeds accumulate across study invocations. A different budget is ignored, with a note."""
+    path = Path(cfg.results) / "study.json"
+    earlier = read_json(path)
+    if not earlier:
+        return {}
+    now = asdict(cfg)
+    changed = [k for k in BUDGET_FIELDS if _normal(earlier.get("config", {}).get(k)) != _normal(now[k])]
+    if changed:
+        print(f"[study] {path}: measured at another budget ({', '.join(changed)} differ); not reused")
+        return {}
+    rows = earlier.get("results", {})
+    for metrics in rows.values():
+        for m in metrics:
+            m.pop("mce", None)  # recomputed against the supervised rows of the merged table
+            m.setdefault("source", str(path))
+    return rows
+
+
+def _normal(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
+
+
 def collect(study: Study) -> dict[str, list[dict[str, Any]]]:
+    """Every (run, seed) measured below ``runs/`` (configured seeds), plus the earlier rows of ``study.json`` at
+    the same budget that are not measured here; ordered by seed."""
+    earlier = earlier_results(study.cfg)
     rows = {}
     for run in RUNS:
-        found = [m for s in study.seeds(run) if (m := metrics_of(study, run, s)) is not None]
+        found = {m["seed"]: m for m in earlier.get(run.name, [])}
+        found.update({s: m for s in study.seeds(run) if (m := metrics_of(study, run, s)) is not None})
         if found:
-            rows[run.name] = found
+            rows[run.name] = [found[s] for s in sorted(found)]
     add_mce(rows)
     return rows
 
@@ -623,8 +660,10 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,
                                  "pretrain_from": r.pretrain_from} for r in RUNS},
                "results": rows}
-    (out / "study.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (out / "study.md").write_text(text)
+    write_json_atomic(out / "study.json", payload)  # two study processes may finish at once
+    tmp = out / f".study.md.{os.getpid()}"
+    tmp.write_text(text)
+    tmp.replace(out / "study.md")
     return text
 
 
@@ -648,7 +687,6 @@ def split_groups(groups: tuple[str, ...], jobs: int) -> list[list[str]]:
 
 def run_jobs(args: argparse.Namespace, cfg: StudyConfig) -> int:
     """Run the groups as ``args.jobs`` study processes (each with cpu_count / jobs torch threads); logs in runs/."""
-    import os
     import subprocess
 
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // args.jobs)
