@@ -3,6 +3,7 @@ two processes, and the demo orchestration."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -248,3 +249,26 @@ def test_study_splits_groups_over_jobs_and_stages_refuse_a_busy_directory(tmp_pa
     with pytest.raises(stages.StageError, match="failed"):
         stages.stage(tmp_path / "x", lambda argv: 1, [])
     assert not (tmp_path / "x" / "DONE").exists() and not (tmp_path / "x" / "LOCK").exists()
+
+
+def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
+    """Seeds accumulate: rows of an earlier study.json (another machine, runs/ cleaned) join the rows measured now;
+    measured rows win, mCE is recomputed over the merged table, and another budget is not reused."""
+    cfg = pipeline_config.load(study.StudyConfig, None, [f"runs={tmp_path / 'runs'}", f"results={tmp_path}"])
+
+    def row(seed: int, top1: float, error: float) -> dict:
+        return {"seed": seed, "top1": top1, "corruption_errors": {"noise": error}, "mce": 9.0}
+
+    earlier = {"config": dataclasses.asdict(cfg),
+               "results": {"supervised": [row(0, 0.5, 0.4), row(1, 0.6, 0.5)], "mp3": [row(0, 0.7, 0.2)]}}
+    (tmp_path / "study.json").write_text(json.dumps(earlier))
+    rows = study.collect(study.Study(cfg))
+    assert [m["seed"] for m in rows["supervised"]] == [0, 1] and rows["mp3"][0]["top1"] == 0.7
+    assert rows["mp3"][0]["mce"] == pytest.approx(0.5) and rows["supervised"][1]["mce"] == pytest.approx(1.0)
+    assert rows["mp3"][0]["source"] == str(tmp_path / "study.json")
+    assert " ± " in study.stat(rows["supervised"], "top1")  # two seeds: mean ± std
+
+    earlier["config"]["pretrain_epochs"] = 5.0  # measured at another budget: not merged
+    (tmp_path / "study.json").write_text(json.dumps(earlier))
+    assert study.collect(study.Study(cfg)) == {}
+    assert "pretrain_epochs differ" in capsys.readouterr().out
