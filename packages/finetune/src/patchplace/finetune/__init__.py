@@ -4,9 +4,25 @@ Fine-tuning: :func:`prepare_for_finetune` (fresh head, optional PE-mode swap kee
 path), :func:`finetune_optimizer` (timm AdamW with layer-wise lr decay), :func:`build_mixup` (timm).
 Probes: :func:`linear_probe`, :func:`knn_probe_per_layer` (MP3 App. C), :func:`position_probe` (DropPos Table 7).
 Metrics: :class:`Accuracy` (top-1 / top-5 / confusion matrix).
+Privacy (MJP §5.4, Table 5): :func:`privacy_settings` runs settings (a) / (b) / (c) with the APRIL analytic attack
+(:func:`analytic_attack`) and a gradient-matching attack (:func:`gradient_matching_attack`) on the gradients a client
+shares (:func:`client_gradients`); :func:`image_similarity` gives MSE / PSNR / SSIM (scikit-image) and FFT2D.
 """
 
 from .metrics import Accuracy, confusion_matrix, topk_correct
+from .privacy import (
+    AttackConfig,
+    PrivacyError,
+    PrivacyResult,
+    analytic_attack,
+    client_gradients,
+    fft2d_similarity,
+    gradient_matching_attack,
+    image_similarity,
+    infer_labels,
+    privacy_settings,
+    shuffled_positions,
+)
 from .probes import (
     extract_features,
     knn_classify,
@@ -19,7 +35,29 @@ from .probes import (
 from .setup import build_mixup, finetune_optimizer, prepare_for_finetune, set_drop_path
 
 __all__ = [
-    "Accuracy", "build_mixup", "confusion_matrix", "extract_features", "finetune_optimizer", "knn_classify",
-    "knn_probe_per_layer", "layer_features", "linear_probe", "position_probe", "prepare_for_finetune",
-    "set_drop_path", "subsample_per_class", "topk_correct",
+    "Accuracy",
+    "AttackConfig",
+    "PrivacyError",
+    "PrivacyResult",
+    "analytic_attack",
+    "build_mixup",
+    "client_gradients",
+    "confusion_matrix",
+    "extract_features",
+    "fft2d_similarity",
+    "finetune_optimizer",
+    "gradient_matching_attack",
+    "image_similarity",
+    "infer_labels",
+    "knn_classify",
+    "knn_probe_per_layer",
+    "layer_features",
+    "linear_probe",
+    "position_probe",
+    "prepare_for_finetune",
+    "privacy_settings",
+    "set_drop_path",
+    "shuffled_positions",
+    "subsample_per_class",
+    "topk_correct",
 ]
