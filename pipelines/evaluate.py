@@ -2,12 +2,16 @@
 
     python pipelines/evaluate.py --config pipelines/configs/evaluate_fashion_mnist.yaml \
         model.checkpoint=runs/x/checkpoint
+    python pipelines/evaluate.py --privacy --config pipelines/configs/evaluate_fashion_mnist.yaml \
+        model.checkpoint=runs/x/checkpoint privacy.images=10 privacy.steps=200      # + gradient inversion
 
 Reports (``results.json`` + ``report.md`` + PNGs in ``run.output``): top-1 / top-5 / confusion matrix when the
 checkpoint has a head; linear probe and layer-wise kNN probe (MP3 App. C) on frozen features; position probe
 (DropPos Table 7); MJP consistency and Diff. Norm over the eval jigsaw ratios (MJP Table 1 / Fig. 3) for
 classifiers; MP3 position accuracy vs eta (Fig. 3) + a reassembled image (Fig. 2) and the DropPos 4 x 4 position
-grid when the checkpoint holds those objectives.
+grid when the checkpoint holds those objectives. ``--privacy`` (= ``privacy.enabled=true``) adds MJP's
+gradient-inversion evaluation (Table 5 settings (a) / (b) / (c), APRIL analytic + gradient-matching attacks; MSE,
+PSNR, SSIM, FFT2D; ``privacy.png`` of originals vs reconstructions, Fig. 5) on one test image per class.
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ from engine import USER_ERRORS, classify, loader, start
 from safetensors.torch import load_file
 
 from patchplace.finetune import (
+    AttackConfig,
+    PrivacyError,
     extract_features,
     knn_probe_per_layer,
     linear_probe,
     position_probe,
+    privacy_settings,
     subsample_per_class,
 )
 from patchplace.models import ModelError, load_pretrained
@@ -58,8 +65,33 @@ class EvalSection:
 
 
 @dataclass
+class PrivacySection:
+    """Gradient-inversion privacy evaluation (MJP §5.4, Table 5); attack settings of patchplace.finetune.privacy."""
+
+    enabled: bool = False  # also --privacy
+    images: int = 10  # one test image per class (first occurrences), up to this many (the paper: one per class)
+    batch_size: int = 1  # images per client update; the APRIL analytic attack needs 1
+    ratio: float = 0.27  # masked-jigsaw gamma of settings (b) / (c) (Table 5 uses MJP with gamma = 0.27)
+    analytic: bool = True  # APRIL's closed form, for models with a learnable PE
+    steps: int = 200  # gradient-matching attack
+    lr: float = 0.1
+    distance: str = "cosine"
+    tv_weight: float = 1e-4
+    optimizer: str = "adam"
+    restarts: int = 1
+    known_labels: bool = True
+    seed: int = 0
+
+    def attack(self) -> AttackConfig:
+        return AttackConfig(steps=self.steps, lr=self.lr, distance=self.distance, tv_weight=self.tv_weight,
+                            optimizer=self.optimizer, restarts=self.restarts, known_labels=self.known_labels,
+                            seed=self.seed)
+
+
+@dataclass
 class EvaluateConfig:
     eval: EvalSection = field(default_factory=EvalSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/evaluate", tensorboard=False))
@@ -67,6 +99,12 @@ class EvaluateConfig:
     def validate(self) -> None:
         if not self.model.checkpoint:
             raise ConfigError("model.checkpoint is required: the checkpoint/ directory of a pretrain or finetune run")
+        try:
+            self.privacy.attack().validate()
+        except PrivacyError as exc:
+            raise ConfigError(f"privacy: {exc}") from None
+        if self.privacy.images < 1 or self.privacy.batch_size < 1 or not 0 < self.privacy.ratio < 1:
+            raise ConfigError("privacy.images and privacy.batch_size must be >= 1 and privacy.ratio in (0, 1)")
 
 
 def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +191,64 @@ def plot_mp3(curve: dict, images: torch.Tensor, picture, out_dir: Path) -> None:
     plt.close(fig)
 
 
+def one_per_class(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first test image of each class, in class order, up to ``n`` (a fixed set: same images for every model)."""
+    chosen: dict[int, torch.Tensor] = {}
+    for x, y in loader(dataset, batch_size, seed=0, epoch=0):
+        for image, label in zip(x, y.tolist(), strict=True):
+            chosen.setdefault(label, image)
+        if len(chosen) >= n:
+            break
+    labels = sorted(chosen)[:n]
+    return torch.stack([chosen[k] for k in labels]), torch.tensor(labels)
+
+
+def privacy_evaluation(backbone, data, cfg: PrivacySection, device, out_dir: Path) -> dict[str, Any]:
+    """MJP Table 5 settings (a) / (b) / (c) on one test image per class; writes ``privacy.png`` (Fig. 5 style)."""
+    from tqdm import tqdm
+
+    images, labels = one_per_class(data.val, cfg.images, 256)
+    if len(images) % cfg.batch_size:
+        raise ConfigError(f"privacy.batch_size {cfg.batch_size} must divide the {len(images)} images")
+    shuffled, mask = jigsaw(images, backbone.config.patch_size, cfg.ratio,
+                            generator=torch.Generator().manual_seed(cfg.seed))
+    norm = data.manifest.normalization or {"mean": [0.0], "std": [1.0]}
+    with tqdm(total=2 * len(images) // cfg.batch_size, desc="privacy: client updates attacked") as bar:
+        result = privacy_settings(backbone.float(), images.to(device), labels.to(device), shuffled=shuffled.to(device),
+                                  unknown_pos=mask.to(device), mean=norm["mean"], std=norm["std"],
+                                  attack=cfg.attack(), batch_size=cfg.batch_size, analytic=cfg.analytic,
+                                  progress=lambda _: bar.update())
+    plot_privacy(result, out_dir / "privacy.png")
+    return {"metrics": result.metrics, **result.info, "ratio": cfg.ratio, "labels": labels.tolist()}
+
+
+def plot_privacy(result, path: Path) -> None:
+    """Rows: x, its reconstructions (a), x~, its reconstructions (b); one column per image."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [("x", result.originals)]
+    rows += [(f"(a) {a}", r["a"]) for a, r in result.reconstructions.items()]
+    rows += [("x~ (jigsaw)", result.shuffled)]
+    rows += [(f"(b) {a}", r["b"]) for a, r in result.reconstructions.items()]
+    n = len(result.originals)
+    fig, axes = plt.subplots(len(rows), n, figsize=(1.1 * n + 1.2, 1.15 * len(rows)), squeeze=False)
+    for r, (name, images) in enumerate(rows):
+        for i in range(n):
+            ax = axes[r, i]
+            ax.imshow(images[i].permute(1, 2, 0).squeeze(-1).numpy(), cmap="gray", vmin=0, vmax=1)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        axes[r, 0].set_ylabel(name.replace("_", " "), fontsize=7, rotation=0, ha="right", va="center")
+    fig.suptitle("gradient inversion: originals vs reconstructions (MJP Fig. 5)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def to_markdown(results: dict[str, Any]) -> str:
     lines = [f"# Evaluation of {results['checkpoint']}", "", f"method: {results['method']}", ""]
     if "classification" in results:
@@ -172,10 +268,21 @@ def to_markdown(results: dict[str, Any]) -> str:
     if "droppos_grid" in results:
         lines += ["", "DropPos position accuracy: " + ", ".join(f"{k}: {v:.3f}" for k, v in
                                                           results["droppos_grid"].items())]
+    if "privacy" in results:
+        p = results["privacy"]
+        lines += ["", f"Gradient inversion (MJP Table 5) on {p['images']} images, jigsaw gamma {p['ratio']}, "
+                  f"{p['batch_size']} image(s) per update; privacy is better with higher MSE and lower PSNR / SSIM / "
+                  "FFT2D:", "", "| attack | setting | MSE | PSNR | SSIM | FFT2D |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {a} | {s} | {v['mse']:.4f} | {v['psnr']:.2f} | {v['ssim']:.3f} | {v['fft2d']:.3f} |"
+                  for a, settings in p["metrics"].items() for s, v in settings.items()]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--privacy" in argv:  # shorthand for privacy.enabled=true
+        argv = [a for a in argv if a != "--privacy"] + ["privacy.enabled=true"]
     try:
         cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False)
         backbone, metadata = load_pretrained(cfg.model.checkpoint)
@@ -218,6 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         if backbone.config.num_classes == data.manifest.num_classes and ev.consistency_ratios:
             results["consistency"] = consistency_curve(backbone, images.to(device), ev.consistency_ratios)
         results.update(method_curves(backbone, metadata, Path(cfg.model.checkpoint), images, out_dir))
+    if cfg.privacy.enabled:
+        if not is_image or backbone.config.num_classes != data.manifest.num_classes:
+            print(f"error: --privacy needs an image classifier for {data.manifest.num_classes} classes; "
+                  f"{cfg.model.checkpoint} is not one (fine-tune it first)", file=sys.stderr)
+            return 2
+        try:
+            results["privacy"] = privacy_evaluation(backbone, data, cfg.privacy, device, out_dir)
+        except (ConfigError, PrivacyError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "report.md").write_text(to_markdown(results))

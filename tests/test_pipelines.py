@@ -146,6 +146,31 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
     assert (tmp_path / "ev2" / "mp3_reassembled.png").stat().st_size > 1000
 
 
+def test_evaluate_privacy_attacks_an_mjp_checkpoint_and_refuses_a_backbone(shards, tmp_path, capsys):
+    # 64 patch tokens: APRIL's least squares (MJP App. G) needs embed_dim well above 64 to be well conditioned.
+    assert pretrain.main(["method=mjp", *img(shards), *TINY, "model.overrides={embed_dim: 128, num_heads: 2}",
+                          "objective.ratio=0.27", "optim.max_steps=2", f"run.output={tmp_path / 'mjp'}"]) == 0
+    common = [*img(shards), "data.batch_size=8", "data.num_workers=0", "eval.probe_train_samples=16",
+              "eval.probe_epochs=1", "eval.max_eval_samples=8", "eval.consistency_ratios=[]",
+              "privacy.images=2", "privacy.steps=3"]
+    assert evaluate.main(["--privacy", *common, f"run.output={tmp_path / 'ev'}",
+                          f"model.checkpoint={tmp_path / 'mjp' / 'checkpoint'}"]) == 0
+    privacy = json.loads((tmp_path / "ev" / "results.json").read_text())["privacy"]
+    assert privacy["images"] == 2 and privacy["labels"] == [0, 1] and privacy["unknown_pe_given"]
+    assert set(privacy["metrics"]) == {"gradient_matching", "analytic", "random"}
+    analytic = privacy["metrics"]["analytic"]
+    assert analytic["a"]["psnr"] > 40 > analytic["c"]["psnr"], analytic  # x leaks; x~ is not x
+    assert "| analytic | a |" in (tmp_path / "ev" / "report.md").read_text()
+    assert (tmp_path / "ev" / "privacy.png").stat().st_size > 1000
+    assert pretrain.main(["method=mp3", *img(shards), *TINY, "optim.max_steps=1",
+                          f"run.output={tmp_path / 'mp3'}"]) == 0
+    capsys.readouterr()
+    assert evaluate.main(["--privacy", *common, f"run.output={tmp_path / 'ev2'}",
+                          f"model.checkpoint={tmp_path / 'mp3' / 'checkpoint'}"]) == 2
+    assert "--privacy needs an image classifier" in capsys.readouterr().err
+    assert evaluate.main([*common, "privacy.ratio=1.5", "model.checkpoint=x"]) == 2
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_resumed_run_ends_with_the_same_weights(shards, tmp_path, workers):
     args = ["method=stop", *img(shards), *TINY, *SMALL_HEADS["stop"], f"data.num_workers={workers}",
