@@ -17,11 +17,13 @@ PSNR, SSIM, FFT2D; ``privacy.png`` of originals vs reconstructions, Fig. 5) on o
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from config import ConfigError, DataSection, ModelSection, RunSection
 from engine import USER_ERRORS, classify, loader, start
@@ -219,6 +221,11 @@ def privacy_evaluation(backbone, data, cfg: PrivacySection, device, out_dir: Pat
                                   attack=cfg.attack(), batch_size=cfg.batch_size, analytic=cfg.analytic,
                                   progress=lambda _: bar.update())
     plot_privacy(result, out_dir / "privacy.png")
+    arrays = {"originals": result.originals, "shuffled": result.shuffled}
+    arrays |= {f"{a}_{k}": t for a, r in result.reconstructions.items() for k, t in r.items()}
+    tmp = out_dir / f".privacy.{os.getpid()}.npz"  # pixel-space images for figures that combine several models
+    np.savez_compressed(tmp, **{k: v.numpy() for k, v in arrays.items()})
+    tmp.replace(out_dir / "privacy.npz")
     return {"metrics": result.metrics, **result.info, "ratio": cfg.ratio, "labels": labels.tolist()}
 
 

@@ -60,6 +60,7 @@ class StudyConfig:
     seeds: tuple[int, ...] = (0,)  # main table
     ablation_seeds: tuple[int, ...] = (0,)
     groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
+    only: tuple[str, ...] = ()  # run names to restrict the groups to (e.g. add seeds to some rows); () = all
     probe_only: tuple[str, ...] = ()  # ablation groups evaluated by probes only (no fine-tuning; not main)
     batch_size: int = 128
     num_workers: int = 1
@@ -74,6 +75,8 @@ class StudyConfig:
     speech_pretrain_epochs: float = 20.0
     speech_finetune_epochs: float = 30.0
     speech_seeds: tuple[int, ...] = (0, 1, 2)
+    privacy_images: int = 10  # MJP Table 5 gradient inversion: one test image per class (0: skip)
+    privacy_steps: int = 200  # gradient-matching attack steps per client update (APRIL's analytic attack: exact)
     test_samples: int | None = None  # cap on test images for top-1 (None: all 10,000)
     fashion_mnist: str = "shards/fashion_mnist"  # image shards: train/ and test/
     spoken_keywords: str = "shards/spoken_keywords"  # speech shards: train/, test/, background_noise/
@@ -96,6 +99,11 @@ class StudyConfig:
             raise ConfigError("seeds, ablation_seeds and speech_seeds need at least one seed each")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        unknown = sorted(set(self.only) - {r.name for r in RUNS})
+        if unknown:
+            raise ConfigError(f"only: unknown run(s) {unknown}; known: {[r.name for r in RUNS]}")
+        if self.privacy_images < 0 or self.privacy_steps < 1:
+            raise ConfigError("privacy_images must be >= 0 and privacy_steps >= 1")
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,7 @@ class Run:
     pretrain_from: str | None = None  # fine-tune another run's pretrained backbone
     scratch_pe: str = "learned"  # supervised from scratch: its PE
     ort: bool = False  # ONNX export + ONNX Runtime evaluation (main table)
+    privacy: bool = False  # gradient-inversion attack on its classifier (MJP Table 5)
     speech: bool = False
 
     @property
@@ -120,7 +129,7 @@ class Run:
 
 RUNS: tuple[Run, ...] = (
     # main table: same backbone, same data, same total epochs
-    Run("supervised", "main", "supervised", None, finetune_pe=None, ort=True),
+    Run("supervised", "main", "supervised", None, finetune_pe=None, ort=True, privacy=True),
     Run("mp3", "main", "MP3", "mp3_fashion_mnist", finetune_pe="learned", ort=True),
     Run("droppos", "main", "DropPos", "droppos_fashion_mnist", ort=True),
     Run("mae", "main", "MAE", "mae_fashion_mnist", ort=True),
@@ -130,7 +139,8 @@ RUNS: tuple[Run, ...] = (
     Run("mjp", "main", "MJP", "mjp_fashion_mnist", finetune_pe=None, ort=True),
     # MP3 Table 3: fine-tuning PE of the MP3 backbone, and the supervised baseline with the same three PEs
     Run("mp3_ft_none", "mp3_pe", "MP3, no PE", "mp3_fashion_mnist", finetune_pe="none", pretrain_from="mp3"),
-    Run("supervised_nope", "mp3_pe", "supervised, no PE", None, finetune_pe=None, scratch_pe="none"),
+    Run("supervised_nope", "mp3_pe", "supervised, no PE", None, finetune_pe=None, scratch_pe="none",
+        privacy=True),
     Run("mp3_ft_relbias2d", "mp3_pe", "MP3, 2D relative", "mp3_fashion_mnist", finetune_pe="relbias2d",
         pretrain_from="mp3"),
     Run("supervised_relbias2d", "mp3_pe", "supervised, 2D relative", None, finetune_pe=None, scratch_pe="relbias2d"),
@@ -146,7 +156,8 @@ RUNS: tuple[Run, ...] = (
     Run("droppos_tau_inf", "droppos", "DropPos tau inf", "droppos_fashion_mnist", ("objective.tau=.inf",)),
     # MJP Table 3 / Fig. 3 (gamma 0.15 is the main run)
     Run("mjp_gamma0.03", "mjp", "MJP gamma 0.03", "mjp_fashion_mnist", ("objective.ratio=0.03",), finetune_pe=None),
-    Run("mjp_gamma0.27", "mjp", "MJP gamma 0.27", "mjp_fashion_mnist", ("objective.ratio=0.27",), finetune_pe=None),
+    Run("mjp_gamma0.27", "mjp", "MJP gamma 0.27", "mjp_fashion_mnist", ("objective.ratio=0.27",), finetune_pe=None,
+        privacy=True),  # MJP Table 5 attacks MJP at gamma 0.27
     Run("mjp_gamma0", "mjp", "MJP gamma 0", "mjp_fashion_mnist", ("objective.ratio=0.0",), finetune_pe=None),
     # RandSAC Tables 2, 5, 7 (hierarchical blob 11 -> 5 is the main run)
     Run("randsac_patch_random", "randsac", "RandSAC patch-random", "randsac_fashion_mnist",
@@ -162,9 +173,10 @@ RUNS: tuple[Run, ...] = (
 )
 
 
-def runs_of(groups: tuple[str, ...]) -> list[Run]:
-    """Runs in execution order: groups as given, rows in table order (fine-tunes of a shared pretraining last)."""
-    return [r for g in groups for r in RUNS if r.group == g]
+def runs_of(groups: tuple[str, ...], only: tuple[str, ...] = ()) -> list[Run]:
+    """Runs in execution order: groups as given, rows in table order (fine-tunes of a shared pretraining last);
+    only the runs named in ``only`` when it is given."""
+    return [r for g in groups for r in RUNS if r.group == g and (not only or r.name in only)]
 
 
 class Study:
@@ -275,9 +287,16 @@ class Study:
                 "--consistency-limit", str(c.ort_consistency_samples), "--robustness-limit",
                 str(c.robustness_samples), "--latency-repeats", "0", "--corruption-cache",
                 str(self.root / "corruptions")], label=f"{d} ort")
+        if run.privacy and c.privacy_images:  # MJP Table 5: the same images and attack budget for every model
+            stage(d / "privacy", evaluate.main, [
+                "--privacy", "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'privacy'}",
+                f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
+                "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
+                f"privacy.images={c.privacy_images}", f"privacy.steps={c.privacy_steps}", *data,
+                f"data.val_limit={min(c.test_samples or 1000, 1000)}"], label=f"{d} privacy")
 
     def run_all(self) -> None:
-        for run in runs_of(self.cfg.groups):
+        for run in runs_of(self.cfg.groups, self.cfg.only):
             for seed in self.seeds(run):
                 start = time.perf_counter()
                 backbone, classifier, _ = self.train(run, seed)
@@ -334,6 +353,12 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     if "droppos_grid" in probe:
         m["droppos_grid"] = probe["droppos_grid"]
         m["position_accuracy"] = probe["droppos_grid"]["mean"]
+    privacy = (read_json(d / "privacy" / "results.json") or {}).get("privacy")
+    if privacy:
+        m["privacy"] = {attack: {s: {k: v[k] for k in ("mse", "psnr", "ssim", "fft2d")} for s, v in settings.items()}
+                        for attack, settings in privacy["metrics"].items()}
+        m["privacy_setup"] = {k: privacy[k] for k in ("images", "batch_size", "ratio", "attacks", "unknown_pe_given")}
+        m["privacy_setup"]["steps"] = privacy["attack"]["steps"]
     if ort:
         m["top1_ort"] = ort["accuracy"]["top1"]
         if "robustness" in ort:
@@ -418,6 +443,53 @@ def seeds_of(metrics: list[dict[str, Any]]) -> str:
     return ",".join(str(m["seed"]) for m in metrics)
 
 
+PRIVACY_RUNS = [r.name for r in RUNS if r.privacy]
+PRIVACY_METRICS = (("MSE", "mse", 4), ("PSNR dB", "psnr", 2), ("SSIM", "ssim", 3), ("FFT2D", "fft2d", 3))
+
+
+def privacy_values(rows: dict[str, list[dict[str, Any]]], name: str, attack: str, setting: str,
+                   key: str) -> list[float]:
+    return [m["privacy"][attack][setting][key] for m in rows.get(name, [])
+            if attack in m.get("privacy", {}) and setting in m["privacy"][attack]]
+
+
+def privacy_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """MJP Table 5 in miniature: (a) attack the update on x, compare with x; (b) on x~, compare with x~; (c) that
+    reconstruction vs x. Less privacy = lower MSE, higher PSNR / SSIM / FFT2D."""
+    labels = {r.name: r.label for r in RUNS}
+    lines = ["| model | seeds | attack | setting | " + " | ".join(h for h, _, _ in PRIVACY_METRICS) + " |",
+             "|" + " --- |" * (4 + len(PRIVACY_METRICS))]
+    for name in PRIVACY_RUNS:
+        measured = [m for m in rows.get(name, []) if "privacy" in m]
+        if not measured:
+            lines.append(f"| {labels[name]} | not run |" + " - |" * (2 + len(PRIVACY_METRICS)))
+            continue
+        for attack in ("analytic", "gradient_matching", "random"):
+            for setting in ("a", "b", "c"):
+                cells = []
+                for _, key, digits in PRIVACY_METRICS:
+                    values = privacy_values(rows, name, attack, setting, key)
+                    if not values:
+                        break
+                    mean = statistics.mean(values)
+                    cells.append(f"{mean:.{digits}f}" + (f" ± {statistics.stdev(values):.{digits}f}"
+                                                         if len(values) > 1 else ""))
+                if cells:
+                    lines.append(f"| {labels[name]} | {seeds_of(measured)} | {attack.replace('_', ' ')} | "
+                                 f"({setting}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def psnr_verdict(ours: list[float], other: list[float], paper_says_higher: bool, noise: float = 1.0) -> str:
+    """Like ``verdict`` for PSNR means in dB (within +-1 dB is a tie)."""
+    if not ours or not other:
+        return "not run"
+    delta = statistics.mean(ours) - statistics.mean(other)
+    if abs(delta) <= noise:
+        return f"tie ({delta:+.1f} dB)"
+    return f"{'agrees' if (delta > 0) == paper_says_higher else '**contradicts**'} ({delta:+.1f} dB PSNR)"
+
+
 def table(rows: dict[str, list[dict[str, Any]]], names: list[str], columns: list[tuple[str, str, bool]],
           first: str = "run") -> list[str]:
     """Markdown table: one row per run present, columns (header, metric key, as percent)."""
@@ -499,6 +571,15 @@ def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
          verdict(m("mjp_gamma0.27", "consistency"), m("mjp_gamma0.03", "consistency"), True)),
         ("MJP Table 3: top-1 stays flat across training gamma (0.27 vs 0.03, within 1 pt)",
          on_par(m("mjp_gamma0.27", "top1"), m("mjp_gamma0.03", "top1"))),
+        ("MJP Table 5: APRIL recovers less from MJP's update on x~ (b) than from the supervised ViT's on x (a)",
+         psnr_verdict(privacy_values(rows, "mjp_gamma0.27", "analytic", "b", "psnr"),
+                      privacy_values(rows, "supervised", "analytic", "a", "psnr"), False)),
+        ("MJP Table 5: ... and MJP's reconstruction is further still from the original x (c vs b)",
+         psnr_verdict(privacy_values(rows, "mjp_gamma0.27", "analytic", "c", "psnr"),
+                      privacy_values(rows, "mjp_gamma0.27", "analytic", "b", "psnr"), False)),
+        ("MJP Table 5: a ViT without PE leaks more than MJP (setting a; gradient matching, the attack that applies "
+         "to both)", psnr_verdict(privacy_values(rows, "supervised_nope", "gradient_matching", "a", "psnr"),
+                                  privacy_values(rows, "mjp_gamma0.27", "gradient_matching", "a", "psnr"), True)),
         ("RandSAC Table 2: random serialization beats raster order (linear probe)",
          verdict(m("randsac_patch_random", "linear_probe"), m("randsac_raster", "linear_probe"), True)),
         ("RandSAC Table 5: segments (blob) beat patch-random (linear probe)",
@@ -569,6 +650,49 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path) -> list[str]:
     return written
 
 
+def privacy_figure(study: Study, out: Path) -> list[str]:
+    """MJP Fig. 5 style grid from the privacy stages' ``privacy.npz`` (first seed of each model that has one):
+    originals, each model's reconstruction of its update on x (a), the jigsaw x~, each model's reconstruction of
+    its update on x~ (b). APRIL where the model has a learned PE, else gradient matching. Kept as is when no run
+    directory holds the images (a report from merged results)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    found = {}
+    for run in (r for r in RUNS if r.privacy):
+        path = next((p for s in study.seeds(run) if (p := study.dir(run, s) / "privacy" / "privacy.npz").is_file()),
+                    None)
+        if path is not None:
+            found[run.label] = dict(np.load(path))
+    if not found:
+        return ["study_privacy.png"] if (out / "study_privacy.png").is_file() else []
+    first = next(iter(found.values()))
+    rows = [("x", first["originals"])]
+    for label, arrays in found.items():
+        attack = "analytic" if "analytic_a" in arrays else "gradient_matching"
+        rows.append((f"(a) {label}\n{'APRIL' if attack == 'analytic' else 'grad. matching'}", arrays[f"{attack}_a"]))
+    rows.append(("x~ (jigsaw)", first["shuffled"]))
+    for label, arrays in found.items():
+        attack = "analytic" if "analytic_b" in arrays else "gradient_matching"
+        rows.append((f"(b) {label}\n{'APRIL' if attack == 'analytic' else 'grad. matching'}", arrays[f"{attack}_b"]))
+    n = len(first["originals"])
+    fig, axes = plt.subplots(len(rows), n, figsize=(0.9 * n + 1.6, 0.95 * len(rows)), squeeze=False)
+    for r, (name, images) in enumerate(rows):
+        for i in range(n):
+            axes[r, i].imshow(images[i].transpose(1, 2, 0).squeeze(-1), cmap="gray", vmin=0, vmax=1)
+            axes[r, i].set_xticks([])
+            axes[r, i].set_yticks([])
+        axes[r, 0].set_ylabel(name, fontsize=6, rotation=0, ha="right", va="center")
+    fig.suptitle("gradient inversion of one-image updates (MJP Table 5 settings (a), (b); Fig. 5)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "study_privacy.png", dpi=110)
+    plt.close(fig)
+    return ["study_privacy.png"]
+
+
 MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "finetune_epochs", False),
                 ("wall-clock min", "minutes", False), ("fine-tune PE", "finetune_pe", False),
                 ("top-1", "top1", True), ("top-1 ORT", "top1_ort", True), ("linear probe", "linear_probe", True),
@@ -629,6 +753,17 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
     lines += table(rows, ["supervised", "mjp_gamma0", "mjp_gamma0.03", "mjp", "mjp_gamma0.27"],
                    [("top-1", "top1", True), ("consistency@0.15", "consistency", True),
                     ("Diff. Norm@0.15", "diff_norm", False)])
+    setup = next((m["privacy_setup"] for n in PRIVACY_RUNS for m in rows.get(n, []) if "privacy_setup" in m), None)
+    if setup:
+        lines += ["", "## MJP: gradient inversion (Table 5, Fig. 5)", "",
+                  f"One test image per class ({setup['images']} images), one image per client update, jigsaw "
+                  f"gamma {setup['ratio']} for (b) / (c). Attacks: APRIL's closed form (MJP App. G Eq. 9; needs a "
+                  f"learned PE) and gradient matching (cosine distance + TV, Adam, {setup['steps']} steps, known "
+                  "labels); `random` scores uniform noise against the same targets. The supervised ViT and the ViT "
+                  "without PE see x~ without an unknown PE (they were not trained with one); MJP gets its unknown "
+                  "PE on the shuffled positions, as in training. Privacy is better with higher MSE and lower PSNR, "
+                  "SSIM and FFT2D (cosine similarity of the |FFT2| spectra).", ""]
+        lines += privacy_table(rows)
     lines += ["", "## RandSAC: serialization and segments (Tables 2, 5, 7)", ""]
     lines += table(rows, ["randsac_raster", "randsac_patch_random", "randsac_square", "randsac_blob_flat", "randsac"],
                    [("linear probe", "linear_probe", True), ("kNN", "knn", True), ("fine-tuned top-1", "top1", True)])
@@ -651,7 +786,7 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
     out = Path(cfg.results)
     out.mkdir(parents=True, exist_ok=True)
     rows = collect(study)
-    figures = plots(rows, out)
+    figures = plots(rows, out) + privacy_figure(study, out)
     hardware = hardware_line()
     text = markdown(cfg, rows, figures, hardware)
     payload = {"command": "python pipelines/study.py " + " ".join(argv), "config": asdict(cfg),

@@ -222,7 +222,7 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
             "curve_samples=16", "ort_consistency_samples=8", "robustness_samples=2", "test_samples=32",
             "speech_pretrain_epochs=1",
             "speech_finetune_epochs=1", "speech_seeds=[0,1]", "overrides=[data.shuffle_buffer=16]",
-            "speech_overrides=[data.batch_size=8]"]
+            "speech_overrides=[data.batch_size=8]", "privacy_steps=3"]
     assert study.main(args) == 0
     result = json.loads((tmp_path / "results" / "study.json").read_text())
     rows = result["results"]
@@ -247,7 +247,12 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 3: MP3 pretraining"))
     assert any(word in claim for word in ("agrees", "contradicts", "tie")), claim
     assert "| DropPos gamma 0.5 | not run |" in text
-    for figure in ("study_main.png", "study_mp3_eta.png", "study_mjp_consistency.png"):
+    privacy = rows["supervised"][0]["privacy"]  # MJP Table 5 on the 3 toy classes, one image each
+    assert rows["supervised"][0]["privacy_setup"]["images"] == 3 and set(privacy["analytic"]) == {"a", "b", "c"}
+    assert set(rows["supervised_nope"][0]["privacy"]) == {"gradient_matching", "random"}, "no PE: no APRIL"
+    assert "## MJP: gradient inversion" in text and "| supervised, no PE | 0 | gradient matching | (a) |" in text
+    assert "| MJP gamma 0.27 | not run |" in text
+    for figure in ("study_main.png", "study_mp3_eta.png", "study_mjp_consistency.png", "study_privacy.png"):
         assert (tmp_path / "results" / figure).is_file(), figure
     capsys.readouterr()
     assert study.main(args) == 0  # resumes: every stage is skipped
