@@ -17,7 +17,7 @@ CORPORA  := corpora
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
-	@echo "make study  the reproduction study of every method (results/study.md; ~75 min on 2 CPU cores)"
+	@echo "make study  the reproduction study of every method (results/study.md; ~85 min on 2 CPU cores)"
 	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
 setup: apt venv

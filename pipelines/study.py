@@ -392,8 +392,7 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
     earlier = read_json(path)
     if not earlier:
         return {}
-    now = asdict(cfg)
-    changed = [k for k in BUDGET_FIELDS if _normal(earlier.get("config", {}).get(k)) != _normal(now[k])]
+    changed = budget_changes(earlier, cfg)
     if changed:
         print(f"[study] {path}: measured at another budget ({', '.join(changed)} differ); not reused")
         return {}
@@ -403,6 +402,12 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
             m.pop("mce", None)  # recomputed against the supervised rows of the merged table
             m.setdefault("source", str(path))
     return rows
+
+
+def budget_changes(earlier: dict[str, Any], cfg: StudyConfig) -> list[str]:
+    """The BUDGET_FIELDS in which an earlier ``study.json`` differs from ``cfg``."""
+    now = asdict(cfg)
+    return [k for k in BUDGET_FIELDS if _normal(earlier.get("config", {}).get(k)) != _normal(now[k])]
 
 
 def _normal(value: Any) -> Any:
@@ -781,6 +786,17 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
     return "\n".join(lines) + "\n"
 
 
+def commands_so_far(cfg: StudyConfig, argv: list[str]) -> list[str]:
+    """The study commands whose rows the report holds: those of an earlier ``study.json`` at this budget, then this
+    one (``--report-only`` measures nothing and is not recorded)."""
+    earlier = read_json(Path(cfg.results) / "study.json") or {}
+    commands = [] if budget_changes(earlier, cfg) else list(earlier.get("commands", []))
+    if "--report-only" not in argv:
+        command = "python pipelines/study.py " + " ".join(argv)
+        commands = [c for c in commands if c != command] + [command]
+    return commands
+
+
 def report(cfg: StudyConfig, argv: list[str]) -> str:
     study = Study(cfg)
     out = Path(cfg.results)
@@ -789,7 +805,7 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
     figures = plots(rows, out) + privacy_figure(study, out)
     hardware = hardware_line()
     text = markdown(cfg, rows, figures, hardware)
-    payload = {"command": "python pipelines/study.py " + " ".join(argv), "config": asdict(cfg),
+    payload = {"commands": commands_so_far(cfg, argv), "config": asdict(cfg),
                "hardware": hardware, "python": platform.python_version(), "torch": torch.__version__,
                "runs": {r.name: {"group": r.group, "label": r.label, "config": r.config,
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,

@@ -289,10 +289,13 @@ def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
     def row(seed: int, top1: float, error: float) -> dict:
         return {"seed": seed, "top1": top1, "corruption_errors": {"noise": error}, "mce": 9.0}
 
-    earlier = {"config": dataclasses.asdict(cfg),
+    earlier = {"config": dataclasses.asdict(cfg), "commands": ["python pipelines/study.py seeds=[0]"],
                "results": {"supervised": [row(0, 0.5, 0.4), row(1, 0.6, 0.5)], "mp3": [row(0, 0.7, 0.2)]}}
     (tmp_path / "study.json").write_text(json.dumps(earlier))
     rows = study.collect(study.Study(cfg))
+    assert study.commands_so_far(cfg, ["seeds=[1]"]) == ["python pipelines/study.py seeds=[0]",
+                                                         "python pipelines/study.py seeds=[1]"]
+    assert study.commands_so_far(cfg, ["--report-only"]) == earlier["commands"]
     assert [m["seed"] for m in rows["supervised"]] == [0, 1] and rows["mp3"][0]["top1"] == 0.7
     assert rows["mp3"][0]["mce"] == pytest.approx(0.5) and rows["supervised"][1]["mce"] == pytest.approx(1.0)
     assert rows["mp3"][0]["source"] == str(tmp_path / "study.json")
@@ -302,3 +305,4 @@ def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
     (tmp_path / "study.json").write_text(json.dumps(earlier))
     assert study.collect(study.Study(cfg)) == {}
     assert "pretrain_epochs differ" in capsys.readouterr().out
+    assert study.commands_so_far(cfg, ["seeds=[1]"]) == ["python pipelines/study.py seeds=[1]"]
