@@ -31,6 +31,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -485,16 +486,6 @@ def privacy_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
-def psnr_verdict(ours: list[float], other: list[float], paper_says_higher: bool, noise: float = 1.0) -> str:
-    """Like ``verdict`` for PSNR means in dB (within +-1 dB is a tie)."""
-    if not ours or not other:
-        return "not run"
-    delta = statistics.mean(ours) - statistics.mean(other)
-    if abs(delta) <= noise:
-        return f"tie ({delta:+.1f} dB)"
-    return f"{'agrees' if (delta > 0) == paper_says_higher else '**contradicts**'} ({delta:+.1f} dB PSNR)"
-
-
 def table(rows: dict[str, list[dict[str, Any]]], names: list[str], columns: list[tuple[str, str, bool]],
           first: str = "run") -> list[str]:
     """Markdown table: one row per run present, columns (header, metric key, as percent)."""
@@ -511,40 +502,78 @@ def table(rows: dict[str, list[dict[str, Any]]], names: list[str], columns: list
     return lines
 
 
-def verdict(ours: float | None, other: float | None, paper_says_higher: bool, noise: float = 0.005) -> str:
-    """Compare two of our numbers against the paper's direction; within +-noise is a tie (too close to call)."""
-    if ours is None or other is None:
-        return "not run"
-    delta = ours - other
-    if abs(delta) <= noise:
-        return f"tie ({delta * 100:+.1f} pt)"
-    agrees = (delta > 0) == paper_says_higher
-    return f"{'agrees' if agrees else '**contradicts**'} ({delta * 100:+.1f} pt)"
+Value = Callable[[dict[str, Any]], float | None]
 
 
-def on_par(ours: float | None, other: float | None, tolerance: float = 0.01) -> str:
-    """A claim that two numbers match: agrees within +-tolerance."""
-    if ours is None or other is None:
+def per_seed(rows: dict[str, list[dict[str, Any]]], name: str, value: Value | str) -> dict[int, float]:
+    """{seed: value} of one run; ``value`` is a metric key or a function of a seed's metrics."""
+    get = (lambda m: m.get(value)) if isinstance(value, str) else value
+    return {m["seed"]: v for m in rows.get(name, []) if (v := get(m)) is not None}
+
+
+def paired_delta(ours: dict[int, float], other: dict[int, float]) -> tuple[float, float, str] | None:
+    """Mean and spread (std over seeds) of ours - other on the seeds both have, and which seeds; without a shared
+    seed, the difference of the means (spread 0, marked unpaired). None when either side is missing."""
+    if not ours or not other:
+        return None
+    seeds = sorted(ours.keys() & other.keys())
+    if not seeds:
+        delta = statistics.mean(ours.values()) - statistics.mean(other.values())
+        return delta, 0.0, "unpaired seeds"
+    deltas = [ours[s] - other[s] for s in seeds]
+    spread = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
+    return statistics.mean(deltas), spread, ("seed " if len(seeds) == 1 else "seeds ") + ",".join(map(str, seeds))
+
+
+def _delta_text(delta: float, spread: float, seeds: str, scale: float, unit: str) -> str:
+    pm = f" ± {spread * scale:.1f}" if spread else ""
+    return f"{delta * scale:+.1f}{pm} {unit}, {seeds}"
+
+
+def verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool, noise: float = 0.005,
+            scale: float = 100, unit: str = "pt") -> str:
+    """Our seed-paired difference against the paper's direction. A tie when it is within +-noise, or within the
+    spread of the per-seed differences (too close to call at this budget)."""
+    got = paired_delta(ours, other)
+    if got is None:
         return "not run"
-    delta = ours - other
-    return f"{'agrees' if abs(delta) <= tolerance else '**contradicts**'} ({delta * 100:+.1f} pt)"
+    delta, spread, seeds = got
+    text = _delta_text(delta, spread, seeds, scale, unit)
+    if abs(delta) <= max(noise, spread):
+        return f"tie ({text})"
+    return f"{'agrees' if (delta > 0) == paper_says_higher else '**contradicts**'} ({text})"
+
+
+def on_par(ours: dict[int, float], other: dict[int, float], tolerance: float = 0.01) -> str:
+    """A claim that two numbers match: agrees when the seed-paired difference is within +-tolerance."""
+    got = paired_delta(ours, other)
+    if got is None:
+        return "not run"
+    delta, spread, seeds = got
+    word = "agrees" if abs(delta) <= tolerance else "**contradicts**"
+    return f"{word} ({_delta_text(delta, spread, seeds, 100, 'pt')})"
 
 
 def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Each paper's claim beside what this study measured (a delta within 0.5 pt is called a tie)."""
-    def m(name, key):
-        return mean_of(rows, name, key)
+    """Each paper's claim beside what this study measured, paired by seed (see :func:`verdict`)."""
+    def m(name: str, key: Value | str) -> dict[int, float]:
+        return per_seed(rows, name, key)
 
-    def comparable(a: str, b: str) -> tuple[float | None, float | None]:
+    def comparable(a: str, b: str) -> tuple[dict[int, float], dict[int, float]]:
         """Fine-tuned top-1 of both runs, else their linear probes."""
         for key in ("top1", "linear_probe"):
-            if m(a, key) is not None and m(b, key) is not None:
+            if m(a, key) and m(b, key):
                 return m(a, key), m(b, key)
-        return None, None
+        return {}, {}
 
-    def eta_curve(name: str, eta: str) -> float | None:
-        values = [r["mp3_eta_curve"][eta]["top1"] for r in rows.get(name, []) if eta in r.get("mp3_eta_curve", {})]
-        return statistics.mean(values) if values else None
+    def eta_curve(eta: str) -> Value:
+        return lambda r: r.get("mp3_eta_curve", {}).get(eta, {}).get("top1")
+
+    def psnr(attack: str, setting: str) -> Value:
+        return lambda r: r.get("privacy", {}).get(attack, {}).get(setting, {}).get("psnr")
+
+    def psnr_verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool) -> str:
+        return verdict(ours, other, paper_says_higher, noise=1.0, scale=1, unit="dB PSNR")
 
     items = [
         ("MP3 Table 3: MP3 pretraining + fine-tuning beats supervised training of the same ViT",
@@ -554,9 +583,9 @@ def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
         ("MP3 Table 3: MP3 without any PE stays far above supervised without PE (82.6 vs 64.6)",
          verdict(m("mp3_ft_none", "top1"), m("supervised_nope", "top1"), True)),
         ("MP3 Fig. 3: position accuracy falls as the evaluation eta grows (eval 0.9 vs 0, train eta 0.5)",
-         verdict(eta_curve("mp3", "0.9"), eta_curve("mp3", "0.0"), False)),
+         verdict(m("mp3", eta_curve("0.9")), m("mp3", eta_curve("0.0")), False)),
         ("MP3 Fig. 3: a model trained with eta 0.75 predicts positions better at eval eta 0.75 than one trained "
-         "with eta 0", verdict(eta_curve("mp3_eta0.75", "0.75"), eta_curve("mp3_eta0", "0.75"), True)),
+         "with eta 0", verdict(m("mp3_eta0.75", eta_curve("0.75")), m("mp3_eta0", eta_curve("0.75")), True)),
         ("MP3 Fig. 6: an intermediate eta (0.5) fine-tunes better than eta 0 (here: fine-tuned top-1, or the linear "
          "probe when the eta runs were probed only)", verdict(*comparable("mp3", "mp3_eta0"), True)),
         ("DropPos Table 1: gamma 0.75 fine-tunes better than gamma 0.5",
@@ -577,14 +606,14 @@ def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
         ("MJP Table 3: top-1 stays flat across training gamma (0.27 vs 0.03, within 1 pt)",
          on_par(m("mjp_gamma0.27", "top1"), m("mjp_gamma0.03", "top1"))),
         ("MJP Table 5: APRIL recovers less from MJP's update on x~ (b) than from the supervised ViT's on x (a)",
-         psnr_verdict(privacy_values(rows, "mjp_gamma0.27", "analytic", "b", "psnr"),
-                      privacy_values(rows, "supervised", "analytic", "a", "psnr"), False)),
+         psnr_verdict(m("mjp_gamma0.27", psnr("analytic", "b")),
+                      m("supervised", psnr("analytic", "a")), False)),
         ("MJP Table 5: ... and MJP's reconstruction is further still from the original x (c vs b)",
-         psnr_verdict(privacy_values(rows, "mjp_gamma0.27", "analytic", "c", "psnr"),
-                      privacy_values(rows, "mjp_gamma0.27", "analytic", "b", "psnr"), False)),
+         psnr_verdict(m("mjp_gamma0.27", psnr("analytic", "c")),
+                      m("mjp_gamma0.27", psnr("analytic", "b")), False)),
         ("MJP Table 5: a ViT without PE leaks more than MJP (setting a; gradient matching, the attack that applies "
-         "to both)", psnr_verdict(privacy_values(rows, "supervised_nope", "gradient_matching", "a", "psnr"),
-                                  privacy_values(rows, "mjp_gamma0.27", "gradient_matching", "a", "psnr"), True)),
+         "to both)", psnr_verdict(m("supervised_nope", psnr("gradient_matching", "a")),
+                                  m("mjp_gamma0.27", psnr("gradient_matching", "a")), True)),
         ("RandSAC Table 2: random serialization beats raster order (linear probe)",
          verdict(m("randsac_patch_random", "linear_probe"), m("randsac_raster", "linear_probe"), True)),
         ("RandSAC Table 5: segments (blob) beat patch-random (linear probe)",

@@ -306,3 +306,17 @@ def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
     assert study.collect(study.Study(cfg)) == {}
     assert "pretrain_epochs differ" in capsys.readouterr().out
     assert study.commands_so_far(cfg, ["seeds=[1]"]) == ["python pipelines/study.py seeds=[1]"]
+
+
+def test_study_claims_compare_runs_on_the_seeds_they_share():
+    """A 3-seed run against a 1-seed ablation is compared on the shared seed; a mean difference inside the spread
+    of the per-seed differences is a tie, not a verdict."""
+    three, one = {0: 0.50, 1: 0.60, 2: 0.70}, {0: 0.52}
+    assert study.verdict(three, one, paper_says_higher=True) == "**contradicts** (-2.0 pt, seed 0)"
+    assert study.verdict({0: 0.50, 1: 0.625}, {0: 0.45, 1: 0.65}, True) == "tie (+1.2 ± 5.3 pt, seeds 0,1)"
+    assert study.verdict({0: 0.60, 1: 0.61}, {0: 0.50, 1: 0.52}, True) == "agrees (+9.5 ± 0.7 pt, seeds 0,1)"
+    assert study.verdict({1: 0.6}, {0: 0.5}, True).endswith("unpaired seeds)")
+    assert study.verdict({}, one, True) == "not run"
+    assert study.on_par(three, one).startswith("**contradicts**") and study.on_par({0: 0.525}, one).startswith("agrees")
+    assert study.verdict({0: 9.0}, {0: 97.0}, False, noise=1.0, scale=1, unit="dB PSNR") == \
+        "agrees (-88.0 dB PSNR, seed 0)"
