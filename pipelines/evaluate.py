@@ -17,9 +17,8 @@ PSNR, SSIM, FFT2D; ``privacy.png`` of originals vs reconstructions, Fig. 5) on o
 from __future__ import annotations
 
 import json
-import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from config import ConfigError, DataSection, ModelSection, RunSection
 from engine import USER_ERRORS, classify, loader, start
 from safetensors.torch import load_file
 
+from patchplace.data.atomic import atomic_file
 from patchplace.finetune import (
     AttackConfig,
     PrivacyError,
@@ -67,27 +67,28 @@ class EvalSection:
 
 
 @dataclass
-class PrivacySection:
-    """Gradient-inversion privacy evaluation (MJP §5.4, Table 5); attack settings of patchplace.finetune.privacy."""
+class PrivacySection(AttackConfig):
+    """Gradient-inversion privacy evaluation (MJP §5.4, Table 5): which images and settings, plus the
+    gradient-matching attack's own fields (``AttackConfig``: steps, lr, distance, tv_weight, optimizer, ...)."""
 
     enabled: bool = False  # also --privacy
     images: int = 10  # one test image per class (first occurrences), up to this many (the paper: one per class)
     batch_size: int = 1  # images per client update; the APRIL analytic attack needs 1
     ratio: float = 0.27  # masked-jigsaw gamma of settings (b) / (c) (Table 5 uses MJP with gamma = 0.27)
     analytic: bool = True  # APRIL's closed form, for models with a learnable PE
-    steps: int = 200  # gradient-matching attack
-    lr: float = 0.1
-    distance: str = "cosine"
+    steps: int = 200  # gradient-matching attack (a CPU budget)
     tv_weight: float = 1e-4
-    optimizer: str = "adam"
-    restarts: int = 1
-    known_labels: bool = True
-    seed: int = 0
 
     def attack(self) -> AttackConfig:
-        return AttackConfig(steps=self.steps, lr=self.lr, distance=self.distance, tv_weight=self.tv_weight,
-                            optimizer=self.optimizer, restarts=self.restarts, known_labels=self.known_labels,
-                            seed=self.seed)
+        return AttackConfig(**{f.name: getattr(self, f.name) for f in fields(AttackConfig)})
+
+    def validate(self) -> None:
+        try:
+            self.attack().validate()
+        except PrivacyError as exc:
+            raise ConfigError(f"privacy: {exc}") from None
+        if self.images < 1 or self.batch_size < 1 or not 0 < self.ratio < 1:
+            raise ConfigError("privacy.images and privacy.batch_size must be >= 1 and privacy.ratio in (0, 1)")
 
 
 @dataclass
@@ -101,12 +102,6 @@ class EvaluateConfig:
     def validate(self) -> None:
         if not self.model.checkpoint:
             raise ConfigError("model.checkpoint is required: the checkpoint/ directory of a pretrain or finetune run")
-        try:
-            self.privacy.attack().validate()
-        except PrivacyError as exc:
-            raise ConfigError(f"privacy: {exc}") from None
-        if self.privacy.images < 1 or self.privacy.batch_size < 1 or not 0 < self.privacy.ratio < 1:
-            raise ConfigError("privacy.images and privacy.batch_size must be >= 1 and privacy.ratio in (0, 1)")
 
 
 def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,33 +218,39 @@ def privacy_evaluation(backbone, data, cfg: PrivacySection, device, out_dir: Pat
     plot_privacy(result, out_dir / "privacy.png")
     arrays = {"originals": result.originals, "shuffled": result.shuffled}
     arrays |= {f"{a}_{k}": t for a, r in result.reconstructions.items() for k, t in r.items()}
-    tmp = out_dir / f".privacy.{os.getpid()}.npz"  # pixel-space images for figures that combine several models
-    np.savez_compressed(tmp, **{k: v.numpy() for k, v in arrays.items()})
-    tmp.replace(out_dir / "privacy.npz")
+    with atomic_file(out_dir / "privacy.npz") as tmp:  # pixel-space images for figures combining several models
+        np.savez_compressed(tmp, **{k: v.numpy() for k, v in arrays.items()})
     return {"metrics": result.metrics, **result.info, "ratio": cfg.ratio, "labels": labels.tolist()}
 
 
 def plot_privacy(result, path: Path) -> None:
-    """Rows: x, its reconstructions (a), x~, its reconstructions (b); one column per image."""
+    """``privacy.png``: x, its reconstructions (a) by each attack, x~, its reconstructions (b)."""
+    recs = {a.replace("_", " "): {k: t.numpy() for k, t in r.items()} for a, r in result.reconstructions.items()}
+    plot_privacy_grid(result.originals.numpy(), result.shuffled.numpy(), {a: r["a"] for a, r in recs.items()},
+                      {a: r["b"] for a, r in recs.items()}, path,
+                      "gradient inversion: originals vs reconstructions (MJP Fig. 5)")
+
+
+def plot_privacy_grid(originals: np.ndarray, shuffled: np.ndarray, recs_a: dict[str, np.ndarray],
+                      recs_b: dict[str, np.ndarray], path: Path, title: str) -> None:
+    """MJP Fig. 5 style grid, one column per image (N, C, H, W in [0, 1]): the originals x, each reconstruction of
+    the update on x (setting (a)), the jigsaw x~, each reconstruction of the update on x~ (setting (b))."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [("x", result.originals)]
-    rows += [(f"(a) {a}", r["a"]) for a, r in result.reconstructions.items()]
-    rows += [("x~ (jigsaw)", result.shuffled)]
-    rows += [(f"(b) {a}", r["b"]) for a, r in result.reconstructions.items()]
-    n = len(result.originals)
-    fig, axes = plt.subplots(len(rows), n, figsize=(1.1 * n + 1.2, 1.15 * len(rows)), squeeze=False)
+    rows = [("x", originals), *((f"(a) {k}", v) for k, v in recs_a.items()), ("x~ (jigsaw)", shuffled),
+            *((f"(b) {k}", v) for k, v in recs_b.items())]
+    n = len(originals)
+    fig, axes = plt.subplots(len(rows), n, figsize=(0.9 * n + 1.6, 0.95 * len(rows)), squeeze=False)
     for r, (name, images) in enumerate(rows):
         for i in range(n):
-            ax = axes[r, i]
-            ax.imshow(images[i].permute(1, 2, 0).squeeze(-1).numpy(), cmap="gray", vmin=0, vmax=1)
-            ax.set_xticks([])
-            ax.set_yticks([])
-        axes[r, 0].set_ylabel(name.replace("_", " "), fontsize=7, rotation=0, ha="right", va="center")
-    fig.suptitle("gradient inversion: originals vs reconstructions (MJP Fig. 5)", fontsize=9)
+            axes[r, i].imshow(images[i].transpose(1, 2, 0).squeeze(-1), cmap="gray", vmin=0, vmax=1)
+            axes[r, i].set_xticks([])
+            axes[r, i].set_yticks([])
+        axes[r, 0].set_ylabel(name, fontsize=6, rotation=0, ha="right", va="center")
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

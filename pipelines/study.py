@@ -43,7 +43,7 @@ import torch
 from config import ConfigError, describe, load
 from stages import StageError, hardware_line, stage, stage_seconds
 
-from patchplace.data.atomic import write_json_atomic
+from patchplace.data.atomic import atomic_file, write_json_atomic
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
 
@@ -449,14 +449,22 @@ def seeds_of(metrics: list[dict[str, Any]]) -> str:
     return ",".join(str(m["seed"]) for m in metrics)
 
 
+Value = Callable[[dict[str, Any]], float | None]
+
+
+def per_seed(rows: dict[str, list[dict[str, Any]]], name: str, value: Value | str) -> dict[int, float]:
+    """{seed: value} of one run; ``value`` is a metric key or a function of a seed's metrics."""
+    get = (lambda m: m.get(value)) if isinstance(value, str) else value
+    return {m["seed"]: v for m in rows.get(name, []) if (v := get(m)) is not None}
+
+
 PRIVACY_RUNS = [r.name for r in RUNS if r.privacy]
 PRIVACY_METRICS = (("MSE", "mse", 4), ("PSNR dB", "psnr", 2), ("SSIM", "ssim", 3), ("FFT2D", "fft2d", 3))
 
 
-def privacy_values(rows: dict[str, list[dict[str, Any]]], name: str, attack: str, setting: str,
-                   key: str) -> list[float]:
-    return [m["privacy"][attack][setting][key] for m in rows.get(name, [])
-            if attack in m.get("privacy", {}) and setting in m["privacy"][attack]]
+def privacy_metric(attack: str, setting: str, key: str) -> Value:
+    """A seed's privacy ``key`` (mse / psnr / ssim / fft2d) for one attack and Table 5 setting, or None."""
+    return lambda m: m.get("privacy", {}).get(attack, {}).get(setting, {}).get(key)
 
 
 def privacy_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -474,7 +482,7 @@ def privacy_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
             for setting in ("a", "b", "c"):
                 cells = []
                 for _, key, digits in PRIVACY_METRICS:
-                    values = privacy_values(rows, name, attack, setting, key)
+                    values = list(per_seed(rows, name, privacy_metric(attack, setting, key)).values())
                     if not values:
                         break
                     mean = statistics.mean(values)
@@ -500,15 +508,6 @@ def table(rows: dict[str, list[dict[str, Any]]], names: list[str], columns: list
         elif any(r.name == name for r in RUNS):
             lines.append(f"| {labels[name]} | not run | " + " | ".join("-" for _ in columns) + " |")
     return lines
-
-
-Value = Callable[[dict[str, Any]], float | None]
-
-
-def per_seed(rows: dict[str, list[dict[str, Any]]], name: str, value: Value | str) -> dict[int, float]:
-    """{seed: value} of one run; ``value`` is a metric key or a function of a seed's metrics."""
-    get = (lambda m: m.get(value)) if isinstance(value, str) else value
-    return {m["seed"]: v for m in rows.get(name, []) if (v := get(m)) is not None}
 
 
 def paired_delta(ours: dict[int, float], other: dict[int, float]) -> tuple[float, float, str] | None:
@@ -570,7 +569,7 @@ def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
         return lambda r: r.get("mp3_eta_curve", {}).get(eta, {}).get("top1")
 
     def psnr(attack: str, setting: str) -> Value:
-        return lambda r: r.get("privacy", {}).get(attack, {}).get(setting, {}).get("psnr")
+        return privacy_metric(attack, setting, "psnr")
 
     def psnr_verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool) -> str:
         return verdict(ours, other, paper_says_higher, noise=1.0, scale=1, unit="dB PSNR")
@@ -689,10 +688,6 @@ def privacy_figure(study: Study, out: Path) -> list[str]:
     originals, each model's reconstruction of its update on x (a), the jigsaw x~, each model's reconstruction of
     its update on x~ (b). APRIL where the model has a learned PE, else gradient matching. Kept as is when no run
     directory holds the images (a report from merged results)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     found = {}
@@ -703,27 +698,18 @@ def privacy_figure(study: Study, out: Path) -> list[str]:
             found[run.label] = dict(np.load(path))
     if not found:
         return ["study_privacy.png"] if (out / "study_privacy.png").is_file() else []
+
+    def reconstructions(setting: str) -> dict[str, np.ndarray]:
+        recs = {}
+        for label, arrays in found.items():
+            attack = "analytic" if f"analytic_{setting}" in arrays else "gradient_matching"
+            recs[f"{label}\n{'APRIL' if attack == 'analytic' else 'grad. matching'}"] = arrays[f"{attack}_{setting}"]
+        return recs
+
     first = next(iter(found.values()))
-    rows = [("x", first["originals"])]
-    for label, arrays in found.items():
-        attack = "analytic" if "analytic_a" in arrays else "gradient_matching"
-        rows.append((f"(a) {label}\n{'APRIL' if attack == 'analytic' else 'grad. matching'}", arrays[f"{attack}_a"]))
-    rows.append(("x~ (jigsaw)", first["shuffled"]))
-    for label, arrays in found.items():
-        attack = "analytic" if "analytic_b" in arrays else "gradient_matching"
-        rows.append((f"(b) {label}\n{'APRIL' if attack == 'analytic' else 'grad. matching'}", arrays[f"{attack}_b"]))
-    n = len(first["originals"])
-    fig, axes = plt.subplots(len(rows), n, figsize=(0.9 * n + 1.6, 0.95 * len(rows)), squeeze=False)
-    for r, (name, images) in enumerate(rows):
-        for i in range(n):
-            axes[r, i].imshow(images[i].transpose(1, 2, 0).squeeze(-1), cmap="gray", vmin=0, vmax=1)
-            axes[r, i].set_xticks([])
-            axes[r, i].set_yticks([])
-        axes[r, 0].set_ylabel(name, fontsize=6, rotation=0, ha="right", va="center")
-    fig.suptitle("gradient inversion of one-image updates (MJP Table 5 settings (a), (b); Fig. 5)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "study_privacy.png", dpi=110)
-    plt.close(fig)
+    evaluate.plot_privacy_grid(first["originals"], first["shuffled"], reconstructions("a"), reconstructions("b"),
+                               out / "study_privacy.png",
+                               "gradient inversion of one-image updates (MJP Table 5 settings (a), (b); Fig. 5)")
     return ["study_privacy.png"]
 
 
@@ -841,9 +827,8 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
                                  "pretrain_from": r.pretrain_from} for r in RUNS},
                "results": rows}
     write_json_atomic(out / "study.json", payload)  # two study processes may finish at once
-    tmp = out / f".study.md.{os.getpid()}"
-    tmp.write_text(text)
-    tmp.replace(out / "study.md")
+    with atomic_file(out / "study.md") as tmp:
+        tmp.write_text(text)
     return text
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from patchplace.data import DataError, Manifest, ShardDataset, SplitWriter, verify_split
+from patchplace.data.atomic import atomic_file
 from patchplace.data.manifest import sha256_file
 
 
@@ -133,3 +134,16 @@ def test_cli_show_and_verify(toy_split, tmp_path, capsys):
     assert "train-000001.tar" in capsys.readouterr().out
     assert main(["show", str(tmp_path / "missing")]) == 2
     assert "no manifest.json in" in capsys.readouterr().err
+
+
+def test_atomic_file_replaces_on_success_and_leaves_nothing_on_error(tmp_path):
+    final = tmp_path / "sub" / "images.npz"
+    with atomic_file(final) as tmp:
+        assert tmp.suffix == ".npz" and tmp.parent == final.parent and not final.exists()
+        np.savez_compressed(tmp, a=np.arange(3))  # np.savez keeps a path that already ends in .npz
+    assert np.load(final)["a"].tolist() == [0, 1, 2]
+    with pytest.raises(RuntimeError), atomic_file(final) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("interrupted")
+    assert np.load(final)["a"].tolist() == [0, 1, 2]  # the old file stays whole
+    assert sorted(p.name for p in final.parent.iterdir()) == ["images.npz"]  # no temp file left behind

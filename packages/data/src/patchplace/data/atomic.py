@@ -35,17 +35,24 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON to ``path`` through a temp file + rename (POSIX-atomic on one filesystem)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+@contextlib.contextmanager
+def atomic_file(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling of ``final`` (same suffix, e.g. for ``np.savez``) to write; on success it replaces
+    ``final`` (POSIX-atomic on one filesystem), on error it is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=final.suffix, dir=final.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
+        yield Path(tmp)
+        os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON to ``path`` through :func:`atomic_file`."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
