@@ -32,13 +32,14 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, set_seed
 from config import ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
 from safetensors.torch import save_file
-from timm.optim import create_optimizer_v2
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from patchplace.data import DataError, Manifest, ShardDataset, build_transform
+from patchplace.data.atomic import write_json_atomic
 from patchplace.data.mfcc import MFCC
+from patchplace.finetune import build_optimizer, parameter_groups
 from patchplace.models import Backbone, ModelError, save_pretrained
 from patchplace.objectives import ObjectiveError
 
@@ -112,9 +113,13 @@ def loader(dataset: ShardDataset, batch_size: int, seed: int, epoch: int, rank: 
 
 
 def make_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimizer:
-    """AdamW via timm (no weight decay on norms, biases, PEs, tokens); layer-wise lr decay if configured."""
-    return create_optimizer_v2(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
+    """AdamW on the objective's parameter groups (``patchplace.finetune.build_optimizer``): no weight decay on norms,
+    biases, PEs, class / mask / unknown tokens; layer-wise lr decay (each group's lr pre-scaled) if configured."""
+    try:
+        return build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
                                layer_decay=cfg.layer_decay)
+    except ValueError as exc:
+        raise ConfigError(f"optim.layer_decay: {exc}") from None
 
 
 def warmup_cosine(total_steps: int, warmup_fraction: float, min_ratio: float) -> Callable[[int], float]:
@@ -179,11 +184,14 @@ class Trainer:
                  batch_transform: Callable[[torch.Tensor, torch.Tensor], tuple] | None = None,
                  evaluate: Callable[[nn.Module, int], dict[str, Any]] | None = None) -> None:
         self.acc, self.objective, self.backbone, self.data = accelerator, objective, backbone, data
-        self.optim_cfg, self.run, self.metadata, self.config = optim, run, metadata, config
+        self.optim_cfg, self.run, self.config = optim, run, config
+        # DESIGN §4: the checkpoint records which pooled feature this training trained, so probes read that one.
+        self.metadata = {**metadata, "probe_feature": getattr(objective, "probe_feature", backbone.config.global_pool)}
         self.batch_transform, self.evaluate = batch_transform, evaluate
         self.out = Path(run.output)
         self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
         self.batch_size = None
+        self.optimizer = make_optimizer(objective, optim)  # here, so a knob without effect fails before training
 
     # ------------------------------------------------------------------ budget
     def budget(self, batch_size: int) -> tuple[int, int]:
@@ -230,9 +238,14 @@ class Trainer:
     def fit(self, batch_size: int) -> dict[str, Any]:
         acc, run = self.acc, self.run
         per_epoch, total = self.budget(batch_size)
-        optimizer = make_optimizer(self.objective, self.optim_cfg)
+        optimizer = self.optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(
             total, self.optim_cfg.warmup_fraction, self.optim_cfg.min_lr_ratio))
+        if acc.is_main_process:  # what every parameter really gets (lr scale, weight decay), for the user to check
+            write_json_atomic(self.out / "optimizer.json", {
+                "lr": self.optim_cfg.lr, "layer_decay": self.optim_cfg.layer_decay,
+                "weight_decay": self.optim_cfg.weight_decay,
+                "parameters": parameter_groups(optimizer, self.objective)})
         objective, optimizer, scheduler = acc.prepare(self.objective, optimizer, scheduler)
         if acc.is_main_process:
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
@@ -274,8 +287,9 @@ class Trainer:
                                if torch.is_tensor(v) and v.numel() == 1}
                     elapsed = time.perf_counter() - start
                     seen = (step - first_step) * batch_size * acc.num_processes * run.grad_accum
-                    scalars.update(lr=scheduler.get_last_lr()[0], epoch=epoch, data_share=round(waited / elapsed, 4),
-                                   samples_per_s=round(seen / elapsed, 1))
+                    top = optimizer.param_groups[0]  # the schedule's base lr (groups carry lr * lr_scale)
+                    scalars.update(lr=top["lr"] / top.get("lr_scale", 1.0), epoch=epoch,
+                                   data_share=round(waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
                     self.log.write({"step": step, **scalars})
                     if run.tensorboard:
                         acc.log(scalars, step=step)

@@ -32,12 +32,15 @@ from patchplace.data.atomic import atomic_file
 from patchplace.finetune import (
     AttackConfig,
     PrivacyError,
+    consistency_curve,
     extract_features,
     knn_probe_per_layer,
     linear_probe,
     position_probe,
     privacy_settings,
+    probe_feature_of,
     subsample_per_class,
+    torch_predict,
 )
 from patchplace.models import ModelError, load_pretrained
 from patchplace.objectives import (
@@ -113,27 +116,6 @@ def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.
         if seen >= n:
             break
     return torch.cat(xs)[:n], torch.cat(ys)[:n]
-
-
-@torch.no_grad()
-def consistency_curve(backbone, images: torch.Tensor, ratios, batch_size: int = 256) -> dict[str, dict[str, float]]:
-    """MJP: % of images whose prediction survives a block-wise jigsaw of ratio gamma, and ||F_cls(x) - F_cls(x~)||
-    (Diff. Norm); models with an unknown PE are told which positions were shuffled (official consistency.py)."""
-    backbone.eval()
-    gen = torch.Generator().manual_seed(0)
-    out = {}
-    for ratio in ratios:
-        same = total = 0
-        diff = 0.0
-        for chunk in images.split(batch_size):
-            shuffled, marked = jigsaw(chunk, backbone.config.patch_size, ratio, generator=gen)
-            unknown = marked if backbone.unknown_pos_embed is not None else None
-            clean_f, shuf_f = backbone.forward_features(chunk), backbone.forward_features(shuffled, unknown)
-            same += int((backbone.forward_head(clean_f).argmax(-1) == backbone.forward_head(shuf_f).argmax(-1)).sum())
-            diff += float((clean_f[:, 0] - shuf_f[:, 0]).norm(dim=-1).sum())
-            total += len(chunk)
-        out[str(ratio)] = {"consistency": same / total, "diff_norm": diff / total}
-    return out
 
 
 def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tensor, out_dir: Path) -> dict:
@@ -262,6 +244,8 @@ def to_markdown(results: dict[str, Any]) -> str:
     if "classification" in results:
         c = results["classification"]
         lines += [f"- top-1 {c['top1']:.4f}, top-5 {c['top5']:.4f} on {c['count']} images"]
+    if "probe_feature" in results:
+        lines += [f"- probes read `{results['probe_feature']}` (the feature this checkpoint's training trained)"]
     for key in ("linear_probe", "linear_probe_low_label", "position_probe"):
         if key in results:
             lines += [f"- {key.replace('_', ' ')}: top-1 {results[key]['top1']:.4f}"]
@@ -312,8 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     if data.frontend is not None:
         train = [(data.frontend(x.to(device)).cpu(), y) for x, y in train]
         val = [(data.frontend(x.to(device)).cpu(), y) for x, y in val]
+    try:
+        pool = probe_feature_of(metadata, backbone)  # the feature the checkpoint's training trained (DESIGN §4)
+    except ValueError as exc:
+        print(f"error: {cfg.model.checkpoint}: {exc}", file=sys.stderr)
+        return 2
+    results["probe_feature"] = pool
     if ev.linear_probe:
-        pool = "cls" if backbone.cls_token is not None else "mean"
         tr, tr_y = extract_features(backbone, train, pool=pool, device=device)
         te, te_y = extract_features(backbone, val, pool=pool, device=device)
         results["linear_probe"] = linear_probe(tr[max(tr)], tr_y, te[max(te)], te_y,
@@ -325,13 +314,16 @@ def main(argv: list[str] | None = None) -> int:
                                              "fraction": ev.low_label_fraction, "train_samples": len(few)}
     if ev.knn:
         results["knn_per_layer"] = knn_probe_per_layer(backbone, train, val, num_classes=data.manifest.num_classes,
-                                                       device=device)
+                                                       device=device, pool="mean" if pool == "cls" else pool)
     if ev.position_probe:
-        results["position_probe"] = position_probe(backbone, train, val, device=device)
+        results["position_probe"] = position_probe(backbone, train, val, device=device,
+                                                   class_token=pool != "patch_mean")
     if is_image:
         images, _ = first_images(data.val, ev.max_eval_samples, bs)
         if backbone.config.num_classes == data.manifest.num_classes and ev.consistency_ratios:
-            results["consistency"] = consistency_curve(backbone, images.to(device), ev.consistency_ratios)
+            results["consistency"] = consistency_curve(
+                torch_predict(backbone), images, backbone.config.patch_size, ev.consistency_ratios,
+                mark_unknown=backbone.unknown_pos_embed is not None, batch_size=bs)
         results.update(method_curves(backbone, metadata, Path(cfg.model.checkpoint), images, out_dir))
     if cfg.privacy.enabled:
         if not is_image or backbone.config.num_classes != data.manifest.num_classes:

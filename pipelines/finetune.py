@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
@@ -63,31 +64,52 @@ def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modalit
     return backbone, metadata
 
 
+def build_batch_transform(cfg: FinetuneSection, num_classes: int, modality: str, objective) -> Callable:
+    """timm Mixup / CutMix on training batches (images only). An odd batch cannot be mixed (timm pairs samples):
+    it passes unmixed, and the first one says so."""
+    if modality != "image" and (cfg.mixup > 0 or cfg.cutmix > 0):
+        raise ConfigError(f"finetune.mixup={cfg.mixup} / finetune.cutmix={cfg.cutmix} mix images only; this data is "
+                          f"{modality}: set finetune.mixup=0 finetune.cutmix=0")
+    mixup = build_mixup(num_classes, mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
+                        label_smoothing=cfg.label_smoothing) if modality == "image" else None
+    warned = []
+
+    def batch_transform(x, y):
+        if mixup is None or not objective.training:
+            return x, y
+        if len(x) % 2:
+            if not warned:
+                print(f"warning: finetune.mixup/cutmix skipped on a batch of {len(x)} samples (timm mixes pairs: "
+                      "odd batches pass unmixed); use an even data.batch_size / data.train_limit", file=sys.stderr)
+                warned.append(True)
+            return x, y
+        return mixup(x, y)
+
+    return batch_transform
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, accelerator, data = start(FinetuneConfig, __doc__, argv)
         m = data.manifest
         backbone, pretrained = build_backbone(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
+        ft = cfg.finetune
+        objective = Supervised(backbone, SupervisedConfig(label_smoothing=ft.label_smoothing))
+        batch_transform = build_batch_transform(ft, m.num_classes, m.modality, objective)
+
+        def evaluate(_, step):
+            result = classify(backbone, data.val, cfg.data.batch_size, accelerator.device, data.frontend)
+            print(f"step {step}: val top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} ({result['count']} "
+                  "samples)")
+            return {k: v for k, v in result.items() if k != "confusion"}
+
+        metadata = {"method": f"finetune:{pretrained.get('method', '?')}", "pretrained": cfg.model.checkpoint,
+                    "pretrain_metadata": pretrained, **data_metadata(data, cfg.data)}
+        trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
+                          batch_transform=batch_transform, evaluate=evaluate)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    ft = cfg.finetune
-    objective = Supervised(backbone, SupervisedConfig(label_smoothing=ft.label_smoothing))
-    mixup = build_mixup(m.num_classes, mixup_alpha=ft.mixup, cutmix_alpha=ft.cutmix, prob=ft.mixup_prob,
-                        label_smoothing=ft.label_smoothing) if m.modality == "image" else None
-
-    def batch_transform(x, y):
-        return mixup(x, y) if mixup is not None and objective.training and len(x) % 2 == 0 else (x, y)
-
-    def evaluate(_, step):
-        result = classify(backbone, data.val, cfg.data.batch_size, accelerator.device, data.frontend)
-        print(f"step {step}: val top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} ({result['count']} samples)")
-        return {k: v for k, v in result.items() if k != "confusion"}
-
-    metadata = {"method": f"finetune:{pretrained.get('method', '?')}", "pretrained": cfg.model.checkpoint,
-                "pretrain_metadata": pretrained, **data_metadata(data, cfg.data)}
-    trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
-                      batch_transform=batch_transform, evaluate=evaluate)
     final = trainer.fit(cfg.data.batch_size)
     if accelerator.is_main_process:
         print(json.dumps({"final": final, "checkpoint": f"{cfg.run.output}/checkpoint"}))

@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg, accelerator, data = start(PretrainConfig, __doc__, argv)
         m = data.manifest
         objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
+        metadata = {"method": cfg.method, "objective": cfg.objective, **data_metadata(data, cfg.data)}
+        trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    metadata = {"method": cfg.method, "objective": cfg.objective, **data_metadata(data, cfg.data)}
-    trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg)
     trainer.fit(cfg.data.batch_size)
     if accelerator.is_main_process:
         print(f"checkpoint: {cfg.run.output}/checkpoint")

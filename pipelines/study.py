@@ -405,10 +405,19 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
     return rows
 
 
+# Version of the training / evaluation harness behind the numbers: rows measured by another version are never
+# merged. 1: before issue 16 (layer decay ignored, weight decay on PEs / tokens, probes of an untrained class token,
+# Diff. Norm of token 0); 2: optimizer on the backbone's groups with layer decay applied, probes of the trained
+# feature, one Diff. Norm (the head's input).
+HARNESS_VERSION = 2
+
+
 def budget_changes(earlier: dict[str, Any], cfg: StudyConfig) -> list[str]:
-    """The BUDGET_FIELDS in which an earlier ``study.json`` differs from ``cfg``."""
+    """The BUDGET_FIELDS in which an earlier ``study.json`` differs from ``cfg`` (and ``harness`` when it was
+    measured by another harness version)."""
     now = asdict(cfg)
-    return [k for k in BUDGET_FIELDS if _normal(earlier.get("config", {}).get(k)) != _normal(now[k])]
+    changed = [k for k in BUDGET_FIELDS if _normal(earlier.get("config", {}).get(k)) != _normal(now[k])]
+    return changed + (["harness"] if earlier and earlier.get("harness", 1) != HARNESS_VERSION else [])
 
 
 def _normal(value: Any) -> Any:
@@ -820,7 +829,7 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
     figures = plots(rows, out) + privacy_figure(study, out)
     hardware = hardware_line()
     text = markdown(cfg, rows, figures, hardware)
-    payload = {"commands": commands_so_far(cfg, argv), "config": asdict(cfg),
+    payload = {"harness": HARNESS_VERSION, "commands": commands_so_far(cfg, argv), "config": asdict(cfg),
                "hardware": hardware, "python": platform.python_version(), "torch": torch.__version__,
                "runs": {r.name: {"group": r.group, "label": r.label, "config": r.config,
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,

@@ -289,7 +289,8 @@ def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
     def row(seed: int, top1: float, error: float) -> dict:
         return {"seed": seed, "top1": top1, "corruption_errors": {"noise": error}, "mce": 9.0}
 
-    earlier = {"config": dataclasses.asdict(cfg), "commands": ["python pipelines/study.py seeds=[0]"],
+    earlier = {"harness": study.HARNESS_VERSION, "config": dataclasses.asdict(cfg),
+               "commands": ["python pipelines/study.py seeds=[0]"],
                "results": {"supervised": [row(0, 0.5, 0.4), row(1, 0.6, 0.5)], "mp3": [row(0, 0.7, 0.2)]}}
     (tmp_path / "study.json").write_text(json.dumps(earlier))
     rows = study.collect(study.Study(cfg))
@@ -301,6 +302,11 @@ def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
     assert rows["mp3"][0]["source"] == str(tmp_path / "study.json")
     assert " ± " in study.stat(rows["supervised"], "top1")  # two seeds: mean ± std
 
+    del earlier["harness"]  # measured by the harness before issue 16 (no version recorded): not merged
+    (tmp_path / "study.json").write_text(json.dumps(earlier))
+    assert study.collect(study.Study(cfg)) == {}
+    assert "harness differ" in capsys.readouterr().out
+    earlier["harness"] = study.HARNESS_VERSION
     earlier["config"]["pretrain_epochs"] = 5.0  # measured at another budget: not merged
     (tmp_path / "study.json").write_text(json.dumps(earlier))
     assert study.collect(study.Study(cfg)) == {}

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from patchplace.models import create_model
 from patchplace.objectives.common import ObjectiveError, num_kept
@@ -254,9 +255,9 @@ def test_attentive_weights(make_model, images):
 def test_forward_outputs_and_determinism(make_model, images):
     model = make_model(mask_ratio=0.5)
     out = model((images, torch.zeros(4)), progress=0.25, generator=torch.Generator().manual_seed(2))
-    assert set(out) == {"loss", "pos_acc", "pos_acc_top5", "sigma"}
+    assert set(out) == {"loss", "pos_acc", "pos_acc_top5", "pos_acc_attn_weighted", "sigma"}
     assert out["loss"].requires_grad and math.isfinite(float(out["loss"].detach()))
-    for key in ("pos_acc", "pos_acc_top5", "sigma"):
+    for key in ("pos_acc", "pos_acc_top5", "pos_acc_attn_weighted", "sigma"):
         assert not out[key].requires_grad
     assert 0.0 <= float(out["pos_acc"]) <= float(out["pos_acc_top5"]) <= 1.0
     again = model(images, progress=0.25, generator=torch.Generator().manual_seed(2))
@@ -265,6 +266,33 @@ def test_forward_outputs_and_determinism(make_model, images):
     assert logits.shape == (4, num_kept(model.num_patches, 0.5), model.num_patches)  # softmax over ALL N positions
     with pytest.raises(ObjectiveError, match="pos_mask_ratio"):
         model(images, pos_mask_ratio=1.0)
+
+
+def test_plain_and_attention_weighted_position_accuracy(make_model, images):
+    """pos_acc counts every dropped-PE token once; pos_acc_attn_weighted (the official log) weights each by A."""
+    model = make_model()
+    predict = model.predict_positions
+
+    def half_right(*args, **kwargs):  # right for every other visible token, wrong for the rest
+        logits, labels, dropped = predict(*args, **kwargs)
+        guess = torch.where(torch.arange(labels.shape[1]) % 2 == 0, labels, (labels + 1) % model.num_patches)
+        return logits + 100.0 * F.one_hot(guess, model.num_patches), labels, dropped
+
+    model.predict_positions = half_right
+    out = model(images, progress=0.5, generator=torch.Generator().manual_seed(3))
+    logits, labels, dropped = model.predict_positions(images, 0.75, 0.75, torch.Generator().manual_seed(3))
+    hit = (logits.argmax(-1) == labels).float()
+    weights = model.attentive_weights(images, labels) * dropped
+    assert float(out["pos_acc"]) == pytest.approx(float(hit[dropped].mean()))
+    assert float(out["pos_acc_attn_weighted"]) == pytest.approx(float((hit * weights).sum() / weights.sum()))
+    assert 0 < float(hit[dropped].mean()) < 1 and float(out["pos_acc"]) != pytest.approx(
+        float(out["pos_acc_attn_weighted"]), abs=1e-4)
+    flat = make_model(tau=float("inf"))  # no attentive weights: the two accuracies coincide
+    predict = flat.predict_positions
+    flat.predict_positions = half_right
+    same = flat(images, generator=torch.Generator().manual_seed(3))
+    assert 0 < float(same["pos_acc"]) < 1
+    assert float(same["pos_acc"]) == pytest.approx(float(same["pos_acc_attn_weighted"]))
 
 
 def test_position_accuracy_grid(make_model, images):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,16 +170,30 @@ def test_jigsaw_only_after_warmup_on_about_apply_prob_of_batches(micro, images):
     assert always((x, y), progress=0.5)["jigsaw"] == 1 and always((x, y))["jigsaw"] == 1  # None: no schedule
 
 
+def _official_cosine_scheduler(base, final, epochs, niter_per_ep, warmup_epochs):
+    """The official MJP ``utils.cosine_scheduler`` (DeiT / BEiT's), written out as the reference."""
+    warmup = np.linspace(0, base, warmup_epochs * niter_per_ep) if warmup_epochs > 0 else np.array([])
+    iters = np.arange(epochs * niter_per_ep - warmup_epochs * niter_per_ep)
+    return np.concatenate((warmup, final + 0.5 * (base - final) * (1 + np.cos(np.pi * iters / len(iters)))))
+
+
 def test_dal_weight_schedules(micro):
-    official = _mjp(micro, dal_schedule="official", warmup_fraction=0.2)
-    expected = {0.0: 0.0, 0.1: 0.005, 0.2: 0.01, 0.6: 0.0075, 1.0: 0.005, None: 0.01}
-    for p, value in expected.items():
-        assert official.dal_weight_at(p) == pytest.approx(value, abs=1e-12), p
-    assert official.dal_weight_at(0.3) < 0.01  # cosine decay after the warm-up
+    official = _mjp(micro, dal_schedule="official")  # the official recipe: 300 epochs, 20 of warm-up
+    reference = _official_cosine_scheduler(0.01, 0.005, 300, 1, 20)
+    ours = np.array([official.dal_weight_at(e / 300) for e in range(300)])
+    assert np.abs(ours - reference).max() < 1e-12
+    assert ours[0] == 0.0 and ours[19] == pytest.approx(0.01) and ours[18] < 0.01  # the warm-up ends at epoch 19
+    assert ours[20] == pytest.approx(0.01) and official.dal_weight_at(1.0) == pytest.approx(ours[-1])
+    assert 0.005 < ours[-1] < 0.00501 and official.dal_weight_at(None) == 0.01
+    short = _mjp(micro, dal_schedule="official", warmup_fraction=0.2, schedule_epochs=10)
+    assert [short.dal_weight_at(e / 10 + 0.01) for e in range(10)] == pytest.approx(
+        _official_cosine_scheduler(0.01, 0.005, 10, 1, 2).tolist())
     constant = _mjp(micro)
     assert {constant.dal_weight_at(p) for p in (0.0, 0.5, 1.0, None)} == {0.01}
     with pytest.raises(ObjectiveError, match="progress"):
         constant.dal_weight_at(1.5)
+    with pytest.raises(ObjectiveError, match="schedule_epochs"):
+        MJPConfig(schedule_epochs=1, warmup_fraction=0.9).validate()
 
 
 # ---------------------------------------------------------------------------------------------- learning

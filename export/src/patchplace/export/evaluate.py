@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from patchplace.data import DataError, Manifest, ShardDataset, make_loader
-from patchplace.objectives import jigsaw
+from patchplace.finetune import consistency_curve
 
 from .exporter import Classifier, ExportError, onnx_session
 
@@ -119,21 +119,12 @@ def accuracy(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, batch
 
 def consistency(model: OnnxModel, images: torch.Tensor, batch_size: int, ratios=CONSISTENCY_RATIOS,
                 seed: int = 0) -> dict[str, dict[str, float]]:
-    """MJP: % of images whose argmax survives the block-wise jigsaw of ratio gamma, and the mean
-    ||F(x) - F(x~)|| of the pooled features; models with an ``unknown_pos`` input receive the shuffled positions."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for ratio in ratios:
-        same, diff = 0, 0.0
-        for x in images.split(batch_size):
-            clean = model.normalize(model.pad(x))
-            shuffled, marked = jigsaw(clean, model.patch_size, ratio, generator=gen)
-            logits, pooled = model.run(clean)
-            logits_s, pooled_s = model.run(shuffled, marked)
-            same += int((logits.argmax(1) == logits_s.argmax(1)).sum())
-            diff += float(np.linalg.norm(pooled - pooled_s, axis=1).sum())
-        out[str(ratio)] = {"consistency": same / len(images), "diff_norm": diff / len(images)}
-    return out
+    """MJP consistency and Diff. Norm (of the pooled feature the head reads) over jigsaw ratios gamma, by the one
+    implementation the PyTorch evaluator uses (``patchplace.finetune.consistency_curve``); models with an
+    ``unknown_pos`` input receive the shuffled positions. ``images``: uint8 as stored (padded and normalized here)."""
+    clean = model.normalize(model.pad(images))
+    return consistency_curve(model.run, clean, model.patch_size, ratios, mark_unknown="unknown_pos" in model.inputs,
+                             batch_size=batch_size, seed=seed)
 
 
 def corrupt_batch(images: torch.Tensor, name: str, severity: int) -> torch.Tensor:

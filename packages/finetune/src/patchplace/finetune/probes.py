@@ -19,23 +19,59 @@ from .metrics import topk_correct
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _pool(tokens: torch.Tensor, backbone: Backbone, pool: str) -> torch.Tensor:
-    if pool == "cls":
-        if backbone.cls_token is None:
-            raise ValueError("pool='cls' needs a class token; use pool='mean'")
+# Which pooled feature a checkpoint's training trained (DESIGN §4); objectives declare it as ``probe_feature`` and
+# the pipelines record it in the checkpoint metadata. "patch_mean" runs the patch tokens alone, without the class
+# token (methods that never feed it: its value is untrained), "mean" / "cls" the full sequence with it.
+PROBE_FEATURES = ("cls", "mean", "patch_mean")
+# Checkpoints written before the metadata recorded it: the methods whose pretraining never feeds the class token.
+_PATCH_MEAN_METHODS = ("mp3", "mp3_speech", "ijepa", "stop", "randsac")
+
+
+def probe_feature_of(metadata: dict, backbone: Backbone) -> str:
+    """The feature to probe for a checkpoint: its recorded ``probe_feature``; for older checkpoints, ``patch_mean``
+    for MP3 / I-JEPA / StoP / RandSAC pretraining and the head's pooling (``global_pool``) otherwise."""
+    feature = metadata.get("probe_feature")
+    if feature is None:
+        feature = "patch_mean" if metadata.get("method") in _PATCH_MEAN_METHODS else backbone.config.global_pool
+    check_feature(feature, backbone)
+    return feature
+
+
+def check_feature(feature: str, backbone: Backbone) -> None:
+    if feature not in PROBE_FEATURES:
+        raise ValueError(f"probe feature must be one of {PROBE_FEATURES}, got {feature!r}")
+    if feature == "cls" and backbone.cls_token is None:
+        raise ValueError("probe feature 'cls' needs a class token; use 'mean' or 'patch_mean'")
+    if feature == "patch_mean" and backbone.config.pos_embed == "relbias2d" and backbone.cls_token is not None:
+        raise ValueError("probe feature 'patch_mean' drops the class token, which a relbias2d backbone's bias table "
+                         "includes: probe it with 'mean'")
+
+
+def embed_tokens(backbone: Backbone, x: torch.Tensor, feature: str) -> torch.Tensor:
+    """The token sequence a probe runs: patch tokens + PE, with the class token unless ``feature`` is
+    ``patch_mean`` (then exactly what MP3 / I-JEPA / RandSAC pretraining fed the blocks)."""
+    if feature == "patch_mean":
+        return backbone.pos_drop(backbone.patch_embed(x) + backbone.pos_embed())
+    return backbone.embed(x)
+
+
+def _pool(tokens: torch.Tensor, backbone: Backbone, feature: str) -> torch.Tensor:
+    if feature == "cls":
         return tokens[:, 0]
-    if pool == "mean":
+    if feature == "mean":
         return tokens[:, backbone.num_prefix_tokens:].mean(dim=1)
-    raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+    return tokens.mean(dim=1)  # patch_mean: the sequence holds patch tokens only
 
 
 @torch.no_grad()
 def layer_features(backbone: Backbone, x: torch.Tensor, layers: Sequence[int], pool: str = "mean",
                    norm: bool = True) -> dict[int, torch.Tensor]:
-    """Pooled outputs of the given blocks (0-based; -1 = last) for one batch; ``norm`` applies the final norm."""
+    """Pooled outputs of the given blocks (0-based; -1 = last) for one batch; ``norm`` applies the final norm.
+    ``pool`` is a probe feature (:data:`PROBE_FEATURES`): ``cls``, ``mean`` or ``patch_mean``."""
+    check_feature(pool, backbone)
     depth = len(backbone.blocks)
     wanted = {layer % depth for layer in layers}
-    out, h = {}, backbone.embed(x)
+    out, h = {}, embed_tokens(backbone, x, pool)
     for i, block in enumerate(backbone.blocks):
         h = block(h)
         if i in wanted:
@@ -116,20 +152,26 @@ def knn_classify(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
 
 
 def knn_probe_per_layer(backbone: Backbone, train: Batches, test: Batches, *, num_classes: int, k: int = 20,
-                        temperature: float = 0.07, device: torch.device | str = "cpu") -> dict[int, float]:
+                        temperature: float = 0.07, device: torch.device | str = "cpu",
+                        pool: str = "mean") -> dict[int, float]:
     """MP3 App. C: kNN top-1 of every layer's average-pooled representation (block outputs, before the final
-    norm), keyed by 1-based layer index."""
+    norm), keyed by 1-based layer index. ``pool="patch_mean"`` runs the patch tokens without the class token (for
+    backbones whose pretraining never fed it)."""
+    if pool == "cls":
+        raise ValueError("the layer-wise kNN probe averages patch outputs (MP3 App. C): pool 'mean' or 'patch_mean'")
     layers = list(range(len(backbone.blocks)))
-    tr, tr_y = extract_features(backbone, train, layers=layers, pool="mean", norm=False, device=device)
-    te, te_y = extract_features(backbone, test, layers=layers, pool="mean", norm=False, device=device)
+    tr, tr_y = extract_features(backbone, train, layers=layers, pool=pool, norm=False, device=device)
+    te, te_y = extract_features(backbone, test, layers=layers, pool=pool, norm=False, device=device)
     return {layer + 1: knn_classify(tr[layer], tr_y, te[layer], te_y, num_classes=num_classes, k=k,
                                     temperature=temperature)["top1"] for layer in layers}
 
 
 def position_probe(backbone: Backbone, train: Batches, test: Batches, *, mask_ratio: float = 0.75, epochs: int = 1,
-                   lr: float = 1e-3, device: torch.device | str = "cpu", seed: int = 0) -> dict[str, float]:
+                   lr: float = 1e-3, device: torch.device | str = "cpu", seed: int = 0,
+                   class_token: bool = True) -> dict[str, float]:
     """DropPos Table 7: freeze the backbone, train a linear position head on its patch outputs, with a random
-    ``mask_ratio`` of the PEs removed per sample; accuracy is over the tokens whose PE was removed."""
+    ``mask_ratio`` of the PEs removed per sample; accuracy is over the tokens whose PE was removed.
+    ``class_token=False`` runs the patch tokens alone (backbones whose pretraining never fed the class token)."""
     gen = torch.Generator().manual_seed(seed)
     backbone.eval()
     head = nn.Linear(backbone.embed_dim, backbone.num_patches).to(device)
@@ -141,8 +183,10 @@ def position_probe(backbone: Backbone, train: Batches, test: Batches, *, mask_ra
             b, n, _ = tokens.shape
             dropped = torch.rand(b, n, generator=gen).argsort(1).argsort(1).to(x.device) < round(mask_ratio * n)
             pos = torch.where(dropped.unsqueeze(-1), 0.0, backbone.pos_embed())
-            out = backbone.forward_tokens(backbone.prepend_cls(tokens + pos))
-        return out[:, backbone.num_prefix_tokens:], dropped
+            tokens = tokens + pos
+            prefix = backbone.num_prefix_tokens if class_token else 0
+            out = backbone.forward_tokens(backbone.prepend_cls(tokens) if class_token else tokens)
+        return out[:, prefix:], dropped
 
     for _ in range(epochs):
         for x, _ in train:

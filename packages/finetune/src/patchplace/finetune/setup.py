@@ -34,12 +34,53 @@ def set_drop_path(backbone: Backbone, rate: float) -> None:
         block.drop_path2 = DropPath(r) if r > 0 else nn.Identity()
 
 
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.05, layer_decay: float | None = None,
+                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """AdamW through timm's ``create_optimizer_v2`` on ``model``'s own parameter groups (its ``group_matcher`` /
+    ``no_weight_decay``: a backbone, or an objective wrapping one) — the one optimizer factory of the project.
+
+    * No weight decay on 1-D tensors (norms, biases) and on what ``model.no_weight_decay()`` names (PE tables, CLS,
+      unknown PE, mask tokens, relative bias tables).
+    * ``layer_decay``: layer-wise lr decay (BEiT / MAE ``param_groups_lrd``): block i gets ``lr_scale`` =
+      layer_decay^(depth - i), the embeddings layer_decay^(depth + 1), the final norm and heads 1. timm stores the
+      scale in each group and only timm's schedulers apply it; here every group's ``lr`` is set to ``lr * lr_scale``
+      up front, so any PyTorch scheduler (``LambdaLR`` scales each group's initial lr) keeps the ratios.
+
+    Raises ``ValueError`` when ``layer_decay`` is asked of a model without a ``group_matcher`` or when every
+    parameter lands in one layer — the knob would silently do nothing.
+    """
+    if layer_decay is not None and layer_decay != 1.0 and not hasattr(model, "group_matcher"):
+        raise ValueError(f"layer_decay={layer_decay} needs parameter groups: {type(model).__name__} has no "
+                         "group_matcher() (wrap the backbone in a patchplace objective, or set layer_decay=null)")
+    optimizer = create_optimizer_v2(model, "adamw", lr=lr, weight_decay=weight_decay, layer_decay=layer_decay,
+                                    betas=betas)
+    scales = {group.get("lr_scale", 1.0) for group in optimizer.param_groups}
+    if layer_decay is not None and layer_decay != 1.0 and len(scales) < 2:
+        raise ValueError(f"layer_decay={layer_decay} has no effect on {type(model).__name__}: all parameters fell "
+                         "into one layer")
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    return optimizer
+
+
 def finetune_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.05, layer_decay: float | None = 0.75,
                        betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
-    """AdamW through timm's ``create_optimizer_v2`` with layer-wise lr decay (BEiT/MAE recipe): parameter groups
-    carry ``lr_scale`` = layer_decay^(depth + 1 - layer); PEs, CLS, norms and biases get no weight decay."""
-    return create_optimizer_v2(model, "adamw", lr=lr, weight_decay=weight_decay, layer_decay=layer_decay,
-                               betas=betas)
+    """:func:`build_optimizer` with the fine-tuning recipe's layer decay 0.75 (BEiT / MAE) by default."""
+    return build_optimizer(model, lr=lr, weight_decay=weight_decay, layer_decay=layer_decay, betas=betas)
+
+
+def parameter_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, dict[str, float]]:
+    """``{parameter name: {"lr_scale", "weight_decay", "shape"}}`` of an optimizer built on ``model`` (what each
+    parameter really gets; written to a run's ``optimizer.json``). Parameters the optimizer does not hold are left
+    out."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out[names.get(id(p), f"<unnamed {tuple(p.shape)}>")] = {"lr_scale": float(group.get("lr_scale", 1.0)),
+                                                                   "weight_decay": float(group["weight_decay"]),
+                                                                   "shape": list(p.shape)}
+    return out
 
 
 def build_mixup(num_classes: int, *, mixup_alpha: float = 0.8, cutmix_alpha: float = 1.0, prob: float = 1.0,

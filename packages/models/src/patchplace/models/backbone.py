@@ -17,6 +17,8 @@ Parameter names follow timm's ``VisionTransformer`` (``patch_embed.proj``, ``blo
 
 from __future__ import annotations
 
+import re
+
 import torch
 from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import nn
@@ -286,15 +288,20 @@ class Backbone(nn.Module):
 
     # ------------------------------------------------------------------ optimizer interface (timm's)
     @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> dict:
-        """Parameter groups for timm's layer-wise lr decay (``create_optimizer_v2(..., layer_decay=)``): the
-        embeddings form layer 0, block i layer i + 1, the final norm the last block layer, the head the top."""
-        return dict(stem=r"^cls_token|^pos_table|^patch_embed|^unknown_pos_embed",
-                    blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
+    def group_matcher(self, coarse: bool = False, prefix: str = "") -> dict:
+        """Parameter groups for timm's layer-wise lr decay (``create_optimizer_v2(..., layer_decay=)``), as BEiT /
+        MAE's ``param_groups_lrd``: the embeddings (patch embed, CLS, PE tables, unknown PE) form layer 0, block i
+        layer i + 1, and everything unmatched (the final norm, the head, an objective's own heads) the top layer, so
+        block i gets lr scale ``decay^(depth - i)`` and the embeddings ``decay^(depth + 1)``. ``prefix`` is the
+        backbone's name inside a wrapper (``"backbone."`` in an objective)."""
+        p = re.escape(prefix)
+        return dict(stem=rf"^{p}(?:cls_token|pos_table|patch_embed|unknown_pos_embed)",
+                    blocks=rf"^{p}blocks\.(\d+)")
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        """Parameters exempt from weight decay: PEs, CLS, the unknown PE and relative position bias tables."""
+        """Parameters exempt from weight decay (beside timm's rule for every 1-D tensor: norms and biases): PEs, CLS,
+        the unknown PE and the relative position bias tables."""
         names = {"pos_table", "cls_token", "unknown_pos_embed"}
         return names | {n for n, _ in self.named_parameters() if n.endswith("relative_position_bias_table")}
 

@@ -58,6 +58,37 @@ def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise ObjectiveError(f"a batch must be a tensor, (inputs, labels) or a dict, got {type(batch).__name__}")
 
 
+# ---------------------------------------------------------------------------------------------- base
+class BackboneObjective(nn.Module):
+    """Base of every objective: an ``nn.Module`` holding ``self.backbone`` plus its own heads / decoders.
+
+    It gives the wrapper timm's optimizer interface, so ``create_optimizer_v2(objective, layer_decay=...)`` builds
+    the same groups as on the bare backbone (DESIGN §2): ``group_matcher`` maps the backbone's embeddings to layer 0
+    and block i to layer i + 1; the final norm, the classifier head and the objective's own modules are the top
+    layer (lr scale 1). ``no_weight_decay`` = the backbone's (PE tables, CLS, unknown PE, relative bias tables) +
+    the objective's learned tokens named in ``no_weight_decay_tokens`` (mask tokens, the DropPos [MASK] position
+    token); timm exempts every 1-D tensor (norms, biases) on top of that.
+
+    ``probe_feature`` says which pooled feature the pretraining trained (DESIGN §4, recorded in the checkpoint):
+    ``"cls"`` (the class token, in a sequence that contains it), ``"mean"`` (average of the patch outputs of a
+    sequence that contains the class token) or ``"patch_mean"`` (average of the final-normed patch outputs of the
+    patch tokens alone: methods that never feed the class token, whose probes must not read or attend to it).
+    """
+
+    backbone: Backbone
+    no_weight_decay_tokens: tuple[str, ...] = ()
+    probe_feature: str = "cls"
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict:
+        return self.backbone.group_matcher(coarse, prefix="backbone.")
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        own = {name for name in self.no_weight_decay_tokens if getattr(self, name, None) is not None}
+        return {f"backbone.{n}" for n in self.backbone.no_weight_decay()} | own
+
+
 # ---------------------------------------------------------------------------------------------- masking
 def noise_device(device: torch.device | str, generator: torch.Generator | None) -> torch.device | str:
     """Where to draw random numbers: on the generator's device when one is given (so a CPU generator gives the same
@@ -128,13 +159,14 @@ def squared_grid_distance(grid: tuple[int, ...]) -> torch.Tensor:
 @torch.no_grad()
 def topk_accuracy(logits: torch.Tensor, targets: torch.Tensor, k: int = 1,
                   weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Fraction of rows whose target is among the top-k logits (optionally only rows where ``weight`` > 0)."""
+    """Fraction of rows whose target is among the top-k logits; with ``weight`` the weighted fraction
+    sum(w * hit) / sum(w) (a bool mask counts the rows where it is True; 0 when every weight is 0)."""
     k = min(k, logits.shape[-1])
     hit = (logits.topk(k, dim=-1).indices == targets.unsqueeze(-1)).any(-1).float()
     if weight is None:
         return hit.mean()
     weight = weight.float()
-    return (hit * weight).sum() / weight.sum().clamp_min(1.0)
+    return (hit * weight).sum() / weight.sum().clamp_min(torch.finfo(weight.dtype).tiny)
 
 
 # ---------------------------------------------------------------------------------------------- decoder

@@ -29,6 +29,7 @@ from torch import nn
 from patchplace.models import Backbone
 
 from .common import (
+    BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
@@ -79,12 +80,17 @@ class DropPosConfig(ObjectiveConfig):
         return self
 
 
-class DropPos(nn.Module):
+class DropPos(BackboneObjective):
     """DropPos objective on a ``sincos2d`` backbone with a class token (paper §3, Alg. 1).
 
     ``forward(batch, progress)`` returns ``loss`` (Eq. 8) and detached metrics: ``pos_acc`` / ``pos_acc_top5``
-    (top-1 / top-5 position accuracy over the visible tokens whose PE was dropped) and the current ``sigma`` (Eq. 7).
+    (plain top-1 / top-5 position accuracy over the visible tokens whose PE was dropped, each token counted once),
+    ``pos_acc_attn_weighted`` (top-1 with each dropped token weighted by its attentive weight, Eq. 9 — the accuracy
+    the official code logs) and the current ``sigma`` (Eq. 7).
     """
+
+    no_weight_decay_tokens = ("mask_pos_token",)  # the [MASK] position token p_mask (Eq. 3)
+    probe_feature = "cls"  # CLS keeps its PE and is encoded with the visible tokens (Eq. 3)
 
     def __init__(self, backbone: Backbone, config: DropPosConfig | None = None) -> None:
         super().__init__()
@@ -245,8 +251,12 @@ class DropPos(nn.Module):
         loss = self.forward_loss(logits, labels, dropped, weights, sigma)
         return {
             "loss": loss,
+            # plain accuracy: every dropped-PE token counts once (what position_accuracy_grid reports)
             "pos_acc": topk_accuracy(logits.detach(), labels, k=1, weight=dropped),
             "pos_acc_top5": topk_accuracy(logits.detach(), labels, k=5, weight=dropped),
+            # the official code's logged accuracy: each dropped token weighted by its attentive weight A (Eq. 9);
+            # equals pos_acc when tau = inf
+            "pos_acc_attn_weighted": topk_accuracy(logits.detach(), labels, k=1, weight=weights * dropped),
             "sigma": torch.tensor(sigma, device=loss.device),
         }
 

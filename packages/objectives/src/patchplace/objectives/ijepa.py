@@ -29,6 +29,7 @@ from patchplace.models import Backbone, sincos_2d
 
 from .block_masks import MultiBlockMasks, multiblock_masks
 from .common import (
+    BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
@@ -83,13 +84,18 @@ class IJEPAConfig(ObjectiveConfig):
         return self
 
 
-class IJEPA(nn.Module):
+class IJEPA(BackboneObjective):
     """I-JEPA / StoP on an image backbone with fixed ``sincos2d`` PE (the class token, if any, is not used here).
 
     >>> model = IJEPA(create_model("vit_cpu", pos_embed="sincos2d"), IJEPAConfig(stop=True, predictor_dim=96,
     ...                                                                           predictor_depth=4, predictor_heads=4))
     >>> loss = model(images, progress=p)["loss"]; loss.backward(); opt.step(); model.update_target(p)
     """
+
+    no_weight_decay_tokens = ("mask_token",)
+    # The context encoder never sees a class token: probe the average of its final-normed patch outputs, as the
+    # I-JEPA and StoP linear probes do (DESIGN §4).
+    probe_feature = "patch_mean"
 
     def __init__(self, backbone: Backbone, config: IJEPAConfig | None = None) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from torch import nn
 from patchplace.models import Backbone, sincos_2d
 
 from .common import (
+    BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
@@ -59,8 +60,11 @@ def pixel_targets(images: torch.Tensor, patch_size: int, normalize: bool = True)
     return target
 
 
-class MAE(nn.Module):
+class MAE(BackboneObjective):
     """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token."""
+
+    no_weight_decay_tokens = ("mask_token",)
+    probe_feature = "cls"  # the encoder runs [CLS; visible] (MAE's linear probe reads the class token)
 
     def __init__(self, backbone: Backbone, config: MAEConfig | None = None) -> None:
         super().__init__()

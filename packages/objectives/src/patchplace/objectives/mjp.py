@@ -30,6 +30,7 @@ from patchplace.models import Backbone
 
 from .block_masks import blockwise_masks
 from .common import (
+    BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
     check_ratio,
@@ -64,7 +65,8 @@ class MJPConfig(ObjectiveConfig):
     * ``dal``: the DAL map g of Eq. 1 — ``pca`` (non-parametric), ``linear`` (LN) or ``mlp`` (NLN, 3 layers; §5.3
       / Table 4: "a 3-layers MLP" is the best variant, 80.5 top-1). ``dal_weight`` lambda = 0.01 (§4.2, "for all
       experiments"); ``dal_schedule="official"`` is the official code's warm-up + cosine 0.01 -> 0.005 instead
-      (see :meth:`MJP.dal_weight_at`).
+      (see :meth:`MJP.dal_weight_at`), per epoch as the official code: training ``progress`` is cut into
+      ``schedule_epochs`` (300, the official recipe) equal epochs of the schedule.
     * ``label_smoothing`` 0.1: the DeiT recipe the paper follows (supp. Table 7; official ``LABEL_SMOOTHING``).
     """
 
@@ -76,6 +78,7 @@ class MJPConfig(ObjectiveConfig):
     dal: str = "mlp"
     dal_weight: float = 0.01
     dal_schedule: str = "constant"
+    schedule_epochs: int = 300
     label_smoothing: float = 0.1
 
     def validate(self) -> MJPConfig:
@@ -93,6 +96,10 @@ class MJPConfig(ObjectiveConfig):
             raise ObjectiveError(f"dal_weight (lambda) must be a finite number >= 0, got {self.dal_weight}")
         if self.dal_schedule not in DAL_SCHEDULES:
             raise ObjectiveError(f"dal_schedule must be one of {DAL_SCHEDULES}, got {self.dal_schedule!r}")
+        if isinstance(self.schedule_epochs, bool) or not isinstance(self.schedule_epochs, int) or not (
+                round(self.warmup_fraction * self.schedule_epochs) < self.schedule_epochs):
+            raise ObjectiveError(f"schedule_epochs must be an integer with round(warmup_fraction * schedule_epochs) "
+                                 f"< schedule_epochs, got {self.schedule_epochs!r}")
         check_ratio("label_smoothing", self.label_smoothing)
         return self
 
@@ -257,7 +264,7 @@ def dal_loss(regressor: DALRegressor, pe_table: torch.Tensor, keep_mask: torch.T
 
 
 # ---------------------------------------------------------------------------------------------- objective
-class MJP(nn.Module):
+class MJP(BackboneObjective):
     """MJP objective (Alg. 2) on an image backbone with an additive PE (``learned`` or ``sincos2d``) and a head.
 
     Calls ``backbone.enable_unknown_pos()``: the shared ``E_unk`` of Eq. 4 lives in the backbone (saved with the
@@ -290,6 +297,11 @@ class MJP(nn.Module):
         self.patch_size = backbone.config.patch_size
         self.dal = DALRegressor(backbone.embed_dim, c.dal)
 
+    @property
+    def probe_feature(self) -> str:  # type: ignore[override]
+        """The feature the classifier head reads (``cls`` or ``mean`` of a sequence that holds the class token)."""
+        return self.backbone.config.global_pool
+
     # ------------------------------------------------------------------ schedules
     @staticmethod
     def _progress(progress: float | None) -> float | None:
@@ -302,18 +314,21 @@ class MJP(nn.Module):
 
     def dal_weight_at(self, progress: float | None) -> float:
         """lambda at training ``progress``: ``constant`` = ``dal_weight`` (§4.2); ``official`` = the official
-        ``utils.cosine_scheduler(lambda, lambda / 2, epochs, warmup_epochs)`` as a function of progress: linear
-        0 -> lambda over the warm-up, then cosine lambda -> lambda / 2 (0.01 -> 0.005) until the end."""
+        per-epoch ``utils.cosine_scheduler(lambda, lambda / 2, epochs, 1, warmup_epochs)``: with E =
+        ``schedule_epochs`` and W = round(``warmup_fraction`` E) warm-up epochs, epoch e = floor(progress E) gets
+        ``linspace(0, lambda, W)[e]`` during the warm-up (0 at epoch 0, lambda at epoch W - 1) and then
+        lambda / 2 + lambda / 4 (1 + cos(pi (e - W) / (E - W))) (0.01 -> 0.005)."""
         c = self.config
         p = self._progress(progress)
         if c.dal_schedule == "constant" or p is None:
             return c.dal_weight
-        w = c.warmup_fraction
-        if p < w:
-            return c.dal_weight * p / w
-        t = (p - w) / (1.0 - w)
+        epochs = c.schedule_epochs
+        warmup = round(c.warmup_fraction * epochs)
+        epoch = min(math.floor(p * epochs + 1e-9), epochs - 1)  # e / E * E may round to just below e
+        if epoch < warmup:
+            return c.dal_weight * epoch / (warmup - 1) if warmup > 1 else c.dal_weight  # np.linspace(0, lambda, W)
         final = 0.5 * c.dal_weight
-        return final + 0.5 * (c.dal_weight - final) * (1.0 + math.cos(math.pi * t))
+        return final + 0.5 * (c.dal_weight - final) * (1.0 + math.cos(math.pi * (epoch - warmup) / (epochs - warmup)))
 
     def jigsaw_applies(self, progress: float | None, generator: torch.Generator | None = None) -> bool:
         """Whether this batch is shuffled: training mode, past the warm-up, and a coin with ``apply_prob`` (the

@@ -21,6 +21,7 @@ from torch import nn
 from patchplace.models import Backbone
 
 from .common import (
+    BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
     check_ratio,
@@ -52,7 +53,7 @@ class MP3Config(ObjectiveConfig):
         return cls(eta=0.0, anchor_ratio=0.05)
 
 
-class MP3(nn.Module):
+class MP3(BackboneObjective):
     """MP3 on any backbone of ``patchplace.models`` (ViT patches or audio frames).
 
     >>> backbone = create_model("vit_cpu", in_chans=1, pos_embed="none")
@@ -60,6 +61,10 @@ class MP3(nn.Module):
     >>> out = mp3(images)                   # {"loss", "pos_acc", "pos_acc_top5"}
     >>> out["loss"].backward()
     """
+
+    # MP3 never feeds the class token (App. A runs the patch tokens alone): probe the average of the final-normed
+    # patch outputs, the representation App. C's kNN evaluates (average-pooled), with no class token in the sequence.
+    probe_feature = "patch_mean"
 
     def __init__(self, backbone: Backbone, config: MP3Config | None = None) -> None:
         super().__init__()

@@ -31,7 +31,15 @@ from torch import nn
 from patchplace.models import Backbone, sincos_2d
 from patchplace.models.attention import Attention
 
-from .common import ObjectiveConfig, ObjectiveError, check_positive, init_linear, require_pos_mode, split_batch
+from .common import (
+    BackboneObjective,
+    ObjectiveConfig,
+    ObjectiveError,
+    check_positive,
+    init_linear,
+    require_pos_mode,
+    split_batch,
+)
 from .mae import pixel_targets
 from .segments import blob_segments, patch_random_order, raster_order, serialize, square_segments
 
@@ -112,7 +120,7 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.norm3(x))
 
 
-class RandSAC(nn.Module):
+class RandSAC(BackboneObjective):
     """RandSAC pretraining on an image backbone with ``pos_embed='sincos2d'``.
 
     >>> backbone = create_model("vit_tiny", img_size=32, patch_size=4, pos_embed="sincos2d", global_pool="mean")
@@ -121,6 +129,11 @@ class RandSAC(nn.Module):
     >>> out["loss"].backward()
     >>> features = model.backbone.forward_features(images)   # evaluation: no masks, no decoder
     """
+
+    # The encoder runs the patch tokens alone (no class token); the paper's supplemental ("Different from ViT ... we
+    # directly use the averaged pooled feature out of the encoder for both fine-tuning and linear probing") probes
+    # the mean of the encoder's patch outputs.
+    probe_feature = "patch_mean"
 
     def __init__(self, backbone: Backbone, config: RandSACConfig | None = None) -> None:
         super().__init__()

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from patchplace.models import Backbone
 
-from .common import ObjectiveConfig, ObjectiveError, check_ratio, split_batch
+from .common import BackboneObjective, ObjectiveConfig, ObjectiveError, check_ratio, split_batch
 
 
 @dataclass
@@ -23,7 +22,7 @@ class SupervisedConfig(ObjectiveConfig):
         return self
 
 
-class Supervised(nn.Module):
+class Supervised(BackboneObjective):
     """``forward((images, labels))``: labels are class indices (B,) or soft targets (B, classes) from mixup."""
 
     def __init__(self, backbone: Backbone, config: SupervisedConfig | None = None) -> None:
@@ -32,6 +31,11 @@ class Supervised(nn.Module):
         if backbone.config.num_classes < 1:
             raise ObjectiveError("supervised training needs a classifier head: create the backbone with num_classes")
         self.backbone = backbone
+
+    @property
+    def probe_feature(self) -> str:  # type: ignore[override]
+        """The feature the classifier head reads (``cls`` or ``mean`` of a sequence that holds the class token)."""
+        return self.backbone.config.global_pool
 
     def forward(self, batch, progress: float | None = None) -> dict:
         inputs, labels = split_batch(batch)
