@@ -64,6 +64,13 @@ def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modalit
     return backbone, metadata
 
 
+def build_recipe(cfg: FinetuneSection, backbone, num_classes: int, modality: str) -> tuple[Supervised, Callable]:
+    """The training objective (cross-entropy with ``label_smoothing``, or soft targets after mixup) and the batch
+    transform (timm Mixup / CutMix) of the fine-tuning recipe."""
+    objective = Supervised(backbone, SupervisedConfig(label_smoothing=cfg.label_smoothing))
+    return objective, build_batch_transform(cfg, num_classes, modality, objective)
+
+
 def build_batch_transform(cfg: FinetuneSection, num_classes: int, modality: str, objective) -> Callable:
     """timm Mixup / CutMix on training batches (images only). An odd batch cannot be mixed (timm pairs samples):
     it passes unmixed, and the first one says so."""
@@ -93,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, accelerator, data = start(FinetuneConfig, __doc__, argv)
         m = data.manifest
         backbone, pretrained = build_backbone(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
-        ft = cfg.finetune
-        objective = Supervised(backbone, SupervisedConfig(label_smoothing=ft.label_smoothing))
-        batch_transform = build_batch_transform(ft, m.num_classes, m.modality, objective)
+        objective, batch_transform = build_recipe(cfg.finetune, backbone, m.num_classes, m.modality)
 
         def evaluate(_, step):
             result = classify(backbone, data.val, cfg.data.batch_size, accelerator.device, data.frontend)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from patchplace.data import SplitWriter
+from patchplace.export.__main__ import main as export_main
+from patchplace.export.evaluate import main as ort_evaluate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
@@ -39,31 +40,6 @@ SMALL_HEADS = {
              "objective.min_keep=2"],
     "mjp": ["objective.ratio=0.15"],
 }
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """Fashion-MNIST-shaped image shards (28 px gray, 3 classes) and 1 s audio shards (12 classes + noise)."""
-    root = tmp_path_factory.mktemp("shards")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 64), ("test", 32)):
-        with SplitWriter(root / "img", split, dataset="toy", modality="image", classes=["a", "b", "c"],
-                         info={"image_size": [28, 28], "channels": 1}, source="test", recipe="test",
-                         recipe_version=1, max_count=16) as w:
-            for i in range(n):
-                w.add_image(f"{i:04d}", i % 3, rng.integers(0, 256, (28, 28), dtype=np.uint8))
-    classes = [f"k{i}" for i in range(12)]
-    for split, n in (("train", 16), ("validation", 8), ("test", 8)):
-        with SplitWriter(root / "audio", split, dataset="kws", modality="audio", classes=classes,
-                         info={"sample_rate": 16000, "clip_samples": 16000}, source="test", recipe="test",
-                         recipe_version=1) as w:
-            for i in range(n):
-                w.add_audio(f"{i:04d}", i % 12, (0.1 * rng.standard_normal(16000)).astype(np.float32))
-    with SplitWriter(root / "audio", "background_noise", dataset="kws", modality="audio",
-                     classes=["_background_noise_"], info={"sample_rate": 16000, "clip_samples": None},
-                     source="test", recipe="test", recipe_version=1) as w:
-        w.add_audio("noise", 0, (0.1 * rng.standard_normal(32000)).astype(np.float32))
-    return root
 
 
 def img(shards: Path) -> list[str]:
@@ -121,6 +97,8 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method):
     assert [r["step"] for r in log] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in log)
     config = json.loads((out / "checkpoint" / "config.json").read_text())
     assert config["metadata"]["method"] == method and config["metadata"]["data"]["dataset"] in ("toy", "kws")
+    expected = "patch_mean" if method in ("mp3", "mp3_speech", "ijepa", "stop", "randsac") else "cls"
+    assert config["metadata"]["probe_feature"] == expected, "the checkpoint records the feature its training trained"
 
 
 def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
@@ -138,10 +116,22 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
         "0.03", "0.09", "0.15", "0.27", "0.5"}
     assert len(results["knn_per_layer"]) == 2 and 0 <= results["position_probe"]["top1"] <= 1
     assert results["linear_probe_low_label"]["train_samples"] == 3  # 1% of 32, at least one per class
+    assert results["probe_feature"] == "cls"  # the fine-tuned head reads the class token
+    # The ONNX Runtime evaluator reports the same consistency / Diff. Norm for the same model and images.
+    assert export_main([str(tmp_path / "ft" / "checkpoint"), "--out", str(tmp_path / "m.onnx")]) == 0
+    assert ort_evaluate_main([str(tmp_path / "m.onnx"), "--data", str(shards / "img" / "test"), "--out",
+                              str(tmp_path / "ort"), "--consistency-limit", "16", "--robustness-limit", "0",
+                              "--latency-repeats", "0", "--batch-size", "5"]) == 0
+    ort = json.loads((tmp_path / "ort" / "results.json").read_text())
+    assert ort["accuracy"]["top1"] == results["classification"]["top1"]
+    for gamma, value in results["consistency"].items():
+        assert ort["consistency"][gamma]["consistency"] == value["consistency"], gamma
+        assert ort["consistency"][gamma]["diff_norm"] == pytest.approx(value["diff_norm"], rel=1e-4, abs=1e-6)
     assert evaluate.main([*img(shards), "data.batch_size=8", "data.num_workers=0", f"run.output={tmp_path / 'ev2'}",
                           f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "eval.probe_train_samples=32",
                           "eval.probe_epochs=2", "eval.max_eval_samples=16"]) == 0
     results = json.loads((tmp_path / "ev2" / "results.json").read_text())
+    assert results["probe_feature"] == "patch_mean"  # MP3 never trained the class token
     assert set(results["mp3_position_accuracy"]) == {"0.0", "0.25", "0.5", "0.75", "0.9"}
     assert (tmp_path / "ev2" / "mp3_reassembled.png").stat().st_size > 1000
 

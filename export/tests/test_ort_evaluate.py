@@ -12,8 +12,31 @@ import torch
 from patchplace.data import SplitWriter
 from patchplace.export import ExportError, export_checkpoint
 from patchplace.export.evaluate import OnnxModel, accuracy, consistency, corrupt_batch, latency, load_uint8, main
+from patchplace.finetune import consistency_curve, torch_predict
 from patchplace.models import create_model, save_pretrained
 from patchplace.objectives import jigsaw
+
+
+def train_to_read_positions(model, images: torch.Tensor, labels: torch.Tensor, max_steps: int = 600) -> None:
+    """Train the toy until it classifies all 24 images (the class is where the square is, so it must use its PE).
+
+    Built to learn on any CPU: mean pooling and a PE table 25x its init scale (std 0.5) make the position signal
+    strong from step 0, and it trains until learned (8 seeds x 1 / 2 threads here: 52-180 steps) instead of for a
+    fixed count whose end depends on float rounding; it then checks that it learned, and says so if not."""
+    x = (torch.nn.functional.pad(images, (2, 2, 2, 2)).float() / 255 - 0.5) / 0.25
+    with torch.no_grad():
+        model.pos_table.mul_(25.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    for _ in range(max_steps):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        if loss.item() < 0.05 and bool((logits.argmax(1) == labels).all()):
+            return
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    raise AssertionError(f"the position toy did not learn in {max_steps} steps (loss {loss.item():.3f}): the "
+                         "consistency tests below need a model that reads positions")
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +54,13 @@ def toy(tmp_path_factory):
     meta = {"classes": ["a", "b", "c"], "normalization": {"mean": [0.5], "std": [0.25]}, "pad_to": 32}
     images, labels = load_uint8(root / "shards" / "test", None, 24)
     models = {}
-    for name, overrides in {"learned": {"pos_embed": "learned"},
+    for name, overrides in {"learned": {"pos_embed": "learned", "global_pool": "mean"},
                             "nope": {"pos_embed": "none", "class_token": False, "global_pool": "mean"},
                             "mjp": {"pos_embed": "learned", "unknown_pos": True}}.items():
         torch.manual_seed(0)
         model = create_model("vit_micro", img_size=32, in_chans=1, num_classes=3, **overrides)
-        if name == "learned":  # a trained toy: the class is where the square is, so it must use its PE
-            x = (torch.nn.functional.pad(images, (2, 2, 2, 2)).float() / 255 - 0.5) / 0.25
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            for _ in range(150):
-                loss = torch.nn.functional.cross_entropy(model(x), labels)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        if name == "learned":
+            train_to_read_positions(model, images, labels)
         model.eval()
         save_pretrained(model, root / name, metadata=meta)
         export_checkpoint(root / name, root / f"{name}.onnx")
@@ -52,21 +69,38 @@ def toy(tmp_path_factory):
 
 
 def test_onnx_numbers_equal_pytorch_numbers(toy):
+    """Accuracy, consistency and Diff. Norm of the ONNX Runtime evaluator equal the PyTorch evaluator's on the same
+    model: one implementation (``consistency_curve``), one feature (the head's input), any batch size."""
     root, models = toy
-    onnx_model = OnnxModel(root / "learned.onnx")
     images, labels = load_uint8(root / "shards" / "test", None, 8)
-    got = accuracy(onnx_model, images, labels, 8)
-    with torch.no_grad():
-        logits = models["learned"](onnx_model.normalize(onnx_model.pad(images)))
-    assert round(got["top1"] * 24) == int((logits.argmax(1) == labels).sum()) and got["count"] == 24
-    curve = consistency(onnx_model, images, 8, ratios=(0.3,), seed=1)
-    gen, same = torch.Generator().manual_seed(1), 0
-    for x in images.split(8):  # the PyTorch evaluator's recipe: same jigsaw, same generator
-        clean = onnx_model.normalize(onnx_model.pad(x))
-        shuffled, _ = jigsaw(clean, 4, 0.3, generator=gen)
+    for name in ("learned", "mjp"):
+        onnx_model = OnnxModel(root / f"{name}.onnx")
+        got = accuracy(onnx_model, images, labels, 8)
+        clean = onnx_model.normalize(onnx_model.pad(images))
         with torch.no_grad():
-            same += int((models["learned"](clean).argmax(1) == models["learned"](shuffled).argmax(1)).sum())
-    assert curve["0.3"]["consistency"] == same / 24
+            logits = models[name](clean)
+        assert round(got["top1"] * 24) == int((logits.argmax(1) == labels).sum()) and got["count"] == 24
+        ort_curve = consistency(onnx_model, images, 8, ratios=(0.15, 0.5), seed=1)
+        torch_curve = consistency_curve(torch_predict(models[name]), clean, 4, (0.15, 0.5), seed=1, batch_size=24,
+                                        mark_unknown=models[name].unknown_pos_embed is not None)
+        assert ort_curve.keys() == torch_curve.keys()
+        for gamma, ort_value in ort_curve.items():
+            assert ort_value["consistency"] == torch_curve[gamma]["consistency"], (name, gamma)
+            assert ort_value["diff_norm"] == pytest.approx(torch_curve[gamma]["diff_norm"], rel=1e-4, abs=1e-5)
+            assert ort_value["diff_norm"] > 0
+    assert OnnxModel(root / "mjp.onnx").inputs == ["pixels", "unknown_pos"]
+
+
+def test_diff_norm_is_measured_on_the_feature_the_head_reads(toy):
+    root, models = toy
+    model = models["learned"]  # mean-pooled: the head reads the patch mean, not token 0
+    images, _ = load_uint8(root / "shards" / "test", None, 8)
+    x = OnnxModel(root / "learned.onnx").normalize(OnnxModel(root / "learned.onnx").pad(images))
+    curve = consistency_curve(torch_predict(model), x, 4, (0.5,), seed=3, mark_unknown=False)
+    shuffled, _ = jigsaw(x, 4, 0.5, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        pooled = [model.forward_head(model.forward_features(v), pre_logits=True) for v in (x, shuffled)]
+    assert curve["0.5"]["diff_norm"] == pytest.approx(float((pooled[0] - pooled[1]).norm(dim=1).mean()), rel=1e-5)
 
 
 def test_no_pe_models_are_fully_consistent_pe_models_are_not(toy):
@@ -75,11 +109,14 @@ def test_no_pe_models_are_fully_consistent_pe_models_are_not(toy):
     nope = consistency(OnnxModel(root / "nope.onnx"), images, 8, ratios=(0.5,))
     assert nope["0.5"]["consistency"] == 1.0 and nope["0.5"]["diff_norm"] < 1e-3  # permutation invariant
     pe = consistency(OnnxModel(root / "learned.onnx"), images, 8, ratios=(0.5,))
-    # The no-PE model moves by float noise only (~4e-7); the trained PE model changes its mind (measured 0.58).
+    # The trained PE model reads where the square is: shuffling half the patches changes its mind on some images;
+    # the no-PE model moves by float noise only.
     assert pe["0.5"]["consistency"] < 1.0 and pe["0.5"]["diff_norm"] > 100 * nope["0.5"]["diff_norm"]
+    other_batch = consistency(OnnxModel(root / "learned.onnx"), images, 5, ratios=(0.5,))  # batch size: no effect
+    assert other_batch["0.5"]["consistency"] == pe["0.5"]["consistency"]
+    assert other_batch["0.5"]["diff_norm"] == pytest.approx(pe["0.5"]["diff_norm"], rel=1e-6)
     mjp = OnnxModel(root / "mjp.onnx")
-    assert mjp.inputs == ["pixels", "unknown_pos"] and 0.0 <= consistency(mjp, images, 8, (0.5,))["0.5"][
-        "consistency"] <= 1.0
+    assert 0.0 <= consistency(mjp, images, 8, (0.5,))["0.5"]["consistency"] <= 1.0
 
 
 def test_corruptions_keep_shape_and_change_pixels():

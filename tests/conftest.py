@@ -1,0 +1,35 @@
+"""Fixtures shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from patchplace.data import SplitWriter
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Fashion-MNIST-shaped image shards (28 px gray, 3 classes) and 1 s audio shards (12 classes + noise)."""
+    root = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 64), ("test", 32)):
+        with SplitWriter(root / "img", split, dataset="toy", modality="image", classes=["a", "b", "c"],
+                         info={"image_size": [28, 28], "channels": 1}, source="test", recipe="test",
+                         recipe_version=1, max_count=16) as w:
+            for i in range(n):
+                w.add_image(f"{i:04d}", i % 3, rng.integers(0, 256, (28, 28), dtype=np.uint8))
+    classes = [f"k{i}" for i in range(12)]
+    for split, n in (("train", 16), ("validation", 8), ("test", 8)):
+        with SplitWriter(root / "audio", split, dataset="kws", modality="audio", classes=classes,
+                         info={"sample_rate": 16000, "clip_samples": 16000}, source="test", recipe="test",
+                         recipe_version=1) as w:
+            for i in range(n):
+                w.add_audio(f"{i:04d}", i % 12, (0.1 * rng.standard_normal(16000)).astype(np.float32))
+    with SplitWriter(root / "audio", "background_noise", dataset="kws", modality="audio",
+                     classes=["_background_noise_"], info={"sample_rate": 16000, "clip_samples": None},
+                     source="test", recipe="test", recipe_version=1) as w:
+        w.add_audio("noise", 0, (0.1 * rng.standard_normal(32000)).astype(np.float32))
+    return root

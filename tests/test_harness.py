@@ -1,0 +1,225 @@
+"""The harness around the methods, through the real pipelines: the optimizer each run really builds (layer decay,
+weight decay), the feature each checkpoint's probes read, and every recipe knob having its effect (issue 16)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from patchplace.finetune import extract_features, probe_feature_of
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+import config as pipeline_config  # noqa: E402
+import finetune  # noqa: E402
+import pretrain  # noqa: E402
+from test_pipelines import SMALL_HEADS, TINY, audio, img  # noqa: E402
+
+FT_CONFIG = str(ROOT / "pipelines" / "configs" / "finetune_fashion_mnist.yaml")
+# What must never be weight-decayed (DESIGN §2): PE tables, class / mask / unknown tokens, relative bias tables;
+# timm adds every 1-D tensor (norms, biases).
+NO_DECAY = ("cls_token", "pos_table", "unknown_pos_embed", "mask_token", "mask_pos_token",
+            "relative_position_bias_table")
+# The tokens each objective adds and must exempt (beside the backbone's).
+OWN_TOKENS = {"mae": "mask_token", "ijepa": "mask_token", "droppos": "mask_pos_token",
+              "mjp": "backbone.unknown_pos_embed"}
+# DESIGN §4: methods that never feed the class token are probed on the patch mean; the others on the class token.
+PROBE_FEATURE = {"mp3": "patch_mean", "mp3_speech": "patch_mean", "ijepa": "patch_mean", "stop": "patch_mean",
+                 "randsac": "patch_mean", "droppos": "cls", "mae": "cls", "mjp": "cls", "supervised": "cls"}
+
+
+def method_args(shards: Path, method: str) -> list[str]:
+    data = audio(shards) if method == "mp3_speech" else img(shards)
+    model = ["model.preset=audio_mp3", "data.batch_size=8"] if method == "mp3_speech" else []
+    return [f"method={method}", *data, *TINY, *model, *SMALL_HEADS.get(method, [])]
+
+
+def optimizer_state(run: Path) -> dict:
+    """The optimizer state Accelerate saved (param groups with their lr / initial_lr / lr_scale / weight_decay)."""
+    return torch.load(run / "state" / "optimizer.bin", weights_only=False)
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+def test_pretraining_never_decays_pes_tokens_norms_or_biases(shards, tmp_path, method):
+    out = tmp_path / method
+    assert pretrain.main([*method_args(shards, method), "optim.max_steps=1", f"run.output={out}"]) == 0
+    written = json.loads((out / "optimizer.json").read_text())
+    params = written["parameters"]
+    assert params, "optimizer.json lists every trained parameter"
+    for name, p in params.items():
+        exempt = len(p["shape"]) <= 1 or name.split(".")[-1] in NO_DECAY
+        assert p["weight_decay"] == (0.0 if exempt else written["weight_decay"]), (name, p)
+        assert p["lr_scale"] == 1.0, "no layer decay in pretraining unless asked"
+    assert params["backbone.patch_embed.proj.weight"]["weight_decay"] == 0.05  # something is decayed
+    if method in OWN_TOKENS:
+        assert params[OWN_TOKENS[method]]["weight_decay"] == 0.0
+    if "backbone.cls_token" in params:
+        assert params["backbone.cls_token"]["weight_decay"] == 0.0
+    assert not any(n.startswith("target_encoder.") for n in params), "the EMA target encoder is not optimized"
+    groups = optimizer_state(out)["param_groups"]
+    assert sorted(i for g in groups for i in g["params"]) == list(range(len(params)))
+
+
+def test_finetuning_applies_layer_decay_to_the_learning_rate_of_every_block(shards, tmp_path):
+    """The shipped fine-tuning recipe (layer_decay 0.75): block i trains at lr 0.75^(L - i), the embeddings at
+    0.75^(L + 1), the final norm and the head at 1 — in the groups the optimizer holds and in the lr it stepped."""
+    assert pretrain.main(["method=mp3", *img(shards), *TINY, "optim.max_steps=1",
+                          f"run.output={tmp_path / 'pre'}"]) == 0
+    out = tmp_path / "ft"
+    assert finetune.main(["--config", FT_CONFIG, *img(shards), *TINY, "optim.max_steps=3",
+                          f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "finetune.pos_embed=relbias2d",
+                          "optim.warmup_fraction=0.0", f"run.output={out}"]) == 0
+    written = json.loads((out / "optimizer.json").read_text())
+    params, depth = written["parameters"], 2  # vit_micro
+    assert written["layer_decay"] == 0.75
+    for name, p in params.items():
+        if name.startswith("backbone.blocks."):
+            i = int(name.split(".")[2])
+            expected = 0.75 ** (depth - i)
+        elif name.startswith(("backbone.patch_embed", "backbone.cls_token", "backbone.pos_table")):
+            expected = 0.75 ** (depth + 1)
+        else:
+            assert name.startswith(("backbone.norm", "backbone.head")), name
+            expected = 1.0
+        assert p["lr_scale"] == pytest.approx(expected), (name, p)
+        exempt = len(p["shape"]) <= 1 or name.split(".")[-1] in NO_DECAY
+        assert p["weight_decay"] == (0.0 if exempt else 0.05), (name, p)
+    tables = [p for n, p in params.items() if n.endswith("relative_position_bias_table")]
+    assert len(tables) == depth and all(p["weight_decay"] == 0.0 for p in tables)
+    # What the scheduler really stepped: every group at lr * lr_scale * the same schedule factor.
+    groups = optimizer_state(out)["param_groups"]
+    factors = {round(g["lr"] / g["initial_lr"], 9) for g in groups}
+    assert len(factors) == 1, "one schedule for every group"
+    assert {round(g["initial_lr"] / 1e-3, 9) for g in groups} == {round(g["lr_scale"], 9) for g in groups}
+    assert len({g["lr_scale"] for g in groups}) == depth + 2, "embeddings, each block, top: distinct lr"
+
+
+def test_layer_decay_that_cannot_act_is_an_error(capsys):
+    from patchplace.finetune import build_optimizer
+
+    with pytest.raises(ValueError, match="has no group_matcher"):
+        build_optimizer(torch.nn.Linear(2, 2), lr=1e-3, layer_decay=0.75)
+
+    class OneLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+        def group_matcher(self, coarse=False):
+            return {"stem": r"^nothing"}
+
+    with pytest.raises(ValueError, match="has no effect"):
+        build_optimizer(OneLayer(), lr=1e-3, layer_decay=0.75)
+
+
+def test_warmup_and_cosine_shape_the_logged_learning_rate(shards, tmp_path):
+    out = tmp_path / "sup"
+    assert pretrain.main([*method_args(shards, "supervised"), "optim.max_steps=8", "optim.lr=1e-3",
+                          "optim.warmup_fraction=0.5", "optim.min_lr_ratio=0.0", f"run.output={out}"]) == 0
+    lrs = [json.loads(line)["lr"] for line in (out / "log.jsonl").read_text().splitlines()]
+    # Logged after each step: the lr of the next step. Warm-up over round(0.5 * 8) = 4 steps ((k + 1) / 4), then
+    # cosine to 0 over the other 4.
+    cosine = [0.5 * (1 + math.cos(math.pi * t / 4)) for t in range(5)]
+    assert lrs == pytest.approx([1e-3 * f for f in (0.5, 0.75, 1.0, *cosine)], abs=1e-12), lrs
+
+
+# ---------------------------------------------------------------------------------------------- probes
+def _batch(method: str, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if method == "mp3_speech":
+        return torch.randn(n, 101, 40, generator=g), torch.arange(n) % 12
+    return torch.randn(n, 1, 32, 32, generator=g), torch.arange(n) % 3
+
+
+@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+def test_probes_read_a_feature_that_pretraining_trained(shards, method):
+    """One training step of the pipeline's objective: a ``cls`` probe needs a class token that received gradient;
+    a ``patch_mean`` probe must not read or attend to the (untrained) class token at all."""
+    cfg = pipeline_config.load(pretrain.PretrainConfig, None, method_args(shards, method))
+    modality = "audio" if method == "mp3_speech" else "image"
+    torch.manual_seed(0)
+    objective, backbone = pretrain.build_objective(cfg, 12 if modality == "audio" else 3, 1, modality)
+    assert objective.probe_feature == PROBE_FEATURE[method]
+    x, y = _batch(method)
+    objective.train()
+    objective((x, y), progress=0.5)["loss"].backward()
+    grad = backbone.cls_token.grad if backbone.cls_token is not None else None
+    cls_trained = grad is not None and bool(grad.abs().sum() > 0)
+    feature = probe_feature_of({"method": method, "probe_feature": objective.probe_feature}, backbone)
+    assert backbone.blocks[-1].attn.qkv.weight.grad.abs().sum() > 0, "the patch tokens' path is trained"
+    if feature == "cls":
+        assert cls_trained, f"{method}: probes read the class token, which its pretraining never trained"
+        return
+    assert not cls_trained, f"{method} trains its class token: probe it"
+    batches = [(x, y)]
+    before, _ = extract_features(backbone, batches, pool=feature)
+    with torch.no_grad():
+        backbone.cls_token.normal_(0, 10.0)  # the untrained token, made large: the probe must not see it
+    after, _ = extract_features(backbone, batches, pool=feature)
+    assert torch.equal(before[max(before)], after[max(after)])
+    legacy = probe_feature_of({"method": method}, backbone)  # a checkpoint from before the metadata had it
+    assert legacy == feature
+
+
+# ---------------------------------------------------------------------------------------------- recipe knobs
+def _recipe(shards, *overrides):
+    cfg = pipeline_config.load(finetune.FinetuneConfig, FT_CONFIG, [*img(shards), *TINY, *overrides])
+    torch.manual_seed(0)
+    backbone, _ = finetune.build_backbone(cfg, 3, 1, "image")
+    objective, transform = finetune.build_recipe(cfg.finetune, backbone, 3, "image")
+    return cfg, backbone, objective, transform
+
+
+def test_drop_path_knob_makes_training_forwards_stochastic(shards):
+    x = torch.randn(4, 1, 32, 32)
+    _, backbone, _, _ = _recipe(shards, "finetune.drop_path=0.5")
+    backbone.train()
+    assert not torch.equal(backbone(x), backbone(x)), "drop path 0.5 drops residual branches"
+    _, backbone, _, _ = _recipe(shards, "finetune.drop_path=0.0")
+    backbone.train()
+    assert torch.equal(backbone(x), backbone(x))
+
+
+def test_mixup_cutmix_knobs_mix_images_and_soften_labels(shards, capsys):
+    x, y = torch.randn(4, 1, 32, 32), torch.tensor([0, 1, 2, 0])
+    _, _, objective, transform = _recipe(shards)  # shipped: mixup 0.8, cutmix 1.0, label smoothing 0.1
+    objective.train()
+    mixed, soft = transform(x.clone(), y)  # timm mixes in place
+    assert soft.shape == (4, 3) and not torch.equal(mixed, x) and soft.max() < 1.0
+    _, _, objective, transform = _recipe(shards, "finetune.mixup=0.0", "finetune.cutmix=0.0")
+    objective.train()
+    same, hard = transform(x, y)
+    assert same is x and hard is y
+    _, _, objective, transform = _recipe(shards)
+    objective.train()
+    odd, labels = transform(x[:3], y[:3])  # timm mixes pairs: an odd batch passes, and says so once
+    assert labels is not None and odd is not None
+    assert "mixup/cutmix skipped on a batch of 3" in capsys.readouterr().err
+    cfg = pipeline_config.load(finetune.FinetuneConfig, None, [*audio(shards), "finetune.mixup=0.8"])
+    with pytest.raises(pipeline_config.ConfigError, match="mix images only"):
+        finetune.build_batch_transform(cfg.finetune, 12, "audio", objective)
+
+
+def test_label_smoothing_knob_changes_the_loss(shards):
+    x, y = torch.randn(4, 1, 32, 32), torch.tensor([0, 1, 2, 0])
+    losses = {}
+    for smoothing in (0.0, 0.3):
+        _, backbone, objective, _ = _recipe(shards, f"finetune.label_smoothing={smoothing}", "finetune.mixup=0.0",
+                                            "finetune.cutmix=0.0", "finetune.drop_path=0.0")
+        with torch.no_grad():
+            backbone.head.weight.zero_()
+            backbone.head.bias.copy_(torch.tensor([9.0, 0.0, 0.0]))  # confident in class 0
+        objective.eval()
+        logp = torch.log_softmax(backbone.head.bias, 0)
+        expected = -((1 - smoothing) * logp[y] + smoothing * logp.mean()).mean()
+        losses[smoothing] = float(objective((x, y))["loss"])
+        assert losses[smoothing] == pytest.approx(float(expected), rel=1e-5)
+    assert losses[0.3] != pytest.approx(losses[0.0])
