@@ -77,7 +77,12 @@ class BackboneObjective(nn.Module):
 
     backbone: Backbone
     no_weight_decay_tokens: tuple[str, ...] = ()
-    probe_feature: str = "cls"
+
+    @property
+    def probe_feature(self) -> str:
+        """Default: the feature the classifier head reads (``cls`` or ``mean`` of a sequence that holds the class
+        token) — right for objectives that train through the head; the others set a class attribute."""
+        return self.backbone.config.global_pool
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:

@@ -297,11 +297,6 @@ class MJP(BackboneObjective):
         self.patch_size = backbone.config.patch_size
         self.dal = DALRegressor(backbone.embed_dim, c.dal)
 
-    @property
-    def probe_feature(self) -> str:  # type: ignore[override]
-        """The feature the classifier head reads (``cls`` or ``mean`` of a sequence that holds the class token)."""
-        return self.backbone.config.global_pool
-
     # ------------------------------------------------------------------ schedules
     @staticmethod
     def _progress(progress: float | None) -> float | None:

@@ -32,11 +32,6 @@ class Supervised(BackboneObjective):
             raise ObjectiveError("supervised training needs a classifier head: create the backbone with num_classes")
         self.backbone = backbone
 
-    @property
-    def probe_feature(self) -> str:  # type: ignore[override]
-        """The feature the classifier head reads (``cls`` or ``mean`` of a sequence that holds the class token)."""
-        return self.backbone.config.global_pool
-
     def forward(self, batch, progress: float | None = None) -> dict:
         inputs, labels = split_batch(batch)
         if labels is None:
