@@ -27,6 +27,11 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               --onnx-preset classifier exported with patchplace.export, at each --onnx-batches size.
   pipelines   end-to-end samples/s of Fashion-MNIST pretraining configs through pretrain.py (data loading,
               Accelerate, optimizer) and the share of time spent waiting for the data loader; needs the shards.
+  mp3_table2  MP3 Table 2 on a GPU: ViT-B/16 at 224 px (--preset / --img-size to change), --amp bf16, MP3 at
+              --mp3-etas (0.3 0.5 0.75 0.9) and MAE at --mae-ratios (0.5 0.75 0.9) against the supervised ViT-B
+              step: time and peak CUDA memory as ratios to supervised beside the FLOP ratio and the paper's
+              ratios (one A100). Writes <out>/benchmark_mp3_table2.{json,md} and splices its tables into
+              <out>/benchmark.md as the "GPU" section (kept when --suite all rewrites that file).
   all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128, --before) and for ViT-S/16
               at 224 px (3 channels, batch --vits-batch, paper widths, without stop_noema); masks; data (+ loader
               samples/s vs the study ViT's training consumption); models; onnx; pipelines (supervised + MP3 on the
@@ -58,6 +63,12 @@ from patchplace.objectives.benchmark import default_objectives, isolated_step_me
 
 STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pipelines/configs/study_fashion_mnist.yaml
 MP3_PAPER = {"eta": 0.75, "time_ratio": 0.69, "flop_bound": 0.84}  # MP3 Table 2 (ViT-B) and DESIGN.md §3
+# MP3 Table 2 (ViT-B on ImageNet-1K, one A100): seconds / iteration and GB / batch per masking ratio; the ViT-B
+# baseline is 0.67 s and 33.5 GB (MAE at 0.3 ran out of memory). Ratios = value / the baseline's.
+MP3_TABLE2 = {"vit_b": {"time": 0.67, "memory": 33.5},
+              "mp3": {0.3: (0.52, 30.0), 0.5: (0.51, 27.4), 0.75: (0.46, 24.2), 0.9: (0.44, 22.3)},
+              "mae": {0.5: (0.57, 35.1), 0.75: (0.47, 28.0), 0.9: (0.41, 24.4)}}
+GPU_SECTION = ("<!-- gpu section: written by benchmark.py --suite mp3_table2 -->", "<!-- end of gpu section -->")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -71,7 +82,8 @@ def _peak(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
     if "matmul_peak" not in state:
         device = _device(args)
         sizes = args.matmul_size or ([4096, 8192] if device == "cuda" else [1024, 2048, 3072])
-        rows = [matmul_peak(size=n, repeats=args.matmul_repeats, device=device) for n in sizes]
+        dtype = torch.bfloat16 if args.amp == "bf16" else torch.float32  # the peak of the precision measured
+        rows = [matmul_peak(size=n, repeats=args.matmul_repeats, device=device, dtype=dtype) for n in sizes]
         best = max(rows, key=lambda r: r["gflops"])
         state["matmul_peak"] = {**best, "gflops_per_size": {r["size"]: r["gflops"] for r in rows}}
         print(json.dumps(state["matmul_peak"]))
@@ -91,11 +103,15 @@ def _setting(preset: str, img_size: int | None, in_chans: int | None, widths: st
 def _run_objectives(args: argparse.Namespace, state: dict[str, Any], *, preset: str, img_size: int | None,
                     in_chans: int | None, widths: str | None, batch: int, repeats: int, warmup: int,
                     before: bool, memory_steps: int, compile_names: list[str],
-                    exclude: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+                    exclude: tuple[str, ...] = (), amp: str = "no", num_classes: int = 10,
+                    mp3_etas: tuple[float, ...] = (0.0, 0.5, 0.75), mae_ratios: tuple[float, ...] = (),
+                    only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     img_size, in_chans, widths = _setting(preset, img_size, in_chans, widths)
     device = _device(args)
-    builders = default_objectives(preset, in_chans=in_chans, img_size=img_size, widths=widths, before=before)
-    builders = {k: v for k, v in builders.items() if k not in exclude}
+    variants = dict(mp3_etas=mp3_etas, mae_ratios=mae_ratios)
+    builders = default_objectives(preset, in_chans=in_chans, img_size=img_size, widths=widths, before=before,
+                                  num_classes=num_classes, **variants)
+    builders = {k: v for k, v in builders.items() if k not in exclude and (not only or k in only)}
     if args.objectives:
         unknown = sorted(set(args.objectives) - set(builders))
         if unknown:
@@ -105,22 +121,62 @@ def _run_objectives(args: argparse.Namespace, state: dict[str, Any], *, preset: 
         if name not in builders:
             raise SystemExit(f"--compile: unknown objective {name!r}; known: {sorted(builders)}")
         builders[f"{name}+compile"] = lambda build=builders[name]: torch.compile(build())
-    setting = f"{preset}, {in_chans} x {img_size} px, batch {batch}, {widths} widths"
+    setting = f"{preset}, {in_chans} x {img_size} px, batch {batch}, {widths} widths" + (
+        f", {amp} autocast" if amp != "no" else "")
     print(f"objectives: {setting}", flush=True)
     rows = step_times(builders, batch=batch, repeats=repeats, warmup=warmup, device=device,
-                      peak_gflops=_peak(args, state)["gflops"])
+                      peak_gflops=_peak(args, state)["gflops"], amp=amp, num_classes=num_classes)
     for row in rows:
         name = row["name"].split("/", 1)[1]
         row.update(setting=setting, preset=preset, img_size=img_size, in_chans=in_chans, widths=widths)
         if memory_steps and not name.endswith(("+compile", "_before")):  # the same shapes as their after rows
             memory = isolated_step_memory(name, preset=preset, in_chans=in_chans, img_size=img_size,
-                                          widths=widths, batch=batch, steps=memory_steps, device=device)
+                                          widths=widths, batch=batch, steps=memory_steps, device=device,
+                                          amp=amp, num_classes=num_classes, **variants)
             row.update({k: v for k, v in memory.items() if k.endswith("_mb")})
         print(json.dumps(row), flush=True)
     return rows
 
 
 # ---------------------------------------------------------------------------------------------- suites
+def mp3_table2_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """MP3 Table 2: the supervised ViT-B step vs MP3 at each eta and MAE at each ratio, same run, same batch.
+    Memory: CUDA ``max_memory_allocated`` of a fresh process per objective (the RSS the steps added on a CPU)."""
+    preset = args.preset if args.preset != STUDY["preset"] else "vit_base"
+    args.amp = args.amp or "bf16"
+    etas, ratios = tuple(args.mp3_etas), tuple(args.mae_ratios)
+    only = ("supervised", *(f"mp3_eta{e:g}" for e in etas), *(f"mae_ratio{r:g}" for r in ratios))
+    rows = _run_objectives(args, state, preset=preset, img_size=args.img_size, in_chans=args.in_chans,
+                           widths=args.widths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
+                           before=False, memory_steps=args.memory_steps,
+                           compile_names=list(only) if args.table2_compile else [], amp=args.amp,
+                           num_classes=1000, mp3_etas=etas, mae_ratios=ratios, only=only)
+    compiled = {r["name"]: r for r in rows if r["name"].endswith("+compile")}
+    if compiled:  # torch.compile'd rows against the compiled supervised step (same run)
+        base_ms = compiled["pretrain_step/supervised+compile"]["step_ms"]
+        for row in compiled.values():
+            row["time_vs_supervised"] = round(row["step_ms"] / base_ms, 3)
+    memory_key = "cuda_peak_mb" if any("cuda_peak_mb" in r for r in rows) else "step_rss_mb"
+    base = next(r for r in rows if r["name"].endswith("/supervised"))
+    vit_b = MP3_TABLE2["vit_b"]
+    for row in rows:
+        name = row["name"].split("/", 1)[1].removesuffix("+compile")
+        method, _, value = name.partition("_eta") if name.startswith("mp3") else name.partition("_ratio")
+        ratio = float(value) if value else None
+        paper = MP3_TABLE2.get(method, {}).get(ratio) if ratio is not None else (vit_b["time"], vit_b["memory"])
+        row.update(suite="mp3_table2", method="supervised ViT" if method == "supervised" else method.upper(),
+                   masking_ratio=ratio if ratio is not None else "-", memory_basis=memory_key)
+        row["compiled"] = row["name"].endswith("+compile")
+        if memory_key in row and base.get(memory_key):
+            row["memory_vs_supervised"] = round(row[memory_key] / base[memory_key], 3)
+        if paper:
+            row["paper_time_ratio"] = round(paper[0] / vit_b["time"], 2)
+            row["paper_memory_ratio"] = round(paper[1] / vit_b["memory"], 2)
+        elif method == "mae" and ratio is not None:
+            row["paper_time_ratio"] = row["paper_memory_ratio"] = "OOM" if ratio == 0.3 else "-"
+    return rows
+
+
 def matmul_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**_peak(args, state), "suite": "matmul"}]
 
@@ -128,7 +184,8 @@ def matmul_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[s
 def objectives_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
     rows = _run_objectives(args, state, preset=args.preset, img_size=args.img_size, in_chans=args.in_chans,
                            widths=args.widths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
-                           before=args.before, memory_steps=args.memory_steps, compile_names=args.compile)
+                           before=args.before, memory_steps=args.memory_steps, compile_names=args.compile,
+                           amp=args.amp or "no")
     return [{**row, "suite": "objectives"} for row in rows]
 
 
@@ -282,7 +339,8 @@ def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
 
 
 SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks_suite, "data": data_suite,
-          "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "all": all_suite}
+          "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "mp3_table2": mp3_table2_suite,
+          "all": all_suite}
 
 
 # ---------------------------------------------------------------------------------------------- markdown + figure
@@ -312,6 +370,12 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("model / batch", "name"), ("ORT p50 ms", "ort_p50_ms"), ("PyTorch p50 ms", "torch_p50_ms"),
         ("ORT p95 ms", "ort_p95_ms"), ("PyTorch p95 ms", "torch_p95_ms"), ("ORT images/s", "ort_images_per_s"),
         ("PyTorch images/s", "torch_images_per_s"), ("ORT speed-up", "ort_speedup"), ("ORT provider", "providers")]),
+    "mp3_table2": ("GPU: MP3 Table 2 (step time and peak memory vs the supervised ViT, same run)", [
+        ("objective", "name"), ("masking ratio", "masking_ratio"), ("step ms", "step_ms"),
+        ("time ratio", "time_vs_supervised"), ("paper time ratio", "paper_time_ratio"),
+        ("CUDA peak MB", "cuda_peak_mb"), ("memory ratio", "memory_vs_supervised"),
+        ("paper memory ratio", "paper_memory_ratio"), ("FLOP ratio", "flop_ratio"),
+        ("samples/s", "samples_per_s"), ("achieved GFLOP/s", "achieved_gflops"), ("device", "device")]),
     "pipelines": ("End-to-end pretraining through pretrain.py", [
         ("config", "name"), ("preset", "preset"), ("samples/s", "samples_per_s"), ("data-wait share", "data_share"),
         ("batch", "batch"), ("workers", "num_workers"), ("steps", "steps")]),
@@ -334,7 +398,8 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> list[s
 def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     hardware = f"_Hardware: {meta['hardware']}"
     if meta.get("matmul_peak"):
-        hardware += f"; fp32 matmul peak {meta['matmul_peak']['gflops']} GFLOP/s_"
+        dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(meta["matmul_peak"].get("name", "/float32").split("/")[1])
+        hardware += f"; {dtype} matmul peak {meta['matmul_peak']['gflops']} GFLOP/s_"
     else:
         hardware += "_"
     lines = [f"# Benchmarks (`--suite {meta['suite']}`)", ""]
@@ -358,9 +423,39 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                           "added to the RSS of the built model (activations, gradients, AdamW state, allocator "
                           f"caches). MP3 paper (ViT-B): wall-clock ratio {MP3_PAPER['time_ratio']} at eta = "
                           f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}.", ""]
+            if suite == "mp3_table2":
+                lines += ["Time / memory ratio: this objective's median step time / peak CUDA memory (a fresh "
+                          "process per objective: weights, AdamW state, activations) over the supervised ViT's, "
+                          "same run and batch; the forward runs under the stated autocast, AdamW in fp32. Paper: "
+                          "MP3 Table 2, seconds per iteration and GB per batch on one A100 over the ViT-B "
+                          f"baseline's ({MP3_TABLE2['vit_b']['time']} s, {MP3_TABLE2['vit_b']['memory']} GB; "
+                          "its batch size is not stated). FLOP ratio: from the shapes. `+compile` rows: "
+                          "torch.compile'd objectives, their time ratio over the compiled supervised step.", ""]
     if meta.get("seconds"):
         lines += ["Seconds per part: " + ", ".join(f"{k} {v}" for k, v in meta["seconds"].items()), ""]
     return "\n".join(lines)
+
+
+def gpu_section(path: Path) -> str:
+    """The GPU section (between the :data:`GPU_SECTION` markers) of the markdown at ``path``; "" if none."""
+    text = path.read_text() if path.is_file() else ""
+    start, end = GPU_SECTION
+    if start not in text or end not in text:
+        return ""
+    return text[text.index(start) + len(start): text.index(end)].strip("\n")
+
+
+def splice_gpu_section(base: Path | str, section_markdown: str) -> str:
+    """``base`` (a markdown file or text) with its GPU section replaced by ``section_markdown`` (appended when it has
+    none; dropped when ``section_markdown`` is empty). Its ``# title`` line is demoted out of the section."""
+    text = (base.read_text() if base.is_file() else "# Benchmarks\n") if isinstance(base, Path) else base
+    start, end = GPU_SECTION
+    if start in text and end in text:
+        text = text[: text.index(start)].rstrip("\n") + "\n" + text[text.index(end) + len(end):].lstrip("\n")
+    body = "\n".join(line for line in section_markdown.strip("\n").splitlines() if not line.startswith("# "))
+    if not body.strip():
+        return text
+    return text.rstrip("\n") + f"\n\n{start}\n{body.strip()}\n{end}\n"
 
 
 def plot_objectives(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -428,6 +523,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vits-batch", type=int, default=8, help="all / masks: ViT-S/16 224 px batch (default: 8)")
     g.add_argument("--vits-repeats", type=int, default=3, help="all: ViT-S timed steps per objective (default: 3)")
     g.add_argument("--etas", type=float, nargs="+", default=[0.5, 0.75], help="models suite: masking ratios")
+    g.add_argument("--amp", choices=["no", "bf16"], default=None,
+                   help="forward autocast of the objectives / mp3_table2 suites (default: no; bf16 in mp3_table2)")
+    g.add_argument("--mp3-etas", type=float, nargs="+", default=[0.3, 0.5, 0.75, 0.9],
+                   help="mp3_table2: MP3 masking ratios (default: %(default)s)")
+    g.add_argument("--mae-ratios", type=float, nargs="*", default=[0.5, 0.75, 0.9],
+                   help="mp3_table2: MAE masking ratios (default: %(default)s)")
+    g.add_argument("--table2-compile", action="store_true",
+                   help="mp3_table2: also time torch.compile'd copies (ratios to the compiled supervised step)")
     g = parser.add_argument_group("masks")
     g.add_argument("--mask-repeats", type=int, default=20, help="timed batches per generator (default: 20)")
     g = parser.add_argument_group("data")
@@ -485,8 +588,13 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown(rows, meta)
-    for name, text in (("benchmark.json", json.dumps({"meta": meta, "results": rows}, indent=2) + "\n"),
-                       ("benchmark.md", markdown)):
+    stem = "benchmark_mp3_table2" if args.suite == "mp3_table2" else "benchmark"
+    files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}
+    if args.suite == "mp3_table2":  # also the GPU section of benchmark.md
+        files["benchmark.md"] = splice_gpu_section(out / "benchmark.md", markdown)
+    elif (out / "benchmark.md").is_file():  # keep the GPU section a GPU run wrote
+        files["benchmark.md"] = splice_gpu_section(markdown, gpu_section(out / "benchmark.md"))
+    for name, text in files.items():
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, out / name)

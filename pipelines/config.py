@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -164,6 +165,22 @@ def build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
     return cls(**values)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's booleans: only true / false (any case) are bools, so ``run.mixed_precision=no`` stays
+    the string "no" instead of YAML 1.1's False (yes / no / on / off)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def set_dotted(raw: dict[str, Any], assignment: str) -> None:
     """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict."""
     if "=" not in assignment:
@@ -175,7 +192,7 @@ def set_dotted(raw: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {part} is not a section")
-    node[parts[-1]] = yaml.safe_load(text)
+    node[parts[-1]] = parse_yaml(text)
 
 
 def load(cls: type, path: str | None, overrides: list[str]) -> Any:
@@ -185,7 +202,7 @@ def load(cls: type, path: str | None, overrides: list[str]) -> Any:
         file = Path(path)
         if not file.is_file():
             raise ConfigError(f"config file {file} not found; see pipelines/configs/ for the shipped ones")
-        raw = yaml.safe_load(file.read_text()) or {}
+        raw = parse_yaml(file.read_text()) or {}
     for assignment in overrides:
         set_dotted(raw, assignment)
     config = build(cls, raw)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import ProjectConfiguration, set_seed
 from config import ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
 from safetensors.torch import save_file
@@ -66,6 +67,10 @@ def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
 
 def make_accelerator(run: RunSection) -> Accelerator:
     Path(run.output).mkdir(parents=True, exist_ok=True)
+    # Accelerate keeps one process-wide state and refuses a second Accelerator with another mixed precision; stages
+    # run in one process (tests, the demo and study orchestration) may each ask for their own, so start it afresh.
+    if AcceleratorState._shared_state.get("_mixed_precision") not in (None, run.mixed_precision):
+        AcceleratorState._reset_state()
     return Accelerator(mixed_precision=run.mixed_precision, gradient_accumulation_steps=run.grad_accum,
                        log_with="tensorboard" if run.tensorboard else None,
                        project_config=ProjectConfiguration(project_dir=run.output, logging_dir=str(

@@ -119,7 +119,8 @@ def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.
 
 
 def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tensor, out_dir: Path) -> dict:
-    """MP3 eta curve + reassembled picture, or the DropPos grid, from the saved objective parameters."""
+    """MP3 eta curve + reassembled picture, or the DropPos grid, from the saved objective parameters (on the
+    backbone's device; the images and the picture stay on the CPU)."""
     method, extras = metadata.get("method"), checkpoint / "objective.safetensors"
     if method not in ("mp3", "droppos") or not extras.is_file():
         return {}
@@ -130,14 +131,16 @@ def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tens
     missing, unexpected = objective.load_state_dict(load_file(str(extras)), strict=False)
     if unexpected or any(not k.startswith("backbone.") for k in missing):
         raise ModelError(f"{extras} does not match the {method} objective")
+    device = next(backbone.parameters()).device
+    objective, on_device = objective.to(device), images.to(device)
     if method == "droppos":
-        grid = position_accuracy_grid(objective, images, generator=torch.Generator().manual_seed(0))
+        grid = position_accuracy_grid(objective, on_device, generator=torch.Generator().manual_seed(0))
         return {"droppos_grid": {("mean" if k == "mean" else f"gamma={k[0]},gamma_pos={k[1]}"): v
                                  for k, v in grid.items()}}
-    curve = position_accuracy_vs_eta(objective, images, etas=(0.0, 0.25, 0.5, 0.75, 0.9),
+    curve = position_accuracy_vs_eta(objective, on_device, etas=(0.0, 0.25, 0.5, 0.75, 0.9),
                                      generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits, _ = objective.eval().position_logits(images[:8], eta=0.0)
+        logits = objective.eval().position_logits(on_device[:8], eta=0.0)[0].float().cpu()
     picture = reassemble(images[:8], logits, backbone.config.patch_size)
     plot_mp3(curve, images[:8], picture, out_dir)
     return {"mp3_position_accuracy": {str(k): v for k, v in curve.items()}}

@@ -64,3 +64,29 @@ def test_markdown_heads_every_table_with_the_hardware_line():
     for section in sections:
         assert section.splitlines()[2] == f"_Hardware: {meta['hardware']}; fp32 matmul peak 50.0 GFLOP/s_"
     assert "torch" in meta["hardware"] and ("GPU" in meta["hardware"])
+
+
+def test_mp3_table2_suite_reports_ratios_beside_the_paper_and_keeps_its_gpu_section(tmp_path):
+    """CPU stand-in for the GPU run (tiny ViT, bf16 autocast): paper ratios, memory ratios, and benchmark.md's GPU
+    section written once, replaced by the next mp3_table2 run and kept when another suite rewrites the file."""
+    (tmp_path / "benchmark.md").write_text("# Benchmarks\n\nearlier tables\n")
+    args = ["--suite", "mp3_table2", "--preset", "vit_micro", "--img-size", "32", "--in-chans", "1", "--batch", "2",
+            "--repeats", "1", "--warmup", "0", "--memory-steps", "1", "--mp3-etas", "0.75", "--mae-ratios", "0.9",
+            "--matmul-size", "64", "--out", str(tmp_path)]
+    assert benchmark.main(args) == 0
+    data = json.loads((tmp_path / "benchmark_mp3_table2.json").read_text())
+    rows = {r["name"].split("/", 1)[1]: r for r in data["results"]}
+    assert set(rows) == {"supervised", "mp3_eta0.75", "mae_ratio0.9"}
+    assert rows["mp3_eta0.75"]["paper_time_ratio"] == 0.69 and rows["mp3_eta0.75"]["paper_memory_ratio"] == 0.72
+    assert rows["mae_ratio0.9"]["paper_time_ratio"] == 0.61 and rows["supervised"]["memory_vs_supervised"] == 1.0
+    assert all(r["amp"] == "bf16" and r["memory_basis"] == "step_rss_mb" for r in rows.values())
+    assert data["meta"]["matmul_peak"]["name"].startswith("matmul_peak/bfloat16/")
+    markdown = (tmp_path / "benchmark.md").read_text()
+    assert "earlier tables" in markdown and markdown.count(benchmark.GPU_SECTION[0]) == 1
+    assert "| mp3_eta0.75 | 0.75 |" in markdown
+    assert benchmark.main(args) == 0  # replaced, not appended
+    assert (tmp_path / "benchmark.md").read_text().count(benchmark.GPU_SECTION[0]) == 1
+    assert benchmark.main(["--suite", "masks", "--mask-repeats", "1", "--vits-batch", "2", "--out", str(tmp_path)]) == 0
+    markdown = (tmp_path / "benchmark.md").read_text()
+    assert "Mask generation" in markdown and "earlier tables" not in markdown  # rewritten by the masks suite ...
+    assert markdown.count(benchmark.GPU_SECTION[0]) == 1 and "| mp3_eta0.75 | 0.75 |" in markdown  # ... GPU kept

@@ -79,6 +79,24 @@ def test_bad_configs_fail_with_one_line(shards, capsys, overrides, message):
     assert err.count("\n") == 0 and __import__("re").search(message, err), err
 
 
+def test_overrides_read_yes_no_on_off_as_words_and_only_true_false_as_bools(shards):
+    """YAML 1.1 would read ``run.mixed_precision=no`` as False and fail the str field (seen on the first GPU run)."""
+    cfg = pipeline_config.load(pretrain.PretrainConfig, None, [*img(shards), "run.mixed_precision=no",
+                                                               "run.resume=true", "run.tensorboard=False"])
+    assert cfg.run.mixed_precision == "no" and cfg.run.resume is True and cfg.run.tensorboard is False
+    with pytest.raises(pipeline_config.ConfigError, match="run.resume: expected bool, got 'yes'"):
+        pipeline_config.load(pretrain.PretrainConfig, None, [*img(shards), "run.resume=yes"])
+
+
+def test_stages_in_one_process_may_each_ask_for_their_own_mixed_precision(shards, tmp_path):
+    """Accelerate keeps one process-wide state; the demo, the study and these tests run stages in one process."""
+    for i, precision in enumerate(["no", "bf16", "no"]):
+        assert pretrain.main(["method=supervised", *img(shards), *TINY, "optim.max_steps=1",
+                              f"run.mixed_precision={precision}", f"run.output={tmp_path / str(i)}"]) == 0
+        config = (tmp_path / str(i) / "config.yaml").read_text()
+        assert f"mixed_precision: {precision if precision != 'no' else repr('no')}" in config
+
+
 def test_help_lists_every_field_with_its_default(capsys):
     with pytest.raises(SystemExit):
         pretrain.main(["--help"])

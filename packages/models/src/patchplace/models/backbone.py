@@ -46,7 +46,10 @@ class PatchEmbed(nn.Module):
         if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != self.img_size:
             raise ModelError(f"expected images (B, {self.in_chans}, {self.img_size[0]}, {self.img_size[1]}), got "
                              f"{tuple(x.shape)}: check in_chans / img_size of the model against the data")
-        return self.proj(x).flatten(2).transpose(1, 2)
+        # contiguous (B, N, D): a transposed view would carry its strides through every residual add of a path
+        # with no class-token cat or PE add (MP3), and each LayerNorm would copy it (measured on an H100, ViT-B
+        # bf16: the MP3 step 11% slower than supervised before, see results/benchmark.md's GPU section)
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
 
 
 class FrameEmbed(nn.Module):

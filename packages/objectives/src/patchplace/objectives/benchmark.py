@@ -19,6 +19,7 @@ being repeated per block ahead of the gather), so one run shows before and after
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import random
@@ -261,11 +262,13 @@ def mask_times(grid: tuple[int, int], batch: int, *, repeats: int = 20, seed: in
 
 # ---------------------------------------------------------------------------------------------- objectives
 def default_objectives(preset: str = "vit_cpu", *, in_chans: int = 1, num_classes: int = 10,
-                       img_size: int | None = None, widths: str = "study",
-                       before: bool = False) -> dict[str, Callable[[], nn.Module]]:
+                       img_size: int | None = None, widths: str = "study", before: bool = False,
+                       mp3_etas: tuple[float, ...] = (0.0, 0.5, 0.75), mae_ratios: tuple[float, ...] = (),
+                       ) -> dict[str, Callable[[], nn.Module]]:
     """Builders of every objective on backbone ``preset`` (``img_size`` / ``in_chans`` override the preset's), with
-    decoder / predictor sizes ``widths`` (see :data:`WIDTHS`). ``before=True`` adds ``mjp_before``
-    (:class:`MJPBefore`), ``ijepa_before`` and ``stop_before`` (:class:`IJEPABefore`)."""
+    decoder / predictor sizes ``widths`` (see :data:`WIDTHS`): ``mp3_eta{eta}`` per ``mp3_etas``, ``mae`` (its
+    config's ratio) plus ``mae_ratio{r}`` per ``mae_ratios`` (MP3 Table 2's MAE rows). ``before=True`` adds
+    ``mjp_before`` (:class:`MJPBefore`), ``ijepa_before`` and ``stop_before`` (:class:`IJEPABefore`)."""
     if widths not in WIDTHS:
         raise ObjectiveError(f"widths must be one of {sorted(WIDTHS)}, got {widths!r}")
     w = WIDTHS[widths]
@@ -277,11 +280,11 @@ def default_objectives(preset: str = "vit_cpu", *, in_chans: int = 1, num_classe
     dec, pred = w["decoder"], w["predictor"]
     builders: dict[str, Callable[[], nn.Module]] = {
         "supervised": lambda: Supervised(backbone("learned", num_classes)),
-        "mp3_eta0": lambda: MP3(backbone("none"), MP3Config(eta=0.0)),
-        "mp3_eta0.5": lambda: MP3(backbone("none"), MP3Config(eta=0.5)),
-        "mp3_eta0.75": lambda: MP3(backbone("none"), MP3Config(eta=0.75)),
+        **{f"mp3_eta{eta:g}": lambda eta=eta: MP3(backbone("none"), MP3Config(eta=eta)) for eta in mp3_etas},
         "droppos": lambda: DropPos(backbone("sincos2d"), DropPosConfig(**dec)),
         "mae": lambda: MAE(backbone("sincos2d"), MAEConfig(**dec)),
+        **{f"mae_ratio{r:g}": lambda r=r: MAE(backbone("sincos2d"), MAEConfig(mask_ratio=r, **dec))
+           for r in mae_ratios},
         # MJP with the jigsaw on every step (the recipe shuffles half the batches after warm-up): the worst case.
         "mjp": lambda: MJP(backbone("learned", num_classes), MJPConfig(ratio=w["mjp_ratio"], apply_prob=1.0,
                                                                        warmup_fraction=0.0)),
@@ -312,10 +315,22 @@ def _takes_generator(obj: nn.Module) -> bool:
     return "generator" in inspect.signature(_unwrap(obj).forward).parameters
 
 
+AMP_DTYPES = {"no": None, "bf16": torch.bfloat16}
+
+
+def _autocast(device: torch.device, amp: str):
+    """``torch.autocast`` for ``amp`` ("bf16") on ``device``, or a no-op context for "no" (fp32)."""
+    if amp not in AMP_DTYPES:
+        raise ObjectiveError(f"amp must be one of {sorted(AMP_DTYPES)}, got {amp!r}")
+    dtype = AMP_DTYPES[amp]
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
 def _train_step(name: str, obj: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
-                generator: torch.Generator | None = None) -> None:
+                generator: torch.Generator | None = None, amp: str = "no") -> None:
     kwargs = {"generator": generator} if generator is not None and _takes_generator(obj) else {}
-    loss = obj(batch, progress=0.5, **kwargs)["loss"]
+    with _autocast(batch[0].device, amp):
+        loss = obj(batch, progress=0.5, **kwargs)["loss"]
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -325,12 +340,12 @@ def _train_step(name: str, obj: nn.Module, optimizer: torch.optim.Optimizer, bat
 
 def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64, img_size: int | None = None,
                in_chans: int | None = None, num_classes: int = 10, repeats: int = 10, warmup: int = 2,
-               seed: int = 0, device: str | torch.device = "cpu",
-               peak_gflops: float | None = None) -> list[dict[str, Any]]:
+               seed: int = 0, device: str | torch.device = "cpu", peak_gflops: float | None = None,
+               amp: str = "no") -> list[dict[str, Any]]:
     """Median step time and FLOPs of each objective, with ratios to ``supervised`` (must be among them), training
     samples/s and achieved GFLOP/s (FLOPs from the shapes / step time; as a fraction of ``peak_gflops`` when
     given). Inputs default to the supervised backbone's shape. Objectives with an EMA target encoder also run its
-    update, unless their name ends in ``_noema``."""
+    update, unless their name ends in ``_noema``. ``amp="bf16"``: forward under bf16 autocast (AdamW in fp32)."""
     device = torch.device(device)
     torch.manual_seed(seed)
     objectives = {name: build().to(device) for name, build in builders.items()}
@@ -346,7 +361,7 @@ def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64,
             _sync(device)  # systematic advantage for whoever runs first in a round
             gen = torch.Generator().manual_seed(seed + i)  # step i draws the same sizes in every variant
             start = time.perf_counter()
-            _train_step(name, objectives[name], optimizers[name], (images, labels), gen)
+            _train_step(name, objectives[name], optimizers[name], (images, labels), gen, amp=amp)
             _sync(device)
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
@@ -362,7 +377,7 @@ def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64,
                "achieved_gflops": round(achieved, 2)}
         if peak_gflops:
             row["peak_fraction"] = round(achieved / peak_gflops, 3)
-        row.update({"batch": batch, "threads": torch.get_num_threads(), "device": str(device)})
+        row.update({"batch": batch, "threads": torch.get_num_threads(), "device": str(device), "amp": amp})
         rows.append(row)
     return rows
 
@@ -398,7 +413,9 @@ def _peak_rss_mb() -> float:
 
 def step_memory(name: str, *, preset: str = "vit_cpu", in_chans: int = 1, num_classes: int = 10,
                 img_size: int | None = None, widths: str = "study", batch: int = 64, steps: int = 2,
-                device: str = "cpu", threads: int | None = None) -> dict[str, Any]:
+                device: str = "cpu", threads: int | None = None, amp: str = "no",
+                mp3_etas: tuple[float, ...] = (0.0, 0.5, 0.75), mae_ratios: tuple[float, ...] = ()
+                ) -> dict[str, Any]:
     """Memory of ``steps`` training steps of objective ``name`` (of :func:`default_objectives`) in THIS process:
     ``rss_before_mb`` (RSS with the model, optimizer and batch built, before the first step), ``peak_rss_mb``
     (the process's RSS high-water mark after the steps) and ``step_rss_mb`` = their difference (activations,
@@ -409,7 +426,8 @@ def step_memory(name: str, *, preset: str = "vit_cpu", in_chans: int = 1, num_cl
     dev = torch.device(device)
     torch.manual_seed(0)
     builders = default_objectives(preset, in_chans=in_chans, num_classes=num_classes, img_size=img_size,
-                                  widths=widths, before=name.endswith("_before"))
+                                  widths=widths, before=name.endswith("_before"), mp3_etas=mp3_etas,
+                                  mae_ratios=mae_ratios)
     obj = builders[name]().to(dev)
     c, h, _ = _input_shape(obj)
     batch_data = (torch.randn(batch, c, h, h, device=dev), torch.randint(0, num_classes, (batch,), device=dev))
@@ -418,7 +436,7 @@ def step_memory(name: str, *, preset: str = "vit_cpu", in_chans: int = 1, num_cl
         torch.cuda.reset_peak_memory_stats(dev)
     before = _rss_mb()
     for _ in range(steps):
-        _train_step(name, obj, optimizer, batch_data)
+        _train_step(name, obj, optimizer, batch_data, amp=amp)
     _sync(dev)
     peak = _peak_rss_mb()
     row = {"name": f"memory/{name}", "rss_before_mb": round(before, 1), "peak_rss_mb": round(peak, 1),
