@@ -225,6 +225,26 @@ def test_label_smoothing_knob_changes_the_loss(shards):
     assert losses[0.3] != pytest.approx(losses[0.0])
 
 
+def test_ema_knob_moves_the_target_encoder_through_the_pipeline(shards, tmp_path):
+    """I-JEPA's EMA through pretrain.py: momentum 0 makes the target encoder the context encoder after every step;
+    momentum 1 leaves it where it started (so it differs from the trained context encoder)."""
+    from safetensors.torch import load_file
+
+    states = {}
+    for momentum in (0.0, 1.0):
+        out = tmp_path / f"ema{momentum}"
+        assert pretrain.main([*method_args(shards, "ijepa"), "optim.max_steps=3", f"objective.ema_start={momentum}",
+                              f"objective.ema_end={momentum}", f"run.output={out}"]) == 0
+        states[momentum] = load_file(str(out / "state" / "model.safetensors"))
+    for momentum, state in states.items():
+        target = {k.removeprefix("target_encoder."): v for k, v in state.items() if k.startswith("target_encoder.")}
+        online = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+        shared = sorted(set(target) & set(online))
+        assert len(shared) > 10, "the saved state holds both encoders"
+        same = all(torch.equal(target[k], online[k]) for k in shared)
+        assert same == (momentum == 0.0), f"momentum {momentum}: target == context encoder is {same}"
+
+
 def test_harness_compare_pairs_the_seeds_both_studies_measured(tmp_path):
     import harness_compare
 
