@@ -84,7 +84,7 @@ def test_overrides_read_yes_no_on_off_as_words_and_only_true_false_as_bools(shar
     cfg = pipeline_config.load(pretrain.PretrainConfig, None, [*img(shards), "run.mixed_precision=no",
                                                                "run.resume=true", "run.tensorboard=False"])
     assert cfg.run.mixed_precision == "no" and cfg.run.resume is True and cfg.run.tensorboard is False
-    with pytest.raises(pipeline_config.ConfigError, match="run.resume: expected bool, got 'yes'"):
+    with pytest.raises(pipeline_config.ConfigError, match=r"run\.resume: expected bool, got 'yes'"):
         pipeline_config.load(pretrain.PretrainConfig, None, [*img(shards), "run.resume=yes"])
 
 
