@@ -257,6 +257,8 @@ class Trainer:
             if run.tensorboard:
                 acc.init_trackers("tensorboard")
         step = first_step = self.resume_step()
+        # which processes really run this job (world size and the distinct ranks, gathered from every process)
+        ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
         bar = tqdm(total=total, initial=step, disable=not acc.is_main_process, desc=self.metadata.get("method"))
         last_eval: dict[str, Any] = {}
         start = time.perf_counter()
@@ -295,7 +297,7 @@ class Trainer:
                     top = optimizer.param_groups[0]  # the schedule's base lr (groups carry lr * lr_scale)
                     scalars.update(lr=top["lr"] / top.get("lr_scale", 1.0), epoch=epoch,
                                    data_share=round(waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
-                    self.log.write({"step": step, **scalars})
+                    self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "ranks": ranks})
                     if run.tensorboard:
                         acc.log(scalars, step=step)
                     bar.set_postfix(loss=f"{scalars['loss']:.4f}")

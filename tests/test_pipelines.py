@@ -193,14 +193,18 @@ def test_a_resumed_run_ends_with_the_same_weights(shards, tmp_path, workers):
 
 
 def test_two_processes_split_the_data_and_only_rank0_writes(shards, tmp_path):
+    """The README's command: two real gloo processes (``--cpu --num_processes 2`` would start only one)."""
     accelerate = Path(sys.executable).with_name("accelerate")
     out = tmp_path / "ddp"
-    launch = [str(accelerate), "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no"]
-    result = subprocess.run([*launch, str(ROOT / "pipelines" / "pretrain.py"), "method=mp3", *img(shards), *TINY,
-                             "optim.max_steps=3", f"run.output={out}"], capture_output=True, text=True, timeout=300)
+    launch = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([*launch, str(ROOT / "pipelines" / "pretrain.py"), "method=supervised", *img(shards),
+                             *TINY, "optim.max_steps=3", f"run.output={out}"], capture_output=True, text=True,
+                            timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert all(r["world_size"] == 2 and r["ranks"] == [0, 1] for r in log), "two processes, ranks 0 and 1, ran"
     assert [r["step"] for r in log] == [1, 2, 3], "one log line per step: only the main process writes"
     assert log[-1]["samples_per_s"] > 0 and (out / "checkpoint" / "model.safetensors").is_file()
 
