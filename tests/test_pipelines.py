@@ -192,16 +192,21 @@ def test_a_resumed_run_ends_with_the_same_weights(shards, tmp_path, workers):
         assert a.keys() == b.keys() and all(np.allclose(a[k].numpy(), b[k].numpy(), atol=1e-6) for k in a)
 
 
-def test_two_processes_split_the_data_and_only_rank0_writes(shards, tmp_path):
-    """The README's command: two real gloo processes (``--cpu --num_processes 2`` would start only one)."""
+@pytest.mark.parametrize("method", ["supervised", "mp3", "mp3_speech", "droppos", "mae", "ijepa", "stop", "randsac"])
+def test_two_processes_split_the_data_and_only_rank0_writes(shards, tmp_path, method):
+    """The README's command: two real gloo processes (``--cpu --num_processes 2`` would start only one). MP3,
+    I-JEPA, StoP and RandSAC crashed here with DDP's unused-parameter error until they froze the class token they
+    never feed. MJP (E_unk unused on steps without the jigsaw) is not in the list yet: issue 17."""
     accelerate = Path(sys.executable).with_name("accelerate")
     out = tmp_path / "ddp"
     launch = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*launch, str(ROOT / "pipelines" / "pretrain.py"), "method=supervised", *img(shards),
-                             *TINY, "optim.max_steps=3", f"run.output={out}"], capture_output=True, text=True,
-                            timeout=300, env=env)
+    data = audio(shards) if method == "mp3_speech" else img(shards)
+    model = ["model.preset=audio_mp3"] if method == "mp3_speech" else []
+    result = subprocess.run([*launch, str(ROOT / "pipelines" / "pretrain.py"), f"method={method}", *data, *TINY,
+                             *model, *SMALL_HEADS.get(method, []), "optim.max_steps=3", f"run.output={out}"],
+                            capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert all(r["world_size"] == 2 and r["ranks"] == [0, 1] for r in log), "two processes, ranks 0 and 1, ran"

@@ -84,6 +84,15 @@ class BackboneObjective(nn.Module):
         token) — right for objectives that train through the head; the others set a class attribute."""
         return self.backbone.config.global_pool
 
+    def freeze_class_token(self) -> None:
+        """For objectives that never feed the class token (``probe_feature = "patch_mean"``): it can get no gradient
+        in this pretraining, so it is frozen. Distributed data parallel then meets no trainable parameter without a
+        gradient (its "parameters that were not used in producing loss" error), and single-process training is
+        unchanged (AdamW skips a parameter whose gradient is None). The token keeps its initialization in the
+        checkpoint; fine-tuning, which loads a fresh backbone, trains it."""
+        if self.backbone.cls_token is not None:
+            self.backbone.cls_token.requires_grad_(False)
+
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:
         return self.backbone.group_matcher(coarse, prefix="backbone.")

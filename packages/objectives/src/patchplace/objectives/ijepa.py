@@ -104,6 +104,7 @@ class IJEPA(BackboneObjective):
         if backbone.config.modality != "image":
             raise ObjectiveError("I-JEPA multi-block masks need an image backbone")
         self.backbone = backbone
+        self.freeze_class_token()  # never fed here (see probe_feature)
         self.target_encoder = copy.deepcopy(backbone).requires_grad_(False)  # EMA of the context encoder
         d = backbone.embed_dim
         self.predictor = TransformerDecoder(d, c.predictor_dim, c.predictor_depth, c.predictor_heads)

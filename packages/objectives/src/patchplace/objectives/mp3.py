@@ -77,6 +77,7 @@ class MP3(BackboneObjective):
             raise ObjectiveError("MP3 anchors need the backbone's true PE: create it with pos_embed='sincos1d' "
                                  "(speech) or 'sincos2d', or set anchor_ratio=0")
         self.backbone = backbone
+        self.freeze_class_token()  # never fed here (see probe_feature)
         self.num_positions = backbone.num_patches
         self.head = nn.Linear(backbone.embed_dim, self.num_positions)  # App. A: linear_head, D -> N
         nn.init.xavier_uniform_(self.head.weight)

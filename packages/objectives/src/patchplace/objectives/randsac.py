@@ -142,6 +142,7 @@ class RandSAC(BackboneObjective):
         if backbone.config.modality != "image":
             raise ObjectiveError("RandSAC needs an image backbone (2-D token grid)")
         self.backbone = backbone
+        self.freeze_class_token()  # never fed here (see probe_feature)
         self.grid = tuple(backbone.grid)
         self.patch_size = backbone.config.patch_size
         if c.segments == "square" and self._num_squares() < 2:
