@@ -59,15 +59,16 @@ from stages import hardware_line
 from patchplace.data.benchmark import mfcc_throughput, shard_read_throughput
 from patchplace.models import PRESETS
 from patchplace.models.benchmark import context_attention, matmul_peak
-from patchplace.objectives.benchmark import default_objectives, isolated_step_memory, mask_times, step_times
+from patchplace.objectives.benchmark import MP3_ETAS, default_objectives, isolated_step_memory, mask_times, step_times
 
 STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pipelines/configs/study_fashion_mnist.yaml
-MP3_PAPER = {"eta": 0.75, "time_ratio": 0.69, "flop_bound": 0.84}  # MP3 Table 2 (ViT-B) and DESIGN.md §3
 # MP3 Table 2 (ViT-B on ImageNet-1K, one A100): seconds / iteration and GB / batch per masking ratio; the ViT-B
 # baseline is 0.67 s and 33.5 GB (MAE at 0.3 ran out of memory). Ratios = value / the baseline's.
 MP3_TABLE2 = {"vit_b": {"time": 0.67, "memory": 33.5},
               "mp3": {0.3: (0.52, 30.0), 0.5: (0.51, 27.4), 0.75: (0.46, 24.2), 0.9: (0.44, 22.3)},
-              "mae": {0.5: (0.57, 35.1), 0.75: (0.47, 28.0), 0.9: (0.41, 24.4)}}
+              "mae": {0.3: None, 0.5: (0.57, 35.1), 0.75: (0.47, 28.0), 0.9: (0.41, 24.4)}}
+MP3_PAPER = {"eta": 0.75, "time_ratio": round(MP3_TABLE2["mp3"][0.75][0] / MP3_TABLE2["vit_b"]["time"], 2),
+             "flop_bound": 0.84}  # the headline of Table 2, and DESIGN.md §3's FLOP bound
 GPU_SECTION = ("<!-- gpu section: written by benchmark.py --suite mp3_table2 -->", "<!-- end of gpu section -->")
 
 
@@ -104,7 +105,7 @@ def _run_objectives(args: argparse.Namespace, state: dict[str, Any], *, preset: 
                     in_chans: int | None, widths: str | None, batch: int, repeats: int, warmup: int,
                     before: bool, memory_steps: int, compile_names: list[str],
                     exclude: tuple[str, ...] = (), amp: str = "no", num_classes: int = 10,
-                    mp3_etas: tuple[float, ...] = (0.0, 0.5, 0.75), mae_ratios: tuple[float, ...] = (),
+                    mp3_etas: tuple[float, ...] = MP3_ETAS, mae_ratios: tuple[float, ...] = (),
                     only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     img_size, in_chans, widths = _setting(preset, img_size, in_chans, widths)
     device = _device(args)
@@ -163,17 +164,15 @@ def mp3_table2_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[di
         name = row["name"].split("/", 1)[1].removesuffix("+compile")
         method, _, value = name.partition("_eta") if name.startswith("mp3") else name.partition("_ratio")
         ratio = float(value) if value else None
-        paper = MP3_TABLE2.get(method, {}).get(ratio) if ratio is not None else (vit_b["time"], vit_b["memory"])
-        row.update(suite="mp3_table2", method="supervised ViT" if method == "supervised" else method.upper(),
-                   masking_ratio=ratio if ratio is not None else "-", memory_basis=memory_key)
-        row["compiled"] = row["name"].endswith("+compile")
+        row.update(suite="mp3_table2", masking_ratio=ratio if ratio is not None else "-", memory_basis=memory_key)
         if memory_key in row and base.get(memory_key):
             row["memory_vs_supervised"] = round(row[memory_key] / base[memory_key], 3)
-        if paper:
-            row["paper_time_ratio"] = round(paper[0] / vit_b["time"], 2)
-            row["paper_memory_ratio"] = round(paper[1] / vit_b["memory"], 2)
-        elif method == "mae" and ratio is not None:
-            row["paper_time_ratio"] = row["paper_memory_ratio"] = "OOM" if ratio == 0.3 else "-"
+        if ratio is None:  # the baseline
+            row["paper_time_ratio"] = row["paper_memory_ratio"] = 1.0
+        elif ratio in MP3_TABLE2.get(method, {}):
+            paper = MP3_TABLE2[method][ratio]
+            row["paper_time_ratio"] = round(paper[0] / vit_b["time"], 2) if paper else "OOM"
+            row["paper_memory_ratio"] = round(paper[1] / vit_b["memory"], 2) if paper else "OOM"
     return rows
 
 
@@ -436,19 +435,17 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def gpu_section(path: Path) -> str:
-    """The GPU section (between the :data:`GPU_SECTION` markers) of the markdown at ``path``; "" if none."""
-    text = path.read_text() if path.is_file() else ""
+def gpu_section(text: str) -> str:
+    """The GPU section (between the :data:`GPU_SECTION` markers) of markdown ``text``; "" if none."""
     start, end = GPU_SECTION
     if start not in text or end not in text:
         return ""
     return text[text.index(start) + len(start): text.index(end)].strip("\n")
 
 
-def splice_gpu_section(base: Path | str, section_markdown: str) -> str:
-    """``base`` (a markdown file or text) with its GPU section replaced by ``section_markdown`` (appended when it has
-    none; dropped when ``section_markdown`` is empty). Its ``# title`` line is demoted out of the section."""
-    text = (base.read_text() if base.is_file() else "# Benchmarks\n") if isinstance(base, Path) else base
+def splice_gpu_section(text: str, section_markdown: str) -> str:
+    """Markdown ``text`` with its GPU section replaced by ``section_markdown`` (appended when it has none; dropped
+    when ``section_markdown`` is empty). Its ``# title`` line is left out of the section."""
     start, end = GPU_SECTION
     if start in text and end in text:
         text = text[: text.index(start)].rstrip("\n") + "\n" + text[text.index(end) + len(end):].lstrip("\n")
@@ -590,10 +587,11 @@ def main(argv: list[str] | None = None) -> int:
     markdown = to_markdown(rows, meta)
     stem = "benchmark_mp3_table2" if args.suite == "mp3_table2" else "benchmark"
     files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}
+    existing = (out / "benchmark.md").read_text() if (out / "benchmark.md").is_file() else ""
     if args.suite == "mp3_table2":  # also the GPU section of benchmark.md
-        files["benchmark.md"] = splice_gpu_section(out / "benchmark.md", markdown)
-    elif (out / "benchmark.md").is_file():  # keep the GPU section a GPU run wrote
-        files["benchmark.md"] = splice_gpu_section(markdown, gpu_section(out / "benchmark.md"))
+        files["benchmark.md"] = splice_gpu_section(existing or "# Benchmarks\n", markdown)
+    elif existing:  # keep the GPU section a GPU run wrote
+        files["benchmark.md"] = splice_gpu_section(markdown, gpu_section(existing))
     for name, text in files.items():
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
