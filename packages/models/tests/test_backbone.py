@@ -170,3 +170,10 @@ def test_unknown_pe_replaces_exactly_the_marked_positions(micro, tmp_path):
     model.save_pretrained(tmp_path / "mjp")
     loaded, _ = load_pretrained(tmp_path / "mjp")
     torch.testing.assert_close(loaded.eval()(x, marked), model(x, marked), atol=0, rtol=0)
+
+
+def test_patch_tokens_are_contiguous_so_layernorms_need_no_copy(micro):
+    """A transposed (B, D, N) view would carry its strides through every residual add of a path with no class-token
+    cat or PE add (MP3), and each LayerNorm would copy it (the MP3 step went 1.13 -> 0.94 of supervised on an H100)."""
+    tokens = micro(pos_embed="none").patch_embed(torch.randn(2, 3, 16, 16))
+    assert tokens.shape == (2, 16, 32) and tokens.is_contiguous()
