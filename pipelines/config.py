@@ -100,6 +100,9 @@ class RunSection:
     resume: bool = False  # continue from output/state if it exists
     stop_after: int | None = None  # leave after this many steps, as if interrupted (resume tests and demos)
     tensorboard: bool = True
+    # DDP's find_unused_parameters; null = only for objectives whose steps may leave a trainable parameter without
+    # gradient (MJP's E_unk). True costs a graph traversal per step (results/benchmark.md, ddp suite).
+    find_unused_parameters: bool | None = None
 
     def validate(self) -> None:
         if self.mixed_precision not in ("no", "fp16", "bf16"):

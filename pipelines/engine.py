@@ -30,7 +30,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from config import ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
 from safetensors.torch import save_file
 from torch import nn
@@ -48,14 +48,18 @@ from patchplace.objectives import ObjectiveError
 USER_ERRORS = (ConfigError, DataError, ModelError, ObjectiveError, ValueError)
 
 
-def start(config_cls: type, description: str, argv: list[str] | None, augment: bool = True
-          ) -> tuple[Any, Accelerator, Data]:
-    """Parse ``--config`` + overrides, validate, seed, create the Accelerator and the readers."""
+def start(config_cls: type, description: str, argv: list[str] | None, augment: bool = True,
+          split_train: bool = True) -> tuple[Any, Accelerator, Data]:
+    """Parse ``--config`` + overrides, validate, seed, create the Accelerator and the readers.
+
+    The seed is the same on every process here, so every rank builds the same initial weights (DDP also broadcasts
+    rank 0's); :meth:`Trainer.fit` then gives each rank its own random stream. ``split_train=False``: every process
+    reads the whole train split (evaluation, which runs on the main process only)."""
     args = parser(config_cls, description).parse_args(argv)
     cfg = load(config_cls, args.config, args.overrides)
     accelerator = make_accelerator(cfg.run)
     set_seed(cfg.run.seed)
-    return cfg, accelerator, build_data(cfg.data, accelerator, cfg.run.seed, augment=augment)
+    return cfg, accelerator, build_data(cfg.data, accelerator, cfg.run.seed, augment=augment, split_train=split_train)
 
 
 def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
@@ -87,8 +91,11 @@ class Data:
     frontend: nn.Module | None
 
 
-def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: bool = True) -> Data:
-    """Train reader split across processes; the validation reader is read whole by the main process."""
+def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: bool = True,
+               split_train: bool = True) -> Data:
+    """Train reader split across processes (by global rank, so across nodes too: each process reads its own
+    shards / samples); the validation reader is read whole by the main process. ``split_train=False``: the train
+    reader is read whole as well."""
     manifest, val_manifest = Manifest.load(cfg.train), Manifest.load(cfg.val)
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
@@ -99,8 +106,9 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     else:
         options, eval_options = {"noise_bank": cfg.noise_split}, {}
     train = ShardDataset(manifest, urls=cfg.train_urls, transform=build_transform(manifest, augment, **options),
-                         shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=accelerator.process_index,
-                         world_size=accelerator.num_processes, num_workers=cfg.num_workers,
+                         shuffle_buffer=cfg.shuffle_buffer, seed=seed,
+                         rank=accelerator.process_index if split_train else 0,
+                         world_size=accelerator.num_processes if split_train else 1, num_workers=cfg.num_workers,
                          epoch_length=cfg.train_limit, seeded_transforms=True)
     val = ShardDataset(val_manifest, urls=cfg.val_urls, transform=build_transform(val_manifest, False,
                                                                                   **eval_options),
@@ -218,7 +226,8 @@ class Trainer:
                 save_file(extras, str(tmp))
                 os.replace(tmp, self.out / "checkpoint" / "objective.safetensors")
         tmp_state = self.out / ".state.tmp"
-        self.acc.save_state(str(tmp_state))
+        self.acc.save_state(str(tmp_state))  # every process writes its own random_states_<rank>.pkl here
+        self.acc.wait_for_everyone()  # ... before the main process moves the directory
         if self.acc.is_main_process:
             (tmp_state / "trainer.json").write_text(json.dumps({"step": step}))
             _replace_dir(tmp_state, self.out / "state")
@@ -251,11 +260,18 @@ class Trainer:
                 "lr": self.optim_cfg.lr, "layer_decay": self.optim_cfg.layer_decay,
                 "weight_decay": self.optim_cfg.weight_decay,
                 "parameters": parameter_groups(optimizer, self.objective)})
+        find_unused = self.run.find_unused_parameters
+        if find_unused is None:  # auto: only objectives that may leave a parameter without gradient (MJP)
+            find_unused = bool(getattr(self.objective, "leaves_parameters_unused", False))
+        acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=find_unused)
         objective, optimizer, scheduler = acc.prepare(self.objective, optimizer, scheduler)
         if acc.is_main_process:
             (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
             if run.tensorboard:
                 acc.init_trackers("tensorboard")
+        # Each rank its own random stream (masks, noise, drop path): seed + rank. Resume restores every rank's
+        # stream from state/random_states_<rank>.pkl. The data order has its own (seed, epoch, rank) seeds.
+        set_seed(run.seed, device_specific=True)
         step = first_step = self.resume_step()
         # which processes really run this job (world size and the distinct ranks, gathered from every process)
         ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--privacy" in argv:  # shorthand for privacy.enabled=true
         argv = [a for a in argv if a != "--privacy"] + ["privacy.enabled=true"]
     try:
-        cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False)
+        cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False, split_train=False)
         backbone, metadata = load_pretrained(cfg.model.checkpoint)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if backbone.config.num_classes == data.manifest.num_classes:
         results["classification"] = classify(backbone, data.val, bs, device, data.frontend)
     train_x, train_y = first_images(data.train, ev.probe_train_samples, bs)
+    results["probe_train_samples"] = len(train_y)  # the whole train split is read, on any number of processes
     train = list(zip(train_x.split(bs), train_y.split(bs), strict=True))
     val = list(loader(data.val, bs, seed=0, epoch=0))
     if data.frontend is not None:

@@ -1,12 +1,11 @@
 """Pipelines end to end on tiny shards the test writes: configs, every method, fine-tune, evaluate, resume,
-two processes, and the demo orchestration."""
+and the demo orchestration (multi-process runs: test_ddp.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,27 +27,7 @@ import pretrain  # noqa: E402
 import stages  # noqa: E402
 import study  # noqa: E402
 
-TINY = ["model.preset=vit_micro", "data.batch_size=8", "data.num_workers=0", "run.tensorboard=false",
-        "run.log_every=1", "data.shuffle_buffer=16"]
-SMALL_HEADS = {
-    "droppos": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
-    "mae": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
-    "randsac": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
-    "ijepa": ["objective.predictor_dim=32", "objective.predictor_heads=2", "objective.predictor_depth=1",
-              "objective.min_keep=2"],
-    "stop": ["objective.predictor_dim=32", "objective.predictor_heads=2", "objective.predictor_depth=1",
-             "objective.min_keep=2"],
-    "mjp": ["objective.ratio=0.15"],
-}
-
-
-def img(shards: Path) -> list[str]:
-    return [f"data.train={shards / 'img' / 'train'}", f"data.val={shards / 'img' / 'test'}"]
-
-
-def audio(shards: Path) -> list[str]:
-    return [f"data.train={shards / 'audio' / 'train'}", f"data.val={shards / 'audio' / 'validation'}",
-            f"data.noise_split={shards / 'audio' / 'background_noise'}"]
+from tests.pipeline_args import SMALL_HEADS, TINY, audio, img  # noqa: E402
 
 
 def test_every_shipped_config_loads_and_validates(shards):
@@ -190,28 +169,6 @@ def test_a_resumed_run_ends_with_the_same_weights(shards, tmp_path, workers):
     for name in ("model.safetensors", "objective.safetensors"):
         a, b = (load_file(str(tmp_path / run / "checkpoint" / name)) for run in ("straight", "cut"))
         assert a.keys() == b.keys() and all(np.allclose(a[k].numpy(), b[k].numpy(), atol=1e-6) for k in a)
-
-
-@pytest.mark.parametrize("method", ["supervised", "mp3", "mp3_speech", "droppos", "mae", "ijepa", "stop", "randsac"])
-def test_two_processes_split_the_data_and_only_rank0_writes(shards, tmp_path, method):
-    """The README's command: two real gloo processes (``--cpu --num_processes 2`` would start only one). MP3,
-    I-JEPA, StoP and RandSAC crashed here with DDP's unused-parameter error until they froze the class token they
-    never feed. MJP (E_unk unused on steps without the jigsaw) is not in the list yet: issue 17."""
-    accelerate = Path(sys.executable).with_name("accelerate")
-    out = tmp_path / "ddp"
-    launch = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    data = audio(shards) if method == "mp3_speech" else img(shards)
-    model = ["model.preset=audio_mp3"] if method == "mp3_speech" else []
-    result = subprocess.run([*launch, str(ROOT / "pipelines" / "pretrain.py"), f"method={method}", *data, *TINY,
-                             *model, *SMALL_HEADS.get(method, []), "optim.max_steps=3", f"run.output={out}"],
-                            capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-2000:]
-    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert all(r["world_size"] == 2 and r["ranks"] == [0, 1] for r in log), "two processes, ranks 0 and 1, ran"
-    assert [r["step"] for r in log] == [1, 2, 3], "one log line per step: only the main process writes"
-    assert log[-1]["samples_per_s"] > 0 and (out / "checkpoint" / "model.safetensors").is_file()
 
 
 def test_demo_runs_every_stage_and_resumes(shards, tmp_path):

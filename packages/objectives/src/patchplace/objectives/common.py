@@ -77,6 +77,9 @@ class BackboneObjective(nn.Module):
 
     backbone: Backbone
     no_weight_decay_tokens: tuple[str, ...] = ()
+    # True for objectives whose steps may leave a trainable parameter without a gradient by design (MJP: E_unk on
+    # steps without the jigsaw). A DDP trainer must then look for unused parameters (``find_unused_parameters``).
+    leaves_parameters_unused: bool = False
 
     @property
     def probe_feature(self) -> str:
@@ -92,6 +95,13 @@ class BackboneObjective(nn.Module):
         checkpoint; fine-tuning, which loads a fresh backbone, trains it."""
         if self.backbone.cls_token is not None:
             self.backbone.cls_token.requires_grad_(False)
+
+    def freeze_unknown_pos(self) -> None:
+        """For objectives that never pass ``unknown_pos`` (all but MJP) on a backbone that has MJP's unknown PE
+        (``E_unk``, e.g. an MJP checkpoint being fine-tuned): it can get no gradient, so it is frozen, for the same
+        reason as :meth:`freeze_class_token` (DDP's unused-parameter error; single-process training unchanged)."""
+        if self.backbone.unknown_pos_embed is not None:
+            self.backbone.unknown_pos_embed.requires_grad_(False)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict:

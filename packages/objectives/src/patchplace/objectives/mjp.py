@@ -280,6 +280,13 @@ class MJP(BackboneObjective):
     ``jigsaw`` (1.0 when this batch was shuffled) and ``dal_weight``.
     """
 
+    # E_unk gets no gradient on steps without the jigsaw (a random half, and all of the warm-up). As the official
+    # code (``DistributedDataParallel(..., find_unused_parameters=True)``, seed + rank: each rank tosses its own
+    # coin), a DDP trainer looks for unused parameters: a parameter no rank used keeps gradient None, so AdamW
+    # skips it exactly as in one process. Feeding an all-False mask instead would give E_unk a zero gradient that
+    # AdamW's momentum still turns into updates: a different trajectory.
+    leaves_parameters_unused = True
+
     def __init__(self, backbone: Backbone, config: MJPConfig | None = None) -> None:
         super().__init__()
         self.config = c = (config or MJPConfig()).validate()

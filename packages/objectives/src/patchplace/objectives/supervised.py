@@ -31,6 +31,7 @@ class Supervised(BackboneObjective):
         if backbone.config.num_classes < 1:
             raise ObjectiveError("supervised training needs a classifier head: create the backbone with num_classes")
         self.backbone = backbone
+        self.freeze_unknown_pos()  # an MJP checkpoint's E_unk: plain supervised steps never use it
 
     def forward(self, batch, progress: float | None = None) -> dict:
         inputs, labels = split_batch(batch)

@@ -1,0 +1,150 @@
+"""A pipeline (``pretrain`` / ``finetune`` / ``evaluate``) run under ``accelerate launch`` that records, per rank,
+what ``test_ddp.py`` checks from outside the processes.
+
+    accelerate launch ... tests/ddp_trace.py pretrain method=mp3 ... run.output=R
+
+writes ``R/trace/rank<r>.pt``: world size and rank, the keys of the samples each optimizer micro-step read, the MP3
+permutations each step drew, the number of DDP all-reduce calls (buckets), and the objective's weights before and
+after training. Fault injection (the tests of kills and failures): ``TRACE_KILL=<rank>:<step>`` SIGKILLs that rank
+right after its checkpoint of that step; ``TRACE_RAISE=<rank>:<step>`` raises an error on that rank at that step.
+The pipeline itself runs unchanged: this file only wraps engine functions.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+
+import engine  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+import patchplace.objectives.mjp as mjp  # noqa: E402
+import patchplace.objectives.mp3 as mp3  # noqa: E402
+
+TRACE: dict = {"keys": [], "masks": [], "allreduce_calls": 0, "jigsaw": [], "unknown_grad": []}
+
+
+def _fault(name: str) -> int | None:
+    """The step of the fault ``name`` on this rank, or None."""
+    spec = os.environ.get(name)
+    if not spec:
+        return None
+    rank, step = (int(v) for v in spec.split(":"))
+    return step if rank == PartialState().process_index else None
+
+
+def _install() -> None:
+    build_data = engine.build_data
+
+    def traced_build_data(*args, **kwargs):
+        data = build_data(*args, **kwargs)
+        data.train.return_key = True  # batches become (x, y, keys)
+        return data
+
+    engine.build_data = traced_build_data
+
+    inputs = engine.Trainer._inputs
+
+    def traced_inputs(self, batch):
+        TRACE["keys"].append(list(batch[2]))
+        if _fault("TRACE_RAISE") == len(TRACE["keys"]):
+            raise RuntimeError(f"injected failure on rank {PartialState().process_index} at step "
+                               f"{len(TRACE['keys'])}")
+        return inputs(self, batch)
+
+    engine.Trainer._inputs = traced_inputs
+
+    shuffle = mp3.random_shuffle
+
+    def traced_shuffle(*args, **kwargs):
+        order = shuffle(*args, **kwargs)
+        TRACE["masks"].append(order.cpu().clone())
+        return order
+
+    mp3.random_shuffle = traced_shuffle
+
+    apply_jigsaw = mjp.MJP.apply_jigsaw
+
+    def traced_apply_jigsaw(self, *args, **kwargs):
+        images, unknown_pos = apply_jigsaw(self, *args, **kwargs)
+        TRACE["jigsaw"].append(unknown_pos is not None)
+        return images, unknown_pos
+
+    mjp.MJP.apply_jigsaw = traced_apply_jigsaw
+
+    save = engine.Trainer.save_checkpoint
+
+    def traced_save(self, step):
+        save(self, step)
+        if _fault("TRACE_KILL") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    engine.Trainer.save_checkpoint = traced_save
+
+    fit = engine.Trainer.fit
+
+    def traced_fit(self, batch_size):
+        TRACE["initial"] = {k: v.detach().clone() for k, v in self.objective.state_dict().items()}
+        prepare = self.acc.prepare
+
+        unknown = self.backbone.unknown_pos_embed
+
+        def traced_prepare(*objects):
+            prepared = prepare(*objects)
+            for obj in prepared:
+                if isinstance(obj, DistributedDataParallel):
+                    obj.register_comm_hook(None, counting_allreduce)
+                if isinstance(obj, torch.optim.Optimizer) and unknown is not None:  # MJP's E_unk after DDP
+                    obj.step = traced_step(obj.step, unknown)
+            return prepared
+
+        self.acc.prepare = traced_prepare
+        result = fit(self, batch_size)
+        TRACE["final"] = {k: v.detach().cpu().clone() for k, v in
+                          self.acc.unwrap_model(self.objective).state_dict().items()}
+        return result
+
+    engine.Trainer.fit = traced_fit
+
+
+def traced_step(step, unknown: torch.nn.Parameter):
+    """``optimizer.step`` that first records E_unk's gradient as DDP left it (None: no rank used it)."""
+
+    def wrapped(*args, **kwargs):
+        grad = unknown.grad
+        TRACE["unknown_grad"].append(None if grad is None else grad.detach().clone())
+        return step(*args, **kwargs)
+
+    return wrapped
+
+
+def counting_allreduce(state, bucket):
+    TRACE["allreduce_calls"] += 1
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def main() -> int:
+    pipeline, *argv = sys.argv[1:]
+    _install()
+    module = __import__(pipeline)
+    code = module.main(argv)
+    state = PartialState()
+    output = next(a.split("=", 1)[1] for a in argv if a.startswith("run.output="))
+    out = Path(output) / "trace"
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({**TRACE, "rank": state.process_index, "world_size": state.num_processes, "code": code},
+               out / f"rank{state.process_index}.pt")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

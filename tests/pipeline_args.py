@@ -1,0 +1,28 @@
+"""Command-line pieces shared by the end-to-end tests: a tiny model and batch, small objective heads, and the
+``data.*`` overrides of the test shards (``conftest.shards``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY = ["model.preset=vit_micro", "data.batch_size=8", "data.num_workers=0", "run.tensorboard=false",
+        "run.log_every=1", "data.shuffle_buffer=16"]
+SMALL_HEADS = {
+    "droppos": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "mae": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "randsac": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "ijepa": ["objective.predictor_dim=32", "objective.predictor_heads=2", "objective.predictor_depth=1",
+              "objective.min_keep=2"],
+    "stop": ["objective.predictor_dim=32", "objective.predictor_heads=2", "objective.predictor_depth=1",
+             "objective.min_keep=2"],
+    "mjp": ["objective.ratio=0.15"],
+}
+
+
+def img(shards: Path) -> list[str]:
+    return [f"data.train={shards / 'img' / 'train'}", f"data.val={shards / 'img' / 'test'}"]
+
+
+def audio(shards: Path) -> list[str]:
+    return [f"data.train={shards / 'audio' / 'train'}", f"data.val={shards / 'audio' / 'validation'}",
+            f"data.noise_split={shards / 'audio' / 'background_noise'}"]

@@ -1,0 +1,219 @@
+"""Real multi-process runs on CPU (gloo), launched the way the README says: ``ACCELERATE_USE_CPU=true accelerate
+launch --multi_gpu --num_processes 2 ...`` (``--cpu --num_processes 2`` would start one process), and two
+"machines" of one process each on loopback. ``ddp_trace.py`` records, inside each rank, what these tests check:
+the world size, the samples each rank read, the masks each rank drew, the DDP all-reduces and the weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+
+import pretrain  # noqa: E402
+
+from tests.pipeline_args import SMALL_HEADS, TINY, audio, img  # noqa: E402
+
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+TRACE = str(ROOT / "tests" / "ddp_trace.py")
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+COMMON = ["--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def launch_command(processes: int = 2) -> list[str]:
+    """The README's one-machine command (port 0: a free one)."""
+    return [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+            *COMMON, "--main_process_port", "0"]
+
+
+def run(args: list[str], processes: int = 2, env: dict | None = None, check: bool = True, timeout: int = 300
+        ) -> subprocess.CompletedProcess:
+    command = launch_command(processes) if processes > 1 else [sys.executable]  # 1: plain python
+    result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=timeout,
+                            env={**ENV, **(env or {})})
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def traces(out: Path) -> list[dict]:
+    found = sorted((out / "trace").glob("rank*.pt"))
+    return [torch.load(p, weights_only=False) for p in found]
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def mp3_args(shards: Path, out: Path, steps: int = 3) -> list[str]:
+    return [TRACE, "pretrain", "method=mp3", *img(shards), *TINY, f"optim.max_steps={steps}", f"run.output={out}"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flat(steps: list[list[str]]) -> list[str]:
+    return [key for keys in steps for key in keys]
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def mp3_two_process(shards, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ddp") / "mp3"
+    run(mp3_args(shards, out))
+    return out
+
+
+@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+def test_every_method_pretrains_under_two_processes(shards, tmp_path, method):
+    """The README's command on pipelines/pretrain.py itself. Before issue 17, MP3, mp3_speech, I-JEPA, StoP,
+    RandSAC (class token never fed) and MJP (E_unk unused on steps without the jigsaw) crashed here with DDP's
+    unused-parameter error."""
+    out = tmp_path / method
+    data = audio(shards) if method == "mp3_speech" else img(shards)
+    model = ["model.preset=audio_mp3"] if method == "mp3_speech" else []
+    run([str(ROOT / "pipelines" / "pretrain.py"), f"method={method}", *data, *TINY, *model,
+         *SMALL_HEADS.get(method, []), "optim.max_steps=3", f"run.output={out}"])
+    records = log(out)
+    assert all(r["world_size"] == 2 and r["ranks"] == [0, 1] for r in records), "two processes, ranks 0 and 1, ran"
+    assert [r["step"] for r in records] == [1, 2, 3], "one log line per step: only the main process writes"
+    assert records[-1]["samples_per_s"] > 0 and (out / "checkpoint" / "model.safetensors").is_file()
+    assert {p.name for p in (out / "state").glob("random_states_*.pkl")} == {"random_states_0.pkl",
+                                                                             "random_states_1.pkl"}
+
+
+def test_ranks_share_weights_read_disjoint_samples_and_draw_their_own_masks(shards, tmp_path, mp3_two_process):
+    first = traces(mp3_two_process)
+    assert [(t["rank"], t["world_size"]) for t in first] == [(0, 2), (1, 2)], "two ranks ran, in one world of 2"
+    rank0, rank1 = first
+    assert not same_weights(rank0["initial"], rank0["final"]), "training changed the weights"
+    assert same_weights(rank0["final"], rank1["final"]), "DDP keeps the ranks' weights identical"
+    keys0, keys1 = (flat(t["keys"]) for t in first)
+    assert len(keys0) == len(keys1) == 3 * 8 and not set(keys0) & set(keys1), "each rank reads its own samples"
+    assert len(rank0["masks"]) == len(rank1["masks"]) == 3
+    assert all(not torch.equal(a, b) for a, b in zip(rank0["masks"], rank1["masks"], strict=True)), \
+        "each rank draws its own masks (seed + rank)"
+    # The whole run is reproducible from its seed: same samples, masks and weights on a second launch.
+    again = tmp_path / "again"
+    run(mp3_args(shards, again))
+    for a, b in zip(first, traces(again), strict=True):
+        assert a["keys"] == b["keys"] and all(torch.equal(x, y) for x, y in zip(a["masks"], b["masks"], strict=True))
+        assert same_weights(a["final"], b["final"])
+    assert log(again) == log(mp3_two_process) or all(  # equal up to the measured rates
+        {k: v for k, v in x.items() if k not in ("samples_per_s", "data_share")}
+        == {k: v for k, v in y.items() if k not in ("samples_per_s", "data_share")}
+        for x, y in zip(log(again), log(mp3_two_process), strict=True))
+
+
+def test_two_machines_on_loopback_split_the_shards_by_node(shards, tmp_path, mp3_two_process):
+    """``--num_machines 2 --machine_rank {0,1}``, one process each, rendezvous on 127.0.0.1: the same run as two
+    processes on one machine (same weights), each node reading its own shards."""
+    out, port = tmp_path / "nodes", free_port()
+    nodes = [subprocess.Popen([ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
+                               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                               str(port), *COMMON, *mp3_args(shards, out)], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    results = [node.communicate(timeout=300) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in results]
+    node0, node1 = traces(out)
+    assert (node0["rank"], node1["rank"], node0["world_size"]) == (0, 1, 2)
+    shards0, shards1 = ({int(k) // 16 for k in flat(t["keys"])} for t in (node0, node1))  # 16 samples a shard
+    assert shards0 and shards1 and not shards0 & shards1, f"nodes read disjoint shards: {shards0} vs {shards1}"
+    assert same_weights(node0["final"], traces(mp3_two_process)[0]["final"])
+    assert [r["step"] for r in log(out)] == [1, 2, 3] and log(out)[0]["ranks"] == [0, 1]
+
+
+def test_mjp_leaves_unknown_pe_without_gradient_where_no_rank_shuffled(shards, tmp_path):
+    """MJP under DDP with ``find_unused_parameters`` (as the official code): on a step where no rank shuffled
+    (warm-up), E_unk's gradient stays None on every rank, so AdamW skips it as in one process; where any rank
+    shuffled, every rank gets the same averaged gradient."""
+    out = tmp_path / "mjp"
+    run([TRACE, "pretrain", "method=mjp", *img(shards), *TINY, "objective.ratio=0.15",
+         "objective.warmup_fraction=0.25", "optim.max_steps=8", f"run.output={out}"])
+    rank0, rank1 = traces(out)
+    shuffled = [a or b for a, b in zip(rank0["jigsaw"], rank1["jigsaw"], strict=True)]
+    assert len(shuffled) == 8 and not any(shuffled[:2]) and any(shuffled[2:]), shuffled
+    for any_rank, g0, g1 in zip(shuffled, rank0["unknown_grad"], rank1["unknown_grad"], strict=True):
+        if any_rank:
+            assert g0 is not None and torch.equal(g0, g1) and g0.abs().sum() > 0
+        else:
+            assert g0 is None and g1 is None
+    assert same_weights(rank0["final"], rank1["final"])
+
+
+def test_a_killed_two_process_bf16_run_resumes_where_an_uninterrupted_run_ends(shards, tmp_path):
+    """StoP (masks, noise, EMA target) in bf16: rank 0 is SIGKILLed right after its step-4 checkpoint; the launcher
+    ends the job (rank 1 does not wait forever); ``run.resume=true`` then ends with the uninterrupted run's weights."""
+    args = [TRACE, "pretrain", "method=stop", *img(shards), *TINY, *SMALL_HEADS["stop"], "optim.max_steps=6",
+            "run.mixed_precision=bf16"]
+    run([*args, f"run.output={tmp_path / 'straight'}"])
+    killed = run([*args, f"run.output={tmp_path / 'cut'}", "run.checkpoint_every=2"], env={"TRACE_KILL": "0:4"},
+                 check=False)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
+    assert json.loads((tmp_path / "cut" / "state" / "trainer.json").read_text()) == {"step": 4}
+    run([*args, f"run.output={tmp_path / 'cut'}", "run.resume=true"])
+    for name in ("model.safetensors", "objective.safetensors"):
+        a, b = (load_file(str(tmp_path / r / "checkpoint" / name)) for r in ("straight", "cut"))
+        assert same_weights(a, b), name
+    straight, cut = traces(tmp_path / "straight"), traces(tmp_path / "cut")
+    for a, b in zip(straight, cut, strict=True):  # the resumed ranks read exactly steps 5 and 6 of each stream
+        assert a["keys"][4:] == b["keys"]
+
+
+def test_a_failure_on_one_rank_ends_the_job_with_that_ranks_error(shards, tmp_path):
+    result = run(mp3_args(shards, tmp_path / "fail", steps=6), env={"TRACE_RAISE": "1:2"}, check=False,
+                 timeout=120)
+    assert result.returncode != 0
+    assert "RuntimeError: injected failure on rank 1 at step 2" in result.stderr
+    assert not (tmp_path / "fail" / "checkpoint").exists()
+
+
+def test_gradient_accumulation_all_reduces_once_per_optimizer_step(shards, tmp_path):
+    """``run.grad_accum=2``: two micro-batches per optimizer step under ``no_sync`` for the first, so the DDP
+    all-reduces (counted by a comm hook) are those of a run without accumulation, with twice the samples read."""
+    run(mp3_args(shards, tmp_path / "one"))
+    run([*mp3_args(shards, tmp_path / "two"), "run.grad_accum=2"])
+    (one, _), (two, _) = traces(tmp_path / "one"), traces(tmp_path / "two")
+    assert one["allreduce_calls"] >= 3 and two["allreduce_calls"] == one["allreduce_calls"]
+    assert len(two["keys"]) == 2 * len(one["keys"]) == 6
+    assert [r["step"] for r in log(tmp_path / "two")] == [1, 2, 3]
+
+
+def test_finetune_and_evaluate_under_two_processes(shards, tmp_path):
+    """Fine-tuning an MJP checkpoint (its E_unk frozen: plain supervised steps never use it) on two ranks, with
+    evaluation on the main process; ``evaluate.py`` on two processes = on one (the main process evaluates the
+    whole splits; the other rank exits)."""
+    assert pretrain.main(["method=mjp", *img(shards), *TINY, "objective.ratio=0.15", "optim.max_steps=2",
+                          f"run.output={tmp_path / 'mjp'}"]) == 0
+    checkpoint = f"model.checkpoint={tmp_path / 'mjp' / 'checkpoint'}"
+    run([TRACE, "finetune", *img(shards), *TINY, checkpoint, "optim.max_steps=3", "run.eval_every=2",
+         f"run.output={tmp_path / 'ft'}"])
+    rank0, rank1 = traces(tmp_path / "ft")
+    assert (rank0["world_size"], rank1["rank"]) == (2, 1) and same_weights(rank0["final"], rank1["final"])
+    assert torch.equal(rank0["final"]["backbone.unknown_pos_embed"], rank0["initial"]["backbone.unknown_pos_embed"])
+    records = log(tmp_path / "ft")
+    assert [r["step"] for r in records if "eval" in r] == [2, 3], "one evaluation per cadence, main process only"
+    assert all(r["eval"]["count"] == 32 for r in records if "eval" in r), "the main process evaluates all of val"
+    ev = [*img(shards), "data.batch_size=8", "data.num_workers=0", f"model.checkpoint={tmp_path / 'ft' / 'checkpoint'}",
+          "eval.probe_train_samples=48", "eval.probe_epochs=2", "eval.max_eval_samples=16"]
+    for processes in (1, 2):
+        run([str(ROOT / "pipelines" / "evaluate.py"), *ev, f"run.output={tmp_path / f'ev{processes}'}"],
+            processes=processes)
+    one, two = (json.loads((tmp_path / f"ev{n}" / "results.json").read_text()) for n in (1, 2))
+    assert two["probe_train_samples"] == 48, "the probe reads the whole train split, not rank 0's half"
+    assert one == two
