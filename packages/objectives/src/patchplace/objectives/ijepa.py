@@ -145,7 +145,7 @@ class IJEPA(BackboneObjective):
         """Target encoder on the full image, final-normed, then LayerNorm without affine -> (B, N, D)."""
         enc = self.target_encoder
         features = enc.forward_tokens(enc.patch_embed(images) + enc.pos_embed())
-        return F.layer_norm(features, features.shape[-1:])
+        return F.layer_norm(features.float(), features.shape[-1:])  # fp32 targets under autocast
 
     def encode_context(self, images: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """Context encoder on the context tokens only (with their true PEs) -> (B, K, D)."""
@@ -192,6 +192,6 @@ class IJEPA(BackboneObjective):
         # Gather every block's targets from the (B, N, D) features at once: the same rows as repeating the features
         # per block first, without copying them num_targets times.
         target = gather_rows(self.targets(images), targets_idx.reshape(b, n_blocks * t)).reshape(b * n_blocks, t, -1)
-        loss = F.smooth_l1_loss(prediction, target, beta=1.0)
+        loss = F.smooth_l1_loss(prediction.float(), target.float(), beta=1.0)  # fp32 under autocast
         return {"loss": loss, "context_tokens": torch.tensor(float(context.shape[1])),
                 "target_std": target.std(dim=1).mean().detach()}

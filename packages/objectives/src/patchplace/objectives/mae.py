@@ -103,7 +103,8 @@ class MAE(BackboneObjective):
 
     def forward_loss(self, images: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean squared error per patch, averaged over the masked patches only."""
-        per_patch = ((pred - pixel_targets(images, self.patch_size, self.config.norm_pix_loss)) ** 2).mean(dim=-1)
+        target = pixel_targets(images.float(), self.patch_size, self.config.norm_pix_loss)  # fp32 under autocast
+        per_patch = ((pred.float() - target) ** 2).mean(dim=-1)
         return (per_patch * mask).sum() / mask.sum().clamp_min(1)
 
     def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:

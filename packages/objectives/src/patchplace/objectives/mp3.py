@@ -105,7 +105,8 @@ class MP3(BackboneObjective):
         logits, anchors = self.position_logits(inputs, generator=generator)
         b, n, _ = logits.shape
         targets = torch.arange(n, device=logits.device).expand(b, n)  # each token's original index
-        ce = F.cross_entropy(logits.reshape(b * n, n), targets.reshape(-1), reduction="none").view(b, n)
+        # fp32 loss whatever the autocast (bf16 / fp16 logits over N positions)
+        ce = F.cross_entropy(logits.reshape(b * n, n).float(), targets.reshape(-1), reduction="none").view(b, n)
         predicted = (~anchors).float()  # anchors are given, not predicted: excluded from the loss
         loss = (ce * predicted).sum() / predicted.sum()
         return {"loss": loss, "pos_acc": topk_accuracy(logits, targets, 1, predicted),

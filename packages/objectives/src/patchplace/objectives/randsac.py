@@ -238,7 +238,7 @@ class RandSAC(BackboneObjective):
 
     def forward_loss(self, images: torch.Tensor, pred: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """Mean squared error per patch, averaged over the tokens of every segment after the first."""
-        per_patch = ((pred - self.targets(images)) ** 2).mean(dim=-1)
+        per_patch = ((pred.float() - self.targets(images.float())) ** 2).mean(dim=-1)  # fp32 under autocast
         predicted = (order > 0).to(per_patch.dtype)
         return (per_patch * predicted).sum() / predicted.sum().clamp_min(1)
 

@@ -50,6 +50,7 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor,
     Mixup / CutMix -> soft-target cross-entropy (the smoothing is already in the targets). Returns the loss and the
     detached top-1 accuracy against the (argmax of the) labels.
     """
+    logits = logits.float()  # fp32 softmax / loss whatever the autocast
     if labels.dim() == 2:  # soft targets (timm Mixup / CutMix already applied the smoothing)
         loss = torch.sum(-labels * F.log_softmax(logits, dim=-1), dim=-1).mean()
         hard = labels.argmax(dim=-1)
