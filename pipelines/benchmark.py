@@ -32,6 +32,10 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               step: time and peak CUDA memory as ratios to supervised beside the FLOP ratio and the paper's
               ratios (one A100). Writes <out>/benchmark_mp3_table2.{json,md} and splices its tables into
               <out>/benchmark.md as the "GPU" section (kept when --suite all rewrites that file).
+  ddp         pretrain.py on 1 process vs 2 (gloo, the README's accelerate command, global batch 128 split
+              between them, cores split too) for --methods (supervised mp3 mjp), and the step-time cost of DDP's
+              find_unused_parameters (2 processes, off vs on; MJP with its jigsaw on every step so that it can run
+              off). Writes <out>/benchmark_ddp.{json,md}; needs the shards.
   all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128, --before) and for ViT-S/16
               at 224 px (3 channels, batch --vits-batch, paper widths, without stop_noema); masks; data (+ loader
               samples/s vs the study ViT's training consumption); models; onnx; pipelines (supervised + MP3 on the
@@ -44,6 +48,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -292,6 +297,72 @@ def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dic
     return rows
 
 
+DDP_SETTINGS = (("1 process", 1, None), ("2 processes", 2, False), ("2 processes, find_unused", 2, True))
+# MJP with the jigsaw on every step, so that DDP can run it without find_unused_parameters (the cost baseline).
+MJP_EVERY_STEP = ["objective.apply_prob=1.0", "objective.warmup_fraction=0.0"]
+
+
+def _pretrain_command(processes: int) -> tuple[list[str], dict[str, str]]:
+    """The README's commands: plain python for one process, ``accelerate launch --multi_gpu`` (gloo on CPU) for
+    more; the cores are shared out between the processes."""
+    script = str(Path(__file__).parent / "pretrain.py")
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if processes == 1:
+        return [sys.executable, script], env
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    return [accelerate, "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", script], \
+        {**env, "ACCELERATE_USE_CPU": "true"}
+
+
+def ddp_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Samples/s of pretrain.py with one process vs two (gloo, same global batch, the cores split between them),
+    and what DDP's ``find_unused_parameters`` costs: two processes with it off vs on, same run, alternated
+    ``--ddp-repeats`` times (medians). MJP runs its jigsaw on every step here, so that it can run with it off."""
+    import statistics
+
+    if not (args.shards / "manifest.json").is_file():
+        print(f"ddp: no shards at {args.shards}: skipped", flush=True)
+        return []
+    preset = args.pipelines_preset or STUDY["preset"]
+    batch = args.pipelines_batch or STUDY["batch"]
+    configs = Path(__file__).parent / "configs"
+    rates: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.ddp_repeats):
+        for method in args.methods or ["supervised", "mp3", "mjp"]:
+            for label, processes, find_unused in DDP_SETTINGS:
+                command, env = _pretrain_command(processes)
+                with tempfile.TemporaryDirectory() as tmp:
+                    overrides = [f"data.train={args.shards}", f"model.preset={preset}",
+                                 f"data.batch_size={batch // processes}", f"optim.max_steps={args.steps}",
+                                 "data.num_workers=0", "run.tensorboard=false", f"run.log_every={args.steps}",
+                                 f"run.output={tmp}", *(MJP_EVERY_STEP if method == "mjp" else []),
+                                 *([f"run.find_unused_parameters={str(find_unused).lower()}"]
+                                   if find_unused is not None else [])]
+                    done = subprocess.run([*command, "--config", str(configs / f"{method}_fashion_mnist.yaml"),
+                                           *overrides], env=env, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        raise SystemExit(f"ddp: {method} ({label}) failed:\n{done.stderr[-3000:]}")
+                    last = json.loads((Path(tmp) / "log.jsonl").read_text().splitlines()[-1])
+                assert last["world_size"] == processes
+                rates.setdefault((method, label), []).append(last["samples_per_s"])
+                print(json.dumps({"method": method, "setting": label, "samples_per_s": last["samples_per_s"]}),
+                      flush=True)
+    rows = []
+    for (method, label), values in rates.items():
+        rows.append({"name": f"ddp/{method}", "ddp_setting": label,
+                     "samples_per_s": round(statistics.median(values), 1), "runs": values, "global_batch": batch,
+                     "steps": args.steps, "preset": preset, "suite": "ddp"})
+    for row in rows:
+        one = rates[(row["name"][4:], DDP_SETTINGS[0][0])]
+        off = rates[(row["name"][4:], DDP_SETTINGS[1][0])]
+        row["vs_one_process"] = round(row["samples_per_s"] / statistics.median(one), 3)
+        if row["ddp_setting"] == DDP_SETTINGS[2][0]:
+            row["vs_find_unused_off"] = round(row["samples_per_s"] / statistics.median(off), 3)
+    return rows
+
+
 def data_vs_training(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Loader samples/s (each worker count) against the samples/s the study ViT's training consumes: supervised,
     and the fastest objective (the hardest to feed). Headroom = loader / consumption (> 1: the loader keeps up when
@@ -339,7 +410,7 @@ def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
 
 SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks_suite, "data": data_suite,
           "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "mp3_table2": mp3_table2_suite,
-          "all": all_suite}
+          "ddp": ddp_suite, "all": all_suite}
 
 
 # ---------------------------------------------------------------------------------------------- markdown + figure
@@ -375,6 +446,10 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("CUDA peak MB", "cuda_peak_mb"), ("memory ratio", "memory_vs_supervised"),
         ("paper memory ratio", "paper_memory_ratio"), ("FLOP ratio", "flop_ratio"),
         ("samples/s", "samples_per_s"), ("achieved GFLOP/s", "achieved_gflops"), ("device", "device")]),
+    "ddp": ("pretrain.py on one process vs two (gloo, same global batch), and DDP's find_unused_parameters", [
+        ("method", "name"), ("setting", "ddp_setting"), ("samples/s (median)", "samples_per_s"), ("runs", "runs"),
+        ("vs 1 process", "vs_one_process"), ("vs find_unused off", "vs_find_unused_off"),
+        ("global batch", "global_batch"), ("steps", "steps"), ("preset", "preset")]),
     "pipelines": ("End-to-end pretraining through pretrain.py", [
         ("config", "name"), ("preset", "preset"), ("samples/s", "samples_per_s"), ("data-wait share", "data_share"),
         ("batch", "batch"), ("workers", "num_workers"), ("steps", "steps")]),
@@ -422,6 +497,12 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                           "added to the RSS of the built model (activations, gradients, AdamW state, allocator "
                           f"caches). MP3 paper (ViT-B): wall-clock ratio {MP3_PAPER['time_ratio']} at eta = "
                           f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}.", ""]
+            if suite == "ddp":
+                lines += ["samples/s: the last log line of pretrain.py (all steps, startup excluded), median of the "
+                          "alternated runs listed. On one machine the 2 processes share its cores, so 2 vs 1 "
+                          "process measures DDP's overhead, not a speed-up. 'vs find_unused off': what DDP's "
+                          "find_unused_parameters costs (MJP needs it; here MJP shuffles every step so that it can "
+                          "run without). Differences smaller than the spread of the runs are noise.", ""]
             if suite == "mp3_table2":
                 lines += ["Time / memory ratio: this objective's median step time / peak CUDA memory (a fresh "
                           "process per objective: weights, AdamW state, activations) over the supervised ViT's, "
@@ -551,6 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model.preset override (default: the configs' own; vit_cpu_narrow in all)")
     g.add_argument("--pipelines-batch", type=int, default=None, help="data.batch_size (default: 64; 128 in all)")
     g.add_argument("--pipelines-workers", type=int, default=None, help="data.num_workers (default: 2; 1 in all)")
+    g.add_argument("--ddp-repeats", type=int, default=2,
+                   help="ddp: alternated runs of every setting, medians reported (default: %(default)s)")
     return parser
 
 
@@ -565,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         args.methods = args.methods or ["supervised", "mp3"]
         args.pipelines_preset = args.pipelines_preset or STUDY["preset"]
     if args.pipelines_batch is None:
-        args.pipelines_batch = STUDY["batch"] if study else 64
+        args.pipelines_batch = STUDY["batch"] if study or args.suite == "ddp" else 64
     if args.pipelines_workers is None:
         args.pipelines_workers = 1 if study else 2
     out = args.out or Path("results" if args.suite == "all" else "runs/benchmark")
@@ -585,12 +668,12 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out.mkdir(parents=True, exist_ok=True)
     markdown = to_markdown(rows, meta)
-    stem = "benchmark_mp3_table2" if args.suite == "mp3_table2" else "benchmark"
+    stem = f"benchmark_{args.suite}" if args.suite in ("mp3_table2", "ddp") else "benchmark"
     files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}
     existing = (out / "benchmark.md").read_text() if (out / "benchmark.md").is_file() else ""
     if args.suite == "mp3_table2":  # also the GPU section of benchmark.md
         files["benchmark.md"] = splice_gpu_section(existing or "# Benchmarks\n", markdown)
-    elif existing:  # keep the GPU section a GPU run wrote
+    elif existing and stem == "benchmark":  # keep the GPU section a GPU run wrote
         files["benchmark.md"] = splice_gpu_section(markdown, gpu_section(existing))
     for name, text in files.items():
         tmp = out / f".{name}.tmp"

@@ -5,6 +5,12 @@ split by ``accelerator.process_index`` / ``num_processes``, AdamW through timm's
 lr decay when asked), linear warm-up + cosine schedule, grad clipping, EMA hooks (``update_target``), ``progress``
 fed to objectives, tqdm on the main process, periodic evaluation, and atomic checkpoints with exact resume.
 
+Under P processes (``accelerate launch``; README "Scale-out"): the same initial weights on every rank, then each
+rank's own random stream (``seed + rank``: masks, noise, drop path); DDP with ``find_unused_parameters`` only for
+objectives that declare ``leaves_parameters_unused`` (MJP) unless ``run.find_unused_parameters`` says otherwise;
+logged scalars are means over ranks; evaluation and every file write happen on the main process, except each rank's
+own random state in ``state/``.
+
 Run directory (``run.output``)::
 
     config.yaml        the resolved config

@@ -20,11 +20,11 @@ import evaluate  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
 from test_harness import method_args  # noqa: E402
-from test_pipelines import TINY, img  # noqa: E402
 
 from patchplace.export.__main__ import main as export_main  # noqa: E402
 from patchplace.export.evaluate import main as ort_evaluate_main  # noqa: E402
 from patchplace.models import load_pretrained  # noqa: E402
+from tests.pipeline_args import TINY, img  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu)")]

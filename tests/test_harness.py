@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import config as pipeline_config  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
-from test_pipelines import SMALL_HEADS, TINY, audio, img  # noqa: E402
+
+from tests.pipeline_args import SMALL_HEADS, TINY, audio, img  # noqa: E402
 
 FT_CONFIG = str(ROOT / "pipelines" / "configs" / "finetune_fashion_mnist.yaml")
 # What must never be weight-decayed (DESIGN §2): PE tables, class / mask / unknown tokens, relative bias tables;

@@ -83,13 +83,15 @@ def test_help_lists_every_field_with_its_default(capsys):
     assert "optim.lr = 0.0015" in out and "data.pad_to = 32" in out and "run.resume = False" in out
 
 
+@pytest.mark.parametrize("precision", ["no", "bf16"])
 @pytest.mark.parametrize("method", sorted(pretrain.METHODS))
-def test_every_method_pretrains_end_to_end(shards, tmp_path, method):
+def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
+    """fp32 and bf16 (CPU autocast through Accelerate) for every method."""
     data = audio(shards) if method == "mp3_speech" else img(shards)
     model = ["model.preset=audio_mp3", "data.batch_size=8"] if method == "mp3_speech" else []
     out = tmp_path / method
     assert pretrain.main([f"method={method}", *data, *TINY, *model, *SMALL_HEADS.get(method, []),
-                          "optim.max_steps=3", f"run.output={out}"]) == 0
+                          "optim.max_steps=3", f"run.mixed_precision={precision}", f"run.output={out}"]) == 0
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in log)
     config = json.loads((out / "checkpoint" / "config.json").read_text())
