@@ -499,10 +499,10 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                           f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}.", ""]
             if suite == "ddp":
                 lines += ["samples/s: the last log line of pretrain.py (every step; process start-up excluded), "
-                          "median of the alternated runs listed. On one machine the 2 processes share its cores, so 2 vs 1 "
-                          "process measures DDP's overhead, not a speed-up. 'vs find_unused off': what DDP's "
-                          "find_unused_parameters costs (MJP needs it; here MJP shuffles every step so that it can "
-                          "run without). Differences smaller than the spread of the runs are noise.", ""]
+                          "median of the alternated runs listed. On one machine the 2 processes share its cores, "
+                          "so 2 vs 1 process measures DDP's overhead, not a speed-up. 'vs find_unused off': what "
+                          "DDP's find_unused_parameters costs (MJP needs it; here MJP shuffles every step so that "
+                          "it can run without). Differences smaller than the spread of the runs are noise.", ""]
             if suite == "mp3_table2":
                 lines += ["Time / memory ratio: this objective's median step time / peak CUDA memory (a fresh "
                           "process per objective: weights, AdamW state, activations) over the supervised ViT's, "
