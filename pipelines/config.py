@@ -97,7 +97,8 @@ class RunSection:
     log_every: int = 10  # steps
     checkpoint_every: int = 0  # steps; 0 = only at the end
     eval_every: int = 0  # steps; 0 = only at the end
-    resume: bool = False  # continue from output/state if it exists
+    resume: bool = False  # continue from the newest complete checkpoint in output/checkpoints (if any)
+    overwrite: bool = False  # replace the run already in run.output (without it, reusing a directory is an error)
     stop_after: int | None = None  # leave after this many steps, as if interrupted (resume tests and demos)
     tensorboard: bool = True
     # DDP's find_unused_parameters; null = only for objectives whose steps may leave a trainable parameter without

@@ -11,21 +11,28 @@ objectives that declare ``leaves_parameters_unused`` (MJP) unless ``run.find_unu
 logged scalars are means over ranks; evaluation and every file write happen on the main process, except each rank's
 own random state in ``state/``.
 
-Run directory (``run.output``)::
+Run directory (``run.output``; one run at a time, see ``rundir.py``)::
 
     config.yaml        the resolved config
-    log.jsonl          one JSON object per logged step / evaluation (main process)
-    checkpoint/        backbone ``save_pretrained`` (config.json + model.safetensors) + objective.safetensors
-    state/             Accelerate state (model, optimizer, scheduler, RNG) + trainer.json, for ``run.resume=true``
+    log.jsonl          one JSON object per logged step / evaluation (main process), each step once
+    checkpoints/step-N/  the last complete checkpoint: checkpoint/ (backbone ``save_pretrained`` + objective
+                       extras), state/ (Accelerate state + trainer.json, for ``run.resume=true``), COMPLETE
+    checkpoint         -> checkpoints/step-N/checkpoint (what fine-tuning, evaluation and export load)
     tensorboard/       TensorBoard event files
+    .lock              held while a process runs the directory
+
+SIGTERM / SIGINT (Ctrl-C) end the run at the next optimizer step with a checkpoint and the command to resume
+(exit code 143 / 130); a second Ctrl-C aborts at once.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+import shlex
 import shutil
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,13 +45,26 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from config import ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
+from rundir import (
+    CheckpointError,
+    RunLock,
+    clean,
+    commit,
+    complete_steps,
+    disk_error,
+    disk_message,
+    partial_dir,
+    point_checkpoint_link,
+    prepare_directory,
+    verify,
+)
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from patchplace.data import DataError, Manifest, ShardDataset, build_transform
-from patchplace.data.atomic import write_json_atomic
+from patchplace.data.atomic import atomic_file, write_json_atomic
 from patchplace.data.mfcc import MFCC
 from patchplace.finetune import build_optimizer, parameter_groups
 from patchplace.models import Backbone, ModelError, save_pretrained
@@ -52,6 +72,8 @@ from patchplace.objectives import ObjectiveError
 
 # Errors a user can act on: printed as one line by the pipeline scripts (exit code 2).
 USER_ERRORS = (ConfigError, DataError, ModelError, ObjectiveError, ValueError)
+# The ones training itself can meet (a full disk, a corrupt checkpoint on resume, a bad shard mid-epoch).
+RUN_ERRORS = (ConfigError, DataError)
 
 
 def start(config_cls: type, description: str, argv: list[str] | None, augment: bool = True,
@@ -183,12 +205,57 @@ class JsonlLog:
                 f.write(json.dumps(record) + "\n")
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+def command_line(script: str, argv: list[str] | None) -> str:
+    """``pipelines/<script> <arguments>`` as the user typed them (``run.resume`` / ``run.overwrite`` left out), for
+    the resume hint printed on SIGTERM / Ctrl-C."""
+    args = sys.argv[1:] if argv is None else argv
+    kept = [a for a in args if not a.startswith(("run.resume=", "run.overwrite="))]
+    return " ".join(shlex.quote(a) for a in [f"pipelines/{Path(script).name}", *kept])
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the records of ``log.jsonl`` up to ``step`` (a resumed run logs the later steps again: each once)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    with atomic_file(path) as tmp:
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+
+
+class Interrupted(Exception):
+    """SIGTERM / SIGINT ended the run after a checkpoint; ``str()`` says where and how to resume."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _StopSignals:
+    """SIGTERM / SIGINT set a flag the training loop reads at each optimizer step (a second SIGINT raises
+    KeyboardInterrupt at once). Installed only in the main thread; the previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -201,7 +268,8 @@ class Trainer:
     def __init__(self, accelerator: Accelerator, objective: nn.Module, backbone: Backbone, data: Data,
                  optim: OptimSection, run: RunSection, *, metadata: dict[str, Any], config: Any,
                  batch_transform: Callable[[torch.Tensor, torch.Tensor], tuple] | None = None,
-                 evaluate: Callable[[nn.Module, int], dict[str, Any]] | None = None) -> None:
+                 evaluate: Callable[[nn.Module, int], dict[str, Any]] | None = None,
+                 command: str | None = None) -> None:
         self.acc, self.objective, self.backbone, self.data = accelerator, objective, backbone, data
         self.optim_cfg, self.run, self.config = optim, run, config
         # DESIGN §4: the checkpoint records which pooled feature this training trained, so probes read that one.
@@ -211,6 +279,17 @@ class Trainer:
         self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
         self.batch_size = None
         self.optimizer = make_optimizer(objective, optim)  # here, so a knob without effect fails before training
+        self.command = command or "the same command"
+        # One run per directory: the main process holds run.output's lock until fit() ends, and checks what the
+        # directory holds against run.resume / run.overwrite before anything is written.
+        self.lock = RunLock(self.out) if accelerator.is_main_process else None
+        if self.lock is not None:
+            self.lock.acquire()
+            try:
+                prepare_directory(self.out, resume=run.resume, overwrite=run.overwrite, config=to_dict(config))
+            except BaseException:
+                self.lock.release()
+                raise
 
     # ------------------------------------------------------------------ budget
     def budget(self, batch_size: int) -> tuple[int, int]:
@@ -221,27 +300,52 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, step: int) -> None:
-        """Atomic: backbone + objective extras to checkpoint/, Accelerate state to state/."""
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            save_pretrained(self.backbone, self.out / "checkpoint", metadata={**self.metadata, "step": step})
-            extras = {k: v.detach().contiguous().cpu() for k, v in self.acc.unwrap_model(self.objective)
-                      .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
-            if extras:
-                tmp = self.out / "checkpoint" / ".objective.tmp"
-                save_file(extras, str(tmp))
-                os.replace(tmp, self.out / "checkpoint" / "objective.safetensors")
-        tmp_state = self.out / ".state.tmp"
-        self.acc.save_state(str(tmp_state))  # every process writes its own random_states_<rank>.pkl here
-        self.acc.wait_for_everyone()  # ... before the main process moves the directory
-        if self.acc.is_main_process:
-            (tmp_state / "trainer.json").write_text(json.dumps({"step": step}))
-            _replace_dir(tmp_state, self.out / "state")
-        self.acc.wait_for_everyone()
+        """Crash-consistent (``rundir.py``): write ``checkpoints/.partial-step-N`` (backbone + objective extras,
+        Accelerate state with every rank's RNG), seal it with ``COMPLETE``, rename it to ``step-N``, point the
+        ``checkpoint`` link at it, then remove the previous step. A full disk is a one-line error."""
+        acc, out = self.acc, self.out
+        partial = partial_dir(out, step)
+        acc.wait_for_everyone()
+        try:
+            if acc.is_main_process:
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                save_pretrained(self.backbone, partial / "checkpoint", metadata={**self.metadata, "step": step})
+                extras = {k: v.detach().contiguous().cpu() for k, v in acc.unwrap_model(self.objective)
+                          .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
+                if extras:
+                    save_file(extras, str(partial / "checkpoint" / "objective.safetensors"))
+            acc.save_state(str(partial / "state"))  # every process writes its own random_states_<rank>.pkl
+            acc.wait_for_everyone()  # ... before the main process seals the directory
+            if acc.is_main_process:
+                (partial / "state" / "trainer.json").write_text(json.dumps({"step": step}))
+                final = commit(partial, step)
+                point_checkpoint_link(out, final / "checkpoint")
+                clean(out, keep=final)
+        except (OSError, RuntimeError) as exc:
+            if not disk_error(exc):
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(disk_message(out, step, exc)) from None
+        acc.wait_for_everyone()
 
     def resume_step(self) -> int:
-        state = self.out / "state"
-        if not (self.run.resume and (state / "trainer.json").is_file()):
+        """``run.resume=true``: load the newest complete checkpoint after verifying every file (0: none yet)."""
+        if not self.run.resume:
+            return 0
+        steps = complete_steps(self.out)
+        if steps:
+            path = steps[-1][1]
+            if self.acc.is_main_process:
+                verify(path)
+            self.acc.wait_for_everyone()
+            state = path / "state"
+        elif (self.out / "state" / "trainer.json").is_file():  # a run from before checkpoints/ (issue 18)
+            state = self.out / "state"
+        else:
             return 0
         self.acc.load_state(str(state))
         return int(json.loads((state / "trainer.json").read_text())["step"])
@@ -256,6 +360,32 @@ class Trainer:
         return x, y
 
     def fit(self, batch_size: int) -> dict[str, Any]:
+        """Train for the configured budget; returns the last evaluation. Raises :class:`Interrupted` (after a
+        checkpoint) on SIGTERM / SIGINT. The directory's lock is released however it ends."""
+        try:
+            with _StopSignals() as signals:
+                return self._fit(batch_size, signals)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _stop_signal(self, signals: _StopSignals) -> int:
+        """The signal that asked this run to stop (0: none), agreed by every rank (max over ranks) so that all of
+        them save the same step."""
+        received = signals.received or 0
+        if self.acc.num_processes > 1:
+            flag = torch.tensor([received], device=self.acc.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            received = int(flag.item())
+        return received
+
+    def _interrupted(self, step: int, signum: int) -> Interrupted:
+        name = signal.Signals(signum).name
+        launcher = "python" if self.acc.num_processes == 1 else "accelerate launch <the same launch options>"
+        return Interrupted(f"interrupted by {name} at step {step}: checkpoint saved in {self.out}/checkpoints; "
+                           f"resume with: {launcher} {self.command} run.resume=true", 128 + signum)
+
+    def _fit(self, batch_size: int, signals: _StopSignals) -> dict[str, Any]:
         acc, run = self.acc, self.run
         per_epoch, total = self.budget(batch_size)
         optimizer = self.optimizer
@@ -279,6 +409,8 @@ class Trainer:
         # stream from state/random_states_<rank>.pkl. The data order has its own (seed, epoch, rank) seeds.
         set_seed(run.seed, device_specific=True)
         step = first_step = self.resume_step()
+        if acc.is_main_process and run.resume:
+            truncate_log(self.out / "log.jsonl", step)  # the steps after the checkpoint are logged again
         # which processes really run this job (world size and the distinct ranks, gathered from every process)
         ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
         bar = tqdm(total=total, initial=step, disable=not acc.is_main_process, desc=self.metadata.get("method"))
@@ -327,6 +459,11 @@ class Trainer:
                     self.save_checkpoint(step)
                 if self.evaluate is not None and run.eval_every and step % run.eval_every == 0 and step < total:
                     last_eval = self._evaluate(objective, step)
+                stop = self._stop_signal(signals)
+                if stop and step < total:
+                    bar.close()
+                    self.save_checkpoint(step)
+                    raise self._interrupted(step, stop)
                 if step >= total or (run.stop_after and step >= run.stop_after):
                     break
                 fetch = time.perf_counter()  # logging, checkpoints and evaluation are not data time

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
-from engine import USER_ERRORS, Trainer, classify, data_metadata, start
+from engine import RUN_ERRORS, USER_ERRORS, Interrupted, Trainer, classify, command_line, data_metadata, start
 
 from patchplace.finetune import build_mixup, prepare_for_finetune
 from patchplace.models import create_model, load_pretrained
@@ -111,11 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         metadata = {"method": f"finetune:{pretrained.get('method', '?')}", "pretrained": cfg.model.checkpoint,
                     "pretrain_metadata": pretrained, **data_metadata(data, cfg.data)}
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
-                          batch_transform=batch_transform, evaluate=evaluate)
+                          batch_transform=batch_transform, evaluate=evaluate, command=command_line(__file__, argv))
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    final = trainer.fit(cfg.data.batch_size)
+    try:
+        final = trainer.fit(cfg.data.batch_size)
+    except Interrupted as exc:
+        print(exc, file=sys.stderr)
+        return exc.exit_code
+    except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if accelerator.is_main_process:
         print(json.dumps({"final": final, "checkpoint": f"{cfg.run.output}/checkpoint"}))
     return 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
-from engine import USER_ERRORS, Trainer, data_metadata, start
+from engine import RUN_ERRORS, USER_ERRORS, Interrupted, Trainer, command_line, data_metadata, start
 
 from patchplace.models import create_model, load_pretrained
 from patchplace.objectives import (
@@ -85,11 +85,19 @@ def main(argv: list[str] | None = None) -> int:
         m = data.manifest
         objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
         metadata = {"method": cfg.method, "objective": cfg.objective, **data_metadata(data, cfg.data)}
-        trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg)
+        trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
+                          command=command_line(__file__, argv))
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    trainer.fit(cfg.data.batch_size)
+    try:
+        trainer.fit(cfg.data.batch_size)
+    except Interrupted as exc:
+        print(exc, file=sys.stderr)
+        return exc.exit_code
+    except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if accelerator.is_main_process:
         print(f"checkpoint: {cfg.run.output}/checkpoint")
     return 0

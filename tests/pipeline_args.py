@@ -26,3 +26,10 @@ def img(shards: Path) -> list[str]:
 def audio(shards: Path) -> list[str]:
     return [f"data.train={shards / 'audio' / 'train'}", f"data.val={shards / 'audio' / 'validation'}",
             f"data.noise_split={shards / 'audio' / 'background_noise'}"]
+
+
+def state_dir(run: Path) -> Path:
+    """The Accelerate state of a run's last complete checkpoint (``checkpoints/step-N/state``)."""
+    steps = sorted((run / "checkpoints").glob("step-*"))
+    assert len(steps) == 1, f"one complete checkpoint in {run}, found {steps}"
+    return steps[0] / "state"

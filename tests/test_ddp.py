@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "pipelines"))
 
 import pretrain  # noqa: E402
 
-from tests.pipeline_args import SMALL_HEADS, TINY, audio, img  # noqa: E402
+from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TRACE = str(ROOT / "tests" / "ddp_trace.py")
@@ -93,7 +93,7 @@ def test_every_method_pretrains_under_two_processes(shards, tmp_path, method):
     assert all(r["world_size"] == 2 and r["ranks"] == [0, 1] for r in records), "two processes, ranks 0 and 1, ran"
     assert [r["step"] for r in records] == [1, 2, 3], "one log line per step: only the main process writes"
     assert records[-1]["samples_per_s"] > 0 and (out / "checkpoint" / "model.safetensors").is_file()
-    assert {p.name for p in (out / "state").glob("random_states_*.pkl")} == {"random_states_0.pkl",
+    assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {"random_states_0.pkl",
                                                                              "random_states_1.pkl"}
 
 
@@ -165,7 +165,7 @@ def test_a_killed_two_process_bf16_run_resumes_where_an_uninterrupted_run_ends(s
     killed = run([*args, f"run.output={tmp_path / 'cut'}", "run.checkpoint_every=2"], env={"TRACE_KILL": "0:4"},
                  check=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
-    assert json.loads((tmp_path / "cut" / "state" / "trainer.json").read_text()) == {"step": 4}
+    assert json.loads((state_dir(tmp_path / "cut") / "trainer.json").read_text()) == {"step": 4}
     run([*args, f"run.output={tmp_path / 'cut'}", "run.resume=true"])
     for name in ("model.safetensors", "objective.safetensors"):
         a, b = (load_file(str(tmp_path / r / "checkpoint" / name)) for r in ("straight", "cut"))

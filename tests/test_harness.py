@@ -21,7 +21,7 @@ import config as pipeline_config  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
 
-from tests.pipeline_args import SMALL_HEADS, TINY, audio, img  # noqa: E402
+from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
 
 FT_CONFIG = str(ROOT / "pipelines" / "configs" / "finetune_fashion_mnist.yaml")
 # What must never be weight-decayed (DESIGN §2): PE tables, class / mask / unknown tokens, relative bias tables;
@@ -44,7 +44,7 @@ def method_args(shards: Path, method: str) -> list[str]:
 
 def optimizer_state(run: Path) -> dict:
     """The optimizer state Accelerate saved (param groups with their lr / initial_lr / lr_scale / weight_decay)."""
-    return torch.load(run / "state" / "optimizer.bin", weights_only=False)
+    return torch.load(state_dir(run) / "optimizer.bin", weights_only=False)
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
@@ -236,7 +236,7 @@ def test_ema_knob_moves_the_target_encoder_through_the_pipeline(shards, tmp_path
         out = tmp_path / f"ema{momentum}"
         assert pretrain.main([*method_args(shards, "ijepa"), "optim.max_steps=3", f"objective.ema_start={momentum}",
                               f"objective.ema_end={momentum}", f"run.output={out}"]) == 0
-        states[momentum] = load_file(str(out / "state" / "model.safetensors"))
+        states[momentum] = load_file(str(state_dir(out) / "model.safetensors"))
     for momentum, state in states.items():
         target = {k.removeprefix("target_encoder."): v for k, v in state.items() if k.startswith("target_encoder.")}
         online = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}

@@ -1,0 +1,296 @@
+"""One training run per directory, and checkpoints that a kill at any instant cannot lose.
+
+Layout of ``run.output`` (the parts this module owns)::
+
+    .lock                        flock'ed by the process that runs the directory (pid, host, start time inside)
+    checkpoints/step-00000158/   the last complete checkpoint, immutable once there:
+        checkpoint/              backbone (config.json + model.safetensors) + objective.safetensors
+        state/                   Accelerate state (model, optimizer, scheduler, each rank's RNG) + trainer.json
+        COMPLETE                 step, and size + sha256 of every file above: written last
+    checkpoint -> checkpoints/step-00000158/checkpoint   (a relative symlink, swapped atomically)
+
+A save writes ``checkpoints/.partial-step-N``, fsyncs it, writes ``COMPLETE``, renames the directory to
+``step-N`` (atomic), swaps the ``checkpoint`` link (atomic), and only then removes the older step (renamed to
+``.trash-*`` first, so a half-deleted directory is never taken for a checkpoint). At every instant the newest
+``step-*`` with a valid ``COMPLETE`` is a whole checkpoint; resume takes it, verifies every file against
+``COMPLETE`` (a corrupt file is an error naming it, never silently skipped) and clears what a kill left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from config import ConfigError
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+LOCK = ".lock"
+# What a training run leaves in its directory (run.overwrite=true removes exactly these).
+RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "checkpoint", "state", "tensorboard")
+# Leftovers of the layout before checkpoints/ (issue 18), removed once a save succeeds.
+LEGACY_LEFTOVERS = (".state.tmp", ".state.old")
+# Config fields a resumed run may change: they do not change what is trained.
+RESUMABLE_CHANGES = ("run.resume", "run.overwrite", "run.stop_after", "run.log_every", "run.checkpoint_every",
+                     "run.eval_every", "run.tensorboard", "run.find_unused_parameters", "data.num_workers")
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or read back; the message names the file and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- the lock
+class RunLock:
+    """An exclusive ``flock`` on ``<run>/.lock`` for the life of the run. The kernel drops it when the process
+    dies, so a lock left by a killed run is simply taken over; one held by a live process is an error naming it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / LOCK
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            try:
+                holder = json.loads(self.path.read_text() or "{}")
+            except (OSError, ValueError):
+                holder = {}
+            who = (f"process {holder.get('pid', '?')} on {holder.get('host', '?')} (since "
+                   f"{holder.get('since', '?')})")
+            raise ConfigError(f"run.output {self.path.parent} is in use by {who}: wait for that run to end, or "
+                              "choose another run.output") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+# ---------------------------------------------------------------------------------------------- fresh / resume
+def holds_run(directory: Path) -> bool:
+    """Whether ``directory`` holds (part of) a training run: a log, checkpoints, or a checkpoint link."""
+    return any((directory / name).exists() or (directory / name).is_symlink() for name in
+               ("log.jsonl", CHECKPOINTS, "checkpoint", "state"))
+
+
+def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config: dict[str, Any]) -> None:
+    """Check what ``run.output`` holds against ``run.resume`` / ``run.overwrite`` (main process, lock held).
+
+    * A directory with a run and neither flag: an error (nothing is overwritten silently).
+    * ``run.overwrite=true``: the previous run's files are removed first (other files are left alone).
+    * ``run.resume=true`` over a run whose ``config.yaml`` differs in a field that changes what is trained: an
+      error listing the fields (the run would otherwise follow its old schedule while config.yaml says otherwise).
+    """
+    if overwrite and resume:
+        raise ConfigError("run.resume=true and run.overwrite=true contradict each other: pick one")
+    if not holds_run(directory):
+        return
+    if overwrite:
+        for name in RUN_ENTRIES:
+            path = directory / name
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.is_dir():
+                shutil.rmtree(path)
+        return
+    if not resume:
+        step = latest_step(directory)
+        what = f"a run with a checkpoint at step {step}" if step is not None else "a run (log.jsonl)"
+        raise ConfigError(f"run.output {directory} already holds {what}: continue it with run.resume=true, replace "
+                          "it with run.overwrite=true, or choose another run.output")
+    saved = directory / "config.yaml"
+    if saved.is_file():
+        changed = config_changes(yaml.safe_load(saved.read_text()) or {}, config)
+        if changed:
+            raise ConfigError(f"run.resume=true: {', '.join(changed)} differ from {saved}; resume with the run's "
+                              "values, or start a new run (another run.output, or run.overwrite=true)")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and key != "objective":
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``field (old -> new)`` for every field of both configs that differs and is not in RESUMABLE_CHANGES."""
+    old, new = _flatten(saved), _flatten(current)
+    return [f"{k} ({old[k]!r} -> {new[k]!r})" for k in sorted(old.keys() & new.keys())
+            if k not in RESUMABLE_CHANGES and not _same(old[k], new[k])]
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def partial_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / CHECKPOINTS / f".partial-step-{step:08d}"
+
+
+def complete_steps(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step-*`` directory with a ``COMPLETE`` record, oldest first."""
+    root = Path(directory) / CHECKPOINTS
+    found = []
+    for path in root.glob("step-*") if root.is_dir() else []:
+        if (path / COMPLETE).is_file() and path.name[5:].isdigit():
+            found.append((int(path.name[5:]), path))
+    return sorted(found)
+
+
+def latest_step(directory: Path) -> int | None:
+    steps = complete_steps(directory)
+    if steps:
+        return steps[-1][0]
+    legacy = Path(directory) / "state" / "trainer.json"
+    if legacy.is_file() and not Path(directory, "state").is_symlink():
+        return int(json.loads(legacy.read_text())["step"])
+    return None
+
+
+def commit(partial: Path, step: int) -> Path:
+    """Seal ``partial`` (every file fsynced, ``COMPLETE`` written last) and rename it to ``step-N``."""
+    files = {}
+    for path in sorted(p for p in partial.rglob("*") if p.is_file()):
+        _fsync(path)
+        files[str(path.relative_to(partial))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    record = partial / COMPLETE
+    with open(record, "w") as f:
+        f.write(json.dumps({"step": step, "files": files}, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    for sub in sorted({p.parent for p in partial.rglob("*")} | {partial}, key=lambda p: -len(p.parts)):
+        _fsync(sub)
+    final = step_dir(partial.parent.parent, step)
+    if final.exists():  # the same step saved again (e.g. a resumed run interrupted at once): retire the old one
+        os.replace(final, final.with_name(f".trash-{final.name}-{os.getpid()}"))
+    os.replace(partial, final)
+    _fsync(final.parent)
+    return final
+
+
+def point_checkpoint_link(directory: Path, target: Path) -> None:
+    """Atomically make ``<run>/checkpoint`` a relative symlink to ``target`` (a directory of the run)."""
+    link = Path(directory) / "checkpoint"
+    tmp = Path(directory) / f".checkpoint.link-{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(os.path.relpath(target, directory), tmp)
+    if link.is_dir() and not link.is_symlink():  # a run from before checkpoints/: its real directory goes
+        os.replace(link, Path(directory) / f".trash-checkpoint-{os.getpid()}")
+    os.replace(tmp, link)
+
+
+def clean(directory: Path, keep: Path) -> None:
+    """Remove every checkpoint but ``keep`` and whatever a killed save left (partials, trash, legacy temp dirs)."""
+    directory = Path(directory)
+    root = directory / CHECKPOINTS
+    for path in list(root.iterdir()) if root.is_dir() else []:
+        if path == keep:
+            continue
+        if path.name.startswith("step-"):
+            trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+            os.replace(path, trash)  # never a half-deleted step-* directory
+            path = trash
+        shutil.rmtree(path, ignore_errors=True)
+    for path in directory.iterdir():
+        if path.name.startswith((".trash-", ".checkpoint.link-", ".checkpoint.partial-", ".checkpoint.old-")) or \
+                path.name in LEGACY_LEFTOVERS:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+    legacy = directory / "state"
+    if legacy.is_dir() and not legacy.is_symlink():
+        shutil.rmtree(legacy, ignore_errors=True)
+
+
+def verify(step_path: Path) -> dict[str, Any]:
+    """The ``COMPLETE`` record of a checkpoint after checking every file it lists (size and sha256)."""
+    try:
+        record = json.loads((step_path / COMPLETE).read_text())
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{step_path / COMPLETE} is unreadable ({exc}); delete {step_path} to resume from "
+                              "scratch, or set run.overwrite=true") from None
+    for name, expected in files.items():
+        path = step_path / name
+        if not path.is_file():
+            problem = "is missing"
+        elif path.stat().st_size != expected["bytes"]:
+            problem = f"has {path.stat().st_size} bytes, {expected['bytes']} were written"
+        elif _sha256(path) != expected["sha256"]:
+            problem = "is corrupt (its sha256 differs from the one written with it)"
+        else:
+            continue
+        raise CheckpointError(f"checkpoint file {path} {problem}: the run cannot resume exactly from step "
+                              f"{record.get('step')}; restore the file, or start over with run.overwrite=true")
+    return record
+
+
+def disk_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed write for lack of space (ENOSPC / quota / file size limit), including torch's
+    ``inline_container`` RuntimeError for a short write."""
+    if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("unexpected pos" in text or "file write failed" in text
+                                              or "No space left" in text)
+
+
+def disk_message(directory: Path, step: int, exc: BaseException) -> str:
+    usage = shutil.disk_usage(directory)
+    last = latest_step(directory)
+    kept = f"the last complete checkpoint (step {last}) is intact" if last is not None else "no checkpoint yet"
+    return (f"could not write the step-{step} checkpoint in {directory}: the disk is full or a size limit was hit "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); {usage.free / 2**20:.0f} MiB free of "
+            f"{usage.total / 2**30:.1f} GiB on that filesystem; {kept}; free space (or point run.output elsewhere) "
+            "and run the same command with run.resume=true")
