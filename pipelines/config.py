@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import re
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -152,21 +152,36 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     return value
 
 
-def build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
-    """Instantiate dataclass ``cls`` from a nested dict; unknown keys and wrong types are errors."""
+def build(cls: type, raw: dict[str, Any], prefix: str = "", base: Any = None) -> Any:
+    """Instantiate dataclass ``cls`` from a nested dict; unknown keys and wrong types are errors.
+
+    A section given in part keeps its owner's defaults for the rest: ``optim.max_steps=5`` on the pretraining
+    config leaves its ``OptimSection(lr=1.5e-3, betas=(0.9, 0.95))``, not the section class's own defaults.
+    ``base``: the instance whose values the missing keys take (the owner's default for this section)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(raw) - known)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConfigError(f"unknown config key(s) {[prefix + u for u in unknown]}; known: {sorted(known)}")
     values = {}
     for name, value in raw.items():
         hint = hints[name]
-        values[name] = build(hint, value, f"{prefix}{name}.") if is_dataclass(hint) else _coerce(
-            value, hint, prefix + name)
-    return cls(**values)
+        if is_dataclass(hint):
+            values[name] = build(hint, value, f"{prefix}{name}.", base=_default(known[name], base))
+        else:
+            values[name] = _coerce(value, hint, prefix + name)
+    return replace(base, **values) if base is not None else cls(**values)
+
+
+def _default(f: Any, owner: Any) -> Any:
+    """The default value of field ``f``: the owner instance's when there is one, else the field's own default."""
+    if owner is not None:
+        return getattr(owner, f.name)
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None if f.default is MISSING else f.default
 
 
 class _Loader(yaml.SafeLoader):

@@ -325,7 +325,7 @@ class Trainer:
                 final = commit(partial, step)
                 point_checkpoint_link(out, final / "checkpoint")
                 clean(out, keep=final)
-        except (OSError, RuntimeError) as exc:
+        except Exception as exc:  # OSError, torch's RuntimeError, SafetensorError: only disk errors are caught
             if not disk_error(exc):
                 raise
             shutil.rmtree(partial, ignore_errors=True)
@@ -362,10 +362,13 @@ class Trainer:
     def fit(self, batch_size: int) -> dict[str, Any]:
         """Train for the configured budget; returns the last evaluation. Raises :class:`Interrupted` (after a
         checkpoint) on SIGTERM / SIGINT. The directory's lock is released however it ends."""
+        self.bar: tqdm | None = None
         try:
             with _StopSignals() as signals:
                 return self._fit(batch_size, signals)
         finally:
+            if self.bar is not None:
+                self.bar.close()  # ends the progress line, so an error message starts on its own line
             if self.lock is not None:
                 self.lock.release()
 
@@ -413,7 +416,8 @@ class Trainer:
             truncate_log(self.out / "log.jsonl", step)  # the steps after the checkpoint are logged again
         # which processes really run this job (world size and the distinct ranks, gathered from every process)
         ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
-        bar = tqdm(total=total, initial=step, disable=not acc.is_main_process, desc=self.metadata.get("method"))
+        bar = self.bar = tqdm(total=total, initial=step, disable=not acc.is_main_process,
+                              desc=self.metadata.get("method"))
         last_eval: dict[str, Any] = {}
         start = time.perf_counter()
         waited = 0.0  # seconds spent waiting for the data loader (its share of step time is logged)

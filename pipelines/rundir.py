@@ -276,14 +276,17 @@ def verify(step_path: Path) -> dict[str, Any]:
     return record
 
 
+DISK_TEXTS = ("No space left", "File too large", "Disk quota", "unexpected pos", "file write failed",
+              *(f"os error {code})" for code in DISK_ERRNOS))
+
+
 def disk_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed write for lack of space (ENOSPC / quota / file size limit), including torch's
-    ``inline_container`` RuntimeError for a short write."""
-    if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("unexpected pos" in text or "file write failed" in text
-                                              or "No space left" in text)
+    """Whether ``exc`` is a failed write for lack of space (ENOSPC / quota / file size limit): an OSError with that
+    errno, torch's ``inline_container`` RuntimeError for a short write, or safetensors' ``I/O error ... (os error
+    28)``."""
+    if isinstance(exc, OSError):
+        return exc.errno in DISK_ERRNOS
+    return any(text in str(exc) for text in DISK_TEXTS)
 
 
 def disk_message(directory: Path, step: int, exc: BaseException) -> str:

@@ -1,0 +1,188 @@
+"""Fault injection for ``test_faults.py``: kills, signals and write failures at chosen instants of a real
+``pipelines/pretrain.py`` run (one process, ``OMP_NUM_THREADS=1``, so forked children are safe and runs are exact).
+
+    python tests/fault_driver.py kills REPORT.json OUT_DIR SEED COUNT -- <pretrain arguments>
+        Runs the arguments straight once, counts the Python line events of every checkpoint save (the kill points),
+        then, for COUNT kill points drawn with SEED (half among the lines of rundir.py, the checkpoint protocol
+        itself, half among all of them), forks a child that SIGKILLs itself at that line of that save, resumes the
+        killed run with run.resume=true, and records whether it resumed, from which step, whether its final
+        weights equal the straight run's, and what stray files were left after the resume's saves.
+    python tests/fault_driver.py signal SIGNAME STEP -- <pretrain arguments>
+        Sends SIGNAME to itself when the run reaches optimizer step STEP (a real signal, delivered mid-training).
+    python tests/fault_driver.py fsize BYTES STEP -- <pretrain arguments>
+        From the checkpoint of step STEP on, no file may grow beyond BYTES (RLIMIT_FSIZE): writes fail like on a
+        full disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+
+import engine  # noqa: E402
+import pretrain  # noqa: E402
+import rundir  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+RUNDIR_FILE = str(Path(rundir.__file__).resolve())
+
+
+class LineCounter:
+    """``sys.settrace`` tracer that counts line events (and notes which ones are in rundir.py); at event number
+    ``kill_at`` of save number ``save_index`` it SIGKILLs the process."""
+
+    def __init__(self, kill_at: tuple[int, int] | None = None) -> None:
+        self.kill_at = kill_at
+        self.saves: list[dict] = []  # per save: {"step", "events", "rundir_events": [indices]}
+
+    def trace(self, frame, event, arg):
+        if event == "line":
+            save = self.saves[-1]
+            save["events"] += 1
+            if frame.f_code.co_filename == RUNDIR_FILE:
+                save["rundir_events"].append(save["events"])
+                save["rundir_lines"].setdefault(f"{frame.f_code.co_name}:{frame.f_lineno}", save["events"])
+            if self.kill_at == (len(self.saves) - 1, save["events"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.trace
+
+    def install(self) -> None:
+        save = engine.Trainer.save_checkpoint
+        counter = self
+
+        def traced_save(trainer, step):
+            counter.saves.append({"step": step, "events": 0, "rundir_events": [], "rundir_lines": {}})
+            sys.settrace(counter.trace)
+            try:
+                return save(trainer, step)
+            finally:
+                sys.settrace(None)
+
+        engine.Trainer.save_checkpoint = traced_save
+
+
+def output_of(args: list[str]) -> Path:
+    return Path(next(a.split("=", 1)[1] for a in args if a.startswith("run.output=")))
+
+
+def with_output(args: list[str], out: Path) -> list[str]:
+    return [a for a in args if not a.startswith("run.output=")] + [f"run.output={out}"]
+
+
+def weights(out: Path) -> dict:
+    return {name: load_file(str(out / "checkpoint" / name)) for name in ("model.safetensors", "objective.safetensors")
+            if (out / "checkpoint" / name).is_file()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        x.keys() == y.keys() and all((x[k] == y[k]).all() for k in x) for x, y in ((a[n], b[n]) for n in a))
+
+
+def strays(out: Path) -> list[str]:
+    """What a finished run directory should not hold: partial / trash / temp entries, or more than one step."""
+    names = [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ".lock"]
+    root = out / "checkpoints"
+    inside = [p.name for p in root.iterdir()] if root.is_dir() else []
+    return names + [n for n in inside if not n.startswith("step-")] + (inside[1:] if len(inside) > 1 else [])
+
+
+def kills(report: Path, base: Path, seed: int, count: int, args: list[str]) -> None:
+    straight = base / "straight"
+    counter = LineCounter()
+    counter.install()
+    resumed: list[int] = []
+    resume_step = engine.Trainer.resume_step
+    engine.Trainer.resume_step = lambda trainer: resumed.append(resume_step(trainer)) or resumed[-1]
+    assert pretrain.main(with_output(args, straight)) == 0
+    # Count on a second straight run: the first one also ran one-time work (lazy imports, first-call caches) that
+    # the forked children, started from this warmed-up process, will not repeat.
+    counter.saves = []
+    assert pretrain.main(with_output(args, base / "counted")) == 0
+    assert same(weights(straight), weights(base / "counted"))
+    saves = [dict(s) for s in counter.saves]
+    # Every distinct line of the checkpoint protocol (rundir.py) in a save that has a previous checkpoint to lose,
+    # then COUNT random points: alternately a line of rundir.py and any line of the save path, in any save.
+    middle = len(saves) // 2
+    points = [(middle, event) for event in sorted(saves[middle]["rundir_lines"].values())]
+    rng = random.Random(seed)
+    for i in range(count):
+        save = rng.randrange(len(saves))
+        pool = saves[save]["rundir_events"] if i % 2 == 0 else range(1, saves[save]["events"] + 1)
+        points.append((save, rng.choice(list(pool))))
+    results = []
+    for n, point in enumerate(points):
+        out = base / f"kill{n}"
+        pid = os.fork()
+        if pid == 0:  # child: the same run, killed at that line of that save
+            counter.kill_at, counter.saves = point, []
+            code = pretrain.main(with_output(args, out))
+            os._exit(100 + code)  # never reached when the kill point is
+        _, status = os.waitpid(pid, 0)
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").is_dir() else []
+        counter.kill_at, counter.saves = None, []
+        code = pretrain.main([*with_output(args, out), "run.resume=true"])
+        log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in log if "loss" in r]
+        results.append({"save": point[0], "save_step": saves[point[0]]["step"], "line": point[1], "killed": killed,
+                        "left": checkpoints, "resume_code": code, "resumed_from": resumed[-1],
+                        "same_weights": code == 0 and same(weights(straight), weights(out)),
+                        "steps_logged_once": steps == sorted(set(steps)), "strays": strays(out)})
+    report.write_text(json.dumps({"saves": [{"step": s["step"], "events": s["events"],
+                                             "rundir_events": len(s["rundir_events"]),
+                                             "rundir_lines": len(s["rundir_lines"])} for s in saves],
+                                  "kills": results}, indent=1))
+
+
+def signal_at(name: str, step: int, args: list[str]) -> int:
+    inputs = engine.Trainer._inputs
+    seen = [0]
+
+    def traced_inputs(self, batch):
+        seen[0] += 1
+        if seen[0] == step:  # during step `step`: the run stops after finishing it
+            os.kill(os.getpid(), getattr(signal, name))
+        return inputs(self, batch)
+
+    engine.Trainer._inputs = traced_inputs
+    return pretrain.main(args)
+
+
+def file_size_limit(limit: int, step: int, args: list[str]) -> int:
+    save = engine.Trainer.save_checkpoint
+
+    def limited_save(trainer, at):
+        if at >= step:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        return save(trainer, at)
+
+    engine.Trainer.save_checkpoint = limited_save
+    return pretrain.main(args)
+
+
+def main() -> int:
+    split = sys.argv.index("--")
+    mode, *params = sys.argv[1:split]
+    args = sys.argv[split + 1:]
+    if mode == "kills":
+        kills(Path(params[0]), Path(params[1]), int(params[2]), int(params[3]), args)
+        return 0
+    if mode == "signal":
+        return signal_at(params[0], int(params[1]), args)
+    if mode == "fsize":
+        return file_size_limit(int(params[0]), int(params[1]), args)
+    raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

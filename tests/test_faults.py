@@ -1,0 +1,178 @@
+"""Runs that survive faults (issue 18): kills at every line of the checkpoint protocol and at random points of the
+save path, the rename windows, one run per directory, reuse / overwrite / changed-config resume, SIGTERM and Ctrl-C,
+a full disk, a corrupt checkpoint. Real processes and real signals; ``fault_driver.py`` places the faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+
+import pretrain  # noqa: E402
+import rundir  # noqa: E402
+
+from tests.pipeline_args import SMALL_HEADS, TINY, img  # noqa: E402
+
+DRIVER = str(ROOT / "tests" / "fault_driver.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def stop_args(shards: Path, out: Path, steps: int = 6) -> list[str]:
+    """StoP (masks, noise, EMA target): the method with the most state to lose."""
+    return ["method=stop", *img(shards), *TINY, *SMALL_HEADS["stop"], f"optim.max_steps={steps}",
+            f"run.output={out}"]
+
+
+def drive(*params: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, DRIVER, *params, "--", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def python(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "pipelines" / "pretrain.py"), *args], capture_output=True,
+                          text=True, timeout=300, env=ENV)
+
+
+def weights(out: Path) -> dict:
+    return {n: load_file(str(out / "checkpoint" / n)) for n in ("model.safetensors", "objective.safetensors")}
+
+
+def same(a: dict, b: dict) -> bool:
+    return all(a[n].keys() == b[n].keys() and all((a[n][k] == b[n][k]).all() for k in a[n]) for n in a)
+
+
+def logged_steps(out: Path) -> list[int]:
+    return [r["step"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def strays(out: Path) -> list[str]:
+    hidden = [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ".lock"]
+    return hidden + [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith("step-")]
+
+
+def test_a_kill_at_any_line_of_a_save_loses_nothing(shards, tmp_path):
+    """SIGKILL at every distinct line of the checkpoint protocol (rundir.py) in the middle save, and at 6 random
+    lines of the whole save path (torch / safetensors / Accelerate writes included) of any save: each killed run
+    resumes from its newest complete checkpoint (never step 0 once one exists), ends with the uninterrupted run's
+    weights, logs every step once, and leaves no partial / trash file after its next save."""
+    report = tmp_path / "report.json"
+    args = [*stop_args(shards, tmp_path / "unused"), "run.checkpoint_every=2"]
+    result = drive("kills", str(report), str(tmp_path), "18", "6", args=args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    saves, kills = data["saves"], data["kills"]
+    assert [s["step"] for s in saves] == [2, 4, 6] and all(s["events"] > 1000 for s in saves)
+    assert len(kills) == saves[1]["rundir_lines"] + 6 >= 40, "every protocol line of the middle save + 6 random"
+    for kill in kills:
+        assert kill["killed"], kill
+        complete = [int(n[5:]) for n in kill["left"] if n.startswith("step-")]
+        assert kill["resumed_from"] == max(complete, default=0), kill  # the newest complete checkpoint
+        assert kill["resume_code"] == 0 and kill["same_weights"] and kill["steps_logged_once"], kill
+        assert kill["strays"] == [], kill
+    windows = {tuple(sorted(n.split("-")[0] for n in k["left"])) for k in kills}
+    assert {(".partial", "step"), ("step", "step"), (".trash", "step")} <= windows, windows
+
+
+def test_the_rename_windows_and_leftovers_resume_from_the_newest_checkpoint(shards, tmp_path):
+    """Deterministic versions of the kill windows: a new step committed while the ``checkpoint`` link still points
+    at the old one; the old step already renamed to trash; plus leftovers of the previous layout (issue 18 case 1:
+    a half-deleted ``.state.old`` made every later save fail)."""
+    straight = tmp_path / "straight"
+    assert pretrain.main(stop_args(shards, straight)) == 0
+    for window in ("link_not_swapped", "old_step_trashed"):
+        out = tmp_path / window
+        assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.stop_after=2"]) == 0
+        two = out / "checkpoints" / "step-00000002"
+        keep = tmp_path / f"{window}-step2"
+        shutil.copytree(two, keep)
+        assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.stop_after=4",
+                              "run.resume=true"]) == 0
+        if window == "link_not_swapped":
+            shutil.copytree(keep, two)
+            rundir.point_checkpoint_link(out, two / "checkpoint")
+        else:
+            shutil.copytree(keep, out / "checkpoints" / ".trash-step-00000002-1")
+        (out / ".state.old").mkdir()
+        (out / ".state.old" / "x").touch()
+        (out / "checkpoints" / ".partial-step-00000005").mkdir()
+        assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.resume=true"]) == 0
+        assert same(weights(out), weights(straight)), window
+        assert logged_steps(out) == [1, 2, 3, 4, 5, 6] and strays(out) == [], window
+        assert os.readlink(out / "checkpoint") == os.path.join("checkpoints", "step-00000006", "checkpoint")
+
+
+def test_one_run_per_directory(shards, tmp_path, capsys):
+    out = tmp_path / "run"
+    lock = rundir.RunLock(out).acquire()  # another process would hold this flock while it trains
+    try:
+        assert pretrain.main(stop_args(shards, out, 2)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"process {os.getpid()}" in err and "is in use by" in err, err
+    finally:
+        lock.release()
+    # a lock file left by a killed run (no process holds the flock) is taken over
+    assert (out / ".lock").is_file() and pretrain.main(stop_args(shards, out, 2)) == 0
+    capsys.readouterr()
+    # reusing the directory: an error unless resumed or overwritten
+    assert pretrain.main(stop_args(shards, out, 2)) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run with a checkpoint at step 2: continue it with run.resume=true, replace it with " \
+           "run.overwrite=true" in err, err
+    assert pretrain.main([*stop_args(shards, out, 2), "optim.lr=0.1", "run.resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert "run.resume=true: optim.lr (0.0015 -> 0.1) differ from" in err, err
+    assert pretrain.main([*stop_args(shards, out, 3), "run.overwrite=true"]) == 0
+    assert logged_steps(out) == [1, 2, 3] and [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+
+
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_sigterm_and_ctrl_c_save_and_say_how_to_resume(shards, tmp_path, name, code):
+    out = tmp_path / "run"
+    result = drive("signal", name, "3", args=stop_args(shards, out))
+    assert result.returncode == code, result.stderr[-2000:]
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"interrupted by {name} at step 3: checkpoint saved in {out}/checkpoints; resume "
+                              "with: python pipelines/pretrain.py method=stop "), message
+    assert message.endswith("run.resume=true") and f"run.output={out}" in message, message
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+    if name == "SIGTERM":  # the resumed run ends where an uninterrupted one does
+        straight = tmp_path / "straight"
+        assert python(stop_args(shards, straight)).returncode == 0
+        resumed = python([*stop_args(shards, out), "run.resume=true"])
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert same(weights(out), weights(straight)) and logged_steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(shards, tmp_path):
+    """RLIMIT_FSIZE makes every write past 16 KB fail from the step-4 checkpoint on (like a full disk)."""
+    out = tmp_path / "run"
+    result = drive("fsize", str(16 * 1024), "4", args=[*stop_args(shards, out), "run.checkpoint_every=2"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "could not write the step-4 checkpoint" in error[0], result.stderr[-2000:]
+    assert "disk is full or a size limit was hit" in error[0] and "MiB free" in error[0]
+    assert "the last complete checkpoint (step 2) is intact" in error[0] and "run.resume=true" in error[0]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"], "nothing half-written is left"
+    assert python([*stop_args(shards, out), "run.checkpoint_every=2", "run.resume=true"]).returncode == 0
+
+
+def test_a_corrupt_checkpoint_file_stops_the_resume_naming_it(shards, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert pretrain.main([*stop_args(shards, out), "run.stop_after=2"]) == 0
+    rng_state = out / "checkpoints" / "step-00000002" / "state" / "random_states_0.pkl"
+    data = bytearray(rng_state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rng_state.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert pretrain.main([*stop_args(shards, out), "run.resume=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"checkpoint file {rng_state} is corrupt" in err, err
