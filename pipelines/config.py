@@ -37,6 +37,7 @@ class DataSection:
     re_prob: float = 0.0
     noise_split: str | None = None  # audio: background_noise split for noise mixing
     train_limit: int | None = None  # cap on samples per process per epoch (None: the whole split)
+    skip_corrupt: bool = False  # skip unreadable / truncated train shards (warned, counted in the log), not fail
     val_limit: int | None = None
 
     def validate(self) -> None:
@@ -76,6 +77,8 @@ class OptimSection:
     layer_decay: float | None = None  # layer-wise lr decay (fine-tuning, e.g. 0.75)
 
     def validate(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"optim.max_steps must be >= 1 (or null: train optim.epochs), got {self.max_steps}")
         if self.epochs <= 0 and not self.max_steps:
             raise ConfigError(f"optim.epochs must be > 0 (or set optim.max_steps), got {self.epochs}")
         if self.lr <= 0 or self.weight_decay < 0:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import shutil
 import signal
@@ -97,8 +98,37 @@ def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
             "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()}}
 
 
+def check_inputs(backbone: Backbone, data: Data, source: str) -> None:
+    """The backbone takes what the train reader yields (modality, image side, channels) — checked before training,
+    so a mismatch is one line naming both instead of a shape error inside the model at step 1. ``source`` names
+    where the backbone comes from (a checkpoint path or ``model.preset=...``)."""
+    m, c = data.manifest, backbone.config
+    if c.modality != m.modality:
+        raise ConfigError(f"{source} is a model for {c.modality} but data.train ({m.dataset}/{m.split}) holds "
+                          f"{m.modality}: use a {m.modality} checkpoint / preset, or {c.modality} data")
+    if m.modality != "image":
+        return
+    side = getattr(data.train.transform, "size", None)
+    if side is not None and side != c.img_size:
+        raise ConfigError(f"the data give {side} px images (data.img_size / data.pad_to) but {source} takes "
+                          f"{c.img_size} px: set data.img_size={c.img_size}"
+                          + ("" if source.startswith("model.checkpoint") else
+                             f", or build the model for {side} px with model.overrides={{img_size: {side}}}"))
+    channels = int(m.info.get("channels", 3))
+    if channels != c.in_chans:
+        raise ConfigError(f"data.train images have {channels} channel(s) but {source} takes {c.in_chans}: use a "
+                          "checkpoint / preset with the data's channels")
+
+
 def make_accelerator(run: RunSection) -> Accelerator:
-    Path(run.output).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(run.output).mkdir(parents=True, exist_ok=True)
+        probe = Path(run.output) / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"run.output {run.output} cannot be written ({exc.strerror}): choose a directory you can "
+                          "write, e.g. run.output=runs/my_run") from None
     # Accelerate keeps one process-wide state and refuses a second Accelerator with another mixed precision; stages
     # run in one process (tests, the demo and study orchestration) may each ask for their own, so start it afresh.
     if AcceleratorState._shared_state.get("_mixed_precision") not in (None, run.mixed_precision):
@@ -137,7 +167,7 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                          shuffle_buffer=cfg.shuffle_buffer, seed=seed,
                          rank=accelerator.process_index if split_train else 0,
                          world_size=accelerator.num_processes if split_train else 1, num_workers=cfg.num_workers,
-                         epoch_length=cfg.train_limit, seeded_transforms=True)
+                         epoch_length=cfg.train_limit, seeded_transforms=True, skip_corrupt=cfg.skip_corrupt)
     val = ShardDataset(val_manifest, urls=cfg.val_urls, transform=build_transform(val_manifest, False,
                                                                                   **eval_options),
                        num_workers=cfg.num_workers, epoch_length=cfg.val_limit)
@@ -203,6 +233,16 @@ class JsonlLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of a user error on one line. A DataLoader worker's error comes back as "Caught DataError in
+    DataLoader worker process 0. Original Traceback ...": its last line is the original message."""
+    text = str(exc).strip()
+    if "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last and "Error" in last.split(": ", 1)[0] else last
+    return " ".join(text.split())
 
 
 def command_line(script: str, argv: list[str] | None) -> str:
@@ -421,10 +461,12 @@ class Trainer:
         last_eval: dict[str, Any] = {}
         start = time.perf_counter()
         waited = 0.0  # seconds spent waiting for the data loader (its share of step time is logged)
+        epoch, skip = divmod(step, per_epoch)
         while step < total:
-            epoch, skip = divmod(step, per_epoch)
             fetch = time.perf_counter()
+            batches = 0
             for i, batch in enumerate(loader(self.data.train, batch_size, run.seed, epoch, acc.process_index)):
+                batches += 1
                 if i < skip * run.grad_accum:  # resume: replay the epoch's deterministic stream up to the step
                     fetch = time.perf_counter()
                     continue
@@ -455,6 +497,8 @@ class Trainer:
                     top = optimizer.param_groups[0]  # the schedule's base lr (groups carry lr * lr_scale)
                     scalars.update(lr=top["lr"] / top.get("lr_scale", 1.0), epoch=epoch,
                                    data_share=round(waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
+                    if self.data.train.skipped:  # data.skip_corrupt (counted in this process; workers warn)
+                        scalars["skipped_shards"] = len(set(self.data.train.skipped))
                     self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "ranks": ranks})
                     if run.tensorboard:
                         acc.log(scalars, step=step)
@@ -475,6 +519,12 @@ class Trainer:
                 bar.close()
                 self.save_checkpoint(step)  # as a periodic checkpoint would have been
                 return {}
+            if batches <= skip * run.grad_accum and step < total:
+                raise DataError(f"epoch {epoch} of data.train yielded {batches} batch(es), none left to train on "
+                                f"(skipped shards: {self.data.train.skipped or 'none'}); check the split with "
+                                "`python -m patchplace.data verify <split dir>`")
+            # the next epoch (an epoch shortened by data.skip_corrupt ends early: its steps are not made up)
+            epoch, skip = epoch + 1, 0
         bar.close()
         self.save_checkpoint(step)
         if self.evaluate is not None:

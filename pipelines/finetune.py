@@ -17,7 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
-from engine import RUN_ERRORS, USER_ERRORS, Interrupted, Trainer, classify, command_line, data_metadata, start
+from engine import (
+    RUN_ERRORS,
+    USER_ERRORS,
+    Data,
+    Interrupted,
+    Trainer,
+    check_inputs,
+    classify,
+    command_line,
+    data_metadata,
+    one_line,
+    start,
+)
 
 from patchplace.finetune import build_mixup, prepare_for_finetune
 from patchplace.models import create_model, load_pretrained
@@ -52,12 +64,18 @@ class FinetuneConfig:
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/finetune"))
 
 
-def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modality: str):
+def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):
+    """The checkpoint (or a fresh ``model.preset``) prepared for fine-tuning; with ``data``, first checked against
+    what the reader yields (before its PE / head are changed, so a mismatch names the real cause)."""
     if cfg.model.checkpoint:
         backbone, metadata = load_pretrained(cfg.model.checkpoint)
+        source = f"model.checkpoint={cfg.model.checkpoint}"
     else:
         extra = {"in_chans": in_chans} if modality == "image" else {}
         backbone, metadata = create_model(cfg.model.preset, **extra, **cfg.model.overrides), {"method": "scratch"}
+        source = f"model.preset={cfg.model.preset}"
+    if data is not None:
+        check_inputs(backbone, data, source)
     ft = cfg.finetune
     backbone = prepare_for_finetune(backbone, num_classes, pos_embed=ft.pos_embed, global_pool=ft.global_pool,
                                     drop_path_rate=ft.drop_path)
@@ -99,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, accelerator, data = start(FinetuneConfig, __doc__, argv)
         m = data.manifest
-        backbone, pretrained = build_backbone(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
+        backbone, pretrained = build_backbone(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality, data)
         objective, batch_transform = build_recipe(cfg.finetune, backbone, m.num_classes, m.modality)
 
         def evaluate(_, step):
@@ -120,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         print(exc, file=sys.stderr)
         return exc.exit_code
-    except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume
-        print(f"error: {exc}", file=sys.stderr)
+    except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume, a bad shard
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     if accelerator.is_main_process:
         print(json.dumps({"final": final, "checkpoint": f"{cfg.run.output}/checkpoint"}))

@@ -15,7 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
-from engine import RUN_ERRORS, USER_ERRORS, Interrupted, Trainer, command_line, data_metadata, start
+from engine import (
+    RUN_ERRORS,
+    USER_ERRORS,
+    Data,
+    Interrupted,
+    Trainer,
+    check_inputs,
+    command_line,
+    data_metadata,
+    one_line,
+    start,
+)
 
 from patchplace.models import create_model, load_pretrained
 from patchplace.objectives import (
@@ -67,15 +78,20 @@ class PretrainConfig:
         config_cls.from_dict({**defaults, **self.objective})  # unknown / out-of-range fields fail here
 
 
-def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modality: str):
-    """Backbone (preset + overrides, PE mode of the method) and the objective around it."""
+def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):
+    """Backbone (preset + overrides, PE mode of the method) and the objective around it; with ``data``, the
+    backbone is first checked against what the reader yields."""
     objective_cls, config_cls, defaults, pos_embed, needs_head = METHODS[cfg.method]
     if cfg.model.checkpoint:
         backbone, _ = load_pretrained(cfg.model.checkpoint)
+        source = f"model.checkpoint={cfg.model.checkpoint}"
     else:
         overrides = {"pos_embed": pos_embed, "num_classes": num_classes if needs_head else 0,
                      **({"in_chans": in_chans} if modality == "image" else {}), **cfg.model.overrides}
         backbone = create_model(cfg.model.preset, **overrides)
+        source = f"model.preset={cfg.model.preset}"
+    if data is not None:
+        check_inputs(backbone, data, source)
     return objective_cls(backbone, config_cls.from_dict({**defaults, **cfg.objective})), backbone
 
 
@@ -83,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, accelerator, data = start(PretrainConfig, __doc__, argv)
         m = data.manifest
-        objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality)
+        objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality, data)
         metadata = {"method": cfg.method, "objective": cfg.objective, **data_metadata(data, cfg.data)}
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
                           command=command_line(__file__, argv))
@@ -95,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         print(exc, file=sys.stderr)
         return exc.exit_code
-    except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume
-        print(f"error: {exc}", file=sys.stderr)
+    except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume, a bad shard
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     if accelerator.is_main_process:
         print(f"checkpoint: {cfg.run.output}/checkpoint")

@@ -33,6 +33,8 @@ from typing import Any
 import yaml
 from config import ConfigError
 
+from patchplace.data.atomic import umask
+
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 LOCK = ".lock"
@@ -199,7 +201,9 @@ def latest_step(directory: Path) -> int | None:
 def commit(partial: Path, step: int) -> Path:
     """Seal ``partial`` (every file fsynced, ``COMPLETE`` written last) and rename it to ``step-N``."""
     files = {}
+    mode = 0o666 & ~umask()  # safetensors writes 0600: give every file the mode the user's umask asks for
     for path in sorted(p for p in partial.rglob("*") if p.is_file()):
+        os.chmod(path, mode)
         _fsync(path)
         files[str(path.relative_to(partial))] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     record = partial / COMPLETE

@@ -176,3 +176,119 @@ def test_a_corrupt_checkpoint_file_stops_the_resume_naming_it(shards, tmp_path, 
     assert pretrain.main([*stop_args(shards, out), "run.resume=true"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"checkpoint file {rng_state} is corrupt" in err, err
+
+
+def test_files_follow_the_umask(tmp_path):
+    """Issue 18 case 9: with umask 022, split directories / checkpoints were created 0700 and manifest.json /
+    optimizer.json 0600 (tempfile's modes), unreadable by the rest of a shared cluster."""
+    import numpy as np
+
+    from patchplace.data import SplitWriter
+
+    previous = os.umask(0o022)
+    try:
+        with SplitWriter(tmp_path / "shards", "train", dataset="toy", modality="image", classes=["a", "b", "c"],
+                         info={"image_size": [28, 28], "channels": 1}, source="test", recipe="test",
+                         recipe_version=1, max_count=16) as writer:
+            for i in range(48):
+                writer.add_image(f"{i:04d}", i % 3, np.full((28, 28), i, dtype=np.uint8))
+        shards = tmp_path / "shards"
+        out = tmp_path / "run"
+        assert pretrain.main(["method=stop", f"data.train={shards / 'train'}", f"data.val={shards / 'train'}", *TINY,
+                              *SMALL_HEADS["stop"], "optim.max_steps=1", f"run.output={out}"]) == 0
+    finally:
+        os.umask(previous)
+    mode = lambda p: oct(p.stat().st_mode & 0o777)  # noqa: E731
+    split = shards / "train"
+    assert mode(split) == "0o755" and mode(split / "manifest.json") == "0o644"
+    assert {mode(p) for p in split.glob("*.tar")} == {"0o644"}
+    step = out / "checkpoints" / "step-00000001"
+    assert mode(step) == mode(step / "checkpoint") == mode(step / "state") == "0o755"
+    assert {mode(p) for p in step.rglob("*") if p.is_file()} == {"0o644"}
+    assert mode(out / "optimizer.json") == mode(out / "config.yaml") == mode(out / "log.jsonl") == "0o644"
+
+
+# ---------------------------------------------------------------------------------------------- errors mid-run
+def copy_shards(shards: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "shards"
+    shutil.copytree(shards / "img", root)
+    return root
+
+
+def rewrite_label(tar_path: Path, key: str, label: bytes) -> None:
+    """Replace one sample's .cls member in a shard (what a flipped byte on disk does to it)."""
+    import io
+    import tarfile
+
+    members = []
+    with tarfile.open(tar_path) as tar:
+        for info in tar.getmembers():
+            members.append((info, label if info.name == f"{key}.cls" else tar.extractfile(info).read()))
+    with tarfile.open(tar_path, "w") as tar:
+        for info, data in members:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def error_line(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_truncated_shard_mid_training_is_one_line_or_skipped_and_counted(shards, tmp_path, capsys, workers):
+    root = copy_shards(shards, tmp_path)
+    bad = root / "train" / "train-000002.tar"
+    bad.write_bytes(bad.read_bytes()[:5000])
+    args = ["method=supervised", f"data.train={root / 'train'}", f"data.val={root / 'test'}", *TINY,
+            f"data.num_workers={workers}", "optim.max_steps=8"]
+    assert pretrain.main([*args, f"run.output={tmp_path / 'fail'}"]) == 2
+    line = error_line(capsys)
+    assert f"corrupt shard {bad}" in line and "data.skip_corrupt=true" in line, line
+    assert not (tmp_path / "fail" / "checkpoints").exists()
+    if workers == 0:  # skip and count
+        with pytest.warns(UserWarning, match="skipping corrupt shard"):
+            assert pretrain.main([*args, "data.skip_corrupt=true", f"run.output={tmp_path / 'skip'}"]) == 0
+        log = [json.loads(line) for line in (tmp_path / "skip" / "log.jsonl").read_text().splitlines()]
+        assert log[-1]["skipped_shards"] >= 1
+
+
+def test_a_flipped_label_byte_names_the_shard_and_key(shards, tmp_path, capsys):
+    root = copy_shards(shards, tmp_path)
+    rewrite_label(root / "train" / "train-000000.tar", "0003", b"Z")
+    assert pretrain.main(["method=supervised", f"data.train={root / 'train'}", f"data.val={root / 'test'}", *TINY,
+                          "optim.max_steps=8", f"run.output={tmp_path / 'run'}"]) == 2
+    line = error_line(capsys)
+    assert f"sample 0003 in {root / 'train' / 'train-000000.tar'}: its .cls is not a class index (b'Z')" in line
+
+
+def test_inputs_the_model_cannot_take_are_one_line_before_training(shards, tmp_path, capsys):
+    common = [*img(shards), *TINY, "optim.max_steps=1"]
+    assert pretrain.main(["method=supervised", *common, "data.img_size=30", f"run.output={tmp_path / 'a'}"]) == 2
+    assert "the data give 30 px images (data.img_size / data.pad_to) but model.preset=vit_micro takes 32 px: set " \
+           "data.img_size=32" in error_line(capsys)
+    # a speech checkpoint fine-tuned on images said "pos_embed 'sincos1d' is not available for image"
+    from tests.pipeline_args import audio
+
+    speech = tmp_path / "speech"
+    assert pretrain.main(["method=mp3_speech", *audio(shards), *TINY, "model.preset=audio_mp3", "optim.max_steps=1",
+                          f"run.output={speech}"]) == 0
+    import finetune
+
+    capsys.readouterr()
+    assert finetune.main([*common, f"model.checkpoint={speech / 'checkpoint'}", f"run.output={tmp_path / 'b'}"]) == 2
+    assert f"model.checkpoint={speech / 'checkpoint'} is a model for audio but data.train (toy/train) holds " \
+           "image" in error_line(capsys)
+    # a pickle saved under the safetensors name
+    fake = tmp_path / "fake"
+    shutil.copytree(speech / "checkpoint", fake)
+    import torch
+
+    torch.save({"w": torch.zeros(3)}, fake / "model.safetensors")
+    assert finetune.main([*common, f"model.checkpoint={fake}", f"run.output={tmp_path / 'c'}"]) == 2
+    assert f"{fake / 'model.safetensors'} is not a readable safetensors file" in error_line(capsys)
+    # a run.output that cannot be created
+    (tmp_path / "file").write_text("x")
+    assert pretrain.main(["method=supervised", *common, f"run.output={tmp_path / 'file' / 'run'}"]) == 2
+    assert f"run.output {tmp_path / 'file' / 'run'} cannot be written (Not a directory)" in error_line(capsys)

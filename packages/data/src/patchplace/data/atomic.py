@@ -12,6 +12,20 @@ from pathlib import Path
 from typing import Any
 
 
+def umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str | os.PathLike) -> None:
+    """Give a ``tempfile.mkdtemp`` / ``mkstemp`` result (0700 / 0600) the mode a plain ``mkdir`` / ``open`` would
+    have given it (0777 / 0666 minus the umask), so shards, manifests and checkpoints stay readable by whoever the
+    user's umask lets read them (shared clusters)."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask())
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling of ``final``; on success it replaces ``final``, on error it is removed.
@@ -21,6 +35,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    follow_umask(tmp)
     try:
         yield tmp
     except BaseException:
@@ -43,6 +58,7 @@ def atomic_file(final: str | os.PathLike) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=final.suffix, dir=final.parent)
     os.close(fd)
+    follow_umask(tmp)
     try:
         yield Path(tmp)
         os.replace(tmp, final)

@@ -178,14 +178,20 @@ class ShardDataset(IterableDataset):
             warnings.warn(f"skipping corrupt shard {url}: {why}", stacklevel=3)
             return
         raise DataError(f"corrupt shard {url}: {why}; rebuild it with its data/ recipe, check all shards with "
-                        f"`python -m patchplace.data verify {Path(url).parent}`, or pass skip_corrupt=True")
+                        f"`python -m patchplace.data verify {Path(url).parent}`, or skip bad shards (counted) with "
+                        "data.skip_corrupt=true (ShardDataset(skip_corrupt=True))")
 
     def _prepare(self, sample: dict) -> Any:
         if not self.decode:
             return sample
         m, key = self.manifest, sample["__key__"]
         fields = m.fields
-        label = int(sample[fields["label"]])
+        try:
+            label = int(sample[fields["label"]])
+        except ValueError:
+            raise DataError(f"sample {key} in {sample.get('__url__')}: its .{fields['label']} is not a class index "
+                            f"({bytes(sample[fields['label']])[:20]!r}): the shard is corrupt; rebuild it with its "
+                            "data/ recipe (or set data.skip_corrupt=true to skip bad shards)") from None
         if not 0 <= label < m.num_classes:
             raise DataError(f"sample {key} in {sample.get('__url__')}: label {label} is outside the "
                             f"{m.num_classes} classes of the manifest ({m.dataset}/{m.split})")

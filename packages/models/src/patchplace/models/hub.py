@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .backbone import Backbone, build_backbone
@@ -25,14 +26,22 @@ CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_pretrained(model: Backbone, directory: str | os.PathLike, metadata: dict[str, Any] | None = None) -> Path:
     """Write ``directory/config.json`` and ``directory/model.safetensors`` (temp dir + rename)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the checkpoint from the user's group
     try:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": FORMAT})
+        os.chmod(tmp / WEIGHTS_NAME, 0o666 & ~_umask())  # safetensors creates it 0600
         config = {"format": FORMAT, "backbone": model.config.to_dict(), "metadata": metadata or {}}
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         old = None
@@ -76,7 +85,11 @@ def load_pretrained(directory: str | os.PathLike, map_location: str | torch.devi
     if not weights.is_file():
         raise ModelError(f"no {WEIGHTS_NAME} in {directory}: the checkpoint is incomplete")
     model = build_backbone(config)
-    state = load_file(str(weights), device=str(map_location))
+    try:
+        state = load_file(str(weights), device=str(map_location))
+    except SafetensorError as exc:
+        raise ModelError(f"{weights} is not a readable safetensors file ({exc}); a pickle (.pt) renamed to "
+                         f"{WEIGHTS_NAME}? Re-save the model with save_pretrained()") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ModelError(f"{weights} does not match its config.json: missing {missing[:5]}, unexpected "
