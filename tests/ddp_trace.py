@@ -6,7 +6,8 @@ what ``test_ddp.py`` checks from outside the processes.
 writes ``R/trace/rank<r>.pt``: world size and rank, the keys of the samples each optimizer micro-step read, the MP3
 permutations each step drew, the number of DDP all-reduce calls (buckets), and the objective's weights before and
 after training. Fault injection (the tests of kills and failures): ``TRACE_KILL=<rank>:<step>`` SIGKILLs that rank
-right after its checkpoint of that step; ``TRACE_RAISE=<rank>:<step>`` raises an error on that rank at that step.
+right after its checkpoint of that step; ``TRACE_RAISE=<rank>:<step>`` raises an error on that rank at that step;
+``TRACE_SIGTERM=<rank>:<step>`` sends SIGTERM to that rank alone during that step.
 The pipeline itself runs unchanged: this file only wraps engine functions.
 """
 
@@ -56,6 +57,8 @@ def _install() -> None:
 
     def traced_inputs(self, batch):
         TRACE["keys"].append(list(batch[2]))
+        if _fault("TRACE_SIGTERM") == len(TRACE["keys"]):  # a real SIGTERM to this rank only
+            os.kill(os.getpid(), signal.SIGTERM)
         if _fault("TRACE_RAISE") == len(TRACE["keys"]):
             raise RuntimeError(f"injected failure on rank {PartialState().process_index} at step "
                                f"{len(TRACE['keys'])}")

@@ -217,3 +217,19 @@ def test_finetune_and_evaluate_under_two_processes(shards, tmp_path):
     one, two = (json.loads((tmp_path / f"ev{n}" / "results.json").read_text()) for n in (1, 2))
     assert two["probe_train_samples"] == 48, "the probe reads the whole train split, not rank 0's half"
     assert one == two
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp_path):
+    """The ranks agree on the stop (a max over ranks at every step), so rank 1 does not wait in a collective while
+    rank 0 saves; the resumed 2-process run ends where an uninterrupted one does."""
+    out = tmp_path / "run"
+    stopped = run(mp3_args(shards, out, steps=6), env={"TRACE_SIGTERM": "1:3"}, check=False, timeout=120)
+    assert stopped.returncode != 0 and "interrupted by SIGTERM at step 3" in stopped.stderr, stopped.stderr[-2000:]
+    assert json.loads((state_dir(out) / "trainer.json").read_text()) == {"step": 3}
+    assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {"random_states_0.pkl",
+                                                                            "random_states_1.pkl"}
+    run([*mp3_args(shards, out, steps=6), "run.resume=true"])
+    straight = tmp_path / "straight"
+    run(mp3_args(shards, straight, steps=6))
+    assert same_weights(traces(out)[0]["final"], traces(straight)[0]["final"])
+    assert [r["step"] for r in log(out)] == [1, 2, 3, 4, 5, 6]

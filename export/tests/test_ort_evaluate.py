@@ -154,6 +154,12 @@ def test_mismatched_models_and_data_are_refused(toy, tmp_path, capsys):
         w.add_image("0", 0, np.zeros((28, 28), np.uint8))
     assert main([str(root / "learned.onnx"), "--data", str(tmp_path / "s" / "test")]) == 2
     assert "the model has 3 classes but five/test has 5" in capsys.readouterr().err
+    # 64 px shards for the 32 px model (sidecar pad_to 32): centre-cropped with exit 0 and top-1 0.10 before
+    with SplitWriter(tmp_path / "big", "test", dataset="big", modality="image", classes=list("abc"),
+                     info={"image_size": [64, 64], "channels": 1}, source="t", recipe="t", recipe_version=1) as w:
+        w.add_image("0", 0, np.zeros((64, 64), np.uint8))
+    assert main([str(root / "learned.onnx"), "--data", str(tmp_path / "big" / "test")]) == 2
+    assert "hold 64x64 images, larger than the model's 32x32 input" in capsys.readouterr().err
     assert latency(OnnxModel(root / "learned.onnx"), batch_sizes=(2,), repeats=1)["onnxruntime/batch2"]["p50_ms"] > 0
 
 

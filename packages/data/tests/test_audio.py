@@ -221,3 +221,20 @@ def test_transform_rejects_bad_args():
         AudioTransform(train=True, clip_samples=-1)
     with pytest.raises(DataError, match="augment"):
         AudioTransform(train=True, augment=0.5)
+
+
+def test_non_finite_samples_are_refused_naming_the_clip(tmp_path):
+    """Issue 18 case 8: NaN samples of a float WAV were written as a full-scale click."""
+    import numpy as np
+    import pytest
+
+    from patchplace.data import DataError, SplitWriter
+
+    wave = np.zeros(16000, np.float32)
+    wave[123] = np.nan
+    message = r"kws/train sample k7: audio has 1 non-finite sample\(s\) \(NaN / inf\), the first at index 123"
+    writer = SplitWriter(tmp_path, "train", dataset="kws", modality="audio", classes=["a"],
+                         info={"sample_rate": 16000, "clip_samples": 16000}, source="t", recipe="t", recipe_version=1)
+    with pytest.raises(DataError, match=message), writer:
+        writer.add_audio("k7", 0, wave)
+    assert not (tmp_path / "train").exists(), "nothing half-written is left"

@@ -71,7 +71,13 @@ class OnnxModel:
         if int(manifest.info.get("channels", 3)) != self.channels:
             raise ExportError(f"the model takes {self.channels} channel(s), the shards hold "
                               f"{manifest.info.get('channels')}")
-        side = self.meta.get("pad_to") or max(manifest.info.get("image_size") or [0])
+        native = manifest.info.get("image_size") or []
+        if native and (native[0] > self.height or native[1] > self.width):
+            # padding never crops: these images would be centre-cropped to the model's input (a silent wrong top-1)
+            raise ExportError(f"the shards of {manifest.dataset}/{manifest.split} hold {native[0]}x{native[1]} "
+                              f"images, larger than the model's {self.height}x{self.width} input: evaluate it on "
+                              "data of the size it was trained on")
+        side = self.meta.get("pad_to") or max(native or [0])
         if side != self.height:
             raise ExportError(f"the model takes {self.height}x{self.width} pixels, the shards give {side} px "
                               "after padding")

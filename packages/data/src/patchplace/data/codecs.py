@@ -45,6 +45,10 @@ def encode_wav(wave: np.ndarray, sample_rate: int) -> bytes:
     wave = np.asarray(wave, dtype=np.float32)
     if wave.ndim != 1:
         raise DataError(f"audio is stored mono, got shape {wave.shape}; downmix first")
+    bad = ~np.isfinite(wave)
+    if bad.any():  # NaN would be written as a full-scale click, inf as a clipped one
+        raise DataError(f"audio has {int(bad.sum())} non-finite sample(s) (NaN / inf), the first at index "
+                        f"{int(np.argmax(bad))}: fix or drop the clip before writing it")
     buf = io.BytesIO()
     soundfile.write(buf, np.clip(wave, -1.0, 1.0), sample_rate, format="WAV", subtype="PCM_16")
     return buf.getvalue()

@@ -151,7 +151,11 @@ class SplitWriter:
 
     def add_audio(self, key: str, label: int, wave: np.ndarray) -> None:
         """Write a mono float32 waveform at the split's ``sample_rate`` as 16-bit PCM WAV."""
-        self.write(key, label, encode_wav(wave, int(self.info["sample_rate"])))
+        try:
+            data = encode_wav(wave, int(self.info["sample_rate"]))
+        except DataError as exc:
+            raise DataError(f"{self.dataset}/{self.split} sample {key}: {exc}") from None
+        self.write(key, label, data)
 
     # ------------------------------------------------------------------ finishing
     def _finish(self) -> None:
