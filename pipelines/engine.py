@@ -167,10 +167,18 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                          shuffle_buffer=cfg.shuffle_buffer, seed=seed,
                          rank=accelerator.process_index if split_train else 0,
                          world_size=accelerator.num_processes if split_train else 1, num_workers=cfg.num_workers,
-                         epoch_length=cfg.train_limit, seeded_transforms=True, skip_corrupt=cfg.skip_corrupt)
+                         seeded_transforms=True, skip_corrupt=cfg.skip_corrupt)  # epoch_length: below
     val = ShardDataset(val_manifest, urls=cfg.val_urls, transform=build_transform(val_manifest, False,
                                                                                   **eval_options),
-                       num_workers=cfg.num_workers, epoch_length=cfg.val_limit)
+                       num_workers=cfg.num_workers)
+    for reader, key, limit in ((train, "data.train_limit", cfg.train_limit), (val, "data.val_limit", cfg.val_limit)):
+        if limit is not None:  # epoch_length, checked here so that the message names the config key
+            available = len(reader)
+            if not 1 <= limit <= available:
+                raise ConfigError(f"{key}={limit}: each process can read at most {available} samples per epoch of "
+                                  f"{reader.manifest.dataset}/{reader.manifest.split} with "
+                                  f"{reader.world_size} process(es); set it in [1, {available}] or null")
+            reader.epoch_length = limit
     frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
     return Data(train, val, manifest, frontend)
 
@@ -271,8 +279,9 @@ class Interrupted(Exception):
 
 
 class _StopSignals:
-    """SIGTERM / SIGINT set a flag the training loop reads at each optimizer step (a second SIGINT raises
-    KeyboardInterrupt at once). Installed only in the main thread; the previous handlers come back on exit."""
+    """SIGTERM / SIGINT set a flag the training loop reads at each optimizer step; a second signal stops at once
+    (SIGINT: KeyboardInterrupt; SIGTERM: the default action). Installed only in the main thread; the previous
+    handlers come back on exit."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -289,8 +298,11 @@ class _StopSignals:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if self.received is not None:  # asked twice (e.g. the run is stuck before its next step): stop now
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         self.received = signum
 
     def __exit__(self, *exc: Any) -> None:

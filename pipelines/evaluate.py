@@ -340,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out_dir / "report.md").write_text(to_markdown(results))
+    for name, text in (("results.json", json.dumps(results, indent=2) + "\n"), ("report.md", to_markdown(results))):
+        with atomic_file(out_dir / name) as tmp:  # a kill never leaves a half-written result
+            tmp.write_text(text)
     print(to_markdown(results))
     return 0
 

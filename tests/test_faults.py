@@ -292,3 +292,22 @@ def test_inputs_the_model_cannot_take_are_one_line_before_training(shards, tmp_p
     (tmp_path / "file").write_text("x")
     assert pretrain.main(["method=supervised", *common, f"run.output={tmp_path / 'file' / 'run'}"]) == 2
     assert f"run.output {tmp_path / 'file' / 'run'} cannot be written (Not a directory)" in error_line(capsys)
+
+
+def test_data_settings_that_cannot_work_name_the_key_and_the_fix(shards, tmp_path, capsys):
+    common = [*TINY, "method=supervised", "optim.max_steps=1"]
+    root = copy_shards(shards, tmp_path)
+    assert pretrain.main([*common, f"data.train={root}", f"data.val={root / 'test'}",
+                          f"run.output={tmp_path / 'a'}"]) == 2
+    assert f"{root} is a dataset directory, not a split: use one of its splits ({root / 'test'}, " \
+           f"{root / 'train'})" in error_line(capsys)
+    data = [f"data.train={root / 'train'}", f"data.val={root / 'test'}"]
+    assert pretrain.main([*common, *data, "data.train_limit=640", f"run.output={tmp_path / 'b'}"]) == 2
+    assert "data.train_limit=640: each process can read at most 64 samples per epoch of toy/train with 1 " \
+           "process(es); set it in [1, 64] or null" in error_line(capsys)
+    manifest = root / "train" / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    raw["shards"][0]["count"] = "sixteen"
+    manifest.write_text(json.dumps(raw))
+    assert pretrain.main([*common, *data, f"run.output={tmp_path / 'c'}"]) == 2
+    assert f"{manifest}: a field has the wrong type or shape" in error_line(capsys)

@@ -64,6 +64,10 @@ class Manifest:
         path = Path(path)
         file = path / MANIFEST_NAME if path.is_dir() else path
         if not file.is_file():
+            splits = sorted(p.name for p in path.iterdir() if (p / MANIFEST_NAME).is_file()) if path.is_dir() else []
+            if splits:  # a dataset directory (what a recipe's --out writes), not one of its splits
+                raise DataError(f"{path} is a dataset directory, not a split: use one of its splits "
+                                f"({', '.join(str(path / s) for s in splits)})")
             raise DataError(
                 f"no manifest at {file}: build the split with a data/ recipe "
                 f"(e.g. `python data/fashion_mnist.py --out {path.parent if path.is_dir() else path.parent.parent}`)"
@@ -89,9 +93,13 @@ class Manifest:
         if raw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
             raise DataError(f"{where}: format_version {raw['format_version']} is newer than {FORMAT_VERSION}; "
                             "upgrade patchplace-data")
-        shards = [ShardInfo(**s) for s in raw["shards"]]
-        manifest = cls(**{**raw, "shards": shards}, path=path)
-        manifest.validate()
+        try:
+            shards = [ShardInfo(**s) for s in raw["shards"]]
+            manifest = cls(**{**raw, "shards": shards}, path=path)
+            manifest.validate()
+        except (TypeError, AttributeError, KeyError) as exc:  # a field of the wrong type (e.g. "count": "x")
+            raise DataError(f"{where}: a field has the wrong type or shape ({type(exc).__name__}: {exc}); rebuild "
+                            "the split with its data/ recipe") from None
         return manifest
 
     def to_dict(self) -> dict[str, Any]:
