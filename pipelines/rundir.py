@@ -293,11 +293,19 @@ def disk_error(exc: BaseException) -> bool:
     return any(text in str(exc) for text in DISK_TEXTS)
 
 
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path`` (the disk to free)."""
+    path = Path(path).resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
 def disk_message(directory: Path, step: int, exc: BaseException) -> str:
     usage = shutil.disk_usage(directory)
     last = latest_step(directory)
     kept = f"the last complete checkpoint (step {last}) is intact" if last is not None else "no checkpoint yet"
     return (f"could not write the step-{step} checkpoint in {directory}: the disk is full or a size limit was hit "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); {usage.free / 2**20:.0f} MiB free of "
-            f"{usage.total / 2**30:.1f} GiB on that filesystem; {kept}; free space (or point run.output elsewhere) "
-            "and run the same command with run.resume=true")
+            f"{usage.total / 2**30:.1f} GiB on the filesystem mounted at {mount_point(directory)}; {kept}; free "
+            "space (or point run.output elsewhere) and run the same command with run.resume=true")

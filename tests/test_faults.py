@@ -160,6 +160,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(shards, tmp_path)
     error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "could not write the step-4 checkpoint" in error[0], result.stderr[-2000:]
     assert "disk is full or a size limit was hit" in error[0] and "MiB free" in error[0]
+    assert "GiB on the filesystem mounted at /" in error[0], "it names the disk to free"
     assert "the last complete checkpoint (step 2) is intact" in error[0] and "run.resume=true" in error[0]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"], "nothing half-written is left"
     assert python([*stop_args(shards, out), "run.checkpoint_every=2", "run.resume=true"]).returncode == 0
