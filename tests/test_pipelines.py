@@ -68,16 +68,16 @@ def test_overrides_read_yes_no_on_off_as_words_and_only_true_false_as_bools(shar
         pipeline_config.load(pretrain.PretrainConfig, None, [*img(shards), "run.resume=yes"])
 
 
-def test_a_section_given_in_part_keeps_the_pipelines_defaults_for_the_rest():
+def test_a_section_given_in_part_keeps_the_pipelines_defaults_for_the_rest(shards):
     """``optim.max_steps=5`` used to rebuild OptimSection from the class defaults: pretraining silently ran at lr 1e-3
     and betas (0.9, 0.999) instead of its 1.5e-3 and (0.9, 0.95), and the speech config (which sets no betas) too."""
-    cfg = pipeline_config.load(pretrain.PretrainConfig, None, ["optim.max_steps=5", "run.seed=3"])
+    cfg = pipeline_config.load(pretrain.PretrainConfig, None, [*img(shards), "optim.max_steps=5", "run.seed=3"])
     assert (cfg.optim.lr, cfg.optim.betas, cfg.optim.max_steps) == (1.5e-3, (0.9, 0.95), 5)
     assert (cfg.run.output, cfg.run.seed) == ("runs/pretrain", 3)
     speech = pipeline_config.load(pretrain.PretrainConfig, str(ROOT / "pipelines" / "configs" /
-                                                               "mp3_speech_spoken_keywords.yaml"), [])
+                                                               "mp3_speech_spoken_keywords.yaml"), audio(shards))
     assert (speech.optim.lr, speech.optim.betas) == (1e-3, (0.9, 0.95))
-    ft = pipeline_config.load(finetune.FinetuneConfig, None, ["optim.epochs=2"])
+    ft = pipeline_config.load(finetune.FinetuneConfig, None, [*img(shards), "optim.epochs=2"])
     assert (ft.optim.lr, ft.optim.layer_decay, ft.run.output) == (1e-3, 0.75, "runs/finetune")
 
 
