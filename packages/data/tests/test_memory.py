@@ -1,0 +1,52 @@
+"""In-memory splits (issue 19, first part): the same samples as streaming, the memory budget, corrupt shards by
+name, and per-rank epoch indices that are disjoint, deterministic and change with the epoch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from patchplace.data import DataError, Manifest
+from patchplace.data.memory import InMemorySplit, decoded_bytes, epoch_indices, fits_in_memory
+
+
+def test_an_in_memory_split_holds_exactly_the_streamed_samples(toy_split):
+    split_dir, images = toy_split
+    split = InMemorySplit.load(split_dir)
+    assert split.inputs.dtype == torch.uint8 and tuple(split.inputs.shape) == (23, 1, 8, 8)
+    assert split.keys == [f"{i:05d}" for i in range(23)]
+    assert split.labels.tolist() == [i % 3 for i in range(23)]
+    for i, image in enumerate(images):  # PNG is lossless: bit-identical to what was written
+        assert np.array_equal(split.inputs[i, 0].numpy(), image)
+
+
+def test_the_memory_budget_decides(toy_split):
+    split_dir, _ = toy_split
+    manifest = Manifest.load(split_dir)
+    assert decoded_bytes(manifest) == 23 * 1 * 8 * 8
+    assert fits_in_memory(manifest, 23 * 64) and not fits_in_memory(manifest, 23 * 64 - 1)
+    with pytest.raises(DataError, match=r"toy/train takes 0 MiB decoded, more than the memory budget"):
+        InMemorySplit.load(manifest, budget_bytes=100)
+
+
+def test_a_corrupt_shard_fails_the_load_with_its_name(toy_split):
+    split_dir, _ = toy_split
+    shard = sorted(split_dir.glob("*.tar"))[1]
+    shard.write_bytes(shard.read_bytes()[:3000])
+    with pytest.raises(DataError, match=f"corrupt shard {shard}"):
+        InMemorySplit.load(split_dir)
+
+
+def test_epoch_indices_are_disjoint_per_rank_deterministic_and_new_each_epoch():
+    n, world = 103, 4
+    ranks = [epoch_indices(n, seed=7, epoch=2, rank=r, world_size=world) for r in range(world)]
+    flat = torch.cat(ranks)
+    assert all(len(r) == n // world for r in ranks) and len(set(flat.tolist())) == len(flat) == 100
+    assert torch.equal(ranks[1], epoch_indices(n, seed=7, epoch=2, rank=1, world_size=world))
+    assert not torch.equal(ranks[1], epoch_indices(n, seed=7, epoch=3, rank=1, world_size=world))
+    left_out = [set(range(n)) - set(torch.cat([epoch_indices(n, seed=7, epoch=e, rank=r, world_size=world)
+                                               for r in range(world)]).tolist()) for e in range(3)]
+    assert all(len(s) == 3 for s in left_out) and len(set.union(*left_out)) > 3, "a different remainder each epoch"
+    with pytest.raises(DataError, match="cannot be split over 8 ranks"):
+        epoch_indices(5, seed=0, epoch=0, rank=0, world_size=8)
