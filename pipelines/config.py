@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from patchplace.data.manifest import dataset_dir_hint
+
 
 class ConfigError(ValueError):
     """A config file or override is wrong (names the key and what is expected)."""
@@ -49,11 +51,9 @@ class DataSection:
         for name in ("train", "val"):
             path = Path(getattr(self, name))
             if not (path / "manifest.json").is_file():
-                splits = sorted(p.name for p in path.iterdir() if (p / "manifest.json").is_file()) \
-                    if path.is_dir() else []
-                if splits:  # the dataset directory a recipe's --out wrote, not one of its splits
-                    raise ConfigError(f"data.{name}: {path} is a dataset directory, not a split: use one of its "
-                                      f"splits ({', '.join(str(path / s) for s in splits)})")
+                hint = dataset_dir_hint(path)
+                if hint:
+                    raise ConfigError(f"data.{name}: {hint}")
                 raise ConfigError(f"data.{name}: no manifest.json in {path}; build the shards first (make data, or "
                                   f"python data/fashion_mnist.py --out {path.parent})")
 

@@ -424,6 +424,18 @@ class Trainer:
             if self.lock is not None:
                 self.lock.release()
 
+    def train(self, batch_size: int) -> tuple[dict[str, Any], int]:
+        """:meth:`fit` for a pipeline's ``main``: (last evaluation, exit code). An interruption prints how to resume
+        (exit 143 / 130), an error training meets prints one line (exit 2)."""
+        try:
+            return self.fit(batch_size), 0
+        except Interrupted as exc:
+            print(exc, file=sys.stderr)
+            return {}, exc.exit_code
+        except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume, a bad shard
+            print(f"error: {one_line(exc)}", file=sys.stderr)
+            return {}, 2
+
     def _stop_signal(self, signals: _StopSignals) -> int:
         """The signal that asked this run to stop (0: none), agreed by every rank (max over ranks) so that all of
         them save the same step."""

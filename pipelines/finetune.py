@@ -18,16 +18,13 @@ from dataclasses import dataclass, field
 
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
 from engine import (
-    RUN_ERRORS,
     USER_ERRORS,
     Data,
-    Interrupted,
     Trainer,
     check_inputs,
     classify,
     command_line,
     data_metadata,
-    one_line,
     start,
 )
 
@@ -133,14 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        final = trainer.fit(cfg.data.batch_size)
-    except Interrupted as exc:
-        print(exc, file=sys.stderr)
-        return exc.exit_code
-    except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume, a bad shard
-        print(f"error: {one_line(exc)}", file=sys.stderr)
-        return 2
+    final, code = trainer.train(cfg.data.batch_size)
+    if code:
+        return code
     if accelerator.is_main_process:
         print(json.dumps({"final": final, "checkpoint": f"{cfg.run.output}/checkpoint"}))
     return 0

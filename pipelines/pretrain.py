@@ -16,15 +16,12 @@ from typing import Any
 
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
 from engine import (
-    RUN_ERRORS,
     USER_ERRORS,
     Data,
-    Interrupted,
     Trainer,
     check_inputs,
     command_line,
     data_metadata,
-    one_line,
     start,
 )
 
@@ -106,14 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        trainer.fit(cfg.data.batch_size)
-    except Interrupted as exc:
-        print(exc, file=sys.stderr)
-        return exc.exit_code
-    except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume, a bad shard
-        print(f"error: {one_line(exc)}", file=sys.stderr)
-        return 2
+    _, code = trainer.train(cfg.data.batch_size)
+    if code:
+        return code
     if accelerator.is_main_process:
         print(f"checkpoint: {cfg.run.output}/checkpoint")
     return 0

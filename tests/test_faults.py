@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
@@ -20,6 +19,7 @@ sys.path.insert(0, str(ROOT / "pipelines"))
 import pretrain  # noqa: E402
 import rundir  # noqa: E402
 
+from tests.fault_driver import same, strays, weights  # noqa: E402
 from tests.pipeline_args import SMALL_HEADS, TINY, img  # noqa: E402
 
 DRIVER = str(ROOT / "tests" / "fault_driver.py")
@@ -42,21 +42,8 @@ def python(args: list[str]) -> subprocess.CompletedProcess:
                           text=True, timeout=300, env=ENV)
 
 
-def weights(out: Path) -> dict:
-    return {n: load_file(str(out / "checkpoint" / n)) for n in ("model.safetensors", "objective.safetensors")}
-
-
-def same(a: dict, b: dict) -> bool:
-    return all(a[n].keys() == b[n].keys() and all((a[n][k] == b[n][k]).all() for k in a[n]) for n in a)
-
-
 def logged_steps(out: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
-
-
-def strays(out: Path) -> list[str]:
-    hidden = [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != ".lock"]
-    return hidden + [p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith("step-")]
 
 
 def test_a_kill_at_any_line_of_a_save_loses_nothing(shards, tmp_path):

@@ -64,10 +64,9 @@ class Manifest:
         path = Path(path)
         file = path / MANIFEST_NAME if path.is_dir() else path
         if not file.is_file():
-            splits = sorted(p.name for p in path.iterdir() if (p / MANIFEST_NAME).is_file()) if path.is_dir() else []
-            if splits:  # a dataset directory (what a recipe's --out writes), not one of its splits
-                raise DataError(f"{path} is a dataset directory, not a split: use one of its splits "
-                                f"({', '.join(str(path / s) for s in splits)})")
+            hint = dataset_dir_hint(path)
+            if hint:
+                raise DataError(hint)
             raise DataError(
                 f"no manifest at {file}: build the split with a data/ recipe "
                 f"(e.g. `python data/fashion_mnist.py --out {path.parent if path.is_dir() else path.parent.parent}`)"
@@ -176,6 +175,17 @@ class Manifest:
         lines.append(f"  source: {self.source}")
         lines.append(f"  fingerprint: {self.fingerprint()[:16]}")
         return "\n".join(lines)
+
+
+def dataset_dir_hint(path: str | os.PathLike) -> str | None:
+    """For a dataset directory (what a recipe's ``--out`` writes) given where a split is expected: the message
+    naming its splits; None otherwise."""
+    path = Path(path)
+    splits = sorted(p.name for p in path.iterdir() if (p / MANIFEST_NAME).is_file()) if path.is_dir() else []
+    if not splits:
+        return None
+    return f"{path} is a dataset directory, not a split: use one of its splits " \
+           f"({', '.join(str(path / s) for s in splits)})"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
