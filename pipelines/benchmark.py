@@ -25,8 +25,11 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
   models      one Transformer block's forward + backward with MP3 context-only keys/values vs full attention.
   onnx        ONNX Runtime vs PyTorch eager inference latency (p50 / p95) and images/s of a randomly initialised
               --onnx-preset classifier exported with patchplace.export, at each --onnx-batches size.
-  pipelines   end-to-end samples/s of Fashion-MNIST pretraining configs through pretrain.py (data loading,
-              Accelerate, optimizer) and the share of time spent waiting for the data loader; needs the shards.
+  pipelines   end-to-end samples/s of the Fashion-MNIST pretraining configs (--methods; default supervised mp3
+              droppos mae) through pretrain.py on each data path — in memory (batched augmentation on the
+              device), streaming (--pipelines-workers), and the same loop on one repeated batch (pure step) —
+              and end_to_end_ratio = path / pure step, alternated --pipelines-repeats times (medians); startup
+              (reading, workers, first step) apart. Needs the shards.
   mp3_table2  MP3 Table 2 on a GPU: ViT-B/16 at 224 px (--preset / --img-size to change), --amp bf16, MP3 at
               --mp3-etas (0.3 0.5 0.75 0.9) and MAE at --mae-ratios (0.5 0.75 0.9) against the supervised ViT-B
               step: time and peak CUDA memory as ratios to supervised beside the FLOP ratio and the paper's
@@ -38,8 +41,11 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               off). Writes <out>/benchmark_ddp.{json,md}; needs the shards.
   all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128, --before) and for ViT-S/16
               at 224 px (3 channels, batch --vits-batch, paper widths, without stop_noema); masks; data (+ loader
-              samples/s vs the study ViT's training consumption); models; onnx; pipelines (supervised + MP3 on the
-              study ViT, its loader settings). Roughly 10 minutes on an idle 2-core CPU.
+              samples/s vs the study ViT's training consumption); models; onnx; pipelines (on the study ViT).
+              Roughly 20 minutes on an idle 2-core CPU.
+
+--update: replace only this suite's rows (and its seconds) in <out>/benchmark.json / .md, keeping the others
+(e.g. ``--suite pipelines --out results --update`` refreshes that table of results/).
 """
 
 from __future__ import annotations
@@ -267,33 +273,99 @@ def onnx_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str
     return rows
 
 
+PIPELINE_PATHS = ("pure_step", "memory", "streaming")
+
+
+class RepeatedBatch:
+    """The pipelines suite's "pure step" data source: the first batch of a reader, on the training device, served
+    again and again. The training loop (Accelerate, optimizer, schedule, EMA, logging) with the data path taken out,
+    so end-to-end samples/s over these samples/s is what the data path costs."""
+
+    def __init__(self, reader: Any, batch_size: int, device: torch.device) -> None:
+        self.reader = reader
+        first = next(iter(reader.batches(batch_size, epoch=0)))
+        self.batch = [t.to(device) if torch.is_tensor(t) else t for t in first]
+
+    def __getattr__(self, name: str) -> Any:  # manifest, transform, skipped, num_batches, ... of the real reader
+        return getattr(self.reader, name)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def batches(self, batch_size: int, epoch: int, skip: int = 0):
+        for _ in range(skip, self.reader.num_batches(batch_size)):
+            yield self.batch
+
+
+def _pure_step_data(build_data):
+    """``engine.build_data`` whose train reader is a :class:`RepeatedBatch` (a streaming reader without workers
+    underneath, so that it starts at once)."""
+    def build(cfg, accelerator, seed, augment=True, split_train=True):
+        data = build_data(cfg, accelerator, seed, augment=augment, split_train=split_train)
+        data.train = RepeatedBatch(data.train, cfg.batch_size, accelerator.device)
+        data.path = {**data.path, "train": "pure_step"}
+        return data
+    return build
+
+
 def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
-    """End-to-end training throughput of Fashion-MNIST pretraining configs through pretrain.py (data loading,
-    transforms, Accelerate, optimizer, EMA), and the share of step time spent waiting for the data loader."""
+    """End-to-end samples/s of the Fashion-MNIST pretraining configs through pretrain.py, per data path: in memory
+    (batched augmentation on the training device), streaming (shards + DataLoader workers + timm's per-sample
+    transform), and the same training loop fed one repeated on-device batch (pure step). ``end_to_end_ratio`` =
+    a path's samples/s / the pure step's, from the same run; the three are alternated ``--pipelines-repeats`` times
+    and medians reported. Rates exclude startup (reading the split, spawning workers, the first step: logged as
+    startup_s, reported apart)."""
+    import statistics
+
+    import engine
     import pretrain
 
     if not (args.shards / "manifest.json").is_file():
         print(f"pipelines: no shards at {args.shards}: skipped", flush=True)
         return []
-    rows = []
-    configs = sorted((Path(__file__).parent / "configs").glob("*_fashion_mnist.yaml"))
-    configs = [c for c in configs if not c.name.startswith(("finetune", "evaluate", "study"))
-               and (not args.methods or c.name.removesuffix("_fashion_mnist.yaml") in args.methods)]
+    configs = Path(__file__).parent / "configs"
+    methods = args.methods or ["supervised", "mp3", "droppos", "mae"]
     preset = args.pipelines_preset
-    for config in configs:
-        overrides = [f"optim.max_steps={args.steps}", f"data.batch_size={args.pipelines_batch}",
-                     "run.tensorboard=false", f"run.log_every={args.steps}", "run.checkpoint_every=0",
-                     f"data.num_workers={args.pipelines_workers}"] + ([f"model.preset={preset}"] if preset else [])
-        with tempfile.TemporaryDirectory() as tmp:
-            code = pretrain.main(["--config", str(config), f"run.output={tmp}", *overrides])
-            if code != 0:
-                raise SystemExit(f"{config.name} failed")
-            last = [json.loads(line) for line in (Path(tmp) / "log.jsonl").read_text().splitlines()][-1]
-        rows.append({"name": f"train/{config.stem}", "samples_per_s": last["samples_per_s"],
-                     "data_share": last["data_share"], "steps": args.steps, "batch": args.pipelines_batch,
-                     "num_workers": args.pipelines_workers, "preset": preset or "config's",
-                     "threads": torch.get_num_threads(), "suite": "pipelines"})
-        print(json.dumps(rows[-1]), flush=True)
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    build_data = engine.build_data
+    for _ in range(args.pipelines_repeats):
+        for method in methods:
+            for path in PIPELINE_PATHS:
+                overrides = [f"data.train={args.shards}", f"optim.max_steps={args.steps}",
+                             f"data.batch_size={args.pipelines_batch}", "run.tensorboard=false",
+                             f"run.log_every={args.steps}", "run.checkpoint_every=0",
+                             f"data.in_memory={'true' if path == 'memory' else 'false'}",
+                             f"data.num_workers={0 if path == 'pure_step' else args.pipelines_workers}",
+                             *([f"model.preset={preset}"] if preset else [])]
+                engine.build_data = _pure_step_data(build_data) if path == "pure_step" else build_data
+                try:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        code = pretrain.main(["--config", str(configs / f"{method}_fashion_mnist.yaml"),
+                                              f"run.output={tmp}", *overrides])
+                        if code != 0:
+                            raise SystemExit(f"pipelines: {method} ({path}) failed")
+                        last = [json.loads(line) for line in (Path(tmp) / "log.jsonl").read_text().splitlines()
+                                if "loss" in line][-1]
+                finally:
+                    engine.build_data = build_data
+                assert last["data"]["train"] == path, last["data"]
+                runs.setdefault((method, path), []).append(last)
+                print(json.dumps({"method": method, "path": path, "samples_per_s": last["samples_per_s"],
+                                  "startup_s": last["startup_s"], "data_share": last["data_share"]}), flush=True)
+    rows = []
+    for method in methods:
+        pure = statistics.median(r["samples_per_s"] for r in runs[(method, "pure_step")])
+        for path in PIPELINE_PATHS:
+            logs = runs[(method, path)]
+            rate = statistics.median(r["samples_per_s"] for r in logs)
+            rows.append({"name": f"train/{method}", "path": path, "samples_per_s": round(rate, 1),
+                         "runs": [r["samples_per_s"] for r in logs],
+                         "end_to_end_ratio": round(rate / pure, 3),
+                         "startup_s": round(statistics.median(r["startup_s"] for r in logs), 1),
+                         "data_share": round(statistics.median(r["data_share"] for r in logs), 4),
+                         "steps": args.steps, "batch": args.pipelines_batch,
+                         "num_workers": args.pipelines_workers if path == "streaming" else 0,
+                         "preset": preset or "config's", "threads": torch.get_num_threads(), "suite": "pipelines"})
     return rows
 
 
@@ -450,9 +522,12 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("method", "name"), ("setting", "ddp_setting"), ("samples/s (median)", "samples_per_s"), ("runs", "runs"),
         ("vs 1 process", "vs_one_process"), ("vs find_unused off", "vs_find_unused_off"),
         ("global batch", "global_batch"), ("steps", "steps"), ("preset", "preset")]),
-    "pipelines": ("End-to-end pretraining through pretrain.py", [
-        ("config", "name"), ("preset", "preset"), ("samples/s", "samples_per_s"), ("data-wait share", "data_share"),
-        ("batch", "batch"), ("workers", "num_workers"), ("steps", "steps")]),
+    "pipelines": ("End-to-end pretraining through pretrain.py per data path, vs the same loop on one repeated "
+                  "batch (pure step; medians of alternated runs, startup excluded)", [
+        ("method", "name"), ("data path", "path"), ("samples/s", "samples_per_s"),
+        ("end-to-end ratio", "end_to_end_ratio"), ("runs", "runs"), ("data-wait share", "data_share"),
+        ("startup s", "startup_s"), ("batch", "batch"), ("workers", "num_workers"), ("steps", "steps"),
+        ("preset", "preset")]),
 }
 
 
@@ -575,6 +650,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: results for --suite all, else runs/benchmark)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--update", action="store_true",
+                        help="replace this suite's rows in <out>/benchmark.json, keep the other suites' rows")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="objectives / matmul device (default: cuda when available)")
     g = parser.add_argument_group("matmul")
@@ -631,7 +708,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipelines-preset", default=None,
                    help="model.preset override (default: the configs' own; vit_cpu_narrow in all)")
     g.add_argument("--pipelines-batch", type=int, default=None, help="data.batch_size (default: 64; 128 in all)")
-    g.add_argument("--pipelines-workers", type=int, default=None, help="data.num_workers (default: 2; 1 in all)")
+    g.add_argument("--pipelines-workers", type=int, default=2,
+                   help="data.num_workers of the streaming path (default: %(default)s, the configs')")
+    g.add_argument("--pipelines-repeats", type=int, default=2,
+                   help="pipelines: alternated runs of every path, medians reported (default: %(default)s)")
     g.add_argument("--ddp-repeats", type=int, default=2,
                    help="ddp: alternated runs of every setting, medians reported (default: %(default)s)")
     return parser
@@ -645,12 +725,9 @@ def main(argv: list[str] | None = None) -> int:
         args.max_samples = None
     study = args.suite == "all"  # all: the study's model and loader (pipelines/configs/study_fashion_mnist.yaml)
     if study:
-        args.methods = args.methods or ["supervised", "mp3"]
         args.pipelines_preset = args.pipelines_preset or STUDY["preset"]
     if args.pipelines_batch is None:
         args.pipelines_batch = STUDY["batch"] if study or args.suite == "ddp" else 64
-    if args.pipelines_workers is None:
-        args.pipelines_workers = 1 if study else 2
     out = args.out or Path("results" if args.suite == "all" else "runs/benchmark")
     state: dict[str, Any] = {}
     start = time.perf_counter()
@@ -667,6 +744,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out.mkdir(parents=True, exist_ok=True)
+    if args.update and (out / "benchmark.json").is_file() and args.suite not in ("all", "mp3_table2", "ddp"):
+        old = json.loads((out / "benchmark.json").read_text())
+        rows = [r for r in old["results"] if r.get("suite") != args.suite] + rows
+        meta = {**old["meta"], "seconds": {**old["meta"].get("seconds", {}), args.suite: meta["seconds"]["total"]},
+                "updated": {args.suite: meta}}
     markdown = to_markdown(rows, meta)
     stem = f"benchmark_{args.suite}" if args.suite in ("mp3_table2", "ddp") else "benchmark"
     files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}

@@ -29,8 +29,10 @@ class DataSection:
     train_urls: str | None = None  # optional override: brace pattern or pipe: URLs of the same shards
     val_urls: str | None = None
     batch_size: int = 128  # per process
-    num_workers: int = 2
-    shuffle_buffer: int = 5000
+    num_workers: int = 2  # streaming only: DataLoader worker processes
+    shuffle_buffer: int = 5000  # streaming only
+    in_memory: bool | str = "auto"  # auto | true | false: hold splits in memory, augment batches on the device
+    memory_budget_mb: float = 4096  # auto: the decoded splits (train + val) must fit this, per process
     pad_to: int | None = 32  # images: zero-pad (28 -> 32 for patch 4)
     img_size: int | None = None  # images: resize/crop side (default: native or padded side)
     scale: tuple[float, float] = (0.35, 1.0)  # RandomResizedCrop area range
@@ -46,6 +48,10 @@ class DataSection:
         for name in ("batch_size",):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.in_memory not in ("auto", True, False):
+            raise ConfigError(f"data.in_memory must be auto, true or false, got {self.in_memory!r}")
+        if self.memory_budget_mb < 0:
+            raise ConfigError(f"data.memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
         if self.num_workers < 0 or self.shuffle_buffer < 0:
             raise ConfigError("data.num_workers and data.shuffle_buffer must be >= 0")
         for name in ("train", "val"):

@@ -36,7 +36,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +61,12 @@ from rundir import (
 )
 from safetensors.torch import save_file
 from torch import nn
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from patchplace.data import DataError, Manifest, ShardDataset, build_transform
 from patchplace.data.atomic import atomic_file, write_json_atomic
+from patchplace.data.batched import build_batched_transform
+from patchplace.data.memory import InMemorySplit, MemoryReader, decoded_bytes
 from patchplace.data.mfcc import MFCC
 from patchplace.finetune import build_optimizer, parameter_groups
 from patchplace.models import Backbone, ModelError, save_pretrained
@@ -141,19 +142,47 @@ def make_accelerator(run: RunSection) -> Accelerator:
 
 @dataclass
 class Data:
-    """The readers of one run, plus the on-device speech frontend for audio manifests."""
+    """The readers of one run — each a :class:`ShardDataset` (streaming) or a :class:`MemoryReader` (in memory,
+    batched augmentation on the training device), behind the same ``batches(batch_size, epoch, skip)`` — plus the
+    on-device speech frontend for audio manifests. ``path``: which one feeds each split, and why."""
 
-    train: ShardDataset
-    val: ShardDataset
+    train: ShardDataset | MemoryReader
+    val: ShardDataset | MemoryReader
     manifest: Manifest
     frontend: nn.Module | None
+    path: dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)  # when reading began (startup_s counts from here)
+
+
+def memory_choice(cfg: DataSection, manifest: Manifest, budget: int, key: str, augment: bool) -> str | None:
+    """Why split ``key`` (``data.train`` / ``data.val``) must stream, or None when it can live in memory
+    (``data.in_memory``: auto picks memory whenever it can, true insists, false streams)."""
+    if cfg.in_memory is False:
+        return "data.in_memory=false"
+    need = decoded_bytes(manifest)
+    if need is None:
+        why = "its manifest gives no fixed image size / clip length"
+    elif need > budget:
+        why = (f"it takes {need / 2**20:.3g} MiB decoded, more than the {max(budget, 0) / 2**20:.3g} MiB left of "
+               f"data.memory_budget_mb={cfg.memory_budget_mb:g}")
+    elif key == "data.train" and augment and cfg.auto_augment:
+        why = "data.auto_augment runs per sample on PIL images"
+    else:
+        return None
+    if cfg.in_memory is True:
+        raise ConfigError(f"data.in_memory=true but {key} ({manifest.dataset}/{manifest.split}) cannot be held in "
+                          f"memory: {why}; set data.in_memory=auto to stream it")
+    return why
 
 
 def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: bool = True,
                split_train: bool = True) -> Data:
     """Train reader split across processes (by global rank, so across nodes too: each process reads its own
     shards / samples); the validation reader is read whole by the main process. ``split_train=False``: the train
-    reader is read whole as well."""
+    reader is read whole as well. Each split is held in memory (batched augmentation on the training device) when
+    ``data.in_memory`` and ``data.memory_budget_mb`` allow, else streamed from its shards; the choice is printed
+    and logged with every step."""
+    started = time.perf_counter()
     manifest, val_manifest = Manifest.load(cfg.train), Manifest.load(cfg.val)
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
@@ -163,14 +192,36 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
         eval_options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size)
     else:
         options, eval_options = {"noise_bank": cfg.noise_split}, {}
-    train = ShardDataset(manifest, urls=cfg.train_urls, transform=build_transform(manifest, augment, **options),
-                         shuffle_buffer=cfg.shuffle_buffer, seed=seed,
-                         rank=accelerator.process_index if split_train else 0,
-                         world_size=accelerator.num_processes if split_train else 1, num_workers=cfg.num_workers,
-                         seeded_transforms=True, skip_corrupt=cfg.skip_corrupt)  # epoch_length: below
-    val = ShardDataset(val_manifest, urls=cfg.val_urls, transform=build_transform(val_manifest, False,
-                                                                                  **eval_options),
-                       num_workers=cfg.num_workers)
+    rank, world = (accelerator.process_index, accelerator.num_processes) if split_train else (0, 1)
+    budget = int(cfg.memory_budget_mb * 2**20)
+    readers, path = {}, {}
+    for key, m, urls, train, opts in (("data.train", manifest, cfg.train_urls, True, options),
+                                      ("data.val", val_manifest, cfg.val_urls, False, eval_options)):
+        augmented = augment and train
+        why = memory_choice(cfg, m, budget, key, augment)
+        if why is None:
+            split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt)
+            budget -= decoded_bytes(m)
+            readers[key] = MemoryReader(split, build_batched_transform(m, augmented, **opts), seed=seed,
+                                        rank=rank if train else 0, world_size=world if train else 1, shuffle=train,
+                                        device=accelerator.device)
+            path[key.split(".")[1]] = "memory"
+            accelerator.print(f"{key}: in memory on {accelerator.device} ({m.dataset}/{m.split}, {len(split)} "
+                              f"samples, {decoded_bytes(m) / 2**20:.3g} MiB decoded), batched "
+                              f"{'augmentation' if augmented else 'preprocessing'} there")
+        else:
+            if train:
+                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(m, augment, **opts),
+                                            shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=rank, world_size=world,
+                                            num_workers=cfg.num_workers, seeded_transforms=True,
+                                            skip_corrupt=cfg.skip_corrupt)  # epoch_length: below
+            else:
+                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(m, False, **opts),
+                                            num_workers=cfg.num_workers)
+            path[key.split(".")[1]] = "streaming"
+            accelerator.print(f"{key}: streaming from {len(m.shards)} shard(s) with {cfg.num_workers} worker(s) "
+                              f"({why})")
+    train, val = readers["data.train"], readers["data.val"]
     for reader, key, limit in ((train, "data.train_limit", cfg.train_limit), (val, "data.val_limit", cfg.val_limit)):
         if limit is not None:  # epoch_length, checked here so that the message names the config key
             available = len(reader)
@@ -180,15 +231,7 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                                   f"{reader.world_size} process(es); set it in [1, {available}] or null")
             reader.epoch_length = limit
     frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
-    return Data(train, val, manifest, frontend)
-
-
-def loader(dataset: ShardDataset, batch_size: int, seed: int, epoch: int, rank: int = 0) -> DataLoader:
-    """A per-epoch DataLoader whose worker seeds derive from (seed, epoch, rank) — part of exact resume."""
-    dataset.set_epoch(epoch)
-    generator = torch.Generator().manual_seed(hash((seed, epoch, rank)) % 2**63)
-    return DataLoader(dataset, batch_size=batch_size, num_workers=dataset.num_workers, generator=generator,
-                      persistent_workers=False)
+    return Data(train, val, manifest, frontend, path, started)
 
 
 def make_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimizer:
@@ -214,7 +257,7 @@ def warmup_cosine(total_steps: int, warmup_fraction: float, min_ratio: float) ->
 
 
 @torch.no_grad()
-def classify(backbone: Backbone, dataset: ShardDataset, batch_size: int, device: torch.device,
+def classify(backbone: Backbone, dataset: ShardDataset | MemoryReader, batch_size: int, device: torch.device,
              frontend: nn.Module | None = None, unknown_pos: Callable | None = None) -> dict[str, Any]:
     """Top-1 / top-5 / confusion matrix of ``backbone``'s head over the whole dataset (eval mode)."""
     from patchplace.finetune import Accuracy
@@ -222,7 +265,7 @@ def classify(backbone: Backbone, dataset: ShardDataset, batch_size: int, device:
     was_training = backbone.training
     backbone.eval()
     accuracy = Accuracy(backbone.config.num_classes)
-    for x, y in loader(dataset, batch_size, seed=0, epoch=0):
+    for x, y in dataset.batches(batch_size, epoch=0):
         x = x.to(device)
         if frontend is not None:
             x = frontend(x)
@@ -483,17 +526,17 @@ class Trainer:
         bar = self.bar = tqdm(total=total, initial=step, disable=not acc.is_main_process,
                               desc=self.metadata.get("method"))
         last_eval: dict[str, Any] = {}
-        start = time.perf_counter()
-        waited = 0.0  # seconds spent waiting for the data loader (its share of step time is logged)
+        # Rates are measured from the end of this session's first step: startup (reading the data, building the
+        # model, spawning workers, the first step) is logged apart as startup_s.
+        start, steady_step, startup = time.perf_counter(), step, 0.0
+        waited = 0.0  # seconds spent waiting for the data (its share of step time is logged)
         epoch, skip = divmod(step, per_epoch)
         while step < total:
             fetch = time.perf_counter()
             batches = 0
-            for i, batch in enumerate(loader(self.data.train, batch_size, run.seed, epoch, acc.process_index)):
+            # resume: the epoch's deterministic stream from the step on (streaming replays the skipped batches)
+            for batch in self.data.train.batches(batch_size, epoch, skip=skip * run.grad_accum):
                 batches += 1
-                if i < skip * run.grad_accum:  # resume: replay the epoch's deterministic stream up to the step
-                    fetch = time.perf_counter()
-                    continue
                 waited += time.perf_counter() - fetch
                 x, y = self._inputs(batch)
                 progress = step / total
@@ -509,6 +552,9 @@ class Trainer:
                 if not acc.sync_gradients:
                     continue
                 step += 1
+                if step == first_step + 1:
+                    start, steady_step, waited = time.perf_counter(), step, 0.0
+                    startup = start - self.data.started
                 unwrapped = acc.unwrap_model(objective)
                 if hasattr(unwrapped, "update_target"):  # EMA target encoder (I-JEPA / StoP)
                     unwrapped.update_target(step / total)
@@ -517,13 +563,15 @@ class Trainer:
                     scalars = {k: float(acc.reduce(v.detach().float(), "mean")) for k, v in out.items()
                                if torch.is_tensor(v) and v.numel() == 1}
                     elapsed = time.perf_counter() - start
-                    seen = (step - first_step) * batch_size * acc.num_processes * run.grad_accum
+                    seen = (step - steady_step) * batch_size * acc.num_processes * run.grad_accum
                     top = optimizer.param_groups[0]  # the schedule's base lr (groups carry lr * lr_scale)
-                    scalars.update(lr=top["lr"] / top.get("lr_scale", 1.0), epoch=epoch,
-                                   data_share=round(waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
+                    scalars.update(lr=top["lr"] / top.get("lr_scale", 1.0), epoch=epoch, startup_s=round(startup, 2))
+                    if seen:  # (not on the first step: startup)
+                        scalars.update(data_share=round(waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
                     if self.data.train.skipped:  # data.skip_corrupt (counted in this process; workers warn)
                         scalars["skipped_shards"] = len(set(self.data.train.skipped))
-                    self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "ranks": ranks})
+                    self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "ranks": ranks,
+                                    "data": self.data.path})
                     if run.tensorboard:
                         acc.log(scalars, step=step)
                     bar.set_postfix(loss=f"{scalars['loss']:.4f}")
@@ -543,7 +591,7 @@ class Trainer:
                 bar.close()
                 self.save_checkpoint(step)  # as a periodic checkpoint would have been
                 return {}
-            if batches <= skip * run.grad_accum and step < total:
+            if batches == 0 and step < total:
                 raise DataError(f"epoch {epoch} of data.train yielded {batches} batch(es), none left to train on "
                                 f"(skipped shards: {self.data.train.skipped or 'none'}); check the split with "
                                 "`python -m patchplace.data verify <split dir>`")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from config import ConfigError, DataSection, ModelSection, RunSection
-from engine import USER_ERRORS, classify, loader, start
+from engine import USER_ERRORS, classify, start
 from safetensors.torch import load_file
 
 from patchplace.data.atomic import atomic_file
@@ -109,7 +109,7 @@ class EvaluateConfig:
 
 def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     xs, ys, seen = [], [], 0
-    for x, y in loader(dataset, batch_size, seed=0, epoch=0):
+    for x, y in dataset.batches(batch_size, epoch=0):
         xs.append(x)
         ys.append(y)
         seen += len(x)
@@ -176,7 +176,7 @@ def plot_mp3(curve: dict, images: torch.Tensor, picture, out_dir: Path) -> None:
 def one_per_class(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first test image of each class, in class order, up to ``n`` (a fixed set: same images for every model)."""
     chosen: dict[int, torch.Tensor] = {}
-    for x, y in loader(dataset, batch_size, seed=0, epoch=0):
+    for x, y in dataset.batches(batch_size, epoch=0):
         for image, label in zip(x, y.tolist(), strict=True):
             chosen.setdefault(label, image)
         if len(chosen) >= n:
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     train_x, train_y = first_images(data.train, ev.probe_train_samples, bs)
     results["probe_train_samples"] = len(train_y)  # the whole train split is read, on any number of processes
     train = list(zip(train_x.split(bs), train_y.split(bs), strict=True))
-    val = list(loader(data.val, bs, seed=0, epoch=0))
+    val = list(data.val.batches(bs, epoch=0))
     if data.frontend is not None:
         train = [(data.frontend(x.to(device)).cpu(), y) for x, y in train]
         val = [(data.frontend(x.to(device)).cpu(), y) for x, y in val]

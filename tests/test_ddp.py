@@ -105,6 +105,7 @@ def test_ranks_share_weights_read_disjoint_samples_and_draw_their_own_masks(shar
     assert same_weights(rank0["final"], rank1["final"]), "DDP keeps the ranks' weights identical"
     keys0, keys1 = (flat(t["keys"]) for t in first)
     assert len(keys0) == len(keys1) == 3 * 8 and not set(keys0) & set(keys1), "each rank reads its own samples"
+    assert log(mp3_two_process)[-1]["data"]["train"] == "memory", "(the in-memory path: auto, the split is small)"
     assert len(rank0["masks"]) == len(rank1["masks"]) == 3
     assert all(not torch.equal(a, b) for a, b in zip(rank0["masks"], rank1["masks"], strict=True)), \
         "each rank draws its own masks (seed + rank)"
@@ -120,22 +121,26 @@ def test_ranks_share_weights_read_disjoint_samples_and_draw_their_own_masks(shar
         for x, y in zip(log(again), log(mp3_two_process), strict=True))
 
 
-def test_two_machines_on_loopback_split_the_shards_by_node(shards, tmp_path, mp3_two_process):
+def test_two_machines_on_loopback_split_the_shards_by_node(shards, tmp_path):
     """``--num_machines 2 --machine_rank {0,1}``, one process each, rendezvous on 127.0.0.1: the same run as two
-    processes on one machine (same weights), each node reading its own shards."""
+    processes on one machine (same weights). Streaming (``data.in_memory=false``): each node reads its own shards."""
+    streaming = ["data.in_memory=false"]
+    one_machine = tmp_path / "one_machine"
+    run([*mp3_args(shards, one_machine), *streaming])
     out, port = tmp_path / "nodes", free_port()
     nodes = [subprocess.Popen([ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
                                "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
-                               str(port), *COMMON, *mp3_args(shards, out)], env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+                               str(port), *COMMON, *mp3_args(shards, out), *streaming], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     results = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in results]
     node0, node1 = traces(out)
     assert (node0["rank"], node1["rank"], node0["world_size"]) == (0, 1, 2)
     shards0, shards1 = ({int(k) // 16 for k in flat(t["keys"])} for t in (node0, node1))  # 16 samples a shard
     assert shards0 and shards1 and not shards0 & shards1, f"nodes read disjoint shards: {shards0} vs {shards1}"
-    assert same_weights(node0["final"], traces(mp3_two_process)[0]["final"])
+    assert same_weights(node0["final"], traces(one_machine)[0]["final"])
     assert [r["step"] for r in log(out)] == [1, 2, 3] and log(out)[0]["ranks"] == [0, 1]
+    assert log(out)[-1]["data"] == {"train": "streaming", "val": "streaming"}
 
 
 def test_mjp_leaves_unknown_pe_without_gradient_where_no_rank_shuffled(shards, tmp_path):

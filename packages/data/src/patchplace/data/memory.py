@@ -14,7 +14,9 @@ by every rank, each rank taking its own contiguous slice (disjoint, equal length
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,13 +51,17 @@ class InMemorySplit:
     labels: torch.Tensor
     keys: list[str]
     manifest: Manifest
+    skipped: list[str] = field(default_factory=list)  # corrupt shards left out (``skip_corrupt=True``)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     @classmethod
-    def load(cls, manifest: str | os.PathLike | Manifest, budget_bytes: int | None = None) -> InMemorySplit:
-        """Read every shard once, in order. ``budget_bytes``: refuse (DataError) a split that does not fit."""
+    def load(cls, manifest: str | os.PathLike | Manifest, budget_bytes: int | None = None, *,
+             urls: str | list[str] | None = None, skip_corrupt: bool = False) -> InMemorySplit:
+        """Read every shard once, in order. ``budget_bytes``: refuse (DataError) a split that does not fit.
+        ``urls``: the same shards elsewhere (as :class:`ShardDataset`); ``skip_corrupt``: leave out unreadable
+        shards (warned, listed in ``skipped``) instead of failing on the first one."""
         m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
         need = decoded_bytes(m)
         if need is None:
@@ -65,17 +71,20 @@ class InMemorySplit:
             raise DataError(f"{m.dataset}/{m.split} takes {need / 2**20:.0f} MiB decoded, more than the memory "
                             f"budget of {budget_bytes / 2**20:.0f} MiB; stream it from its shards or raise the budget")
         inputs, labels, keys = [], [], []
-        for x, label, key in ShardDataset(m, return_key=True):  # manifest order; corrupt shards raise by name
+        reader = ShardDataset(m, urls=urls, return_key=True, skip_corrupt=skip_corrupt)
+        for x, label, key in reader:  # manifest order; a corrupt shard raises with its name
             inputs.append(x if m.modality == "image" else x.to(torch.float32))
             labels.append(label)
             keys.append(key)
-        if len(keys) != m.num_samples:
+        if not keys:
+            raise DataError(f"{m.dataset}/{m.split}: no readable sample (skipped shards: {reader.skipped})")
+        if len(keys) != m.num_samples and not reader.skipped:
             raise DataError(f"{m.dataset}/{m.split}: read {len(keys)} samples, the manifest says {m.num_samples}")
         shapes = {tuple(x.shape) for x in inputs}
         if len(shapes) != 1:
             raise DataError(f"{m.dataset}/{m.split}: samples of {len(shapes)} shapes ({sorted(shapes)[:3]}...); "
                             "stream it from its shards")
-        return cls(torch.stack(inputs), torch.tensor(labels, dtype=torch.int64), keys, m)
+        return cls(torch.stack(inputs), torch.tensor(labels, dtype=torch.int64), keys, m, list(reader.skipped))
 
 
 def epoch_indices(n: int, *, seed: int, epoch: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
@@ -90,3 +99,65 @@ def epoch_indices(n: int, *, seed: int, epoch: int, rank: int = 0, world_size: i
     generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)
     order = torch.randperm(n, generator=generator)
     return order[rank * per_rank:(rank + 1) * per_rank]
+
+
+class MemoryReader:
+    """The in-memory counterpart of :class:`ShardDataset` for training / evaluation loops: the same
+    ``batches(batch_size, epoch, skip)`` interface, ``num_batches``, ``len``, ``manifest``, ``skipped``,
+    ``epoch_length`` and ``return_key``; batches come out on ``device``, already transformed.
+
+    ``transform(inputs, index, seed, epoch)`` is a batched transform (:mod:`patchplace.data.batched`) whose
+    randomness is keyed by each sample's index in the split. ``shuffle=True`` (training): each epoch a fresh
+    permutation from (seed, epoch), this rank's slice of it (:func:`epoch_indices`); ``shuffle=False``
+    (evaluation): the split in manifest order. ``epoch_length`` caps the samples per rank per epoch.
+    """
+
+    def __init__(self, split: InMemorySplit, transform: Callable[..., torch.Tensor] | None, *, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, device: torch.device | str = "cpu",
+                 epoch_length: int | None = None, return_key: bool = False) -> None:
+        self.split, self.seed, self.rank, self.world_size, self.shuffle = split, seed, rank, world_size, shuffle
+        self.device = torch.device(device)
+        self.inputs, self.labels = split.inputs.to(self.device), split.labels.to(self.device)
+        self.transform = transform.to(self.device) if hasattr(transform, "to") else transform
+        self.epoch_length, self.return_key = epoch_length, return_key
+        self.num_workers = 0  # (no worker processes)
+        if len(split) // world_size < 1:
+            raise DataError(f"{len(split)} samples cannot be split over {world_size} ranks")
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.split.manifest
+
+    @property
+    def skipped(self) -> list[str]:
+        return self.split.skipped
+
+    def __len__(self) -> int:
+        """Samples this rank reads per epoch."""
+        per_rank = len(self.split) // self.world_size if self.shuffle else len(self.split)
+        return min(per_rank, self.epoch_length) if self.epoch_length is not None else per_rank
+
+    def num_batches(self, batch_size: int, drop_last: bool = False) -> int:
+        return len(self) // batch_size if drop_last else -(-len(self) // batch_size)
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        """This rank's sample indices for ``epoch``, in reading order."""
+        if self.shuffle:
+            order = epoch_indices(len(self.split), seed=self.seed, epoch=epoch, rank=self.rank,
+                                  world_size=self.world_size)
+        else:
+            order = torch.arange(len(self.split))
+        return order[:len(self)]
+
+    def batches(self, batch_size: int, epoch: int, skip: int = 0) -> Iterator[Any]:
+        """``(inputs, labels)`` (plus the samples' keys when ``return_key``) per batch, on ``device``; the first
+        ``skip`` batches are not computed at all (a resume jumps straight to its step)."""
+        order = self.indices(epoch)
+        for start in range(skip * batch_size, len(order), batch_size):
+            index = order[start:start + batch_size]
+            on_device = index.to(self.device)
+            x = self.inputs[on_device]
+            if self.transform is not None:
+                x = self.transform(x, on_device, self.seed, epoch)
+            y = self.labels[on_device]
+            yield (x, y, [self.split.keys[i] for i in index.tolist()]) if self.return_key else (x, y)

@@ -120,6 +120,18 @@ class ShardDataset(IterableDataset):
         per = (lambda q: q // batch_size) if drop_last else (lambda q: -(-q // batch_size))
         return sum(per(q) for q in self._quotas())
 
+    def batches(self, batch_size: int, epoch: int, skip: int = 0) -> Iterator[Any]:
+        """This epoch's batches through a DataLoader whose worker seeds derive from (seed, epoch, rank), the first
+        ``skip`` of them read and dropped (an exact resume replays the epoch's stream). The same interface as
+        :class:`~patchplace.data.memory.MemoryReader`, so a training loop does not know which one feeds it."""
+        self.set_epoch(epoch)
+        generator = torch.Generator().manual_seed(hash((self.seed, epoch, self.rank)) % 2**63)
+        loader = DataLoader(self, batch_size=batch_size, num_workers=self.num_workers, generator=generator,
+                            persistent_workers=False)
+        for i, batch in enumerate(loader):
+            if i >= skip:
+                yield batch
+
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()

@@ -1,0 +1,111 @@
+"""The in-memory data path through the pipelines (issue 19): the memory budget picks the path (and says so), the
+two paths feed evaluation bit-identical inputs, and in-memory training is bit-identical across runs, worker
+counts and a resume point inside the second epoch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+
+import engine  # noqa: E402
+import pretrain  # noqa: E402
+from config import ConfigError, DataSection  # noqa: E402
+
+from patchplace.data import ShardDataset  # noqa: E402
+from patchplace.data.memory import MemoryReader  # noqa: E402
+from tests.pipeline_args import TINY, img  # noqa: E402
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "checkpoint" / "model.safetensors"))
+
+
+def test_the_memory_budget_picks_the_path_and_says_so(shards, tmp_path, capsys):
+    common = ["method=supervised", *img(shards), *TINY, "optim.max_steps=2"]
+    assert pretrain.main([*common, f"run.output={tmp_path / 'auto'}"]) == 0
+    printed = capsys.readouterr().out
+    assert "data.train: in memory on cpu (toy/train, 64 samples, 0.0479 MiB decoded)" in printed, printed
+    assert log(tmp_path / "auto")[-1]["data"] == {"train": "memory", "val": "memory"}
+    # 0.06 MiB: the train split (64 x 28 x 28 bytes) fits, then too little is left for the test split
+    assert pretrain.main([*common, "data.memory_budget_mb=0.06", f"run.output={tmp_path / 'budget'}"]) == 0
+    printed = capsys.readouterr().out
+    assert "data.val: streaming from 2 shard(s) with 0 worker(s) (it takes 0.0239 MiB decoded, more than the " \
+           "0.0121 MiB left of data.memory_budget_mb=0.06)" in printed, printed
+    assert log(tmp_path / "budget")[-1]["data"] == {"train": "memory", "val": "streaming"}
+    assert pretrain.main([*common, "data.in_memory=false", f"run.output={tmp_path / 'off'}"]) == 0
+    assert log(tmp_path / "off")[-1]["data"] == {"train": "streaming", "val": "streaming"}
+    # insisting on memory that is not there: one line naming the split, its size and the fix
+    assert pretrain.main([*common, "data.in_memory=true", "data.memory_budget_mb=0.01",
+                          f"run.output={tmp_path / 'insist'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: data.in_memory=true but data.train (toy/train) cannot be held in memory: it takes "
+                       "0.0479 MiB decoded, more than the 0.01 MiB left of data.memory_budget_mb=0.01; set "
+                       "data.in_memory=auto to stream it"), err
+
+
+def test_what_cannot_be_batched_streams():
+    no_size = SimpleNamespace(dataset="x", split="train", info={}, modality="image", num_samples=10)
+    small = SimpleNamespace(**{**vars(no_size), "info": {"image_size": [8, 8], "channels": 1}})
+    cfg = DataSection(auto_augment="rand-m9-mstd0.5")
+    assert engine.memory_choice(DataSection(), no_size, 2**30, "data.train", True) == \
+        "its manifest gives no fixed image size / clip length"
+    assert engine.memory_choice(DataSection(), small, 2**30, "data.train", True) is None
+    assert engine.memory_choice(cfg, small, 2**30, "data.train", True) == \
+        "data.auto_augment runs per sample on PIL images"
+    assert engine.memory_choice(cfg, small, 2**30, "data.train", False) is None  # no augmentation: no RandAugment
+    with pytest.raises(ConfigError, match=r"data\.in_memory=true but data\.train"):
+        engine.memory_choice(DataSection(in_memory=True, auto_augment="rand-m9"), small, 2**30, "data.train", True)
+
+
+def test_both_paths_feed_evaluation_the_same_inputs(shards):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    cfg = {path: DataSection(train=str(shards / "img" / "train"), val=str(shards / "img" / "test"), num_workers=0,
+                             in_memory=path == "memory") for path in ("memory", "streaming")}
+    data = {path: engine.build_data(c, accelerator, seed=0, augment=False, split_train=False)
+            for path, c in cfg.items()}
+    assert isinstance(data["memory"].val, MemoryReader) and isinstance(data["streaming"].val, ShardDataset)
+    for split in ("val", "train"):
+        memory = list(getattr(data["memory"], split).batches(8, epoch=0))
+        streaming = list(getattr(data["streaming"], split).batches(8, epoch=0))
+        if split == "val":  # both in manifest order: bit-identical batches
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                       for a, b in zip(memory, streaming, strict=True))
+        else:  # train, not augmented: the same images, each path in its own shuffled order
+            def by_image(batches):
+                x = torch.cat([b[0] for b in batches])
+                return sorted(map(tuple, x.flatten(1).tolist()))
+            assert len(memory) == len(streaming) and by_image(memory) == by_image(streaming)
+
+
+def test_in_memory_training_is_bit_identical_across_runs_workers_and_resume(shards, tmp_path):
+    """64 samples / batch 8 = 8 steps an epoch; 12 steps. The resumed run stops at step 10, in the second epoch, so
+    the resume jumps into an epoch (no replay), with random erasing, crops and flips keyed by sample index."""
+    common = ["method=mp3", *img(shards), *TINY, "optim.max_steps=12", "data.re_prob=0.25"]
+    assert pretrain.main([*common, f"run.output={tmp_path / 'a'}"]) == 0
+    assert pretrain.main([*common, f"run.output={tmp_path / 'b'}"]) == 0
+    assert pretrain.main([*common, "data.num_workers=2", f"run.output={tmp_path / 'workers'}"]) == 0
+    assert pretrain.main([*common, "run.stop_after=10", f"run.output={tmp_path / 'resumed'}"]) == 0
+    assert pretrain.main([*common, "run.resume=true", f"run.output={tmp_path / 'resumed'}"]) == 0
+    reference = weights(tmp_path / "a")
+    assert log(tmp_path / "a")[-1]["data"]["train"] == "memory" and log(tmp_path / "a")[-1]["epoch"] == 1
+    for other in ("b", "workers", "resumed"):
+        theirs = weights(tmp_path / other)
+        assert reference.keys() == theirs.keys() and all(torch.equal(reference[k], theirs[k]) for k in reference), \
+            other
+    losses = {other: [r["loss"] for r in log(tmp_path / other)] for other in ("a", "resumed")}
+    assert losses["a"] == losses["resumed"]
