@@ -200,7 +200,8 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
         augmented = augment and train
         why = memory_choice(cfg, m, budget, key, augment)
         if why is None:
-            split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt)
+            split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt,
+                                       num_workers=cfg.num_workers)  # decoding shards in parallel
             budget -= decoded_bytes(m)
             readers[key] = MemoryReader(split, build_batched_transform(m, augmented, **opts), seed=seed,
                                         rank=rank if train else 0, world_size=world if train else 1, shuffle=train,

@@ -50,3 +50,16 @@ def test_epoch_indices_are_disjoint_per_rank_deterministic_and_new_each_epoch():
     assert all(len(s) == 3 for s in left_out) and len(set.union(*left_out)) > 3, "a different remainder each epoch"
     with pytest.raises(DataError, match="cannot be split over 8 ranks"):
         epoch_indices(5, seed=0, epoch=0, rank=0, world_size=8)
+
+
+def test_decoding_in_worker_processes_gives_the_same_split_and_errors(toy_split):
+    split_dir, _ = toy_split  # 23 samples in 5 shards
+    one, three = InMemorySplit.load(split_dir), InMemorySplit.load(split_dir, num_workers=2)
+    assert one.keys == three.keys and torch.equal(one.inputs, three.inputs) and torch.equal(one.labels, three.labels)
+    shard = sorted(split_dir.glob("*.tar"))[3]
+    shard.write_bytes(shard.read_bytes()[:3000])
+    with pytest.raises(DataError, match=f"^corrupt shard {shard}: "):  # one line, not the worker's traceback
+        InMemorySplit.load(split_dir, num_workers=2)
+    with pytest.warns(UserWarning, match="skipping corrupt shard"):
+        kept = InMemorySplit.load(split_dir, skip_corrupt=True)
+    assert kept.skipped == [str(shard)] and len(kept) == 23 - 5 and "00015" not in kept.keys

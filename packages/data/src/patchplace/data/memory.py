@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .errors import DataError
 from .manifest import Manifest
@@ -58,10 +59,11 @@ class InMemorySplit:
 
     @classmethod
     def load(cls, manifest: str | os.PathLike | Manifest, budget_bytes: int | None = None, *,
-             urls: str | list[str] | None = None, skip_corrupt: bool = False) -> InMemorySplit:
-        """Read every shard once, in order. ``budget_bytes``: refuse (DataError) a split that does not fit.
-        ``urls``: the same shards elsewhere (as :class:`ShardDataset`); ``skip_corrupt``: leave out unreadable
-        shards (warned, listed in ``skipped``) instead of failing on the first one."""
+             urls: str | list[str] | None = None, skip_corrupt: bool = False, num_workers: int = 0) -> InMemorySplit:
+        """Read every shard once into manifest order. ``budget_bytes``: refuse (DataError) a split that does not
+        fit. ``urls``: the same shards elsewhere (as :class:`ShardDataset`); ``skip_corrupt``: leave out unreadable
+        shards (warned, listed in ``skipped``) instead of failing on the first one; ``num_workers``: decode that
+        many shards at once in worker processes."""
         m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
         need = decoded_bytes(m)
         if need is None:
@@ -70,21 +72,65 @@ class InMemorySplit:
         if budget_bytes is not None and need > budget_bytes:
             raise DataError(f"{m.dataset}/{m.split} takes {need / 2**20:.0f} MiB decoded, more than the memory "
                             f"budget of {budget_bytes / 2**20:.0f} MiB; stream it from its shards or raise the budget")
-        inputs, labels, keys = [], [], []
         reader = ShardDataset(m, urls=urls, return_key=True, skip_corrupt=skip_corrupt)
-        for x, label, key in reader:  # manifest order; a corrupt shard raises with its name
-            inputs.append(x if m.modality == "image" else x.to(torch.float32))
-            labels.append(label)
-            keys.append(key)
+        workers = min(num_workers, len(reader.urls))
+        decoded: dict[int, _Shard] = {}
+        try:
+            for shard in DataLoader(_ShardDecoder(reader), batch_size=None, num_workers=workers):
+                decoded[shard.index] = shard
+        except DataError as exc:  # from a worker: "Caught DataError in DataLoader worker ... Original Traceback"
+            last = str(exc).strip().splitlines()[-1]
+            raise DataError(last.split("DataError: ", 1)[-1]) from None
+        shards = [decoded[i] for i in sorted(decoded) if decoded[i].keys]
+        skipped = [url for i in sorted(decoded) for url in decoded[i].skipped]
+        keys = [k for shard in shards for k in shard.keys]
         if not keys:
-            raise DataError(f"{m.dataset}/{m.split}: no readable sample (skipped shards: {reader.skipped})")
-        if len(keys) != m.num_samples and not reader.skipped:
+            raise DataError(f"{m.dataset}/{m.split}: no readable sample (skipped shards: {skipped})")
+        if len(keys) != m.num_samples and not skipped:
             raise DataError(f"{m.dataset}/{m.split}: read {len(keys)} samples, the manifest says {m.num_samples}")
-        shapes = {tuple(x.shape) for x in inputs}
+        shapes = {tuple(shard.inputs.shape[1:]) for shard in shards}
         if len(shapes) != 1:
             raise DataError(f"{m.dataset}/{m.split}: samples of {len(shapes)} shapes ({sorted(shapes)[:3]}...); "
                             "stream it from its shards")
-        return cls(torch.stack(inputs), torch.tensor(labels, dtype=torch.int64), keys, m, list(reader.skipped))
+        return cls(torch.cat([s.inputs for s in shards]), torch.cat([s.labels for s in shards]), keys, m, skipped)
+
+
+@dataclass
+class _Shard:
+    """One shard, decoded: stacked inputs (one tensor to pass between processes), labels, keys, skipped URLs."""
+
+    index: int
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    keys: list[str]
+    skipped: list[str]
+
+
+class _ShardDecoder(IterableDataset):
+    """Decodes whole shards (worker w of W: shards w, w + W, ...) with the reader's corruption checks."""
+
+    def __init__(self, reader: ShardDataset) -> None:
+        self.reader = reader
+
+    def __iter__(self) -> Iterator[_Shard]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        reader, image = self.reader, self.reader.manifest.modality == "image"
+        for index in range(worker, len(reader.urls), workers):
+            before = len(reader.skipped)
+            samples = [reader._prepare(sample) for sample in reader._read_shard(index)]
+            skipped = reader.skipped[before:]
+            if skipped:  # a corrupt shard left out whole (the samples before the damage too)
+                samples = []
+            if not samples:
+                yield _Shard(index, torch.empty(0), torch.empty(0, dtype=torch.int64), [], skipped)
+                continue
+            inputs = torch.stack([x if image else x.to(torch.float32) for x, _, _ in samples]) \
+                if len({tuple(x.shape) for x, _, _ in samples}) == 1 else None
+            if inputs is None:
+                raise DataError(f"{reader.urls[index]}: samples of several shapes; stream this split")
+            yield _Shard(index, inputs, torch.tensor([y for _, y, _ in samples], dtype=torch.int64),
+                         [k for _, _, k in samples], skipped)
 
 
 def epoch_indices(n: int, *, seed: int, epoch: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
