@@ -324,6 +324,7 @@ def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dic
         print(f"pipelines: no shards at {args.shards}: skipped", flush=True)
         return []
     configs = Path(__file__).parent / "configs"
+    val = args.shards.parent / "test" if (args.shards.parent / "test" / "manifest.json").is_file() else args.shards
     methods = args.methods or ["supervised", "mp3", "droppos", "mae"]
     preset = args.pipelines_preset
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -331,12 +332,12 @@ def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dic
     for _ in range(args.pipelines_repeats):
         for method in methods:
             for path in PIPELINE_PATHS:
-                overrides = [f"data.train={args.shards}", f"optim.max_steps={args.steps}",
+                overrides = [f"data.train={args.shards}", f"data.val={val}", f"optim.max_steps={args.steps}",
                              f"data.batch_size={args.pipelines_batch}", "run.tensorboard=false",
                              f"run.log_every={args.steps}", "run.checkpoint_every=0",
                              f"data.in_memory={'true' if path == 'memory' else 'false'}",
                              f"data.num_workers={0 if path == 'pure_step' else args.pipelines_workers}",
-                             *([f"model.preset={preset}"] if preset else [])]
+                             *([f"model.preset={preset}"] if preset else []), *args.pipelines_overrides]
                 engine.build_data = _pure_step_data(build_data) if path == "pure_step" else build_data
                 try:
                     with tempfile.TemporaryDirectory() as tmp:
@@ -710,6 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipelines-batch", type=int, default=None, help="data.batch_size (default: 64; 128 in all)")
     g.add_argument("--pipelines-workers", type=int, default=2,
                    help="data.num_workers of the streaming path (default: %(default)s, the configs')")
+    g.add_argument("--pipelines-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more pretrain.py overrides, e.g. run.mixed_precision=bf16 on a GPU")
     g.add_argument("--pipelines-repeats", type=int, default=2,
                    help="pipelines: alternated runs of every path, medians reported (default: %(default)s)")
     g.add_argument("--ddp-repeats", type=int, default=2,
@@ -747,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.update and (out / "benchmark.json").is_file() and args.suite not in ("all", "mp3_table2", "ddp"):
         old = json.loads((out / "benchmark.json").read_text())
         rows = [r for r in old["results"] if r.get("suite") != args.suite] + rows
-        meta = {**old["meta"], "seconds": {**old["meta"].get("seconds", {}), args.suite: meta["seconds"]["total"]},
+        seconds = {k: v for k, v in {**old["meta"].get("seconds", {}), args.suite: meta["seconds"]["total"]}.items()
+                   if k != "total"}
+        meta = {**old["meta"], "seconds": {**seconds, "total": round(sum(seconds.values()), 1)},
                 "updated": {args.suite: meta}}
     markdown = to_markdown(rows, meta)
     stem = f"benchmark_{args.suite}" if args.suite in ("mp3_table2", "ddp") else "benchmark"

@@ -90,3 +90,24 @@ def test_mp3_table2_suite_reports_ratios_beside_the_paper_and_keeps_its_gpu_sect
     markdown = (tmp_path / "benchmark.md").read_text()
     assert "Mask generation" in markdown and "earlier tables" not in markdown  # rewritten by the masks suite ...
     assert markdown.count(benchmark.GPU_SECTION[0]) == 1 and "| mp3_eta0.75 | 0.75 |" in markdown  # ... GPU kept
+
+
+def test_pipelines_suite_measures_each_data_path_against_the_pure_step(shards, tmp_path):
+    """Tiny sizes: the three paths really ran (the log says which fed the train split), the pure step's ratio is 1,
+    and --update replaces only this suite's rows."""
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "benchmark.json").write_text(json.dumps({"meta": {"suite": "all", "hardware": "x", "seconds": {}},
+                                                    "results": [{"suite": "matmul", "name": "m/1", "gflops": 1.0}]}))
+    assert benchmark.main(["--suite", "pipelines", "--shards", str(shards / "img" / "train"), "--methods", "mae",
+                           "--steps", "3", "--pipelines-repeats", "1", "--pipelines-preset", "vit_micro",
+                           "--pipelines-batch", "8", "--pipelines-workers", "1", "--out", str(out), "--update",
+                           "--pipelines-overrides", "objective.decoder_dim=32", "objective.decoder_depth=1",
+                           "objective.decoder_heads=2"]) == 0
+    data = json.loads((out / "benchmark.json").read_text())
+    rows = {r["path"]: r for r in data["results"] if r["suite"] == "pipelines"}
+    assert set(rows) == {"pure_step", "memory", "streaming"} and rows["pure_step"]["end_to_end_ratio"] == 1.0
+    assert all(r["name"] == "train/mae" and r["samples_per_s"] > 0 and r["startup_s"] > 0 for r in rows.values())
+    assert rows["streaming"]["num_workers"] == 1 and rows["memory"]["num_workers"] == 0
+    assert [r["name"] for r in data["results"] if r["suite"] == "matmul"] == ["m/1"], "other suites' rows kept"
+    assert "end-to-end ratio" in (out / "benchmark.md").read_text()
