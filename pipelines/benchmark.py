@@ -21,7 +21,9 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               optimization, same run); --compile NAME adds NAME+compile (torch.compile) rows.
   masks       mask generation per batch, before vs after, interleaved in one run: I-JEPA multi-block (per-sample
               Python loop -> batched tensor ops), MJP block-wise (torch ops per rectangle -> NumPy, same masks).
-  data        shard read throughput (decode + train transform) with each --workers count; MFCC frontend clips/s.
+  data        shard read throughput (decode + train transform) with each --workers count; batched augmentation
+              (the in-memory path) vs the per-sample timm / PIL transform, and the ways to crop-and-resize a batch
+              with per-sample boxes (grid_sample, torchvision roi_align / v2, kornia if installed); MFCC clips/s.
   models      one Transformer block's forward + backward with MP3 context-only keys/values vs full attention.
   onnx        ONNX Runtime vs PyTorch eager inference latency (p50 / p95) and images/s of a randomly initialised
               --onnx-preset classifier exported with patchplace.export, at each --onnx-batches size.
@@ -67,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # pretrain.py / engine.py / conf
 
 from stages import hardware_line
 
-from patchplace.data.benchmark import mfcc_throughput, shard_read_throughput
+from patchplace.data.benchmark import augment_throughput, mfcc_throughput, shard_read_throughput
 from patchplace.models import PRESETS
 from patchplace.models.benchmark import context_attention, matmul_peak
 from patchplace.objectives.benchmark import MP3_ETAS, default_objectives, isolated_step_memory, mask_times, step_times
@@ -209,6 +211,24 @@ def masks_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[st
     return rows
 
 
+def _kornia_crop() -> dict[str, Any]:
+    """kornia's batched crop-and-resize as an augment_throughput candidate, when kornia is installed (it is not a
+    dependency: it was measured to choose the in-memory path's sampler)."""
+    try:
+        from kornia.geometry.transform import crop_and_resize
+    except ImportError:
+        return {}
+
+    def build(padded, top, left, h, w):
+        corners = torch.stack([torch.stack([left, top], 1), torch.stack([left + w - 1, top], 1),
+                               torch.stack([left + w - 1, top + h - 1], 1), torch.stack([left, top + h - 1], 1)],
+                              1).float()
+        side = padded.shape[-1]
+        return lambda: crop_and_resize(padded, corners, (side, side))
+
+    return {"kornia crop_and_resize (bilinear)": build}
+
+
 def data_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     if not (args.shards / "manifest.json").is_file():
@@ -219,6 +239,10 @@ def data_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str
             rows.append(shard_read_throughput(args.shards, num_workers=workers, batch_size=args.loader_batch,
                                               max_samples=args.max_samples, pad_to=args.pad_to))
             print(json.dumps(rows[-1]), flush=True)
+    for row in augment_throughput(batch_size=args.loader_batch, pad_to=args.pad_to, device=_device(args),
+                                  extra=_kornia_crop()):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     rows.append(mfcc_throughput(batch_size=64, batches=args.mfcc_batches))
     print(json.dumps(rows[-1]), flush=True)
     return [{**row, "suite": "data"} for row in rows]

@@ -107,7 +107,7 @@ def test_pipelines_suite_measures_each_data_path_against_the_pure_step(shards, t
     data = json.loads((out / "benchmark.json").read_text())
     rows = {r["path"]: r for r in data["results"] if r["suite"] == "pipelines"}
     assert set(rows) == {"pure_step", "memory", "streaming"} and rows["pure_step"]["end_to_end_ratio"] == 1.0
-    assert all(r["name"] == "train/mae" and r["samples_per_s"] > 0 and r["startup_s"] > 0 for r in rows.values())
+    assert all(r["name"] == "train/mae" and r["samples_per_s"] > 0 and r["startup_s"] >= 0 for r in rows.values())
     assert rows["streaming"]["num_workers"] == 1 and rows["memory"]["num_workers"] == 0
     assert [r["name"] for r in data["results"] if r["suite"] == "matmul"] == ["m/1"], "other suites' rows kept"
     assert "end-to-end ratio" in (out / "benchmark.md").read_text()
