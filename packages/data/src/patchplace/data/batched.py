@@ -17,11 +17,11 @@ Images (``BatchedImageAugment``), in timm's order (``create_transform(is_trainin
    log-aspect ~ U(log 0.3, log 1/0.3)), with probability ``re_prob``.
 
 Why ``grid_sample`` (``python pipelines/benchmark.py --suite data``; this 2-core CPU, batch 128, 32 px, 2 threads):
-at the same bilinear interpolation PyTorch's batched sampler does 202k images/s, kornia's ``crop_and_resize`` 124k
-(it builds a homography per sample, then calls the same ``grid_sample``), torchvision's ``roi_align`` 34k
+at the same bilinear interpolation PyTorch's batched sampler does 198k images/s, kornia's ``crop_and_resize`` 121k
+(it builds a homography per sample, then calls the same ``grid_sample``), torchvision's ``roi_align`` 37k
 (bilinear only) and a loop of torchvision v2 ``resized_crop`` calls 35k; ``grid_sample`` also does bicubic (timm's
 default here; 79k images/s), needs no new dependency and runs the same code on CUDA. All of them are far above
-what training consumes (~250-450 samples/s for the study ViT); timm's per-sample PIL transform does ~6k.
+what training consumes (~250-450 samples/s for the study ViT); timm's per-sample PIL transform does ~8k.
 
 Differences from the PIL path, none of which moves the statistics tested in ``tests/test_batched.py``: PyTorch's
 bicubic kernel is a = -0.75 (PIL's a = -0.5); samples near a crop's edge read the image's real neighbours (PIL
