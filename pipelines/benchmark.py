@@ -16,11 +16,10 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               batch / step time) and its fraction of the matmul peak; memory of each objective measured in a fresh
               process (peak RSS, the part of it the steps added, and CUDA max_memory_allocated on a GPU).
               Decoders / predictors: the study configs' sizes (--widths study: 128 x 2, predictor 96 x 4) for the
-              32 px presets, the papers' defaults (--widths paper) otherwise. --before adds mjp_before,
-              ijepa_before and stop_before (MJP / I-JEPA / StoP with the mask generators as they were before the
-              optimization, same run); --compile NAME adds NAME+compile (torch.compile) rows.
-  masks       mask generation per batch, before vs after, interleaved in one run: I-JEPA multi-block (per-sample
-              Python loop -> batched tensor ops), MJP block-wise (torch ops per rectangle -> NumPy, same masks).
+              32 px presets, the papers' defaults (--widths paper) otherwise. --compile NAME adds NAME+compile
+              (torch.compile) rows. (The before / after rows of the mask-generator optimization are kept in
+              results/; the old code is in git history.)
+  masks       mask generation per batch: I-JEPA multi-block (batched tensor ops), MJP block-wise (NumPy).
   data        shard read throughput (decode + train transform) with each --workers count; batched augmentation
               (the in-memory path) vs the per-sample timm / PIL transform, and the ways to crop-and-resize a batch
               with per-sample boxes (grid_sample, torchvision roi_align / v2, kornia if installed); MFCC clips/s.
@@ -41,7 +40,7 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               between them, cores split too) for --methods (supervised mp3 mjp), and the step-time cost of DDP's
               find_unused_parameters (2 processes, off vs on; MJP with its jigsaw on every step so that it can run
               off). Writes <out>/benchmark_ddp.{json,md}; needs the shards.
-  all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128, --before) and for ViT-S/16
+  all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128) and for ViT-S/16
               at 224 px (3 channels, batch --vits-batch, paper widths, without stop_noema); masks; data (+ loader
               samples/s vs the study ViT's training consumption); models; onnx; pipelines (on the study ViT).
               Roughly 20 minutes on an idle 2-core CPU.
@@ -116,14 +115,14 @@ def _setting(preset: str, img_size: int | None, in_chans: int | None, widths: st
 
 def _run_objectives(args: argparse.Namespace, state: dict[str, Any], *, preset: str, img_size: int | None,
                     in_chans: int | None, widths: str | None, batch: int, repeats: int, warmup: int,
-                    before: bool, memory_steps: int, compile_names: list[str],
+                    memory_steps: int, compile_names: list[str],
                     exclude: tuple[str, ...] = (), amp: str = "no", num_classes: int = 10,
                     mp3_etas: tuple[float, ...] = MP3_ETAS, mae_ratios: tuple[float, ...] = (),
                     only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     img_size, in_chans, widths = _setting(preset, img_size, in_chans, widths)
     device = _device(args)
     variants = dict(mp3_etas=mp3_etas, mae_ratios=mae_ratios)
-    builders = default_objectives(preset, in_chans=in_chans, img_size=img_size, widths=widths, before=before,
+    builders = default_objectives(preset, in_chans=in_chans, img_size=img_size, widths=widths,
                                   num_classes=num_classes, **variants)
     builders = {k: v for k, v in builders.items() if k not in exclude and (not only or k in only)}
     if args.objectives:
@@ -143,7 +142,7 @@ def _run_objectives(args: argparse.Namespace, state: dict[str, Any], *, preset: 
     for row in rows:
         name = row["name"].split("/", 1)[1]
         row.update(setting=setting, preset=preset, img_size=img_size, in_chans=in_chans, widths=widths)
-        if memory_steps and not name.endswith(("+compile", "_before")):  # the same shapes as their after rows
+        if memory_steps and not name.endswith("+compile"):  # the same shapes as their eager rows
             memory = isolated_step_memory(name, preset=preset, in_chans=in_chans, img_size=img_size,
                                           widths=widths, batch=batch, steps=memory_steps, device=device,
                                           amp=amp, num_classes=num_classes, **variants)
@@ -162,7 +161,7 @@ def mp3_table2_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[di
     only = ("supervised", *(f"mp3_eta{e:g}" for e in etas), *(f"mae_ratio{r:g}" for r in ratios))
     rows = _run_objectives(args, state, preset=preset, img_size=args.img_size, in_chans=args.in_chans,
                            widths=args.widths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
-                           before=False, memory_steps=args.memory_steps,
+                           memory_steps=args.memory_steps,
                            compile_names=list(only) if args.table2_compile else [], amp=args.amp,
                            num_classes=1000, mp3_etas=etas, mae_ratios=ratios, only=only)
     compiled = {r["name"]: r for r in rows if r["name"].endswith("+compile")}
@@ -196,7 +195,7 @@ def matmul_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[s
 def objectives_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
     rows = _run_objectives(args, state, preset=args.preset, img_size=args.img_size, in_chans=args.in_chans,
                            widths=args.widths, batch=args.batch, repeats=args.repeats, warmup=args.warmup,
-                           before=args.before, memory_steps=args.memory_steps, compile_names=args.compile,
+                           memory_steps=args.memory_steps, compile_names=args.compile,
                            amp=args.amp or "no")
     return [{**row, "suite": "objectives"} for row in rows]
 
@@ -490,11 +489,11 @@ def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
 
     part("matmul", lambda: matmul_suite(args, state))
     part("objectives/study_vit", lambda: [{**r, "suite": "objectives"} for r in _run_objectives(
-        args, state, **STUDY, widths="study", repeats=args.repeats, warmup=args.warmup, before=True,
+        args, state, **STUDY, widths="study", repeats=args.repeats, warmup=args.warmup,
         memory_steps=args.memory_steps, compile_names=args.compile)])
     part("objectives/vit_small", lambda: [{**r, "suite": "objectives"} for r in _run_objectives(
         args, state, preset="vit_small", img_size=224, in_chans=3, widths="paper", batch=args.vits_batch,
-        repeats=args.vits_repeats, warmup=1, before=False, memory_steps=args.memory_steps, compile_names=[],
+        repeats=args.vits_repeats, warmup=1, memory_steps=args.memory_steps, compile_names=[],
         exclude=("stop_noema",))])  # the EMA's cost is shown on the study ViT; saves ~1 min here
     part("masks", lambda: masks_suite(args, state))
     part("data", lambda: data_suite(args, state))
@@ -519,8 +518,9 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("FLOP ratio", "flop_ratio"), ("samples/s", "samples_per_s"), ("GFLOP/sample", "gflops_per_sample"),
         ("achieved GFLOP/s", "achieved_gflops"), ("of peak", "peak_fraction"), ("peak RSS MB", "peak_rss_mb"),
         ("steps' RSS MB", "step_rss_mb"), ("CUDA peak MB", "cuda_peak_mb")]),
-    "masks": ("Mask generation per batch, before vs after the optimization (same run)", [
-        ("generator", "name"), ("before ms", "before_ms"), ("after ms", "after_ms"), ("speed-up", "speedup")]),
+    "masks": ("Mask generation per batch (before / after: the optimization's one-run comparison, kept from the run "
+              "that made it)", [("generator", "name"), ("ms", "ms"), ("before ms", "before_ms"),
+                                ("after ms", "after_ms"), ("speed-up", "speedup")]),
     "data": ("Data path", [("benchmark", "name"), ("samples/s", "samples_per_s"), ("clips/s", "clips_per_s"),
                            ("batch", "batch_size"), ("samples", "samples"), ("seconds", "seconds")]),
     "data_vs_training": ("Data loader samples/s vs what training consumes (study ViT; measured apart — in training "
@@ -694,8 +694,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=10, help="timed steps per objective (default: %(default)s)")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps per objective first (default: %(default)s)")
     g.add_argument("--objectives", nargs="+", default=None, help="only these (supervised is always included)")
-    g.add_argument("--before", action="store_true",
-                   help="add mjp_before / ijepa_before / stop_before (mask generators before the optimization)")
     g.add_argument("--compile", nargs="+", default=[], metavar="NAME",
                    help="also time torch.compile'd copies of these objectives (slow to compile on a CPU)")
     g.add_argument("--memory-steps", type=int, default=2,

@@ -10,19 +10,15 @@ Peak memory (:func:`step_memory`) is measured per objective in a **fresh process
 a high-water mark never goes down, so in one process shared with other objectives it would only ever report the
 largest of them, and freed memory the allocator keeps would hide what a later objective needs.
 
-:func:`mask_times` times the mask generators against the versions they replaced (kept here as references:
-:func:`multiblock_masks_loop` for I-JEPA, :func:`blockwise_masks_torch` for MJP), and
-``default_objectives(..., before=True)`` adds ``mjp_before``, ``ijepa_before`` and ``stop_before`` rows that run
-MJP / I-JEPA / StoP as they were before those optimizations (and, for I-JEPA, before the target features stopped
-being repeated per block ahead of the gather), so one run shows before and after.
+:func:`mask_times` times the mask generators. (The versions they replaced, and MJP / I-JEPA / StoP as they were
+before those optimizations, were timed against them in one run; those figures are in results/benchmark.md, the old
+code in git history.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import math
-import random
 import resource
 import statistics
 import sys
@@ -31,18 +27,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from patchplace.models import Backbone, create_model
 from patchplace.models.benchmark import block_flops
 
-from .block_masks import MultiBlockMasks, _block_size, blockwise_masks, multiblock_masks
-from .common import ObjectiveError, gather_rows, num_kept, split_batch
+from .block_masks import blockwise_masks, multiblock_masks
+from .common import ObjectiveError, num_kept
 from .droppos import DropPos, DropPosConfig
 from .ijepa import IJEPA, IJEPAConfig
 from .mae import MAE, MAEConfig
-from .mjp import MJP, MJPConfig, jigsaw
+from .mjp import MJP, MJPConfig
 from .mp3 import MP3, MP3Config
 from .randsac import RandSAC, RandSACConfig
 from .supervised import Supervised
@@ -115,114 +110,7 @@ def train_flops(objective: nn.Module, batch: int = 64) -> int:
     raise TypeError(f"no FLOP model for {type(objective).__name__}")
 
 
-# ---------------------------------------------------------------------------------------------- before / after
-def multiblock_masks_loop(batch: int, grid: tuple[int, int], *, num_targets: int = 4,
-                          target_scale: tuple[float, float] = (0.15, 0.2),
-                          target_aspect: tuple[float, float] = (0.75, 1.5),
-                          context_scale: tuple[float, float] = (0.85, 1.0), min_keep: int = 4,
-                          generator: torch.Generator | None = None, max_tries: int = 20) -> MultiBlockMasks:
-    """Reference for the benchmark only: :func:`multiblock_masks` as it was before, one sample (and one block) at
-    a time in Python. Same distribution, different draws from the generator."""
-    gen = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
-    target_size = _block_size(gen, grid, target_scale, target_aspect)
-    context_size = _block_size(gen, grid, context_scale, (1.0, 1.0))
-    h, w = grid
-
-    def place(size: tuple[int, int]) -> torch.Tensor:
-        top = int(torch.randint(0, h - size[0] + 1, (1,), generator=gen))
-        left = int(torch.randint(0, w - size[1] + 1, (1,), generator=gen))
-        block = torch.zeros(h, w, dtype=torch.bool)
-        block[top: top + size[0], left: left + size[1]] = True
-        return block
-
-    contexts, targets = [], []
-    for _ in range(batch):
-        for _ in range(max_tries):
-            blocks = [place(target_size) for _ in range(num_targets)]
-            context = place(context_size) & ~torch.stack(blocks).any(0)
-            if int(context.sum()) >= min_keep:
-                break
-        else:
-            raise ObjectiveError(f"could not leave {min_keep} context patches on a {grid} grid")
-        contexts.append(context.reshape(-1).nonzero().squeeze(1))
-        targets.append(torch.stack([b.reshape(-1).nonzero().squeeze(1) for b in blocks]))
-    keep = min(len(c) for c in contexts)
-    return MultiBlockMasks(context=torch.stack([c[:keep] for c in contexts]), targets=torch.stack(targets))
-
-
-def blockwise_masks_torch(batch: int, grid: tuple[int, int], ratio: float, *, min_block: int = 8,
-                          min_aspect: float = 0.3, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Reference for the benchmark only: :func:`blockwise_masks` as it was before, reading and writing each
-    rectangle through torch ops. The same draws and the same masks as the NumPy version (a test checks it)."""
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    rng = random.Random(seed)
-    h, w = grid
-    target = round(ratio * h * w)
-    log_aspect = (math.log(min_aspect), math.log(1 / min_aspect))
-    masks = []
-    for _ in range(batch):
-        mask = torch.zeros(h, w, dtype=torch.bool)
-        count = 0
-        while count < target:
-            budget = min(target - count, target)
-            delta = 0
-            for _ in range(10):
-                area = rng.uniform(min_block, budget)
-                aspect = math.exp(rng.uniform(*log_aspect))
-                bh, bw = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
-                if bw < w and bh < h:
-                    top, left = rng.randint(0, h - bh), rng.randint(0, w - bw)
-                    new = bh * bw - int(mask[top: top + bh, left: left + bw].sum())
-                    if 0 < new <= budget:
-                        mask[top: top + bh, left: left + bw] = True
-                        delta = new
-                if delta > 0:
-                    break
-            if delta == 0:
-                break
-            count += delta
-        masks.append(mask.reshape(-1))
-    return torch.stack(masks)
-
-
-class MJPBefore(MJP):
-    """Reference for the benchmark only: MJP with the torch-op block-wise masks (:func:`blockwise_masks_torch`)."""
-
-    def apply_jigsaw(self, images: torch.Tensor, progress: float | None = None,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.jigsaw_applies(progress, generator):
-            return images, None
-        c = self.config
-        mask = blockwise_masks_torch(images.shape[0], self.backbone.grid, c.ratio, min_block=c.min_block,
-                                     min_aspect=c.min_aspect, generator=generator)
-        return jigsaw(images, self.patch_size, c.ratio, generator=generator, mask=mask)
-
-
-class IJEPABefore(IJEPA):
-    """Reference for the benchmark only: I-JEPA / StoP as before the optimization — loop masks
-    (:func:`multiblock_masks_loop`) and the target features repeated once per block before the gather."""
-
-    def sample_masks(self, batch: int, generator: torch.Generator | None = None) -> MultiBlockMasks:
-        c = self.config
-        return multiblock_masks_loop(batch, self.backbone.grid, num_targets=c.num_targets,
-                                     target_scale=c.target_scale, target_aspect=c.target_aspect,
-                                     context_scale=c.context_scale, min_keep=c.min_keep, generator=generator)
-
-    def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
-        images, _ = split_batch(batch)
-        masks = self.sample_masks(images.shape[0], generator)
-        context, targets_idx = masks.context.to(images.device), masks.targets.to(images.device)
-        b, n_blocks, t = targets_idx.shape
-        s_x = self.encode_context(images, context)
-        rows = lambda x: x.repeat_interleave(n_blocks, dim=0)  # noqa: E731
-        target_idx = targets_idx.reshape(b * n_blocks, t)
-        ctx_in, masked_in = self.predictor_inputs(rows(s_x), rows(context), target_idx, generator)
-        out = self.predictor(torch.cat([ctx_in, masked_in], dim=1))
-        prediction = self.predictor_proj(out[:, ctx_in.shape[1]:])
-        target = gather_rows(rows(self.targets(images)), target_idx)
-        return {"loss": F.smooth_l1_loss(prediction, target, beta=1.0)}
-
-
+# ---------------------------------------------------------------------------------------------- masks
 def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
@@ -235,29 +123,15 @@ def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
 
 
 def mask_times(grid: tuple[int, int], batch: int, *, repeats: int = 20, seed: int = 0) -> list[dict[str, Any]]:
-    """Milliseconds per batch of the mask generators, before and after, interleaved in one run: I-JEPA multi-block
-    (per-sample Python loop -> batched tensor ops) and MJP block-wise at gamma 0.15 (BEiT's sequential loop with
-    torch ops on each rectangle -> the same loop on NumPy arrays; batching it would not pay, the iterations are
-    bounded by the slowest sample)."""
+    """Milliseconds per batch of the mask generators: I-JEPA multi-block (batched tensor ops) and MJP block-wise at
+    gamma 0.15 (BEiT's sequential loop on NumPy arrays). Their before / after figures (the per-sample Python loop
+    and the torch-op versions they replaced) are in results/benchmark.md; the old code is in git history."""
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(2):  # warm-up
-        multiblock_masks_loop(batch, grid, generator=gen), multiblock_masks(batch, grid, generator=gen)
-        blockwise_masks_torch(batch, grid, 0.15, generator=gen), blockwise_masks(batch, grid, 0.15, generator=gen)
-    before, after = [], []
-    for _ in range(repeats):  # alternate, so machine noise hits both alike
-        before.append(_median_ms(lambda: multiblock_masks_loop(batch, grid, generator=gen), 1, warmup=0))
-        after.append(_median_ms(lambda: multiblock_masks(batch, grid, generator=gen), 1, warmup=0))
-    bw_before, bw_after = [], []
-    for _ in range(repeats):
-        bw_before.append(_median_ms(lambda: blockwise_masks_torch(batch, grid, 0.15, generator=gen), 1, warmup=0))
-        bw_after.append(_median_ms(lambda: blockwise_masks(batch, grid, 0.15, generator=gen), 1, warmup=0))
     shape = f"grid={grid[0]}x{grid[1]}/batch={batch}"
-    rows = []
-    for name, b, a in (("ijepa_multiblock", before, after), ("mjp_blockwise_0.15", bw_before, bw_after)):
-        t_before, t_after = statistics.median(b), statistics.median(a)
-        rows.append({"name": f"masks/{name}/{shape}", "before_ms": round(t_before, 3), "after_ms": round(t_after, 3),
-                     "speedup": round(t_before / t_after, 1), "batch": batch})
-    return rows
+    generators = {"ijepa_multiblock": lambda: multiblock_masks(batch, grid, generator=gen),
+                  "mjp_blockwise_0.15": lambda: blockwise_masks(batch, grid, 0.15, generator=gen)}
+    return [{"name": f"masks/{name}/{shape}", "ms": round(_median_ms(make, repeats), 3), "batch": batch}
+            for name, make in generators.items()]
 
 
 # ---------------------------------------------------------------------------------------------- objectives
@@ -265,13 +139,12 @@ MP3_ETAS = (0.0, 0.5, 0.75)  # the MP3 masking ratios benchmarked by default
 
 
 def default_objectives(preset: str = "vit_cpu", *, in_chans: int = 1, num_classes: int = 10,
-                       img_size: int | None = None, widths: str = "study", before: bool = False,
+                       img_size: int | None = None, widths: str = "study",
                        mp3_etas: tuple[float, ...] = MP3_ETAS, mae_ratios: tuple[float, ...] = (),
                        ) -> dict[str, Callable[[], nn.Module]]:
     """Builders of every objective on backbone ``preset`` (``img_size`` / ``in_chans`` override the preset's), with
     decoder / predictor sizes ``widths`` (see :data:`WIDTHS`): ``mp3_eta{eta}`` per ``mp3_etas``, ``mae`` (its
-    config's ratio) plus ``mae_ratio{r}`` per ``mae_ratios`` (MP3 Table 2's MAE rows). ``before=True`` adds
-    ``mjp_before`` (:class:`MJPBefore`), ``ijepa_before`` and ``stop_before`` (:class:`IJEPABefore`)."""
+    config's ratio) plus ``mae_ratio{r}`` per ``mae_ratios`` (MP3 Table 2's MAE rows)."""
     if widths not in WIDTHS:
         raise ObjectiveError(f"widths must be one of {sorted(WIDTHS)}, got {widths!r}")
     w = WIDTHS[widths]
@@ -296,11 +169,6 @@ def default_objectives(preset: str = "vit_cpu", *, in_chans: int = 1, num_classe
         "stop": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **pred)),
         "stop_noema": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **pred)),
     }
-    if before:
-        builders["mjp_before"] = lambda: MJPBefore(backbone("learned", num_classes), MJPConfig(
-            ratio=w["mjp_ratio"], apply_prob=1.0, warmup_fraction=0.0))
-        builders["ijepa_before"] = lambda: IJEPABefore(backbone("sincos2d"), IJEPAConfig(**pred))
-        builders["stop_before"] = lambda: IJEPABefore(backbone("sincos2d"), IJEPAConfig(stop=True, **pred))
     return builders
 
 
@@ -429,7 +297,7 @@ def step_memory(name: str, *, preset: str = "vit_cpu", in_chans: int = 1, num_cl
     dev = torch.device(device)
     torch.manual_seed(0)
     builders = default_objectives(preset, in_chans=in_chans, num_classes=num_classes, img_size=img_size,
-                                  widths=widths, before=name.endswith("_before"), mp3_etas=mp3_etas,
+                                  widths=widths, mp3_etas=mp3_etas,
                                   mae_ratios=mae_ratios)
     obj = builders[name]().to(dev)
     c, h, _ = _input_shape(obj)
