@@ -3,9 +3,7 @@ and the demo orchestration (multi-process runs: test_ddp.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +22,6 @@ import demo  # noqa: E402
 import evaluate  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
-import stages  # noqa: E402
 import study  # noqa: E402
 
 from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
@@ -201,118 +198,3 @@ def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
     assert demo.main(args) == 0 and (tmp_path / "demo" / "pretrain" / "DONE").read_text() == first  # skipped
 
 
-def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
-    """The main table, MP3 Table 3 (fine-tunes of the main pretraining), speech with two seeds and the RandSAC
-    ablations probed only, on tiny data."""
-    args = ["--config", str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"), f"runs={tmp_path / 'runs'}",
-            f"results={tmp_path / 'results'}", "preset=vit_micro", "pretrain_epochs=0.25", "finetune_epochs=0.25",
-            "batch_size=8", "num_workers=0", f"fashion_mnist={shards / 'img'}", f"spoken_keywords={shards / 'audio'}",
-            "groups=[main,mp3_pe,speech,randsac]", "probe_only=[randsac]", "probe_train_samples=32",
-            "probe_val_samples=32", "probe_epochs=2",
-            "curve_samples=16", "ort_consistency_samples=8", "robustness_samples=2", "test_samples=32",
-            "speech_pretrain_epochs=1",
-            "speech_finetune_epochs=1", "speech_seeds=[0,1]", "overrides=[data.shuffle_buffer=16]",
-            "speech_overrides=[data.batch_size=8]", "privacy_steps=3"]
-    assert study.main(args) == 0
-    result = json.loads((tmp_path / "results" / "study.json").read_text())
-    rows = result["results"]
-    assert set(rows) == {r.name for r in study.RUNS if r.group in ("main", "mp3_pe", "speech", "randsac")}
-    raster = rows["randsac_raster"][0]  # probe-only ablation: pretrained and probed, not fine-tuned
-    assert raster["top1"] is None and raster["finetune_epochs"] == 0 and "linear_probe" in raster
-    assert not (tmp_path / "runs" / "seed0" / "randsac_raster" / "finetune").exists()
-    sup, mp3 = rows["supervised"][0], rows["mp3"][0]
-    assert sup["pretrain_epochs"] == 0 and sup["finetune_epochs"] == 0.5, "supervised: the same total epochs"
-    assert mp3["pretrain_epochs"] == 0.25 and mp3["finetune_pe"] == "learned"
-    assert sup["mce"] == pytest.approx(1.0), "mCE is normalized by the supervised run"
-    for name in ("supervised", "mp3", "mjp", "stop"):  # ONNX Runtime and PyTorch agree on the same 32 images
-        assert abs(rows[name][0]["top1_ort"] - rows[name][0]["top1"]) <= 1 / 32, name
-    assert "position_accuracy" in mp3 and "mp3_eta_curve" in mp3 and "droppos_grid" in rows["droppos"][0]
-    assert "linear_probe_1pct" in rows["stop"][0] and "consistency" in rows["mjp"][0]
-    runs = tmp_path / "runs" / "seed0"
-    assert not (runs / "mp3_ft_none" / "pretrain").exists(), "MP3 Table 3 rows fine-tune the main MP3 pretraining"
-    assert (runs / "mp3_ft_none" / "finetune" / "DONE").is_file()
-    assert [m["seed"] for m in rows["speech_mp3"]] == [0, 1]
-    text = (tmp_path / "results" / "study.md").read_text()
-    assert "Hardware: " in text and "| MP3 | 0 |" in text and " ± " in text  # two speech seeds: mean ± std
-    claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 3: MP3 pretraining"))
-    assert any(word in claim for word in ("agrees", "contradicts", "tie")), claim
-    assert "| DropPos gamma 0.5 | not run |" in text
-    privacy = rows["supervised"][0]["privacy"]  # MJP Table 5 on the 3 toy classes, one image each
-    assert rows["supervised"][0]["privacy_setup"]["images"] == 3 and set(privacy["analytic"]) == {"a", "b", "c"}
-    assert set(rows["supervised_nope"][0]["privacy"]) == {"gradient_matching", "random"}, "no PE: no APRIL"
-    assert "## MJP: gradient inversion" in text and "| supervised, no PE | 0 | gradient matching | (a) |" in text
-    assert "| MJP gamma 0.27 | not run |" in text
-    for figure in ("study_main.png", "study_mp3_eta.png", "study_mjp_consistency.png", "study_privacy.png"):
-        assert (tmp_path / "results" / figure).is_file(), figure
-    capsys.readouterr()
-    assert study.main(args) == 0  # resumes: every stage is skipped
-    out = capsys.readouterr().out
-    assert "done before, skipping" in out and "] --config" not in out
-
-
-def test_study_splits_groups_over_jobs_and_stages_refuse_a_busy_directory(tmp_path):
-    buckets = study.split_groups(study.GROUPS, 2)
-    assert sorted(g for b in buckets for g in b) == sorted(study.GROUPS) and len(buckets) == 2
-    host = next(b for b in buckets if "main" in b)
-    assert host.index("mp3_pe") > host.index("main"), "mp3_pe fine-tunes main's MP3 pretraining"
-    order = ("randsac", "main", "mjp", "mp3_pe", "speech", "droppos", "mp3_eta")
-    for bucket in study.split_groups(order, 3):  # every process keeps the priority order given
-        assert bucket == sorted(bucket, key=lambda g: order.index(g) if g != "mp3_pe" else 1.5), bucket
-    with pytest.raises(pipeline_config.ConfigError, match="probe_only"):
-        pipeline_config.load(study.StudyConfig, None, ["probe_only=[main]"])
-    (tmp_path / "LOCK").write_text(str(os.getppid()))  # a live process holds the stage
-    with pytest.raises(stages.StageError, match="is being run by process"):
-        stages.stage(tmp_path, lambda argv: 0, [])
-    (tmp_path / "LOCK").write_text("999999999")  # its process is gone: taken over
-    assert stages.stage(tmp_path, lambda argv: 0, []) >= 0 and (tmp_path / "DONE").is_file()
-    assert not (tmp_path / "LOCK").exists()
-    with pytest.raises(stages.StageError, match="failed"):
-        stages.stage(tmp_path / "x", lambda argv: 1, [])
-    assert not (tmp_path / "x" / "DONE").exists() and not (tmp_path / "x" / "LOCK").exists()
-
-
-def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
-    """Seeds accumulate: rows of an earlier study.json (another machine, runs/ cleaned) join the rows measured now;
-    measured rows win, mCE is recomputed over the merged table, and another budget is not reused."""
-    cfg = pipeline_config.load(study.StudyConfig, None, [f"runs={tmp_path / 'runs'}", f"results={tmp_path}"])
-
-    def row(seed: int, top1: float, error: float) -> dict:
-        return {"seed": seed, "top1": top1, "corruption_errors": {"noise": error}, "mce": 9.0}
-
-    earlier = {"harness": study.HARNESS_VERSION, "config": dataclasses.asdict(cfg),
-               "commands": ["python pipelines/study.py seeds=[0]"],
-               "results": {"supervised": [row(0, 0.5, 0.4), row(1, 0.6, 0.5)], "mp3": [row(0, 0.7, 0.2)]}}
-    (tmp_path / "study.json").write_text(json.dumps(earlier))
-    rows = study.collect(study.Study(cfg))
-    assert study.commands_so_far(cfg, ["seeds=[1]"]) == ["python pipelines/study.py seeds=[0]",
-                                                         "python pipelines/study.py seeds=[1]"]
-    assert study.commands_so_far(cfg, ["--report-only"]) == earlier["commands"]
-    assert [m["seed"] for m in rows["supervised"]] == [0, 1] and rows["mp3"][0]["top1"] == 0.7
-    assert rows["mp3"][0]["mce"] == pytest.approx(0.5) and rows["supervised"][1]["mce"] == pytest.approx(1.0)
-    assert rows["mp3"][0]["source"] == str(tmp_path / "study.json")
-    assert " ± " in study.stat(rows["supervised"], "top1")  # two seeds: mean ± std
-
-    del earlier["harness"]  # measured by the harness before issue 16 (no version recorded): not merged
-    (tmp_path / "study.json").write_text(json.dumps(earlier))
-    assert study.collect(study.Study(cfg)) == {}
-    assert "harness differ" in capsys.readouterr().out
-    earlier["harness"] = study.HARNESS_VERSION
-    earlier["config"]["pretrain_epochs"] = 5.0  # measured at another budget: not merged
-    (tmp_path / "study.json").write_text(json.dumps(earlier))
-    assert study.collect(study.Study(cfg)) == {}
-    assert "pretrain_epochs differ" in capsys.readouterr().out
-    assert study.commands_so_far(cfg, ["seeds=[1]"]) == ["python pipelines/study.py seeds=[1]"]
-
-
-def test_study_claims_compare_runs_on_the_seeds_they_share():
-    """A 3-seed run against a 1-seed ablation is compared on the shared seed; a mean difference inside the spread
-    of the per-seed differences is a tie, not a verdict."""
-    three, one = {0: 0.50, 1: 0.60, 2: 0.70}, {0: 0.52}
-    assert study.verdict(three, one, paper_says_higher=True) == "**contradicts** (-2.0 pt, seed 0)"
-    assert study.verdict({0: 0.50, 1: 0.625}, {0: 0.45, 1: 0.65}, True) == "tie (+1.2 ± 5.3 pt, seeds 0,1)"
-    assert study.verdict({0: 0.60, 1: 0.61}, {0: 0.50, 1: 0.52}, True) == "agrees (+9.5 ± 0.7 pt, seeds 0,1)"
-    assert study.verdict({1: 0.6}, {0: 0.5}, True).endswith("unpaired seeds)")
-    assert study.verdict({}, one, True) == "not run"
-    assert study.on_par(three, one).startswith("**contradicts**") and study.on_par({0: 0.525}, one).startswith("agrees")
-    assert study.verdict({0: 9.0}, {0: 97.0}, False, noise=1.0, scale=1, unit="dB PSNR") == \
-        "agrees (-88.0 dB PSNR, seed 0)"

@@ -1,0 +1,164 @@
+"""The papers' claims against the study's numbers: seed-paired differences and their verdicts (agrees /
+**contradicts** / tie / not run), plus the small statistics helpers the tables share."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from study_plan import RUNS
+
+
+def stat(metrics: list[dict[str, Any]], key: str, pct: bool = True) -> str:
+    values = [m[key] for m in metrics if m.get(key) is not None]
+    if not values:
+        return "-"
+    scale, digits = (100, 1) if pct else (1, 2)
+    mean = statistics.mean(values) * scale
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values) * scale:.{digits}f}"
+
+
+def mean_of(rows: dict[str, list[dict[str, Any]]], name: str, key: str) -> float | None:
+    values = [m[key] for m in rows.get(name, []) if m.get(key) is not None]
+    return statistics.mean(values) if values else None
+
+
+def seeds_of(metrics: list[dict[str, Any]]) -> str:
+    return ",".join(str(m["seed"]) for m in metrics)
+
+
+Value = Callable[[dict[str, Any]], float | None]
+
+
+def per_seed(rows: dict[str, list[dict[str, Any]]], name: str, value: Value | str) -> dict[int, float]:
+    """{seed: value} of one run; ``value`` is a metric key or a function of a seed's metrics."""
+    get = (lambda m: m.get(value)) if isinstance(value, str) else value
+    return {m["seed"]: v for m in rows.get(name, []) if (v := get(m)) is not None}
+
+
+PRIVACY_RUNS = [r.name for r in RUNS if r.privacy]
+PRIVACY_METRICS = (("MSE", "mse", 4), ("PSNR dB", "psnr", 2), ("SSIM", "ssim", 3), ("FFT2D", "fft2d", 3))
+
+
+def privacy_metric(attack: str, setting: str, key: str) -> Value:
+    """A seed's privacy ``key`` (mse / psnr / ssim / fft2d) for one attack and Table 5 setting, or None."""
+    return lambda m: m.get("privacy", {}).get(attack, {}).get(setting, {}).get(key)
+
+
+def paired_delta(ours: dict[int, float], other: dict[int, float]) -> tuple[float, float, str] | None:
+    """Mean and spread (std over seeds) of ours - other on the seeds both have, and which seeds; without a shared
+    seed, the difference of the means (spread 0, marked unpaired). None when either side is missing."""
+    if not ours or not other:
+        return None
+    seeds = sorted(ours.keys() & other.keys())
+    if not seeds:
+        delta = statistics.mean(ours.values()) - statistics.mean(other.values())
+        return delta, 0.0, "unpaired seeds"
+    deltas = [ours[s] - other[s] for s in seeds]
+    spread = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
+    return statistics.mean(deltas), spread, ("seed " if len(seeds) == 1 else "seeds ") + ",".join(map(str, seeds))
+
+
+def _delta_text(delta: float, spread: float, seeds: str, scale: float, unit: str) -> str:
+    pm = f" ± {spread * scale:.1f}" if spread else ""
+    return f"{delta * scale:+.1f}{pm} {unit}, {seeds}"
+
+
+def verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool, noise: float = 0.005,
+            scale: float = 100, unit: str = "pt") -> str:
+    """Our seed-paired difference against the paper's direction. A tie when it is within +-noise, or within the
+    spread of the per-seed differences (too close to call at this budget)."""
+    got = paired_delta(ours, other)
+    if got is None:
+        return "not run"
+    delta, spread, seeds = got
+    text = _delta_text(delta, spread, seeds, scale, unit)
+    if abs(delta) <= max(noise, spread):
+        return f"tie ({text})"
+    return f"{'agrees' if (delta > 0) == paper_says_higher else '**contradicts**'} ({text})"
+
+
+def on_par(ours: dict[int, float], other: dict[int, float], tolerance: float = 0.01) -> str:
+    """A claim that two numbers match: agrees when the seed-paired difference is within +-tolerance."""
+    got = paired_delta(ours, other)
+    if got is None:
+        return "not run"
+    delta, spread, seeds = got
+    word = "agrees" if abs(delta) <= tolerance else "**contradicts**"
+    return f"{word} ({_delta_text(delta, spread, seeds, 100, 'pt')})"
+
+
+def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Each paper's claim beside what this study measured, paired by seed (see :func:`verdict`)."""
+    def m(name: str, key: Value | str) -> dict[int, float]:
+        return per_seed(rows, name, key)
+
+    def comparable(a: str, b: str) -> tuple[dict[int, float], dict[int, float]]:
+        """Fine-tuned top-1 of both runs, else their linear probes."""
+        for key in ("top1", "linear_probe"):
+            if m(a, key) and m(b, key):
+                return m(a, key), m(b, key)
+        return {}, {}
+
+    def eta_curve(eta: str) -> Value:
+        return lambda r: r.get("mp3_eta_curve", {}).get(eta, {}).get("top1")
+
+    def psnr(attack: str, setting: str) -> Value:
+        return privacy_metric(attack, setting, "psnr")
+
+    def psnr_verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool) -> str:
+        return verdict(ours, other, paper_says_higher, noise=1.0, scale=1, unit="dB PSNR")
+
+    items = [
+        ("MP3 Table 3: MP3 pretraining + fine-tuning beats supervised training of the same ViT",
+         verdict(m("mp3", "top1"), m("supervised", "top1"), True)),
+        ("MP3 Table 3: with MP3 pretraining, 2D relative PE is on par with absolute (84.2 vs 84.0)",
+         on_par(m("mp3_ft_relbias2d", "top1"), m("mp3", "top1"))),
+        ("MP3 Table 3: MP3 without any PE stays far above supervised without PE (82.6 vs 64.6)",
+         verdict(m("mp3_ft_none", "top1"), m("supervised_nope", "top1"), True)),
+        ("MP3 Fig. 3: position accuracy falls as the evaluation eta grows (eval 0.9 vs 0, train eta 0.5)",
+         verdict(m("mp3", eta_curve("0.9")), m("mp3", eta_curve("0.0")), False)),
+        ("MP3 Fig. 3: a model trained with eta 0.75 predicts positions better at eval eta 0.75 than one trained "
+         "with eta 0", verdict(m("mp3_eta0.75", eta_curve("0.75")), m("mp3_eta0", eta_curve("0.75")), True)),
+        ("MP3 Fig. 6: an intermediate eta (0.5) fine-tunes better than eta 0 (here: fine-tuned top-1, or the linear "
+         "probe when the eta runs were probed only)", verdict(*comparable("mp3", "mp3_eta0"), True)),
+        ("DropPos Table 1: gamma 0.75 fine-tunes better than gamma 0.5",
+         verdict(m("droppos", "top1"), m("droppos_gamma0.5", "top1"), True)),
+        ("DropPos Table 3: sigma = 0 predicts positions better but fine-tunes worse than sigma 1 -> 0 (position)",
+         verdict(m("droppos_sigma0", "position_accuracy"), m("droppos", "position_accuracy"), True)),
+        ("DropPos Table 3: ... (fine-tune)", verdict(m("droppos_sigma0", "top1"), m("droppos", "top1"), False)),
+        ("DropPos Table 4: tau = inf fine-tunes worse than tau 0.1",
+         verdict(m("droppos_tau_inf", "top1"), m("droppos", "top1"), False)),
+        ("StoP Table 1: StoP beats I-JEPA in linear probing (100% of the labels)",
+         verdict(m("stop", "linear_probe"), m("ijepa", "linear_probe"), True)),
+        ("StoP Table 6: ... and with 1% of the labels",
+         verdict(m("stop", "linear_probe_1pct"), m("ijepa", "linear_probe_1pct"), True)),
+        ("MJP Table 1: MJP is more consistent under a gamma 0.15 jigsaw than the supervised ViT",
+         verdict(m("mjp", "consistency"), m("supervised", "consistency"), True)),
+        ("MJP Table 3: larger training gamma -> higher consistency (0.27 vs 0.03)",
+         verdict(m("mjp_gamma0.27", "consistency"), m("mjp_gamma0.03", "consistency"), True)),
+        ("MJP Table 3: top-1 stays flat across training gamma (0.27 vs 0.03, within 1 pt)",
+         on_par(m("mjp_gamma0.27", "top1"), m("mjp_gamma0.03", "top1"))),
+        ("MJP Table 5: APRIL recovers less from MJP's update on x~ (b) than from the supervised ViT's on x (a)",
+         psnr_verdict(m("mjp_gamma0.27", psnr("analytic", "b")),
+                      m("supervised", psnr("analytic", "a")), False)),
+        ("MJP Table 5: ... and MJP's reconstruction is further still from the original x (c vs b)",
+         psnr_verdict(m("mjp_gamma0.27", psnr("analytic", "c")),
+                      m("mjp_gamma0.27", psnr("analytic", "b")), False)),
+        ("MJP Table 5: a ViT without PE leaks more than MJP (setting a; gradient matching, the attack that applies "
+         "to both)", psnr_verdict(m("supervised_nope", psnr("gradient_matching", "a")),
+                                  m("mjp_gamma0.27", psnr("gradient_matching", "a")), True)),
+        ("RandSAC Table 2: random serialization beats raster order (linear probe)",
+         verdict(m("randsac_patch_random", "linear_probe"), m("randsac_raster", "linear_probe"), True)),
+        ("RandSAC Table 5: segments (blob) beat patch-random (linear probe)",
+         verdict(m("randsac_blob_flat", "linear_probe"), m("randsac_patch_random", "linear_probe"), True)),
+        ("RandSAC Table 7: hierarchical blobs (11 -> 5) beat flat blobs (linear probe)",
+         verdict(m("randsac", "linear_probe"), m("randsac_blob_flat", "linear_probe"), True)),
+        ("MP3 Table 5: MP3 pretraining improves the keyword-spotting Transformer",
+         verdict(m("speech_mp3", "top1"), m("speech_supervised", "top1"), True)),
+    ]
+    lines = ["| claim (paper) | this study |", "| --- | --- |"]
+    return lines + [f"| {c} | {v} |" for c, v in items]

@@ -1,0 +1,145 @@
+"""What the study measured: each (run, seed)'s numbers read from its stages' ``results.json`` files, merged with
+an earlier ``results/study.json`` measured at the same budget and harness version."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from stages import stage_seconds
+from study_plan import RUNS, Run, StudyConfig
+from study_runner import Study
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
+    """The numbers of one (run, seed), or None when its classifier evaluation has not finished."""
+    d = study.dir(run, seed)
+    ev = read_json(d / "eval" / "results.json")
+    source = study.dir(next(r for r in RUNS if r.name == run.pretrain_from), seed) if run.pretrain_from else d
+    probe = ev if run.speech else read_json(source / "probe" / "results.json") or {}
+    if ev is None and not (study.probe_only(run) and probe):
+        return None
+    ev = ev or {}
+    ort = read_json(d / "ort" / "results.json") or {}
+    pre, ft = study.epochs(run)
+    m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None}
+    if study.probe_only(run):
+        m.update(pretrain_epochs=pre, finetune_epochs=0.0, minutes=(stage_seconds(d / "pretrain") or 0) / 60,
+                 finetune_pe="(probes only)")
+    elif run.config is None or run.classifier_only:
+        m.update(pretrain_epochs=0.0, finetune_epochs=pre + ft, minutes=(stage_seconds(d / "train") or 0) / 60,
+                 finetune_pe=run.scratch_pe if not run.speech else "sincos1d")
+    else:
+        m.update(pretrain_epochs=pre, finetune_epochs=ft,
+                 minutes=((stage_seconds(source / "pretrain") or 0) + (stage_seconds(d / "finetune") or 0)) / 60,
+                 finetune_pe={"keep": "sincos1d" if run.speech else "sincos2d (kept)"}.get(run.finetune_pe,
+                                                                                           run.finetune_pe))
+    if "consistency" in ev:
+        m["consistency_curve"] = ev["consistency"]
+        if "0.15" in ev["consistency"]:
+            m["consistency"] = ev["consistency"]["0.15"]["consistency"]
+            m["diff_norm"] = ev["consistency"]["0.15"]["diff_norm"]
+    if "linear_probe" in probe:
+        m["linear_probe"] = probe["linear_probe"]["top1"]
+        m["linear_probe_1pct"] = probe["linear_probe_low_label"]["top1"]
+    if "knn_per_layer" in probe:
+        layer, value = max(probe["knn_per_layer"].items(), key=lambda kv: kv[1])
+        m.update(knn=value, knn_layer=layer, knn_last=list(probe["knn_per_layer"].values())[-1])
+    if "position_probe" in probe:
+        m["position_probe"] = probe["position_probe"]["top1"]
+    if "mp3_position_accuracy" in probe:
+        m["mp3_eta_curve"] = probe["mp3_position_accuracy"]
+        eta = next((float(o.split("=")[1]) for o in run.objective if o.startswith("objective.eta=")), 0.5)
+        m["position_accuracy"] = probe["mp3_position_accuracy"][str(eta)]["top1"]
+    if "droppos_grid" in probe:
+        m["droppos_grid"] = probe["droppos_grid"]
+        m["position_accuracy"] = probe["droppos_grid"]["mean"]
+    privacy = (read_json(d / "privacy" / "results.json") or {}).get("privacy")
+    if privacy:
+        m["privacy"] = {attack: {s: {k: v[k] for k in ("mse", "psnr", "ssim", "fft2d")} for s, v in settings.items()}
+                        for attack, settings in privacy["metrics"].items()}
+        m["privacy_setup"] = {k: privacy[k] for k in ("images", "batch_size", "ratio", "attacks", "unknown_pe_given")}
+        m["privacy_setup"]["steps"] = privacy["attack"]["steps"]
+    if ort:
+        m["top1_ort"] = ort["accuracy"]["top1"]
+        if "robustness" in ort:
+            m["corruption_errors"] = {k: v["error"] for k, v in ort["robustness"]["errors"].items()}
+            m["mean_corruption_error"] = ort["robustness"]["mean_error"]
+            m["corruptions_failed"] = sorted(ort["robustness"]["failed"])
+    return m
+
+
+def add_mce(rows: dict[str, list[dict[str, Any]]]) -> None:
+    """mCE (ImageNet-C): mean over corruptions of error / the supervised run's error, seed by seed."""
+    reference = {m["seed"]: m.get("corruption_errors") for m in rows.get("supervised", [])}
+    for metrics in rows.values():
+        for m in metrics:
+            ref = reference.get(m["seed"])
+            if ref and "corruption_errors" in m:
+                m["mce"] = statistics.mean(e / ref[k] for k, e in m["corruption_errors"].items() if ref.get(k))
+
+
+# Fields that change a run's numbers: an earlier results/study.json is reused only when all of them match.
+BUDGET_FIELDS = ("preset", "pretrain_epochs", "finetune_epochs", "probe_only", "batch_size", "finetune_overrides",
+                 "probe_train_samples", "probe_val_samples", "probe_epochs", "curve_samples",
+                 "ort_consistency_samples", "robustness_samples", "speech_pretrain_epochs", "speech_finetune_epochs",
+                 "test_samples", "overrides", "speech_overrides")
+
+
+def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
+    """Rows of an earlier ``results/study.json`` measured at this budget (another machine, or a ``runs/`` since
+    cleaned): seeds accumulate across study invocations. A different budget is ignored, with a note."""
+    path = Path(cfg.results) / "study.json"
+    earlier = read_json(path)
+    if not earlier:
+        return {}
+    changed = budget_changes(earlier, cfg)
+    if changed:
+        print(f"[study] {path}: measured at another budget ({', '.join(changed)} differ); not reused")
+        return {}
+    rows = earlier.get("results", {})
+    for metrics in rows.values():
+        for m in metrics:
+            m.pop("mce", None)  # recomputed against the supervised rows of the merged table
+            m.setdefault("source", str(path))
+    return rows
+
+
+# Version of the training / evaluation harness behind the numbers: rows measured by another version are never
+# merged. 1: before issue 16 (layer decay ignored, weight decay on PEs / tokens, probes of an untrained class token,
+# Diff. Norm of token 0); 2: optimizer on the backbone's groups with layer decay applied, probes of the trained
+# feature, one Diff. Norm (the head's input).
+HARNESS_VERSION = 2
+
+
+def budget_changes(earlier: dict[str, Any], cfg: StudyConfig) -> list[str]:
+    """The BUDGET_FIELDS in which an earlier ``study.json`` differs from ``cfg`` (and ``harness`` when it was
+    measured by another harness version)."""
+    now = asdict(cfg)
+    changed = [k for k in BUDGET_FIELDS if _normal(earlier.get("config", {}).get(k)) != _normal(now[k])]
+    return changed + (["harness"] if earlier and earlier.get("harness", 1) != HARNESS_VERSION else [])
+
+
+def _normal(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
+
+
+def collect(study: Study) -> dict[str, list[dict[str, Any]]]:
+    """Every (run, seed) measured below ``runs/`` (configured seeds), plus the earlier rows of ``study.json`` at
+    the same budget that are not measured here; ordered by seed."""
+    earlier = earlier_results(study.cfg)
+    rows = {}
+    for run in RUNS:
+        found = {m["seed"]: m for m in earlier.get(run.name, [])}
+        found.update({s: m for s in study.seeds(run) if (m := metrics_of(study, run, s)) is not None})
+        if found:
+            rows[run.name] = [found[s] for s in sorted(found)]
+    add_mce(rows)
+    return rows

@@ -1,0 +1,141 @@
+"""The study's plan: its budget knobs (:class:`StudyConfig`), the groups, and one :class:`Run` per table row (how
+its backbone is trained, how its classifier is obtained)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from config import ConfigError
+
+CONFIGS = Path(__file__).parent / "configs"
+GROUPS = ("main", "mp3_pe", "mp3_eta", "droppos", "mjp", "randsac", "speech")
+
+
+@dataclass
+class StudyConfig:
+    """Budget knobs of the study (one place)."""
+
+    preset: str = "vit_cpu_narrow"  # the one ViT of every image run
+    pretrain_epochs: float = 0.25
+    finetune_epochs: float = 0.25  # supervised / MJP train pretrain_epochs + finetune_epochs from scratch
+    seeds: tuple[int, ...] = (0,)  # main table
+    ablation_seeds: tuple[int, ...] = (0,)
+    groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
+    only: tuple[str, ...] = ()  # run names to restrict the groups to (e.g. add seeds to some rows); () = all
+    probe_only: tuple[str, ...] = ()  # ablation groups evaluated by probes only (no fine-tuning; not main)
+    batch_size: int = 128
+    num_workers: int = 1
+    threads: int = 0  # torch threads per study process (0: torch's default)
+    finetune_overrides: tuple[str, ...] = ("finetune.mixup=0.0", "finetune.cutmix=0.0")
+    probe_train_samples: int = 2000
+    probe_val_samples: int = 2000
+    probe_epochs: int = 100
+    curve_samples: int = 1000  # test images for the consistency / eta / DropPos-grid curves
+    ort_consistency_samples: int = 1000
+    robustness_samples: int = 200  # test images x 13 corruptions x 5 severities (ONNX Runtime)
+    speech_pretrain_epochs: float = 20.0
+    speech_finetune_epochs: float = 30.0
+    speech_seeds: tuple[int, ...] = (0, 1, 2)
+    privacy_images: int = 10  # MJP Table 5 gradient inversion: one test image per class (0: skip)
+    privacy_steps: int = 200  # gradient-matching attack steps per client update (APRIL's analytic attack: exact)
+    test_samples: int | None = None  # cap on test images for top-1 (None: all 10,000)
+    fashion_mnist: str = "shards/fashion_mnist"  # image shards: train/ and test/
+    spoken_keywords: str = "shards/spoken_keywords"  # speech shards: train/, test/, background_noise/
+    overrides: tuple[str, ...] = ()  # section.field=value for every image training / evaluation stage
+    speech_overrides: tuple[str, ...] = ()
+    runs: str = "runs/study"
+    results: str = "results"
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.groups) - set(GROUPS))
+        if unknown:
+            raise ConfigError(f"groups: unknown {unknown}; known: {list(GROUPS)}")
+        if min(self.pretrain_epochs, self.finetune_epochs, self.speech_pretrain_epochs,
+               self.speech_finetune_epochs) <= 0:
+            raise ConfigError("study epochs must be > 0")
+        if not set(self.probe_only) <= set(GROUPS) - {"main", "mp3_pe", "mjp", "speech"}:
+            raise ConfigError(f"probe_only: only pretraining ablation groups (mp3_eta, droppos, randsac), got "
+                              f"{list(self.probe_only)}")
+        if not self.seeds or not self.ablation_seeds or not self.speech_seeds:
+            raise ConfigError("seeds, ablation_seeds and speech_seeds need at least one seed each")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        unknown = sorted(set(self.only) - {r.name for r in RUNS})
+        if unknown:
+            raise ConfigError(f"only: unknown run(s) {unknown}; known: {[r.name for r in RUNS]}")
+        if self.privacy_images < 0 or self.privacy_steps < 1:
+            raise ConfigError("privacy_images must be >= 0 and privacy_steps >= 1")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row of the study: how its backbone is trained and how its classifier is obtained."""
+
+    name: str
+    group: str
+    label: str
+    config: str | None  # pretraining config (pipelines/configs/<config>.yaml); None: supervised from scratch
+    objective: tuple[str, ...] = ()  # objective.field=value overrides
+    finetune_pe: str | None = "keep"  # PE for fine-tuning ("keep": the checkpoint's); None: trained as a classifier
+    pretrain_from: str | None = None  # fine-tune another run's pretrained backbone
+    scratch_pe: str = "learned"  # supervised from scratch: its PE
+    ort: bool = False  # ONNX export + ONNX Runtime evaluation (main table)
+    privacy: bool = False  # gradient-inversion attack on its classifier (MJP Table 5)
+    speech: bool = False
+
+    @property
+    def classifier_only(self) -> bool:
+        return self.finetune_pe is None
+
+
+RUNS: tuple[Run, ...] = (
+    # main table: same backbone, same data, same total epochs
+    Run("supervised", "main", "supervised", None, finetune_pe=None, ort=True, privacy=True),
+    Run("mp3", "main", "MP3", "mp3_fashion_mnist", finetune_pe="learned", ort=True),
+    Run("droppos", "main", "DropPos", "droppos_fashion_mnist", ort=True),
+    Run("mae", "main", "MAE", "mae_fashion_mnist", ort=True),
+    Run("ijepa", "main", "I-JEPA", "ijepa_fashion_mnist", ort=True),
+    Run("stop", "main", "StoP", "stop_fashion_mnist", ort=True),
+    Run("randsac", "main", "RandSAC", "randsac_fashion_mnist", ort=True),
+    Run("mjp", "main", "MJP", "mjp_fashion_mnist", finetune_pe=None, ort=True),
+    # MP3 Table 3: fine-tuning PE of the MP3 backbone, and the supervised baseline with the same three PEs
+    Run("mp3_ft_none", "mp3_pe", "MP3, no PE", "mp3_fashion_mnist", finetune_pe="none", pretrain_from="mp3"),
+    Run("supervised_nope", "mp3_pe", "supervised, no PE", None, finetune_pe=None, scratch_pe="none",
+        privacy=True),
+    Run("mp3_ft_relbias2d", "mp3_pe", "MP3, 2D relative", "mp3_fashion_mnist", finetune_pe="relbias2d",
+        pretrain_from="mp3"),
+    Run("supervised_relbias2d", "mp3_pe", "supervised, 2D relative", None, finetune_pe=None, scratch_pe="relbias2d"),
+    # MP3 Figs. 3 and 6: masking ratio eta of pretraining (0.5 is the main run)
+    Run("mp3_eta0.75", "mp3_eta", "MP3 eta 0.75", "mp3_fashion_mnist", ("objective.eta=0.75",),
+        finetune_pe="learned"),
+    Run("mp3_eta0", "mp3_eta", "MP3 eta 0", "mp3_fashion_mnist", ("objective.eta=0.0",), finetune_pe="learned"),
+    # DropPos Tables 1, 3, 4 (gamma 0.75, sigma 1 -> 0, tau 0.1 is the main run)
+    Run("droppos_gamma0.5", "droppos", "DropPos gamma 0.5", "droppos_fashion_mnist", ("objective.mask_ratio=0.5",)),
+    Run("droppos_gamma0.9", "droppos", "DropPos gamma 0.9", "droppos_fashion_mnist", ("objective.mask_ratio=0.9",)),
+    Run("droppos_sigma0", "droppos", "DropPos sigma 0", "droppos_fashion_mnist",
+        ("objective.sigma_start=0.0", "objective.sigma_end=0.0")),
+    Run("droppos_tau_inf", "droppos", "DropPos tau inf", "droppos_fashion_mnist", ("objective.tau=.inf",)),
+    # MJP Table 3 / Fig. 3 (gamma 0.15 is the main run)
+    Run("mjp_gamma0.03", "mjp", "MJP gamma 0.03", "mjp_fashion_mnist", ("objective.ratio=0.03",), finetune_pe=None),
+    Run("mjp_gamma0.27", "mjp", "MJP gamma 0.27", "mjp_fashion_mnist", ("objective.ratio=0.27",), finetune_pe=None,
+        privacy=True),  # MJP Table 5 attacks MJP at gamma 0.27
+    Run("mjp_gamma0", "mjp", "MJP gamma 0", "mjp_fashion_mnist", ("objective.ratio=0.0",), finetune_pe=None),
+    # RandSAC Tables 2, 5, 7 (hierarchical blob 11 -> 5 is the main run)
+    Run("randsac_patch_random", "randsac", "RandSAC patch-random", "randsac_fashion_mnist",
+        ("objective.segments=patch_random", "objective.hierarchy=[]")),
+    Run("randsac_raster", "randsac", "RandSAC raster", "randsac_fashion_mnist",
+        ("objective.segments=raster", "objective.hierarchy=[]")),
+    Run("randsac_blob_flat", "randsac", "RandSAC blob (flat)", "randsac_fashion_mnist", ("objective.hierarchy=[]",)),
+    Run("randsac_square", "randsac", "RandSAC square 2x2", "randsac_fashion_mnist",
+        ("objective.segments=square", "objective.hierarchy=[]")),
+    # MP3 Table 5: keyword spotting with the ~70K-parameter audio Transformer
+    Run("speech_supervised", "speech", "supervised Transformer", None, finetune_pe=None, speech=True),
+    Run("speech_mp3", "speech", "MP3-pretrained Transformer", "mp3_speech_spoken_keywords", speech=True),
+)
+
+
+def runs_of(groups: tuple[str, ...], only: tuple[str, ...] = ()) -> list[Run]:
+    """Runs in execution order: groups as given, rows in table order (fine-tunes of a shared pretraining last);
+    only the runs named in ``only`` when it is given."""
+    return [r for g in groups for r in RUNS if r.group == g and (not only or r.name in only)]

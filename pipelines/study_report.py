@@ -1,0 +1,268 @@
+"""The study's report: markdown tables, the claims table, PNG figures and ``results/study.{json,md}``."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import evaluate
+import torch
+from stages import hardware_line
+from study_claims import PRIVACY_METRICS, PRIVACY_RUNS, claims, mean_of, per_seed, privacy_metric, seeds_of, stat
+from study_metrics import HARNESS_VERSION, budget_changes, collect, read_json
+from study_plan import GROUPS, RUNS, StudyConfig
+from study_runner import Study
+
+from patchplace.data.atomic import atomic_file, write_json_atomic
+
+
+def privacy_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """MJP Table 5 in miniature: (a) attack the update on x, compare with x; (b) on x~, compare with x~; (c) that
+    reconstruction vs x. Less privacy = lower MSE, higher PSNR / SSIM / FFT2D."""
+    labels = {r.name: r.label for r in RUNS}
+    lines = ["| model | seeds | attack | setting | " + " | ".join(h for h, _, _ in PRIVACY_METRICS) + " |",
+             "|" + " --- |" * (4 + len(PRIVACY_METRICS))]
+    for name in PRIVACY_RUNS:
+        measured = [m for m in rows.get(name, []) if "privacy" in m]
+        if not measured:
+            lines.append(f"| {labels[name]} | not run |" + " - |" * (2 + len(PRIVACY_METRICS)))
+            continue
+        for attack in ("analytic", "gradient_matching", "random"):
+            for setting in ("a", "b", "c"):
+                cells = []
+                for _, key, digits in PRIVACY_METRICS:
+                    values = list(per_seed(rows, name, privacy_metric(attack, setting, key)).values())
+                    if not values:
+                        break
+                    mean = statistics.mean(values)
+                    cells.append(f"{mean:.{digits}f}" + (f" ± {statistics.stdev(values):.{digits}f}"
+                                                         if len(values) > 1 else ""))
+                if cells:
+                    lines.append(f"| {labels[name]} | {seeds_of(measured)} | {attack.replace('_', ' ')} | "
+                                 f"({setting}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def table(rows: dict[str, list[dict[str, Any]]], names: list[str], columns: list[tuple[str, str, bool]],
+          first: str = "run") -> list[str]:
+    """Markdown table: one row per run present, columns (header, metric key, as percent)."""
+    labels = {r.name: r.label for r in RUNS}
+    lines = ["| " + " | ".join([first, "seeds", *(h for h, _, _ in columns)]) + " |",
+             "|" + " --- |" * (len(columns) + 2)]
+    for name in names:
+        if name in rows:
+            cells = [stat(rows[name], k, pct) if k not in ("finetune_pe",) else rows[name][0][k]
+                     for _, k, pct in columns]
+            lines.append("| " + " | ".join([labels[name], seeds_of(rows[name]), *cells]) + " |")
+        elif any(r.name == name for r in RUNS):
+            lines.append(f"| {labels[name]} | not run | " + " | ".join("-" for _ in columns) + " |")
+    return lines
+
+
+def plots(rows: dict[str, list[dict[str, Any]]], out: Path) -> list[str]:
+    """PNG figures; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, written = {r.name: r.label for r in RUNS}, []
+    main = [r.name for r in RUNS if r.group == "main" and r.name in rows]
+    if main:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        x = range(len(main))
+        bars = (("top1", "fine-tuned top-1"), ("linear_probe", "linear probe"), ("knn", "kNN (best layer)"))
+        for offset, (key, name) in zip((-0.2, 0.0, 0.2), bars, strict=True):
+            ax.bar([i + offset for i in x], [mean_of(rows, n, key) or 0 for n in main], width=0.2, label=name)
+        ax.set_xticks(list(x), [labels[n] for n in main], rotation=20)
+        ax.set(ylabel="Fashion-MNIST test accuracy", ylim=(0, 1), title="same ViT, same data, same total epochs")
+        ax.legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        fig.savefig(out / "study_main.png", dpi=120)
+        plt.close(fig)
+        written.append("study_main.png")
+    curves = {n: rows[n][0]["mp3_eta_curve"] for n in ("mp3_eta0", "mp3", "mp3_eta0.75")
+              if n in rows and "mp3_eta_curve" in rows[n][0]}
+    if curves:
+        fig, ax = plt.subplots(figsize=(4.5, 3.2))
+        for n, curve in curves.items():
+            etas = sorted(curve, key=float)
+            ax.plot([float(e) for e in etas], [curve[e]["top1"] for e in etas], marker="o",
+                    label={"mp3": "train eta 0.5"}.get(n, n.replace("mp3_eta", "train eta ")))
+        ax.set(xlabel="evaluation eta", ylabel="position top-1", title="MP3 position accuracy (Fig. 3)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "study_mp3_eta.png", dpi=120)
+        plt.close(fig)
+        written.append("study_mp3_eta.png")
+    mjp = [n for n in ("supervised", "mjp_gamma0", "mjp_gamma0.03", "mjp", "mjp_gamma0.27") if n in rows]
+    if mjp:
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+        for n in mjp:
+            curve = rows[n][0].get("consistency_curve", {})
+            gammas = sorted(curve, key=float)
+            label = {"mjp": "MJP gamma 0.15"}.get(n, labels[n])
+            axes[0].plot([float(g) for g in gammas], [curve[g]["consistency"] for g in gammas], marker="o",
+                         label=label)
+            axes[1].plot([float(g) for g in gammas], [curve[g]["diff_norm"] for g in gammas], marker="o",
+                         label=label)
+        axes[0].set(xlabel="evaluation gamma", ylabel="consistency", title="MJP consistency (Fig. 3)")
+        axes[1].set(xlabel="evaluation gamma", ylabel="Diff. Norm", title="||F(x) - F(x~)||")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "study_mjp_consistency.png", dpi=120)
+        plt.close(fig)
+        written.append("study_mjp_consistency.png")
+    return written
+
+
+def privacy_figure(study: Study, out: Path) -> list[str]:
+    """MJP Fig. 5 style grid from the privacy stages' ``privacy.npz`` (first seed of each model that has one):
+    originals, each model's reconstruction of its update on x (a), the jigsaw x~, each model's reconstruction of
+    its update on x~ (b). APRIL where the model has a learned PE, else gradient matching. Kept as is when no run
+    directory holds the images (a report from merged results)."""
+    import numpy as np
+
+    found = {}
+    for run in (r for r in RUNS if r.privacy):
+        path = next((p for s in study.seeds(run) if (p := study.dir(run, s) / "privacy" / "privacy.npz").is_file()),
+                    None)
+        if path is not None:
+            found[run.label] = dict(np.load(path))
+    if not found:
+        return ["study_privacy.png"] if (out / "study_privacy.png").is_file() else []
+
+    def reconstructions(setting: str) -> dict[str, np.ndarray]:
+        recs = {}
+        for label, arrays in found.items():
+            attack = "analytic" if f"analytic_{setting}" in arrays else "gradient_matching"
+            recs[f"{label}\n{'APRIL' if attack == 'analytic' else 'grad. matching'}"] = arrays[f"{attack}_{setting}"]
+        return recs
+
+    first = next(iter(found.values()))
+    evaluate.plot_privacy_grid(first["originals"], first["shuffled"], reconstructions("a"), reconstructions("b"),
+                               out / "study_privacy.png",
+                               "gradient inversion of one-image updates (MJP Table 5 settings (a), (b); Fig. 5)")
+    return ["study_privacy.png"]
+
+
+MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "finetune_epochs", False),
+                ("wall-clock min", "minutes", False), ("fine-tune PE", "finetune_pe", False),
+                ("top-1", "top1", True), ("top-1 ORT", "top1_ort", True), ("linear probe", "linear_probe", True),
+                ("linear 1%", "linear_probe_1pct", True), ("kNN (best layer)", "knn", True),
+                ("consistency@0.15", "consistency", True), ("Diff. Norm@0.15", "diff_norm", False),
+                ("mCE", "mce", False), ("position acc.", "position_accuracy", True),
+                ("position probe", "position_probe", True)]
+
+
+def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: list[str], hardware: str) -> str:
+    names = [r.name for r in RUNS]
+    group = {g: [r.name for r in RUNS if r.group == g] for g in GROUPS}
+    lines = ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "",
+             f"Fashion-MNIST padded to 32 px, patch 4 (64 positions); backbone `{cfg.preset}` for every image run; "
+             f"pretraining {cfg.pretrain_epochs} epoch(s) + fine-tuning {cfg.finetune_epochs} epoch(s) "
+             f"(supervised and MJP: {cfg.pretrain_epochs + cfg.finetune_epochs} from scratch); fine-tuning recipe "
+             f"`finetune_fashion_mnist.yaml` + {list(cfg.finetune_overrides)}. Accuracies in %, on "
+             f"{cfg.test_samples or 'the 10,000'} test images (top-1), "
+             f"probes on {cfg.probe_train_samples} train / {cfg.probe_val_samples} test images, "
+             f"curves on {cfg.curve_samples}; mCE over the corruptions that ran, normalized by the supervised run "
+             "(= 1.00). `mean ± std` where several seeds ran. Wall-clock: pretraining + fine-tuning minutes with "
+             "the study's processes sharing the machine. Command and config: `study.json`.", "",
+             "## Every method", ""]
+    lines += table(rows, group["main"], MAIN_COLUMNS, "method")
+    lines += ["", "position acc.: MP3 top-1 at the training eta, DropPos mean of its 4 x 4 grid; position probe: a "
+              "linear probe of the patch tokens' positions (DropPos Table 7), for every backbone.", "",
+              "## What the papers claim, and what this study measured", "", *claims(rows)]
+    lines += ["", "## MP3: fine-tuning PE (Table 3) and masking ratio (Figs. 3, 6)", ""]
+    lines += table(rows, ["mp3", *group["mp3_pe"], "supervised", "mp3_eta0", "mp3_eta0.75"],
+                   [("fine-tune PE", "finetune_pe", False), ("top-1", "top1", True),
+                    ("linear probe", "linear_probe", True), ("position acc. (train eta)", "position_accuracy", True),
+                    ("consistency@0.15", "consistency", True)])
+    curves = {n: rows[n][0]["mp3_eta_curve"] for n in ("mp3_eta0", "mp3", "mp3_eta0.75")
+              if n in rows and "mp3_eta_curve" in rows[n][0]}
+    if curves:
+        etas = sorted(next(iter(curves.values())), key=float)
+        lines += ["", "MP3 position top-1 vs evaluation eta (Fig. 3):", "",
+                  "| train eta | " + " | ".join(f"eval {e}" for e in etas) + " |", "|" + " --- |" * (len(etas) + 1)]
+        lines += [f"| {({'mp3': '0.5'}).get(n, n.removeprefix('mp3_eta'))} | "
+                  + " | ".join(f"{c[e]['top1'] * 100:.1f}" for e in etas) + " |" for n, c in curves.items()]
+    lines += ["", "## DropPos: gamma (Table 1), sigma (Table 3), tau (Table 4)", ""]
+    lines += table(rows, ["droppos", *group["droppos"]], [("top-1", "top1", True),
+                                                         ("linear probe", "linear_probe", True),
+                                                         ("position acc. (grid mean)", "position_accuracy", True)])
+    if "droppos" in rows and "droppos_grid" in rows["droppos"][0]:
+        grid = rows["droppos"][0]["droppos_grid"]
+        cells = {tuple(float(p.split("=")[1]) for p in k.split(",")): v for k, v in grid.items() if k != "mean"}
+        gammas, gposes = sorted({g for g, _ in cells}), sorted({p for _, p in cells})
+        lines += ["", "DropPos position accuracy grid of the main run (rows gamma, columns gamma_pos):", "",
+                  "| gamma \\ gamma_pos | " + " | ".join(str(p) for p in gposes) + " |",
+                  "|" + " --- |" * (len(gposes) + 1)]
+        lines += [f"| {g} | " + " | ".join(f"{cells[(g, p)] * 100:.1f}" for p in gposes) + " |" for g in gammas]
+    lines += ["", "## StoP vs I-JEPA (sigma = 0): linear probe with 100% and 1% of the labels (Tables 1, 6)", ""]
+    lines += table(rows, ["ijepa", "stop"], [("linear probe 100%", "linear_probe", True),
+                                             ("linear probe 1%", "linear_probe_1pct", True),
+                                             ("kNN", "knn", True), ("fine-tuned top-1", "top1", True)])
+    lines += ["", "## MJP: training gamma (Table 3) and consistency vs evaluation gamma (Fig. 3)", ""]
+    lines += table(rows, ["supervised", "mjp_gamma0", "mjp_gamma0.03", "mjp", "mjp_gamma0.27"],
+                   [("top-1", "top1", True), ("consistency@0.15", "consistency", True),
+                    ("Diff. Norm@0.15", "diff_norm", False)])
+    setup = next((m["privacy_setup"] for n in PRIVACY_RUNS for m in rows.get(n, []) if "privacy_setup" in m), None)
+    if setup:
+        lines += ["", "## MJP: gradient inversion (Table 5, Fig. 5)", "",
+                  f"One test image per class ({setup['images']} images), one image per client update, jigsaw "
+                  f"gamma {setup['ratio']} for (b) / (c). Attacks: APRIL's closed form (MJP App. G Eq. 9; needs a "
+                  f"learned PE) and gradient matching (cosine distance + TV, Adam, {setup['steps']} steps, known "
+                  "labels); `random` scores uniform noise against the same targets. The supervised ViT and the ViT "
+                  "without PE see x~ without an unknown PE (they were not trained with one); MJP gets its unknown "
+                  "PE on the shuffled positions, as in training. Privacy is better with higher MSE and lower PSNR, "
+                  "SSIM and FFT2D (cosine similarity of the |FFT2| spectra).", ""]
+        lines += privacy_table(rows)
+    lines += ["", "## RandSAC: serialization and segments (Tables 2, 5, 7)", ""]
+    lines += table(rows, ["randsac_raster", "randsac_patch_random", "randsac_square", "randsac_blob_flat", "randsac"],
+                   [("linear probe", "linear_probe", True), ("kNN", "knn", True), ("fine-tuned top-1", "top1", True)])
+    lines += ["", "## Speech: keyword spotting, 12 classes, ~70K-parameter Transformer (MP3 Table 5)", ""]
+    lines += table(rows, group["speech"], [("pretrain ep", "pretrain_epochs", False),
+                                           ("fine-tune ep", "finetune_epochs", False), ("test top-1", "top1", True),
+                                           ("linear probe", "linear_probe", True)])
+    failed = sorted({f for ms in rows.values() for m in ms for f in m.get("corruptions_failed", [])})
+    if failed:
+        lines += ["", f"Corruptions that failed in this environment (not in mCE): {', '.join(failed)}."]
+    lines += [""] + [f"![{f}]({f})" for f in figures]
+    missing = [n for n in names if n not in rows]
+    if missing:
+        lines += ["", f"Not run (yet): {', '.join(missing)}."]
+    return "\n".join(lines) + "\n"
+
+
+def commands_so_far(cfg: StudyConfig, argv: list[str]) -> list[str]:
+    """The study commands whose rows the report holds: those of an earlier ``study.json`` at this budget, then this
+    one (``--report-only`` measures nothing and is not recorded)."""
+    earlier = read_json(Path(cfg.results) / "study.json") or {}
+    commands = [] if budget_changes(earlier, cfg) else list(earlier.get("commands", []))
+    if "--report-only" not in argv:
+        command = "python pipelines/study.py " + " ".join(argv)
+        commands = [c for c in commands if c != command] + [command]
+    return commands
+
+
+def report(cfg: StudyConfig, argv: list[str]) -> str:
+    study = Study(cfg)
+    out = Path(cfg.results)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = collect(study)
+    figures = plots(rows, out) + privacy_figure(study, out)
+    hardware = hardware_line()
+    text = markdown(cfg, rows, figures, hardware)
+    payload = {"harness": HARNESS_VERSION, "commands": commands_so_far(cfg, argv), "config": asdict(cfg),
+               "hardware": hardware, "python": platform.python_version(), "torch": torch.__version__,
+               "runs": {r.name: {"group": r.group, "label": r.label, "config": r.config,
+                                 "objective": list(r.objective), "finetune_pe": r.finetune_pe,
+                                 "pretrain_from": r.pretrain_from} for r in RUNS},
+               "results": rows}
+    write_json_atomic(out / "study.json", payload)  # two study processes may finish at once
+    with atomic_file(out / "study.md") as tmp:
+        tmp.write_text(text)
+    return text

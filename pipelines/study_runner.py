@@ -1,0 +1,142 @@
+"""Runs the study's stages — pretraining, fine-tuning, probes, evaluation, ONNX export + ONNX Runtime, privacy —
+for each (run, seed) below ``runs/``; every stage is resumable (``stages.stage``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import evaluate
+import finetune
+import pretrain
+from stages import stage
+from study_plan import CONFIGS, RUNS, Run, StudyConfig, runs_of
+
+from patchplace.export.__main__ import main as export_main
+from patchplace.export.evaluate import main as ort_evaluate_main
+
+
+class Study:
+    """Runs the stages of each (run, seed) below ``cfg.runs``; every stage is resumable (stages.stage)."""
+
+    def __init__(self, cfg: StudyConfig):
+        self.cfg = cfg
+        self.root = Path(cfg.runs)
+
+    def dir(self, run: Run, seed: int) -> Path:
+        return self.root / f"seed{seed}" / run.name
+
+    def seeds(self, run: Run) -> tuple[int, ...]:
+        if run.speech:
+            return self.cfg.speech_seeds
+        return self.cfg.seeds if run.group == "main" else self.cfg.ablation_seeds
+
+    def data(self, run: Run, evaluation: bool = False) -> list[str]:
+        """Split overrides (+ the user's extra overrides) of a training or evaluation stage."""
+        c = self.cfg
+        if run.speech:
+            root = Path(c.spoken_keywords)
+            val = root / ("test" if evaluation else "validation")
+            noise = [] if evaluation else [f"data.noise_split={root / 'background_noise'}"]
+            return [f"data.train={root / 'train'}", f"data.val={val}", *noise, f"data.num_workers={c.num_workers}",
+                    *c.speech_overrides]
+        root = Path(c.fashion_mnist)
+        return [f"data.train={root / 'train'}", f"data.val={root / 'test'}", f"data.num_workers={c.num_workers}",
+                *c.overrides]
+
+    def common(self, run: Run, seed: int) -> list[str]:
+        c = self.cfg
+        args = [f"run.seed={seed}", "run.tensorboard=false", "run.resume=true", "run.checkpoint_every=50",
+                *self.data(run)]
+        # training-time validation only feeds the log (the eval stage measures the test set): 1,000 images
+        return args if run.speech else [*args, f"model.preset={c.preset}", f"data.batch_size={c.batch_size}",
+                                        f"data.val_limit={min(c.test_samples or 1000, 1000)}"]
+
+    def epochs(self, run: Run) -> tuple[float, float]:
+        c = self.cfg
+        return (c.speech_pretrain_epochs, c.speech_finetune_epochs) if run.speech else (c.pretrain_epochs,
+                                                                                         c.finetune_epochs)
+
+    # ------------------------------------------------------------------------------------------ stages
+    def probe_only(self, run: Run) -> bool:
+        return run.group in self.cfg.probe_only and run.group != "main"
+
+    def train(self, run: Run, seed: int) -> tuple[Path, Path | None, dict[str, float]]:
+        """-> (backbone checkpoint to probe, classifier checkpoint (None: probes only), stage seconds)."""
+        d, (pre, ft) = self.dir(run, seed), self.epochs(run)
+        common, seconds = self.common(run, seed), {}
+        ft_config = CONFIGS / ("finetune_spoken_keywords.yaml" if run.speech else "finetune_fashion_mnist.yaml")
+        ft_extra = [] if run.speech else list(self.cfg.finetune_overrides)
+        if run.config is None:  # supervised from scratch, the fine-tuning recipe without layer decay
+            pe = "sincos1d" if run.speech else run.scratch_pe
+            seconds["train"] = stage(d / "train", finetune.main, [
+                "--config", str(ft_config), f"run.output={d / 'train'}", f"optim.epochs={pre + ft}",
+                "optim.layer_decay=null", f"finetune.pos_embed={pe}", *common, *ft_extra], label=f"{d} train")
+            return d / "train" / "checkpoint", d / "train" / "checkpoint", seconds
+        if run.classifier_only:  # MJP: a supervised recipe, from scratch, same total epochs
+            seconds["train"] = stage(d / "train", pretrain.main, [
+                "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'train'}",
+                f"optim.epochs={pre + ft}", *run.objective, *common], label=f"{d} train")
+            return d / "train" / "checkpoint", d / "train" / "checkpoint", seconds
+        source = self.dir(next(r for r in RUNS if r.name == run.pretrain_from), seed) if run.pretrain_from else d
+        seconds["pretrain"] = stage(source / "pretrain", pretrain.main, [
+            "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
+            f"optim.epochs={pre}", *run.objective, *common], label=f"{source} pretrain")
+        if self.probe_only(run):
+            return source / "pretrain" / "checkpoint", None, seconds
+        pe = "null" if run.finetune_pe == "keep" else run.finetune_pe
+        seconds["finetune"] = stage(d / "finetune", finetune.main, [
+            "--config", str(ft_config), f"run.output={d / 'finetune'}", f"optim.epochs={ft}",
+            f"model.checkpoint={source / 'pretrain' / 'checkpoint'}", f"finetune.pos_embed={pe}", *common,
+            *ft_extra], label=f"{d} finetune")
+        return source / "pretrain" / "checkpoint", d / "finetune" / "checkpoint", seconds
+
+    def evaluate(self, run: Run, seed: int, backbone: Path, classifier: Path | None) -> None:
+        c, d = self.cfg, self.dir(run, seed)
+        data = self.data(run, evaluation=True)
+        if run.speech:  # one evaluation on the test split: top-1 + probes of the fine-tuned model
+            stage(d / "eval", evaluate.main, [
+                "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'eval'}",
+                f"model.checkpoint={classifier}", "data.pad_to=null", "eval.position_probe=false",
+                f"eval.probe_epochs={c.probe_epochs}", *data], label=f"{d} eval")
+            return
+        limit = [f"data.val_limit={c.test_samples}"] if c.test_samples else []
+        if not run.pretrain_from:  # probes of the backbone (the pretrained one, or the classifier's own)
+            stage(d / "probe", evaluate.main, [
+                "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'probe'}",
+                f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
+                f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
+                f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]", *data],
+                label=f"{d} probe")
+        if classifier is None:
+            return
+        stage(d / "eval", evaluate.main, [
+            "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'eval'}",
+            f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
+            "eval.position_probe=false", "eval.probe_train_samples=128", f"eval.max_eval_samples={c.curve_samples}",
+            *data, *limit], label=f"{d} eval")
+        if run.ort:
+            onnx = d / "export" / "model.onnx"
+            stage(d / "export", export_main, [str(classifier), "--out", str(onnx)], label=f"{d} export")
+            stage(d / "ort", ort_evaluate_main, [
+                str(onnx), "--data", str(Path(c.fashion_mnist) / "test"), "--out", str(d / "ort"),
+                *(["--limit", str(c.test_samples)] if c.test_samples else []),
+                "--consistency-limit", str(c.ort_consistency_samples), "--robustness-limit",
+                str(c.robustness_samples), "--latency-repeats", "0", "--corruption-cache",
+                str(self.root / "corruptions")], label=f"{d} ort")
+        if run.privacy and c.privacy_images:  # MJP Table 5: the same images and attack budget for every model
+            stage(d / "privacy", evaluate.main, [
+                "--privacy", "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'privacy'}",
+                f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
+                "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
+                f"privacy.images={c.privacy_images}", f"privacy.steps={c.privacy_steps}", *data,
+                f"data.val_limit={min(c.test_samples or 1000, 1000)}"], label=f"{d} privacy")
+
+    def run_all(self) -> None:
+        for run in runs_of(self.cfg.groups, self.cfg.only):
+            for seed in self.seeds(run):
+                start = time.perf_counter()
+                backbone, classifier, _ = self.train(run, seed)
+                self.evaluate(run, seed, backbone, classifier)
+                print(f"[study] {run.name} seed {seed}: {(time.perf_counter() - start) / 60:.1f} min this call",
+                      flush=True)
