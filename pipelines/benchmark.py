@@ -40,6 +40,8 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               between them, cores split too) for --methods (supervised mp3 mjp), and the step-time cost of DDP's
               find_unused_parameters (2 processes, off vs on; MJP with its jigsaw on every step so that it can run
               off). Writes <out>/benchmark_ddp.{json,md}; needs the shards.
+  anchor      the supervised baseline (finetune.py from scratch) vs a plain timm ViT training loop of the same size,
+              data, epochs (--anchor-epochs) and recipe: test top-1 and samples/s per --anchor-seeds.
   all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128) and for ViT-S/16
               at 224 px (3 channels, batch --vits-batch, paper widths, without stop_noema); masks; data (+ loader
               samples/s vs the study ViT's training consumption); models; onnx; pipelines (on the study ViT).
@@ -66,6 +68,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # pretrain.py / engine.py / config.py
 
+from config import load
 from stages import hardware_line
 
 from patchplace.data.benchmark import augment_throughput, mfcc_throughput, shard_read_throughput
@@ -393,6 +396,99 @@ def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dic
     return rows
 
 
+ANCHOR_RECIPE = ["finetune.mixup=0.0", "finetune.cutmix=0.0", "optim.layer_decay=null", "data.scale=[0.8, 1.0]"]
+
+
+def _plain_timm_loop(cfg: Any, epochs: float, seed: int) -> dict[str, Any]:
+    """A plain timm training loop: timm's VisionTransformer built from the preset's config, timm's AdamW (no weight
+    decay on biases / norms) and label-smoothing loss, linear warm-up + cosine, fed the same in-memory split and
+    batched augmentation as ours. -> test top-1 and training samples/s."""
+    import math
+
+    from timm.loss import LabelSmoothingCrossEntropy
+    from timm.models.vision_transformer import VisionTransformer
+    from timm.optim import create_optimizer_v2
+
+    from patchplace.data.batched import build_batched_transform
+    from patchplace.data.memory import InMemorySplit, MemoryReader
+    from patchplace.models import create_model
+    from patchplace.models.timm_interop import timm_kwargs
+
+    torch.manual_seed(seed)
+    d, o, f = cfg.data, cfg.optim, cfg.finetune
+    train_split, test_split = InMemorySplit.load(d.train, num_workers=d.num_workers), InMemorySplit.load(d.val)
+    options = dict(pad_to=d.pad_to, img_size=d.img_size, scale=d.scale, hflip=d.hflip, re_prob=d.re_prob)
+    train = MemoryReader(train_split, build_batched_transform(train_split.manifest, True, **options), seed=seed)
+    test = MemoryReader(test_split, build_batched_transform(test_split.manifest, False, pad_to=d.pad_to,
+                                                           img_size=d.img_size), shuffle=False)
+    config = create_model(cfg.model.preset, in_chans=int(train_split.manifest.info.get("channels", 1)),
+                          num_classes=train_split.manifest.num_classes).config
+    model = VisionTransformer(**timm_kwargs(config), drop_path_rate=f.drop_path)
+    optimizer = create_optimizer_v2(model, "adamw", lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
+    per_epoch = train.num_batches(d.batch_size)
+    total = max(1, round(epochs * per_epoch))
+    warmup = round(o.warmup_fraction * total)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else (
+        o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup)))))
+    criterion = LabelSmoothingCrossEntropy(f.label_smoothing)
+    step, start, epoch = 0, time.perf_counter(), 0
+    model.train()
+    while step < total:
+        for x, y in train.batches(d.batch_size, epoch):
+            loss = criterion(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if o.clip_grad:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            if step >= total:
+                break
+        epoch += 1
+    seconds = time.perf_counter() - start
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for x, y in test.batches(256, epoch=0):
+            correct += int((model(x).argmax(1) == y).sum())
+    return {"top1": correct / len(test), "samples_per_s": round(total * d.batch_size / seconds, 1), "steps": total}
+
+
+def anchor_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The supervised baseline (finetune.py from scratch: Accelerate, our backbone, parameter groups, schedule,
+    checkpoints, evaluation) against a plain timm ViT loop of the same size on the same data, epochs and recipe
+    (:func:`_plain_timm_loop`), per --anchor-seeds. Ours must be at least as accurate."""
+    import finetune
+
+    if not (args.shards / "manifest.json").is_file():
+        print(f"anchor: no shards at {args.shards}: skipped", flush=True)
+        return []
+    val = args.shards.parent / "test" if (args.shards.parent / "test" / "manifest.json").is_file() else args.shards
+    config = str(Path(__file__).parent / "configs" / "finetune_fashion_mnist.yaml")
+    preset = args.pipelines_preset or STUDY["preset"]
+    rows = []
+    for seed in args.anchor_seeds:
+        overrides = [f"data.train={args.shards}", f"data.val={val}", f"model.preset={preset}",
+                     f"optim.epochs={args.anchor_epochs}", f"data.batch_size={args.pipelines_batch}",
+                     f"run.seed={seed}", "run.tensorboard=false", "run.checkpoint_every=0", *ANCHOR_RECIPE,
+                     *args.pipelines_overrides]
+        with tempfile.TemporaryDirectory() as tmp:
+            if finetune.main(["--config", config, f"run.output={tmp}", *overrides]) != 0:
+                raise SystemExit("anchor: finetune.py failed")
+            log = [json.loads(line) for line in (Path(tmp) / "log.jsonl").read_text().splitlines()]
+            cfg = load(finetune.FinetuneConfig, config, overrides)
+        ours = {"top1": [r for r in log if "eval" in r][-1]["eval"]["top1"],
+                "samples_per_s": [r for r in log if "samples_per_s" in r][-1]["samples_per_s"]}
+        plain = _plain_timm_loop(cfg, args.anchor_epochs, seed)
+        for name, result in (("patchplace supervised (finetune.py)", ours), ("plain timm loop", plain)):
+            rows.append({"name": f"anchor/{name}", "top1": round(result["top1"], 4),
+                         "samples_per_s": result["samples_per_s"], "epochs": args.anchor_epochs, "seed": seed,
+                         "preset": preset, "batch": args.pipelines_batch, "suite": "anchor"})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 DDP_SETTINGS = (("1 process", 1, None), ("2 processes", 2, False), ("2 processes, find_unused", 2, True))
 # MJP with the jigsaw on every step, so that DDP can run it without find_unused_parameters (the cost baseline).
 MJP_EVERY_STEP = ["objective.apply_prob=1.0", "objective.warmup_fraction=0.0"]
@@ -506,7 +602,7 @@ def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
 
 SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks_suite, "data": data_suite,
           "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "mp3_table2": mp3_table2_suite,
-          "ddp": ddp_suite, "all": all_suite}
+          "ddp": ddp_suite, "anchor": anchor_suite, "all": all_suite}
 
 
 # ---------------------------------------------------------------------------------------------- markdown + figure
@@ -547,6 +643,9 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("method", "name"), ("setting", "ddp_setting"), ("samples/s (median)", "samples_per_s"), ("runs", "runs"),
         ("vs 1 process", "vs_one_process"), ("vs find_unused off", "vs_find_unused_off"),
         ("global batch", "global_batch"), ("steps", "steps"), ("preset", "preset")]),
+    "anchor": ("Anchor: our supervised baseline vs a plain timm ViT loop (same size, data, epochs, recipe)", [
+        ("training", "name"), ("test top-1", "top1"), ("samples/s", "samples_per_s"), ("epochs", "epochs"),
+        ("seed", "seed"), ("preset", "preset"), ("batch", "batch")]),
     "pipelines": ("End-to-end pretraining through pretrain.py per data path, vs the same loop on one repeated "
                   "batch (pure step; medians of alternated runs, startup excluded)", [
         ("method", "name"), ("data path", "path"), ("samples/s", "samples_per_s"),
@@ -737,6 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="more pretrain.py overrides, e.g. run.mixed_precision=bf16 on a GPU")
     g.add_argument("--pipelines-repeats", type=int, default=2,
                    help="pipelines: alternated runs of every path, medians reported (default: %(default)s)")
+    g.add_argument("--anchor-epochs", type=float, default=1.0,
+                   help="anchor: training epochs of both loops (default: %(default)s)")
+    g.add_argument("--anchor-seeds", type=int, nargs="+", default=[0], help="anchor: seeds (default: 0)")
     g.add_argument("--ddp-repeats", type=int, default=2,
                    help="ddp: alternated runs of every setting, medians reported (default: %(default)s)")
     return parser

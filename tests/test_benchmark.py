@@ -111,3 +111,13 @@ def test_pipelines_suite_measures_each_data_path_against_the_pure_step(shards, t
     assert rows["streaming"]["num_workers"] == 1 and rows["memory"]["num_workers"] == 0
     assert [r["name"] for r in data["results"] if r["suite"] == "matmul"] == ["m/1"], "other suites' rows kept"
     assert "end-to-end ratio" in (out / "benchmark.md").read_text()
+
+
+def test_anchor_suite_trains_ours_and_a_plain_timm_loop_on_the_same_data(shards, tmp_path):
+    assert benchmark.main(["--suite", "anchor", "--shards", str(shards / "img" / "train"), "--anchor-epochs", "1",
+                           "--pipelines-preset", "vit_micro", "--pipelines-batch", "8", "--out", str(tmp_path),
+                           "--pipelines-overrides", "data.num_workers=0"]) == 0
+    rows = {r["name"].split("/")[1]: r for r in json.loads((tmp_path / "benchmark.json").read_text())["results"]}
+    assert set(rows) == {"patchplace supervised (finetune.py)", "plain timm loop"}
+    assert all(0 <= r["top1"] <= 1 and r["samples_per_s"] > 0 and r["epochs"] == 1.0 for r in rows.values())
+    assert "Anchor: our supervised baseline" in (tmp_path / "benchmark.md").read_text()
