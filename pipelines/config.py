@@ -41,6 +41,8 @@ class DataSection:
     re_prob: float = 0.0
     noise_split: str | None = None  # audio: background_noise split for noise mixing
     train_limit: int | None = None  # cap on samples per process per epoch (None: the whole split)
+    label_fraction: float | None = None  # train on a fixed class-balanced fraction of data.train (e.g. 0.01: 1%)
+    label_subset_seed: int = 0  # which balanced subset (the same for every method and run)
     skip_corrupt: bool = False  # skip unreadable / truncated train shards (warned, counted in the log), not fail
     val_limit: int | None = None
 
@@ -50,6 +52,9 @@ class DataSection:
                 raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.in_memory not in ("auto", True, False):
             raise ConfigError(f"data.in_memory must be auto, true or false, got {self.in_memory!r}")
+        if self.label_fraction is not None and not 0 < self.label_fraction <= 1:
+            raise ConfigError(f"data.label_fraction must be in (0, 1] (e.g. 0.01 for 1% of the labels), got "
+                              f"{self.label_fraction}")
         if self.memory_budget_mb < 0:
             raise ConfigError(f"data.memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
         if self.num_workers < 0 or self.shuffle_buffer < 0:

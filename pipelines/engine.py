@@ -66,7 +66,7 @@ from tqdm.auto import tqdm
 from patchplace.data import DataError, Manifest, ShardDataset, build_transform
 from patchplace.data.atomic import atomic_file, write_json_atomic
 from patchplace.data.batched import build_batched_transform
-from patchplace.data.memory import InMemorySplit, MemoryReader, decoded_bytes
+from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset, decoded_bytes
 from patchplace.data.mfcc import MFCC
 from patchplace.finetune import build_optimizer, parameter_groups
 from patchplace.models import Backbone, ModelError, save_pretrained
@@ -199,10 +199,19 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                                       ("data.val", val_manifest, cfg.val_urls, False, eval_options)):
         augmented = augment and train
         why = memory_choice(cfg, m, budget, key, augment)
+        if why is not None and train and cfg.label_fraction is not None:
+            raise ConfigError(f"data.label_fraction={cfg.label_fraction} needs data.train in memory, but it streams "
+                              f"({why}); set data.in_memory=auto and enough data.memory_budget_mb")
         if why is None:
             split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt,
                                        num_workers=cfg.num_workers)  # decoding shards in parallel
             budget -= decoded_bytes(m)
+            if train and cfg.label_fraction is not None:  # the label-efficiency protocol: a fixed balanced subset
+                split = split.subset(balanced_subset(split.labels, cfg.label_fraction, cfg.label_subset_seed))
+                per_class = torch.bincount(split.labels, minlength=m.num_classes).tolist()
+                accelerator.print(f"data.train: {cfg.label_fraction:.4g} of the labels, {len(split)} samples "
+                                  f"({min(per_class)}-{max(per_class)} per class, data.label_subset_seed="
+                                  f"{cfg.label_subset_seed})")
             readers[key] = MemoryReader(split, build_batched_transform(m, augmented, **opts), seed=seed,
                                         rank=rank if train else 0, world_size=world if train else 1, shuffle=train,
                                         device=accelerator.device)

@@ -109,3 +109,17 @@ def test_in_memory_training_is_bit_identical_across_runs_workers_and_resume(shar
             other
     losses = {other: [r["loss"] for r in log(tmp_path / other)] for other in ("a", "resumed")}
     assert losses["a"] == losses["resumed"]
+
+
+def test_label_fraction_trains_on_a_fixed_balanced_subset(shards, tmp_path, capsys):
+    """The label-efficiency protocol: data.label_fraction=0.25 of the 64 toy images (3 classes) = 16 samples, an
+    epoch of 2 batches of 8; the same subset every run; streaming cannot do it (one line)."""
+    common = ["method=supervised", *img(shards), *TINY, "optim.epochs=2", "data.label_fraction=0.25"]
+    assert pretrain.main([*common, f"run.output={tmp_path / 'a'}"]) == 0
+    assert "data.train: 0.25 of the labels, 16 samples (5-6 per class, data.label_subset_seed=0)" in \
+        capsys.readouterr().out
+    assert [r["step"] for r in log(tmp_path / "a")] == [1, 2, 3, 4], "2 epochs of 16 samples at batch 8"
+    assert pretrain.main([*common, f"run.output={tmp_path / 'b'}"]) == 0
+    assert all(torch.equal(weights(tmp_path / "a")[k], weights(tmp_path / "b")[k]) for k in weights(tmp_path / "a"))
+    assert pretrain.main([*common, "data.in_memory=false", f"run.output={tmp_path / 'c'}"]) == 2
+    assert "data.label_fraction=0.25 needs data.train in memory" in capsys.readouterr().err

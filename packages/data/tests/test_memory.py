@@ -63,3 +63,19 @@ def test_decoding_in_worker_processes_gives_the_same_split_and_errors(toy_split)
     with pytest.warns(UserWarning, match="skipping corrupt shard"):
         kept = InMemorySplit.load(split_dir, skip_corrupt=True)
     assert kept.skipped == [str(shard)] and len(kept) == 23 - 5 and "00015" not in kept.keys
+
+
+def test_balanced_subsets_are_fixed_per_class_and_nested_by_seed_only():
+    from patchplace.data.memory import balanced_subset
+
+    labels = torch.arange(1000) % 10  # 100 per class
+    one = balanced_subset(labels, 0.01)
+    assert len(one) == 10 and torch.bincount(labels[one]).tolist() == [1] * 10
+    ten = balanced_subset(labels, 0.1)
+    assert torch.bincount(labels[ten]).tolist() == [10] * 10 and torch.equal(ten, ten.sort().values)
+    assert torch.equal(ten, balanced_subset(labels, 0.1)), "the same subset for every method and run"
+    assert not torch.equal(ten, balanced_subset(labels, 0.1, seed=1))
+    skewed = torch.cat([torch.zeros(300, dtype=torch.int64), torch.ones(20, dtype=torch.int64)])
+    assert torch.bincount(skewed[balanced_subset(skewed, 0.01)]).tolist() == [3, 1], "at least one per class"
+    with pytest.raises(DataError, match="label fraction"):
+        balanced_subset(labels, 0.0)

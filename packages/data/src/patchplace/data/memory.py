@@ -57,6 +57,12 @@ class InMemorySplit:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def subset(self, indices: torch.Tensor) -> InMemorySplit:
+        """The samples at ``indices`` (e.g. :func:`balanced_subset`), in that order."""
+        index = indices.tolist()
+        return InMemorySplit(self.inputs[indices], self.labels[indices], [self.keys[i] for i in index],
+                             self.manifest, self.skipped)
+
     @classmethod
     def load(cls, manifest: str | os.PathLike | Manifest, budget_bytes: int | None = None, *,
              urls: str | list[str] | None = None, skip_corrupt: bool = False, num_workers: int = 0) -> InMemorySplit:
@@ -131,6 +137,20 @@ class _ShardDecoder(IterableDataset):
                 raise DataError(f"{reader.urls[index]}: samples of several shapes; stream this split")
             yield _Shard(index, inputs, torch.tensor([y for _, y, _ in samples], dtype=torch.int64),
                          [k for _, _, k in samples], skipped)
+
+
+def balanced_subset(labels: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:
+    """Sorted indices of a class-balanced ``fraction`` of a split (the SSL label-efficiency protocol: 1% / 10% of
+    the labels): from each class ``max(1, round(fraction * its count))`` samples, drawn by a permutation seeded by
+    ``seed`` and the class alone — the same subset for every method and run that asks for it."""
+    if not 0 < fraction <= 1:
+        raise DataError(f"a label fraction must be in (0, 1], got {fraction}")
+    chosen = []
+    for cls in labels.unique().tolist():
+        members = (labels == cls).nonzero().squeeze(1)
+        order = torch.randperm(len(members), generator=torch.Generator().manual_seed(seed * 1_000_003 + cls))
+        chosen.append(members[order[:max(1, round(fraction * len(members)))]])
+    return torch.cat(chosen).sort().values
 
 
 def epoch_indices(n: int, *, seed: int, epoch: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
