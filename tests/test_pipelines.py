@@ -22,7 +22,7 @@ import demo  # noqa: E402
 import evaluate  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
-import study  # noqa: E402
+import study_plan  # noqa: E402
 
 from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
 
@@ -31,8 +31,8 @@ def test_every_shipped_config_loads_and_validates(shards):
     classes = {"finetune": finetune.FinetuneConfig, "evaluate": evaluate.EvaluateConfig}
     for path in sorted((ROOT / "pipelines" / "configs").glob("*.yaml")):
         if path.name.startswith("study"):
-            cfg = pipeline_config.load(study.StudyConfig, str(path), [])
-            assert set(cfg.groups) == set(study.GROUPS), "the shipped study runs every group"
+            cfg = pipeline_config.load(study_plan.StudyConfig, str(path), [])
+            assert set(cfg.groups) == set(study_plan.GROUPS), "the shipped study runs every group"
             continue
         kind = next((k for k in classes if path.name.startswith(k)), "pretrain")
         data = audio(shards) if "spoken" in path.name else img(shards)
