@@ -29,6 +29,7 @@ from engine import USER_ERRORS, classify, start
 from safetensors.torch import load_file
 
 from patchplace.data.atomic import atomic_file
+from patchplace.data.memory import MemoryReader, balanced_subset
 from patchplace.finetune import (
     AttackConfig,
     PrivacyError,
@@ -66,7 +67,15 @@ class EvalSection:
     probe_train_samples: int = 5000  # train samples used for the probes' features
     probe_epochs: int = 100
     low_label_fraction: float = 0.01  # a second linear probe on this fraction of the probe's labels (StoP: 1%)
+    # linear probes trained on these class-balanced fractions of the *whole* data.train (the label-efficiency
+    # protocol: the same subsets as fine-tuning with data.label_fraction, picked by data.label_subset_seed)
+    label_fractions: tuple[float, ...] = ()
     max_eval_samples: int = 2000  # images for the method curves (eta curve, DropPos grid, consistency)
+
+    def validate(self) -> None:
+        if any(not 0 < f <= 1 for f in self.label_fractions):
+            raise ConfigError(f"eval.label_fractions must be in (0, 1] (e.g. [0.01, 0.1]), got "
+                              f"{list(self.label_fractions)}")
 
 
 @dataclass
@@ -252,6 +261,9 @@ def to_markdown(results: dict[str, Any]) -> str:
     for key in ("linear_probe", "linear_probe_low_label", "position_probe"):
         if key in results:
             lines += [f"- {key.replace('_', ' ')}: top-1 {results[key]['top1']:.4f}"]
+    for fraction, probe in results.get("linear_probe_label_fraction", {}).items():
+        lines += [f"- linear probe on {float(fraction):.0%} of the train labels ({probe['train_samples']} samples): "
+                  f"top-1 {probe['top1']:.4f}"]
     if "knn_per_layer" in results:
         lines += ["- kNN top-1 per layer: " + ", ".join(f"{k}: {v:.3f}" for k, v in results["knn_per_layer"].items())]
     if "consistency" in results:
@@ -272,6 +284,28 @@ def to_markdown(results: dict[str, Any]) -> str:
         lines += [f"| {a} | {s} | {v['mse']:.4f} | {v['psnr']:.2f} | {v['ssim']:.3f} | {v['fft2d']:.3f} |"
                   for a, settings in p["metrics"].items() for s, v in settings.items()]
     return "\n".join(lines) + "\n"
+
+
+def label_fraction_probes(backbone, data, fractions: tuple[float, ...], subset_seed: int, test_features,
+                          pool: str, batch_size: int, device, epochs: int) -> dict[str, dict[str, Any]]:
+    """Linear probes trained on class-balanced fractions of the whole train split — the subsets fine-tuning uses
+    with ``data.label_fraction`` (:func:`balanced_subset`, same seed) — and tested on ``test_features``."""
+    if not isinstance(data.train, MemoryReader):
+        raise ConfigError("eval.label_fractions needs data.train in memory (data.in_memory=auto and enough "
+                          "data.memory_budget_mb): the subsets are drawn from the whole split")
+    split, (te, te_y) = data.train.split, test_features
+    results = {}
+    for fraction in fractions:
+        subset = MemoryReader(split.subset(balanced_subset(split.labels, fraction, subset_seed)),
+                              data.train.transform, shuffle=False, device=device)
+        batches = list(subset.batches(batch_size, epoch=0))
+        if data.frontend is not None:
+            batches = [(data.frontend(x), y) for x, y in batches]
+        tr, tr_y = extract_features(backbone, batches, pool=pool, device=device)
+        results[f"{fraction:g}"] = {**linear_probe(tr[max(tr)], tr_y, te[max(te)], te_y,
+                                                   num_classes=data.manifest.num_classes, epochs=epochs),
+                                    "train_samples": len(tr_y), "label_subset_seed": subset_seed}
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,6 +350,16 @@ def main(argv: list[str] | None = None) -> int:
                                                             num_classes=data.manifest.num_classes,
                                                             epochs=ev.probe_epochs),
                                              "fraction": ev.low_label_fraction, "train_samples": len(few)}
+    if ev.label_fractions:
+        if not ev.linear_probe:
+            te, te_y = extract_features(backbone, val, pool=pool, device=device)
+        try:
+            results["linear_probe_label_fraction"] = label_fraction_probes(
+                backbone, data, ev.label_fractions, cfg.data.label_subset_seed, (te, te_y), pool, bs, device,
+                ev.probe_epochs)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if ev.knn:
         results["knn_per_layer"] = knn_probe_per_layer(backbone, train, val, num_classes=data.manifest.num_classes,
                                                        device=device, pool="mean" if pool == "cls" else pool)

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     print(report(cfg, argv))
-    print(f"[study] results: {cfg.results}/study.md, study.json and PNGs")
+    print(f"[study] results: {cfg.results}/{cfg.name}.md, {cfg.name}.json and {cfg.name}_*.png")
     return 0
 
 

@@ -18,22 +18,53 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def fraction_key(metric: str, fraction: float) -> str:
+    """The key of a label-efficiency number, e.g. ``top1@0.01`` (fine-tuned on 1% of the labels)."""
+    return f"{metric}@{fraction:g}"
+
+
+def last_eval(log: Path) -> dict[str, Any] | None:
+    """The closing evaluation of a training stage (its ``log.jsonl``), or None when it has not finished."""
+    if not (log.parent / "DONE").is_file() or not log.is_file():
+        return None
+    evals = [row["eval"] for line in log.read_text().splitlines() if "eval" in (row := json.loads(line))]
+    return evals[-1] if evals else None
+
+
+def label_metrics(study: Study, run: Run, seed: int, probe: dict[str, Any]) -> dict[str, Any]:
+    """Top-1 after fine-tuning (supervised: training from scratch) on each label fraction, and the linear probes
+    of the pretrained backbone on the same subsets."""
+    m: dict[str, Any] = {}
+    for fraction in study.cfg.label_fractions if run.label_efficiency else ():
+        d = study.dir(run, seed) / f"label{fraction:g}"
+        ev = last_eval(d / "log.jsonl")
+        if ev is not None:
+            m[fraction_key("top1", fraction)] = ev["top1"]
+            m[fraction_key("minutes", fraction)] = (stage_seconds(d) or 0) / 60
+        probe_f = probe.get("linear_probe_label_fraction", {}).get(f"{fraction:g}")
+        if probe_f is not None:
+            m[fraction_key("linear_probe", fraction)] = probe_f["top1"]
+    return m
+
+
 def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
-    """The numbers of one (run, seed), or None when its classifier evaluation has not finished."""
+    """The numbers of one (run, seed), or None when none of its evaluations has finished."""
     d = study.dir(run, seed)
     ev = read_json(d / "eval" / "results.json")
-    source = study.dir(next(r for r in RUNS if r.name == run.pretrain_from), seed) if run.pretrain_from else d
+    source = study.source(run, seed)
     probe = ev if run.speech else read_json(source / "probe" / "results.json") or {}
-    if ev is None and not (study.probe_only(run) and probe):
+    labels = label_metrics(study, run, seed, probe)
+    probes_only = study.probe_only(run) or not study.full_label(run, seed)
+    if ev is None and not (probes_only and probe) and not labels:
         return None
     ev = ev or {}
     ort = read_json(d / "ort" / "results.json") or {}
     pre, ft = study.epochs(run)
-    m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None}
-    if study.probe_only(run):
+    m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None, **labels}
+    if probes_only:
         m.update(pretrain_epochs=pre, finetune_epochs=0.0, minutes=(stage_seconds(d / "pretrain") or 0) / 60,
                  finetune_pe="(probes only)")
-    elif run.config is None or run.classifier_only:
+    elif run.classifier_only:
         m.update(pretrain_epochs=0.0, finetune_epochs=pre + ft, minutes=(stage_seconds(d / "train") or 0) / 60,
                  finetune_pe=run.scratch_pe if not run.speech else "sincos1d")
     else:
@@ -90,13 +121,14 @@ def add_mce(rows: dict[str, list[dict[str, Any]]]) -> None:
 BUDGET_FIELDS = ("preset", "pretrain_epochs", "finetune_epochs", "probe_only", "batch_size", "finetune_overrides",
                  "probe_train_samples", "probe_val_samples", "probe_epochs", "curve_samples",
                  "ort_consistency_samples", "robustness_samples", "speech_pretrain_epochs", "speech_finetune_epochs",
-                 "test_samples", "overrides", "speech_overrides")
+                 "test_samples", "overrides", "speech_overrides", "label_fractions", "label_finetune_epochs",
+                 "label_subset_seed")
 
 
 def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
     """Rows of an earlier ``results/study.json`` measured at this budget (another machine, or a ``runs/`` since
     cleaned): seeds accumulate across study invocations. A different budget is ignored, with a note."""
-    path = Path(cfg.results) / "study.json"
+    path = Path(cfg.results) / f"{cfg.name}.json"
     earlier = read_json(path)
     if not earlier:
         return {}
@@ -115,8 +147,8 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
 # Version of the training / evaluation harness behind the numbers: rows measured by another version are never
 # merged. 1: before issue 16 (layer decay ignored, weight decay on PEs / tokens, probes of an untrained class token,
 # Diff. Norm of token 0); 2: optimizer on the backbone's groups with layer decay applied, probes of the trained
-# feature, one Diff. Norm (the head's input).
-HARNESS_VERSION = 2
+# feature, one Diff. Norm (the head's input); 3: the in-memory data path with batched augmentation (issue 19).
+HARNESS_VERSION = 3
 
 
 def budget_changes(earlier: dict[str, Any], cfg: StudyConfig) -> list[str]:

@@ -20,6 +20,15 @@ class StudyConfig:
     pretrain_epochs: float = 0.25
     finetune_epochs: float = 0.25  # supervised / MJP train pretrain_epochs + finetune_epochs from scratch
     seeds: tuple[int, ...] = (0,)  # main table
+    # main rows fine-tuned with all labels on every seed (the rows a full-label claim reads); the other main rows
+    # only on the first seed (their pretraining, probes and label-efficiency runs still take every seed).
+    # () = every main row on every seed
+    full_label_rows: tuple[str, ...] = ()
+    # label efficiency (the SSL protocol): each pretrained main method fine-tuned and linearly probed on these
+    # class-balanced fractions of the train labels, beside the supervised ViT trained from scratch on the same subset
+    label_fractions: tuple[float, ...] = (0.01, 0.1)
+    label_finetune_epochs: tuple[float, ...] = (20.0, 3.0)  # epochs over each subset (same length as the fractions)
+    label_subset_seed: int = 0  # which balanced subsets (the same for every method and seed)
     ablation_seeds: tuple[int, ...] = (0,)
     groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
     only: tuple[str, ...] = ()  # run names to restrict the groups to (e.g. add seeds to some rows); () = all
@@ -46,6 +55,7 @@ class StudyConfig:
     speech_overrides: tuple[str, ...] = ()
     runs: str = "runs/study"
     results: str = "results"
+    name: str = "study"  # results files: <results>/<name>.json, <name>.md, <name>_*.png
 
     def validate(self) -> None:
         unknown = sorted(set(self.groups) - set(GROUPS))
@@ -64,6 +74,17 @@ class StudyConfig:
         unknown = sorted(set(self.only) - {r.name for r in RUNS})
         if unknown:
             raise ConfigError(f"only: unknown run(s) {unknown}; known: {[r.name for r in RUNS]}")
+        if len(self.label_fractions) != len(self.label_finetune_epochs):
+            raise ConfigError(f"label_finetune_epochs needs one entry per label fraction: {list(self.label_fractions)} "
+                              f"vs {list(self.label_finetune_epochs)}")
+        if any(not 0 < f < 1 for f in self.label_fractions) or any(e <= 0 for e in self.label_finetune_epochs):
+            raise ConfigError("label_fractions must be in (0, 1) and label_finetune_epochs > 0")
+        unknown = sorted(set(self.full_label_rows) - {r.name for r in RUNS if r.group == "main"})
+        if unknown:
+            raise ConfigError(f"full_label_rows: {unknown} are not main rows; main: "
+                              f"{[r.name for r in RUNS if r.group == 'main']}")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name must be a plain file stem (e.g. study_gpu), got {self.name!r}")
         if self.privacy_images < 0 or self.privacy_steps < 1:
             raise ConfigError("privacy_images must be >= 0 and privacy_steps >= 1")
 
@@ -83,6 +104,7 @@ class Run:
     ort: bool = False  # ONNX export + ONNX Runtime evaluation (main table)
     privacy: bool = False  # gradient-inversion attack on its classifier (MJP Table 5)
     speech: bool = False
+    label_efficiency: bool = False  # also fine-tuned (or trained from scratch) and probed on label fractions
 
     @property
     def classifier_only(self) -> bool:
@@ -91,13 +113,14 @@ class Run:
 
 RUNS: tuple[Run, ...] = (
     # main table: same backbone, same data, same total epochs
-    Run("supervised", "main", "supervised", None, finetune_pe=None, ort=True, privacy=True),
-    Run("mp3", "main", "MP3", "mp3_fashion_mnist", finetune_pe="learned", ort=True),
-    Run("droppos", "main", "DropPos", "droppos_fashion_mnist", ort=True),
-    Run("mae", "main", "MAE", "mae_fashion_mnist", ort=True),
-    Run("ijepa", "main", "I-JEPA", "ijepa_fashion_mnist", ort=True),
-    Run("stop", "main", "StoP", "stop_fashion_mnist", ort=True),
-    Run("randsac", "main", "RandSAC", "randsac_fashion_mnist", ort=True),
+    # (MJP is a supervised recipe, not a pretraining: no label-efficiency rows)
+    Run("supervised", "main", "supervised", None, finetune_pe=None, ort=True, privacy=True, label_efficiency=True),
+    Run("mp3", "main", "MP3", "mp3_fashion_mnist", finetune_pe="learned", ort=True, label_efficiency=True),
+    Run("droppos", "main", "DropPos", "droppos_fashion_mnist", ort=True, label_efficiency=True),
+    Run("mae", "main", "MAE", "mae_fashion_mnist", ort=True, label_efficiency=True),
+    Run("ijepa", "main", "I-JEPA", "ijepa_fashion_mnist", ort=True, label_efficiency=True),
+    Run("stop", "main", "StoP", "stop_fashion_mnist", ort=True, label_efficiency=True),
+    Run("randsac", "main", "RandSAC", "randsac_fashion_mnist", ort=True, label_efficiency=True),
     Run("mjp", "main", "MJP", "mjp_fashion_mnist", finetune_pe=None, ort=True),
     # MP3 Table 3: fine-tuning PE of the MP3 backbone, and the supervised baseline with the same three PEs
     Run("mp3_ft_none", "mp3_pe", "MP3, no PE", "mp3_fashion_mnist", finetune_pe="none", pretrain_from="mp3"),

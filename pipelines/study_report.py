@@ -11,8 +11,19 @@ from typing import Any
 import evaluate
 import torch
 from stages import hardware_line
-from study_claims import PRIVACY_METRICS, PRIVACY_RUNS, claims, mean_of, per_seed, privacy_metric, seeds_of, stat
-from study_metrics import HARNESS_VERSION, budget_changes, collect, read_json
+from study_claims import (
+    PRIVACY_METRICS,
+    PRIVACY_RUNS,
+    claims,
+    decided_line,
+    mean_of,
+    per_seed,
+    privacy_metric,
+    seeds_of,
+    stat,
+    verdict,
+)
+from study_metrics import HARNESS_VERSION, budget_changes, collect, fraction_key, read_json
 from study_plan import GROUPS, RUNS, StudyConfig
 from study_runner import Study
 
@@ -62,8 +73,8 @@ def table(rows: dict[str, list[dict[str, Any]]], names: list[str], columns: list
     return lines
 
 
-def plots(rows: dict[str, list[dict[str, Any]]], out: Path) -> list[str]:
-    """PNG figures; returns the file names written."""
+def plots(rows: dict[str, list[dict[str, Any]]], out: Path, stem: str = "study") -> list[str]:
+    """PNG figures ``<stem>_*.png``; returns the file names written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,9 +92,9 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path) -> list[str]:
         ax.set(ylabel="Fashion-MNIST test accuracy", ylim=(0, 1), title="same ViT, same data, same total epochs")
         ax.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
-        fig.savefig(out / "study_main.png", dpi=120)
+        fig.savefig(out / f"{stem}_main.png", dpi=120)
         plt.close(fig)
-        written.append("study_main.png")
+        written.append(f"{stem}_main.png")
     curves = {n: rows[n][0]["mp3_eta_curve"] for n in ("mp3_eta0", "mp3", "mp3_eta0.75")
               if n in rows and "mp3_eta_curve" in rows[n][0]}
     if curves:
@@ -95,9 +106,9 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path) -> list[str]:
         ax.set(xlabel="evaluation eta", ylabel="position top-1", title="MP3 position accuracy (Fig. 3)")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "study_mp3_eta.png", dpi=120)
+        fig.savefig(out / f"{stem}_mp3_eta.png", dpi=120)
         plt.close(fig)
-        written.append("study_mp3_eta.png")
+        written.append(f"{stem}_mp3_eta.png")
     mjp = [n for n in ("supervised", "mjp_gamma0", "mjp_gamma0.03", "mjp", "mjp_gamma0.27") if n in rows]
     if mjp:
         fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
@@ -113,13 +124,14 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path) -> list[str]:
         axes[1].set(xlabel="evaluation gamma", ylabel="Diff. Norm", title="||F(x) - F(x~)||")
         axes[0].legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "study_mjp_consistency.png", dpi=120)
+        fig.savefig(out / f"{stem}_mjp_consistency.png", dpi=120)
         plt.close(fig)
-        written.append("study_mjp_consistency.png")
+        written.append(f"{stem}_mjp_consistency.png")
     return written
 
 
 def privacy_figure(study: Study, out: Path) -> list[str]:
+    picture = f"{study.cfg.name}_privacy.png"
     """MJP Fig. 5 style grid from the privacy stages' ``privacy.npz`` (first seed of each model that has one):
     originals, each model's reconstruction of its update on x (a), the jigsaw x~, each model's reconstruction of
     its update on x~ (b). APRIL where the model has a learned PE, else gradient matching. Kept as is when no run
@@ -133,7 +145,7 @@ def privacy_figure(study: Study, out: Path) -> list[str]:
         if path is not None:
             found[run.label] = dict(np.load(path))
     if not found:
-        return ["study_privacy.png"] if (out / "study_privacy.png").is_file() else []
+        return [picture] if (out / picture).is_file() else []
 
     def reconstructions(setting: str) -> dict[str, np.ndarray]:
         recs = {}
@@ -144,9 +156,39 @@ def privacy_figure(study: Study, out: Path) -> list[str]:
 
     first = next(iter(found.values()))
     evaluate.plot_privacy_grid(first["originals"], first["shuffled"], reconstructions("a"), reconstructions("b"),
-                               out / "study_privacy.png",
+                               out / picture,
                                "gradient inversion of one-image updates (MJP Table 5 settings (a), (b); Fig. 5)")
-    return ["study_privacy.png"]
+    return [picture]
+
+
+def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Label efficiency: per label fraction, fine-tuned top-1 (supervised: trained from scratch on the subset), its
+    seed-paired difference to supervised with the verdict "pretraining helps", and the linear probe on the same
+    subset; then the full-label top-1 for reference. Ends with how many (method, fraction) pairs are decided."""
+    labels = {r.name: r.label for r in RUNS}
+    names = [r.name for r in RUNS if r.label_efficiency]
+    header = ["method", "seeds"]
+    for f in cfg.label_fractions:
+        header += [f"fine-tuned {f:.0%}", f"vs supervised {f:.0%}", f"linear probe {f:.0%}"]
+    lines = ["| " + " | ".join([*header, "all labels"]) + " |", "|" + " --- |" * (len(header) + 1)]
+    verdicts = []
+    for name in names:
+        if name not in rows:
+            lines.append(f"| {labels[name]} | not run |" + " - |" * (len(header) - 1))
+            continue
+        cells = [labels[name], seeds_of(rows[name])]
+        for f in cfg.label_fractions:
+            top1 = fraction_key("top1", f)
+            if name == "supervised":
+                judged = "(baseline)"
+            else:
+                judged = verdict(per_seed(rows, name, top1), per_seed(rows, "supervised", top1), True)
+                verdicts.append(judged)
+            cells += [stat(rows[name], top1), judged, stat(rows[name], fraction_key("linear_probe", f))]
+        lines.append("| " + " | ".join([*cells, stat(rows[name], "top1")]) + " |")
+    summary = decided_line(verdicts)
+    return [*lines, "", "Pretraining beats supervised training from scratch on the same labels: "
+            + summary[0].lower() + summary[1:]]
 
 
 MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "finetune_epochs", False),
@@ -170,9 +212,23 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
              f"probes on {cfg.probe_train_samples} train / {cfg.probe_val_samples} test images, "
              f"curves on {cfg.curve_samples}; mCE over the corruptions that ran, normalized by the supervised run "
              "(= 1.00). `mean ± std` where several seeds ran. Wall-clock: pretraining + fine-tuning minutes with "
-             "the study's processes sharing the machine. Command and config: `study.json`.", "",
-             "## Every method", ""]
+             "the study's processes sharing the machine. Command and config: "
+             f"`{cfg.name}.json`.", "",
+             "## Every method, all labels", ""]
     lines += table(rows, group["main"], MAIN_COLUMNS, "method")
+    if cfg.full_label_rows:
+        lines += ["", f"All-label fine-tuning on every seed for {', '.join(cfg.full_label_rows)} (the rows a "
+                  "full-label claim reads); the other rows on the first seed, their probes on every seed."]
+    if cfg.label_fractions:
+        lines += ["", "## Label efficiency: fine-tuning and linear probes on a fraction of the labels", "",
+                  "Class-balanced subsets of the 60,000 training images (the same for every method and seed, "
+                  f"`label_subset_seed={cfg.label_subset_seed}`); pretraining saw all 60,000 images without labels. "
+                  "Fine-tuning: the same recipe for "
+                  + ", ".join(f"{e:g} epochs over the {f:.0%} subset" for f, e in
+                              zip(cfg.label_fractions, cfg.label_finetune_epochs, strict=True))
+                  + "; supervised: trained from scratch on the subset for as long. Linear probes: on the same "
+                  "subsets, frozen pretrained backbones. Seed-paired differences to supervised as in the claims.", ""]
+        lines += label_table(cfg, rows)
     lines += ["", "position acc.: MP3 top-1 at the training eta, DropPos mean of its 4 x 4 grid; position probe: a "
               "linear probe of the patch tokens' positions (DropPos Table 7), for every backbone.", "",
               "## What the papers claim, and what this study measured", "", *claims(rows)]
@@ -240,7 +296,7 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
 def commands_so_far(cfg: StudyConfig, argv: list[str]) -> list[str]:
     """The study commands whose rows the report holds: those of an earlier ``study.json`` at this budget, then this
     one (``--report-only`` measures nothing and is not recorded)."""
-    earlier = read_json(Path(cfg.results) / "study.json") or {}
+    earlier = read_json(Path(cfg.results) / f"{cfg.name}.json") or {}
     commands = [] if budget_changes(earlier, cfg) else list(earlier.get("commands", []))
     if "--report-only" not in argv:
         command = "python pipelines/study.py " + " ".join(argv)
@@ -253,7 +309,7 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
     out = Path(cfg.results)
     out.mkdir(parents=True, exist_ok=True)
     rows = collect(study)
-    figures = plots(rows, out) + privacy_figure(study, out)
+    figures = plots(rows, out, cfg.name) + privacy_figure(study, out)
     hardware = hardware_line()
     text = markdown(cfg, rows, figures, hardware)
     payload = {"harness": HARNESS_VERSION, "commands": commands_so_far(cfg, argv), "config": asdict(cfg),
@@ -262,7 +318,7 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,
                                  "pretrain_from": r.pretrain_from} for r in RUNS},
                "results": rows}
-    write_json_atomic(out / "study.json", payload)  # two study processes may finish at once
-    with atomic_file(out / "study.md") as tmp:
+    write_json_atomic(out / f"{cfg.name}.json", payload)  # two study processes may finish at once
+    with atomic_file(out / f"{cfg.name}.md") as tmp:
         tmp.write_text(text)
     return text

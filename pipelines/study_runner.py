@@ -61,35 +61,74 @@ class Study:
     def probe_only(self, run: Run) -> bool:
         return run.group in self.cfg.probe_only and run.group != "main"
 
+    def full_label(self, run: Run, seed: int) -> bool:
+        """Whether this (run, seed) is fine-tuned with all labels (``full_label_rows``: the others of main only on
+        the first seed)."""
+        rows = self.cfg.full_label_rows
+        return not (run.group == "main" and rows and run.name not in rows and seed != self.seeds(run)[0])
+
+    def source(self, run: Run, seed: int) -> Path:
+        """The directory of the run whose pretraining this run fine-tunes (``pretrain_from``, else its own)."""
+        return self.dir(next(r for r in RUNS if r.name == run.pretrain_from), seed) if run.pretrain_from else \
+            self.dir(run, seed)
+
+    def supervised(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
+        """A classifier trained from scratch: supervised (the fine-tuning recipe without layer decay) or MJP (its
+        own supervised recipe, pretrain.py)."""
+        common = [f"run.output={out}", f"optim.epochs={epochs}", *self.common(run, seed)]
+        if run.config is None:
+            pe = "sincos1d" if run.speech else run.scratch_pe
+            return stage(out, finetune.main, ["--config", str(self.finetune_config(run)), *common,
+                                              "optim.layer_decay=null", f"finetune.pos_embed={pe}",
+                                              *self.finetune_extra(run), *extra], label=f"{out} train")
+        return stage(out, pretrain.main, ["--config", str(CONFIGS / f"{run.config}.yaml"), *common, *run.objective,
+                                          *extra], label=f"{out} train")
+
+    def finetune(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
+        """Fine-tune this run's pretrained backbone (the fine-tuning recipe + ``finetune_overrides``)."""
+        pe = "null" if run.finetune_pe == "keep" else run.finetune_pe
+        checkpoint = self.source(run, seed) / "pretrain" / "checkpoint"
+        return stage(out, finetune.main, [
+            "--config", str(self.finetune_config(run)), f"run.output={out}", f"optim.epochs={epochs}",
+            f"model.checkpoint={checkpoint}", f"finetune.pos_embed={pe}", *self.common(run, seed),
+            *self.finetune_extra(run), *extra], label=f"{out} finetune")
+
+    def finetune_config(self, run: Run) -> Path:
+        return CONFIGS / ("finetune_spoken_keywords.yaml" if run.speech else "finetune_fashion_mnist.yaml")
+
+    def finetune_extra(self, run: Run) -> list[str]:
+        return [] if run.speech else list(self.cfg.finetune_overrides)
+
     def train(self, run: Run, seed: int) -> tuple[Path, Path | None, dict[str, float]]:
         """-> (backbone checkpoint to probe, classifier checkpoint (None: probes only), stage seconds)."""
         d, (pre, ft) = self.dir(run, seed), self.epochs(run)
-        common, seconds = self.common(run, seed), {}
-        ft_config = CONFIGS / ("finetune_spoken_keywords.yaml" if run.speech else "finetune_fashion_mnist.yaml")
-        ft_extra = [] if run.speech else list(self.cfg.finetune_overrides)
-        if run.config is None:  # supervised from scratch, the fine-tuning recipe without layer decay
-            pe = "sincos1d" if run.speech else run.scratch_pe
-            seconds["train"] = stage(d / "train", finetune.main, [
-                "--config", str(ft_config), f"run.output={d / 'train'}", f"optim.epochs={pre + ft}",
-                "optim.layer_decay=null", f"finetune.pos_embed={pe}", *common, *ft_extra], label=f"{d} train")
+        seconds = {}
+        if run.classifier_only:  # supervised / MJP from scratch, the same total epochs
+            seconds["train"] = self.supervised(run, seed, d / "train", pre + ft, [])
             return d / "train" / "checkpoint", d / "train" / "checkpoint", seconds
-        if run.classifier_only:  # MJP: a supervised recipe, from scratch, same total epochs
-            seconds["train"] = stage(d / "train", pretrain.main, [
-                "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'train'}",
-                f"optim.epochs={pre + ft}", *run.objective, *common], label=f"{d} train")
-            return d / "train" / "checkpoint", d / "train" / "checkpoint", seconds
-        source = self.dir(next(r for r in RUNS if r.name == run.pretrain_from), seed) if run.pretrain_from else d
+        source = self.source(run, seed)
         seconds["pretrain"] = stage(source / "pretrain", pretrain.main, [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
-            f"optim.epochs={pre}", *run.objective, *common], label=f"{source} pretrain")
-        if self.probe_only(run):
+            f"optim.epochs={pre}", *run.objective, *self.common(run, seed)], label=f"{source} pretrain")
+        if self.probe_only(run) or not self.full_label(run, seed):
             return source / "pretrain" / "checkpoint", None, seconds
-        pe = "null" if run.finetune_pe == "keep" else run.finetune_pe
-        seconds["finetune"] = stage(d / "finetune", finetune.main, [
-            "--config", str(ft_config), f"run.output={d / 'finetune'}", f"optim.epochs={ft}",
-            f"model.checkpoint={source / 'pretrain' / 'checkpoint'}", f"finetune.pos_embed={pe}", *common,
-            *ft_extra], label=f"{d} finetune")
+        seconds["finetune"] = self.finetune(run, seed, d / "finetune", ft, [])
         return source / "pretrain" / "checkpoint", d / "finetune" / "checkpoint", seconds
+
+    def label_efficiency(self, run: Run, seed: int) -> dict[str, float]:
+        """Fine-tune the pretrained backbone (supervised: train from scratch) on each class-balanced label fraction,
+        for ``label_finetune_epochs`` over the subset; the stage's closing evaluation on the whole test split is
+        its top-1."""
+        c, seconds = self.cfg, {}
+        if not run.label_efficiency or not c.label_fractions:
+            return seconds
+        for fraction, epochs in zip(c.label_fractions, c.label_finetune_epochs, strict=True):
+            out = self.dir(run, seed) / f"label{fraction:g}"
+            extra = [f"data.label_fraction={fraction}", f"data.label_subset_seed={c.label_subset_seed}",
+                     f"data.val_limit={c.test_samples or 'null'}"]
+            train = self.supervised if run.classifier_only else self.finetune
+            seconds[out.name] = train(run, seed, out, epochs, extra)
+        return seconds
 
     def evaluate(self, run: Run, seed: int, backbone: Path, classifier: Path | None) -> None:
         c, d = self.cfg, self.dir(run, seed)
@@ -102,12 +141,14 @@ class Study:
             return
         limit = [f"data.val_limit={c.test_samples}"] if c.test_samples else []
         if not run.pretrain_from:  # probes of the backbone (the pretrained one, or the classifier's own)
+            fractions = list(c.label_fractions) if run.label_efficiency and not run.classifier_only else []
             stage(d / "probe", evaluate.main, [
                 "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'probe'}",
                 f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
                 f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
-                f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]", *data],
-                label=f"{d} probe")
+                f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]",
+                f"eval.label_fractions=[{','.join(map(str, fractions))}]",
+                f"data.label_subset_seed={c.label_subset_seed}", *data], label=f"{d} probe")
         if classifier is None:
             return
         stage(d / "eval", evaluate.main, [
@@ -137,6 +178,7 @@ class Study:
             for seed in self.seeds(run):
                 start = time.perf_counter()
                 backbone, classifier, _ = self.train(run, seed)
+                self.label_efficiency(run, seed)
                 self.evaluate(run, seed, backbone, classifier)
                 print(f"[study] {run.name} seed {seed}: {(time.perf_counter() - start) / 60:.1f} min this call",
                       flush=True)

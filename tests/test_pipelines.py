@@ -32,7 +32,9 @@ def test_every_shipped_config_loads_and_validates(shards):
     for path in sorted((ROOT / "pipelines" / "configs").glob("*.yaml")):
         if path.name.startswith("study"):
             cfg = pipeline_config.load(study_plan.StudyConfig, str(path), [])
-            assert set(cfg.groups) == set(study_plan.GROUPS), "the shipped study runs every group"
+            everything = path.name == "study_gpu.yaml"
+            assert set(cfg.groups) == set(study_plan.GROUPS) if everything else "main" in cfg.groups, path
+            assert set(cfg.seeds) == {0, 1, 2} == set(cfg.ablation_seeds), "three seeds for every row a claim reads"
             continue
         kind = next((k for k in classes if path.name.startswith(k)), "pretrain")
         data = audio(shards) if "spoken" in path.name else img(shards)
@@ -139,9 +141,15 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
         assert ort["consistency"][gamma]["diff_norm"] == pytest.approx(value["diff_norm"], rel=1e-4, abs=1e-6)
     assert evaluate.main([*img(shards), "data.batch_size=8", "data.num_workers=0", f"run.output={tmp_path / 'ev2'}",
                           f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "eval.probe_train_samples=32",
-                          "eval.probe_epochs=2", "eval.max_eval_samples=16"]) == 0
+                          "eval.probe_epochs=2", "eval.max_eval_samples=16", "eval.label_fractions=[0.1,0.5]"]) == 0
     results = json.loads((tmp_path / "ev2" / "results.json").read_text())
     assert results["probe_feature"] == "patch_mean"  # MP3 never trained the class token
+    # label-efficiency probes: the balanced subsets of the whole train split (64 images, 3 classes) fine-tuning uses
+    subsets = results["linear_probe_label_fraction"]
+    assert {k: v["train_samples"] for k, v in subsets.items()} == {"0.1": 6, "0.5": 31}
+    assert evaluate.main([*img(shards), "data.num_workers=0", f"run.output={tmp_path / 'ev3'}", "data.in_memory=false",
+                          f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "eval.label_fractions=[0.1]"]) == 2
+    assert not (tmp_path / "ev3" / "results.json").exists()
     assert set(results["mp3_position_accuracy"]) == {"0.0", "0.25", "0.5", "0.75", "0.9"}
     assert (tmp_path / "ev2" / "mp3_reassembled.png").stat().st_size > 1000
 

@@ -35,7 +35,8 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
             "curve_samples=16", "ort_consistency_samples=8", "robustness_samples=2", "test_samples=32",
             "speech_pretrain_epochs=1",
             "speech_finetune_epochs=1", "speech_seeds=[0,1]", "overrides=[data.shuffle_buffer=16]",
-            "speech_overrides=[data.batch_size=8]", "privacy_steps=3"]
+            "speech_overrides=[data.batch_size=8]", "privacy_steps=3", "label_fractions=[0.1,0.5]",
+            "label_finetune_epochs=[2,1]", "seeds=[0]", "ablation_seeds=[0]", "full_label_rows=[]"]
     assert study.main(args) == 0
     result = json.loads((tmp_path / "results" / "study.json").read_text())
     rows = result["results"]
@@ -52,11 +53,20 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert "position_accuracy" in mp3 and "mp3_eta_curve" in mp3 and "droppos_grid" in rows["droppos"][0]
     assert "linear_probe_1pct" in rows["stop"][0] and "consistency" in rows["mjp"][0]
     runs = tmp_path / "runs" / "seed0"
+    for name in ("supervised", "mp3", "stop"):  # label efficiency: fine-tuned (supervised: from scratch) per fraction
+        assert {"top1@0.1", "top1@0.5"} <= set(rows[name][0]), name
+        used = pipeline_config.yaml.safe_load((runs / name / "label0.1" / "config.yaml").read_text())["data"]
+        assert used["label_fraction"] == 0.1 and used["val_limit"] == 32, "the subset; top-1 on the test images"
+    assert (runs / "supervised" / "label0.5" / "checkpoint").is_dir() and not (runs / "mjp" / "label0.1").exists()
+    assert {"linear_probe@0.1", "linear_probe@0.5"} <= set(rows["mp3"][0]), "probes on the same subsets"
+    assert "linear_probe@0.1" not in rows["supervised"][0], "a supervised backbone saw every label"
     assert not (runs / "mp3_ft_none" / "pretrain").exists(), "MP3 Table 3 rows fine-tune the main MP3 pretraining"
     assert (runs / "mp3_ft_none" / "finetune" / "DONE").is_file()
     assert [m["seed"] for m in rows["speech_mp3"]] == [0, 1]
     text = (tmp_path / "results" / "study.md").read_text()
     assert "Hardware: " in text and "| MP3 | 0 |" in text and " ± " in text  # two speech seeds: mean ± std
+    assert "## Label efficiency" in text and "| MP3 | 0 |" in text.split("## Label efficiency")[1]
+    assert "Decided " in text and "pretraining beats supervised" in text.lower()
     claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 3: MP3 pretraining"))
     assert any(word in claim for word in ("agrees", "contradicts", "tie")), claim
     assert "| DropPos gamma 0.5 | not run |" in text
@@ -71,6 +81,28 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert study.main(args) == 0  # resumes: every stage is skipped
     out = capsys.readouterr().out
     assert "done before, skipping" in out and "] --config" not in out
+
+
+def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seeds(shards, tmp_path):
+    """full_label_rows: the other main rows are fine-tuned with all labels on the first seed only, while their
+    pretraining, probes and label-efficiency runs take every seed."""
+    args = [f"runs={tmp_path / 'runs'}", f"results={tmp_path / 'results'}", "preset=vit_micro",
+            "pretrain_epochs=0.25", "finetune_epochs=0.25", "batch_size=8", "num_workers=0",
+            f"fashion_mnist={shards / 'img'}", "groups=[main]", "only=[supervised,mae]", "seeds=[0,1]",
+            "full_label_rows=[supervised]", "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1",
+            "curve_samples=8", "ort_consistency_samples=4", "robustness_samples=1", "test_samples=16",
+            "privacy_images=0", "label_fractions=[0.5]", "label_finetune_epochs=[1]"]
+    assert study.main(args) == 0
+    rows = json.loads((tmp_path / "results" / "study.json").read_text())["results"]
+    mae = {m["seed"]: m for m in rows["mae"]}
+    assert mae[0]["top1"] is not None and mae[1]["top1"] is None and mae[1]["finetune_pe"] == "(probes only)"
+    assert "top1@0.5" in mae[1] and "linear_probe@0.5" in mae[1] and "linear_probe" in mae[1]
+    assert not (tmp_path / "runs" / "seed1" / "mae" / "finetune").exists()
+    assert [m["seed"] for m in rows["supervised"] if m["top1"] is not None] == [0, 1]
+    with pytest.raises(pipeline_config.ConfigError, match="full_label_rows"):
+        pipeline_config.load(StudyConfig, None, ["full_label_rows=[droppos_gamma0.5]"])
+    with pytest.raises(pipeline_config.ConfigError, match="one entry per label fraction"):
+        pipeline_config.load(StudyConfig, None, ["label_fractions=[0.01]"])
 
 
 def test_study_splits_groups_over_jobs_and_stages_refuse_a_busy_directory(tmp_path):
