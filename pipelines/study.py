@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,41 +41,73 @@ from study_runner import Study
 # numbers), study_claims (the verdicts), study_report (tables, figures, results files); this file: the command line.
 
 
-# relative cost of each group at the default budget (training epochs + evaluations), to balance --jobs
-GROUP_COST = {"main": 9.0, "mp3_pe": 3.0, "mp3_eta": 2.0, "droppos": 4.0, "mjp": 2.5, "randsac": 2.5, "speech": 0.5}
+# Relative cost of one seed of each group at the CPU budget, in supervised epochs of Fashion-MNIST (training +
+# evaluations), to balance --jobs; the first main seed also fine-tunes every main row with all labels (when
+# full_label_rows limits the later seeds).
+GROUP_COST = {"main": 10.0, "mp3_pe": 4.5, "mp3_eta": 0.9, "droppos": 1.4, "mjp": 4.5, "randsac": 3.0, "speech": 3.1}
+FIRST_MAIN_EXTRA = 5.0
 
 
-def split_groups(groups: tuple[str, ...], jobs: int) -> list[list[str]]:
-    """Greedy longest-first split of the groups over ``jobs`` processes; mp3_pe rides with main (it fine-tunes the
-    main MP3 pretraining) and comes after it."""
-    units = [[g] for g in groups if g != "mp3_pe"]
-    if "mp3_pe" in groups:
-        host = next((u for u in units if u == ["main"]), None)
-        host.append("mp3_pe") if host is not None else units.append(["mp3_pe"])
-    buckets: list[list[str]] = [[] for _ in range(min(jobs, len(units)))]
-    for unit in sorted(units, key=lambda u: -sum(GROUP_COST[g] for g in u)):
-        min(buckets, key=lambda b: sum(GROUP_COST[g] for g in b)).extend(unit)
-    return [sorted(b, key=lambda g: (groups.index(g) if g != "mp3_pe" else groups.index("main") + 0.5))
-            for b in buckets if b]  # each process keeps the priority order of ``groups``
+@dataclass(frozen=True)
+class Unit:
+    """Groups run together on one seed by one study process (mp3_pe rides with main: it fine-tunes main's MP3)."""
+
+    groups: tuple[str, ...]
+    seed: int
+    cost: float
+
+
+def group_seeds(cfg: StudyConfig, group: str) -> tuple[int, ...]:
+    return cfg.seeds if group == "main" else cfg.speech_seeds if group == "speech" else cfg.ablation_seeds
+
+
+def split_units(cfg: StudyConfig, jobs: int) -> list[list[Unit]]:
+    """(groups, seed) units spread over ``jobs`` processes, greedy longest-first; each process runs its units in
+    the priority order of ``cfg.groups``, then by seed."""
+    units: dict[tuple[str, int], list[str]] = {}
+    for group in cfg.groups:
+        for seed in group_seeds(cfg, group):
+            host = ("main", seed) if group == "mp3_pe" and ("main", seed) in units else (group, seed)
+            units.setdefault(host, []).append(group)
+    first_main = cfg.seeds[0]
+    made = [Unit(tuple(groups), seed, sum(GROUP_COST[g] for g in groups)
+                 + (FIRST_MAIN_EXTRA if (key, seed) == ("main", first_main) and cfg.full_label_rows else 0.0))
+            for (key, seed), groups in units.items()]
+    buckets: list[list[Unit]] = [[] for _ in range(min(jobs, len(made)))]
+    for unit in sorted(made, key=lambda u: -u.cost):
+        min(buckets, key=lambda b: sum(u.cost for u in b)).append(unit)
+    return [sorted(b, key=lambda u: (cfg.groups.index(u.groups[0]), u.seed)) for b in buckets if b]
 
 
 def run_jobs(args: argparse.Namespace, cfg: StudyConfig) -> int:
-    """Run the groups as ``args.jobs`` study processes (each with cpu_count / jobs torch threads); logs in runs/."""
+    """Run the study as ``args.jobs`` processes at a time (each with cpu_count / jobs torch threads), each job its
+    units one after another; logs in runs/job<i>.log."""
     import subprocess
+    import threading
 
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     base = [sys.executable, __file__, *(["--config", args.config] if args.config else []), *args.overrides]
-    logs, procs = [], []
     Path(cfg.runs).mkdir(parents=True, exist_ok=True)
-    for i, groups in enumerate(split_groups(cfg.groups, args.jobs)):
+    failed: list[str] = []
+
+    def job(i: int, units: list[Unit]) -> None:
         log = Path(cfg.runs) / f"job{i}.log"
-        print(f"[study] job {i}: groups {groups}, {threads} thread(s), log {log}", flush=True)
-        with log.open("a") as f:
-            procs.append(subprocess.Popen([*base, f"groups=[{','.join(groups)}]", f"threads={threads}"],
-                                          stdout=f, stderr=subprocess.STDOUT))
-        logs.append(log)
-    codes = [proc.wait() for proc in procs]
-    failed = [str(log) for log, code in zip(logs, codes, strict=True) if code != 0]
+        for unit in units:
+            with log.open("a") as f:
+                code = subprocess.call([*base, f"groups=[{','.join(unit.groups)}]", f"only_seeds=[{unit.seed}]",
+                                        f"threads={threads}"], stdout=f, stderr=subprocess.STDOUT)
+            if code != 0:
+                failed.append(f"{log} ({'+'.join(unit.groups)} seed {unit.seed})")
+                return
+
+    workers = []
+    for i, units in enumerate(split_units(cfg, args.jobs)):
+        plan = ", ".join(f"{'+'.join(u.groups)} seed {u.seed}" for u in units)
+        print(f"[study] job {i}: {plan}; {threads} thread(s), log {Path(cfg.runs) / f'job{i}.log'}", flush=True)
+        workers.append(threading.Thread(target=job, args=(i, units)))
+        workers[-1].start()
+    for worker in workers:
+        worker.join()
     if failed:
         print(f"error: study job(s) failed, see {', '.join(failed)}; run the same command again (it resumes)",
               file=sys.stderr)

@@ -32,6 +32,7 @@ class StudyConfig:
     ablation_seeds: tuple[int, ...] = (0,)
     groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
     only: tuple[str, ...] = ()  # run names to restrict the groups to (e.g. add seeds to some rows); () = all
+    only_seeds: tuple[int, ...] = ()  # seeds this process runs (study.py --jobs gives each process its own); () = all
     probe_only: tuple[str, ...] = ()  # ablation groups evaluated by probes only (no fine-tuning; not main)
     batch_size: int = 128
     num_workers: int = 1

@@ -175,7 +175,7 @@ class Study:
 
     def run_all(self) -> None:
         for run in runs_of(self.cfg.groups, self.cfg.only):
-            for seed in self.seeds(run):
+            for seed in (s for s in self.seeds(run) if not self.cfg.only_seeds or s in self.cfg.only_seeds):
                 start = time.perf_counter()
                 backbone, classifier, _ = self.train(run, seed)
                 self.label_efficiency(run, seed)

@@ -92,6 +92,9 @@ def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seed
             "full_label_rows=[supervised]", "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1",
             "curve_samples=8", "ort_consistency_samples=4", "robustness_samples=1", "test_samples=16",
             "privacy_images=0", "label_fractions=[0.5]", "label_finetune_epochs=[1]"]
+    assert study.main([*args, "only_seeds=[1]"]) == 0  # as one --jobs process: seed 1 alone, still not the first
+    assert not (tmp_path / "runs" / "seed0").exists() and (tmp_path / "runs" / "seed1" / "mae" / "probe").is_dir()
+    assert not (tmp_path / "runs" / "seed1" / "mae" / "finetune").exists()
     assert study.main(args) == 0
     rows = json.loads((tmp_path / "results" / "study.json").read_text())["results"]
     mae = {m["seed"]: m for m in rows["mae"]}
@@ -105,14 +108,24 @@ def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seed
         pipeline_config.load(StudyConfig, None, ["label_fractions=[0.01]"])
 
 
-def test_study_splits_groups_over_jobs_and_stages_refuse_a_busy_directory(tmp_path):
-    buckets = study.split_groups(GROUPS, 2)
-    assert sorted(g for b in buckets for g in b) == sorted(GROUPS) and len(buckets) == 2
-    host = next(b for b in buckets if "main" in b)
-    assert host.index("mp3_pe") > host.index("main"), "mp3_pe fine-tunes main's MP3 pretraining"
+def test_study_splits_group_seeds_over_jobs_and_stages_refuse_a_busy_directory(tmp_path):
+    cfg = pipeline_config.load(StudyConfig, None, ["seeds=[0,1,2]", "ablation_seeds=[0,1,2]", "speech_seeds=[0,1]",
+                                                   "full_label_rows=[supervised]"])
+    buckets = study.split_units(cfg, 2)
+    units = [(g, u.seed) for b in buckets for u in b for g in u.groups]
+    expected = [(g, s) for g in GROUPS for s in ((0, 1) if g == "speech" else (0, 1, 2))]
+    assert sorted(units) == sorted(expected) and len(units) == len(set(units)), "every (group, seed) exactly once"
+    costs = [sum(u.cost for u in b) for b in buckets]
+    assert len(buckets) == 2 and max(costs) - min(costs) <= max(u.cost for b in buckets for u in b)
+    assert all(("mp3_pe" in u.groups) == ("main" in u.groups) for b in buckets for u in b), \
+        "mp3_pe rides with main of the same seed (it fine-tunes main's MP3 pretraining)"
+    first = next(u for b in buckets for u in b if "main" in u.groups and u.seed == 0)
+    assert first.cost > next(u for b in buckets for u in b if "main" in u.groups and u.seed == 1).cost
     order = ("randsac", "main", "mjp", "mp3_pe", "speech", "droppos", "mp3_eta")
-    for bucket in study.split_groups(order, 3):  # every process keeps the priority order given
-        assert bucket == sorted(bucket, key=lambda g: order.index(g) if g != "mp3_pe" else 1.5), bucket
+    cfg.groups = order
+    for bucket in study.split_units(cfg, 3):  # every process keeps the priority order given, then the seed order
+        keys = [(order.index(u.groups[0]), u.seed) for u in bucket]
+        assert keys == sorted(keys), bucket
     with pytest.raises(pipeline_config.ConfigError, match="probe_only"):
         pipeline_config.load(StudyConfig, None, ["probe_only=[main]"])
     (tmp_path / "LOCK").write_text(str(os.getppid()))  # a live process holds the stage
