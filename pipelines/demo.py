@@ -71,6 +71,26 @@ def ort_summary(ort: dict) -> str:
     return text + ". Details: `evaluate_onnx/results.md`."
 
 
+def versus_supervised(out: Path, seconds: dict[str, float], pretrained_top1: float) -> list[str]:
+    """What pretraining bought: the fine-tuned MP3 model beside the same ViT trained from scratch for the same total
+    epochs with the same recipe (the ``supervised`` stage), on the same test images."""
+    log = out / "supervised" / "log.jsonl"
+    if "supervised" not in seconds or not log.is_file():
+        return []
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    top1 = [r["eval"] for r in rows if "eval" in r][-1]["top1"]
+    delta = (pretrained_top1 - top1) * 100
+    verdict = (f"MP3 pretraining bought {delta:+.1f} points of test top-1 at this budget" if delta > 0 else
+               f"at this budget MP3 pretraining did not pay off ({delta:+.1f} points)")
+    return ["| model (same ViT, same total epochs, same test images) | training wall-clock | test top-1 |",
+            "| --- | --- | --- |",
+            f"| MP3 pretraining + fine-tuning | {(seconds['pretrain'] + seconds['finetune']) / 60:.1f} min | "
+            f"{pretrained_top1:.4f} |",
+            f"| supervised from scratch | {seconds['supervised'] / 60:.1f} min | {top1:.4f} |", "",
+            f"{verdict[0].upper() + verdict[1:]} (one seed: a difference of a point or so is within seed noise; "
+            "`make study` measures three).", ""]
+
+
 def report(out: Path, seconds: dict[str, float]) -> str:
     ft = json.loads((out / "evaluate_finetuned" / "results.json").read_text())
     pre = json.loads((out / "evaluate_pretrained" / "results.json").read_text())
@@ -79,8 +99,9 @@ def report(out: Path, seconds: dict[str, float]) -> str:
     pretrain_log = [json.loads(line) for line in (out / "pretrain" / "log.jsonl").read_text().splitlines()]
     last = [r for r in pretrain_log if "pos_acc" in r][-1]
     lines = ["# patchplace demo: MP3 on Fashion-MNIST", "",
-             "MP3 pretraining (no PE, context-only attention) -> fine-tuning with a learned PE -> evaluation.", "",
-             "| stage | wall-clock | result |", "| --- | --- | --- |",
+             "MP3 pretraining (no PE, context-only attention) -> fine-tuning with a learned PE -> evaluation.", ""]
+    lines += versus_supervised(out, seconds, ft["classification"]["top1"])
+    lines += ["| stage | wall-clock | result |", "| --- | --- | --- |",
              f"| pretrain (MP3) | {seconds['pretrain'] / 60:.1f} min | train position accuracy {last['pos_acc']:.3f} "
              f"(top-5 {last['pos_acc_top5']:.3f}) at the last logged step |",
              f"| fine-tune | {seconds['finetune'] / 60:.1f} min | test top-1 {ft['classification']['top1']:.4f}, "
@@ -112,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-epochs", type=float, default=1.0, help="MP3 epochs (default: %(default)s)")
     parser.add_argument("--finetune-epochs", type=float, default=1.0, help="fine-tuning epochs (default: %(default)s)")
     parser.add_argument("--preset", default="vit_cpu", help="backbone preset (default: %(default)s)")
+    parser.add_argument("--no-supervised", action="store_true",
+                        help="skip the same-budget supervised ViT trained from scratch beside the pretrained one")
     parser.add_argument("--ort-robustness-limit", type=int, default=500,
                         help="test images for the ONNX Runtime corruption sweep (default: %(default)s)")
     parser.add_argument("--ort-latency-repeats", type=int, default=20, help="timed runs per batch size")
@@ -130,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     seconds["finetune"] = stage(out, "finetune", finetune.main, [
         "--config", str(CONFIGS / "finetune_fashion_mnist.yaml"), f"run.output={out / 'finetune'}", "run.resume=true",
         f"model.checkpoint={out / 'pretrain' / 'checkpoint'}", f"optim.epochs={args.finetune_epochs}", *extra])
+    if not args.no_supervised:  # the same ViT from scratch, same total epochs and recipe (no layer decay)
+        seconds["supervised"] = stage(out, "supervised", finetune.main, [
+            "--config", str(CONFIGS / "finetune_fashion_mnist.yaml"), f"run.output={out / 'supervised'}",
+            "run.resume=true", f"model.preset={args.preset}", "optim.layer_decay=null",
+            f"optim.epochs={args.pretrain_epochs + args.finetune_epochs}", *extra])
     for name, checkpoint in (("evaluate_finetuned", "finetune"), ("evaluate_pretrained", "pretrain")):
         (out / name).mkdir(exist_ok=True)
         seconds[name] = stage(out, name, evaluate.main, [
