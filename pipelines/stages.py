@@ -16,20 +16,27 @@ class StageError(RuntimeError):
 
 def stage(directory: Path, run: Callable[[list[str]], int], argv: list[str], label: str = "") -> float:
     """Run ``run(argv)`` unless ``directory/DONE`` exists; returns the stage's wall-clock seconds (the recorded ones
-    when it was done before). A failing stage leaves no DONE, so the next invocation retries (and resumes)."""
+    when it was done before). A failing stage leaves no DONE, so the next invocation retries (and resumes). DONE
+    records the arguments: a stage done with other arguments (another budget in the same directory) is refused,
+    never silently reused."""
     directory.mkdir(parents=True, exist_ok=True)
     done = directory / "DONE"
     name = label or str(directory)
     if done.is_file():
+        record = json.loads(done.read_text())
+        if record.get("argv") != list(argv):
+            changed = sorted(set(record.get("argv") or ["(not recorded)"]) ^ set(argv))
+            raise StageError(f"{name} was done with other arguments (differing: {' '.join(changed[:6])}); remove "
+                             f"{directory} to redo it, or write this run elsewhere")
         print(f"[{name}] done before, skipping ({done})")
-        return float(json.loads(done.read_text())["seconds"])
+        return float(record["seconds"])
     with _Lock(directory / "LOCK", name):
         print(f"[{name}] {' '.join(argv)}", flush=True)
         start = time.perf_counter()
         if run(argv) != 0:
             raise StageError(f"{name} failed; fix the error above and run the same command again (it resumes)")
         seconds = time.perf_counter() - start
-        done.write_text(json.dumps({"seconds": round(seconds, 1)}))
+        done.write_text(json.dumps({"seconds": round(seconds, 1), "argv": list(argv)}))
     return seconds
 
 

@@ -134,6 +134,8 @@ def test_study_splits_group_seeds_over_jobs_and_stages_refuse_a_busy_directory(t
     (tmp_path / "LOCK").write_text("999999999")  # its process is gone: taken over
     assert stages.stage(tmp_path, lambda argv: 0, []) >= 0 and (tmp_path / "DONE").is_file()
     assert not (tmp_path / "LOCK").exists()
+    with pytest.raises(stages.StageError, match="done with other arguments"):  # another budget, same directory
+        stages.stage(tmp_path, lambda argv: 0, ["optim.epochs=5"])
     with pytest.raises(stages.StageError, match="failed"):
         stages.stage(tmp_path / "x", lambda argv: 1, [])
     assert not (tmp_path / "x" / "DONE").exists() and not (tmp_path / "x" / "LOCK").exists()
