@@ -92,7 +92,25 @@ def on_par(ours: dict[int, float], other: dict[int, float], tolerance: float = 0
 
 
 def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Each paper's claim beside what this study measured, paired by seed (see :func:`verdict`)."""
+    """Each paper's claim beside what this study measured, paired by seed (see :func:`verdict`), after a line
+    counting the decided ones."""
+    items = claim_items(rows)
+    lines = [decided_line([v for _, v in items]), "", "| claim (paper) | this study |", "| --- | --- |"]
+    return lines + [f"| {c} | {v} |" for c, v in items]
+
+
+def claims_versus(rows: dict[str, list[dict[str, Any]]], earlier: dict[str, list[dict[str, Any]]],
+                  earlier_name: str) -> list[str]:
+    """The claims table of an earlier study's rows (judged by the same rules) beside this one's."""
+    now, before = claim_items(rows), dict(claim_items(earlier))
+    lines = [f"| claim (paper) | {earlier_name} | this study |", "| --- | --- | --- |"]
+    lines += [f"| {c} | {before[c]} | {v} |" for c, v in now]
+    return [*lines, "", f"{earlier_name}: {decided_line(list(before.values()))}",
+            f"This study: {decided_line([v for _, v in now])}"]
+
+
+def claim_items(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
+    """(claim, verdict) per paper claim."""
     def m(name: str, key: Value | str) -> dict[int, float]:
         return per_seed(rows, name, key)
 
@@ -168,8 +186,7 @@ def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
         ("MP3 Table 5: MP3 pretraining improves the keyword-spotting Transformer",
          verdict(m("speech_mp3", "top1"), m("speech_supervised", "top1"), True)),
     ]
-    lines = [decided_line([v for _, v in items]), "", "| claim (paper) | this study |", "| --- | --- |"]
-    return lines + [f"| {c} | {v} |" for c, v in items]
+    return items
 
 
 def decided_line(verdicts: list[str]) -> str:

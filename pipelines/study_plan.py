@@ -57,6 +57,7 @@ class StudyConfig:
     runs: str = "runs/study"
     results: str = "results"
     name: str = "study"  # results files: <results>/<name>.json, <name>.md, <name>_*.png
+    compare_with: str | None = None  # an earlier study.json: its claims, judged by the same rules, beside these
 
     def validate(self) -> None:
         unknown = sorted(set(self.groups) - set(GROUPS))

@@ -15,6 +15,7 @@ from study_claims import (
     PRIVACY_METRICS,
     PRIVACY_RUNS,
     claims,
+    claims_versus,
     decided_line,
     mean_of,
     per_seed,
@@ -232,6 +233,10 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
     lines += ["", "position acc.: MP3 top-1 at the training eta, DropPos mean of its 4 x 4 grid; position probe: a "
               "linear probe of the patch tokens' positions (DropPos Table 7), for every backbone.", "",
               "## What the papers claim, and what this study measured", "", *claims(rows)]
+    earlier = read_json(Path(cfg.compare_with)) if cfg.compare_with else None
+    if earlier:
+        lines += ["", f"### The same claims judged on the earlier study `{cfg.compare_with}`", "",
+                  *claims_versus(rows, earlier["results"], "earlier")]
     lines += ["", "## MP3: fine-tuning PE (Table 3) and masking ratio (Figs. 3, 6)", ""]
     lines += table(rows, ["mp3", *group["mp3_pe"], "supervised", "mp3_eta0", "mp3_eta0.75"],
                    [("fine-tune PE", "finetune_pe", False), ("top-1", "top1", True),

@@ -67,6 +67,7 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert "Hardware: " in text and "| MP3 | 0 |" in text and " ± " in text  # two speech seeds: mean ± std
     assert "## Label efficiency" in text and "| MP3 | 0 |" in text.split("## Label efficiency")[1]
     assert "Decided " in text and "pretraining beats supervised" in text.lower()
+    assert "### The same claims judged on the earlier study" in text  # the shipped config compares with v1
     claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 3: MP3 pretraining"))
     assert any(word in claim for word in ("agrees", "contradicts", "tie")), claim
     assert "| DropPos gamma 0.5 | not run |" in text
