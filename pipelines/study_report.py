@@ -192,6 +192,32 @@ def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]]) -> list
             + summary[0].lower() + summary[1:]]
 
 
+STAGE_KINDS = (("pretraining", ("pretrain",)), ("all-label training", ("train", "finetune")),
+               ("label efficiency", ("label",)), ("probes", ("probe",)),
+               ("evaluation + ONNX", ("eval", "export", "ort")), ("privacy", ("privacy",)))
+
+
+def wall_clock(study: Study) -> list[str]:
+    """Minutes of the finished stages below ``runs/``, per group and kind of stage (the study's processes share
+    the machine: per-process time, summed)."""
+    group = {r.name: r.group for r in RUNS}
+    minutes: dict[str, dict[str, float]] = {}
+    for done in sorted(study.root.glob("seed*/*/*/DONE")):
+        run, stage_name = done.parent.parent.name, done.parent.name
+        kind = next((k for k, prefixes in STAGE_KINDS if stage_name.startswith(prefixes)), "other")
+        per_group = minutes.setdefault(group.get(run, "other"), {})
+        per_group[kind] = per_group.get(kind, 0.0) + float(read_json(done)["seconds"]) / 60
+    if not minutes:
+        return []
+    kinds = [k for k, _ in STAGE_KINDS if any(k in m for m in minutes.values())]
+    lines = ["| group | " + " | ".join(kinds) + " | total |", "|" + " --- |" * (len(kinds) + 2)]
+    for g, m in minutes.items():
+        lines.append(f"| {g} | " + " | ".join(f"{m.get(k, 0):.1f}" for k in kinds) + f" | {sum(m.values()):.1f} |")
+    total = sum(sum(m.values()) for m in minutes.values())
+    return [*lines, "", f"Process-minutes in all: {total:.1f} (divide by the number of study processes for the "
+            "elapsed time when they ran side by side)."]
+
+
 MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "finetune_epochs", False),
                 ("wall-clock min", "minutes", False), ("fine-tune PE", "finetune_pe", False),
                 ("top-1", "top1", True), ("top-1 ORT", "top1_ort", True), ("linear probe", "linear_probe", True),
@@ -201,7 +227,8 @@ MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "fin
                 ("position probe", "position_probe", True)]
 
 
-def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: list[str], hardware: str) -> str:
+def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: list[str], hardware: str,
+             study: Study) -> str:
     names = [r.name for r in RUNS]
     group = {g: [r.name for r in RUNS if r.group == g] for g in GROUPS}
     lines = ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "",
@@ -292,6 +319,9 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
     if failed:
         lines += ["", f"Corruptions that failed in this environment (not in mCE): {', '.join(failed)}."]
     lines += [""] + [f"![{f}]({f})" for f in figures]
+    spent = wall_clock(study)
+    if spent:
+        lines += ["", "## Wall-clock per part (minutes of the finished stages)", "", *spent]
     missing = [n for n in names if n not in rows]
     if missing:
         lines += ["", f"Not run (yet): {', '.join(missing)}."]
@@ -316,7 +346,7 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
     rows = collect(study)
     figures = plots(rows, out, cfg.name) + privacy_figure(study, out)
     hardware = hardware_line()
-    text = markdown(cfg, rows, figures, hardware)
+    text = markdown(cfg, rows, figures, hardware, study)
     payload = {"harness": HARNESS_VERSION, "commands": commands_so_far(cfg, argv), "config": asdict(cfg),
                "hardware": hardware, "python": platform.python_version(), "torch": torch.__version__,
                "runs": {r.name: {"group": r.group, "label": r.label, "config": r.config,

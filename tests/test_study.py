@@ -68,6 +68,8 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert "## Label efficiency" in text and "| MP3 | 0 |" in text.split("## Label efficiency")[1]
     assert "Decided " in text and "pretraining beats supervised" in text.lower()
     assert "### The same claims judged on the earlier study" in text  # the shipped config compares with v1
+    spent = text.split("## Wall-clock per part")[1]
+    assert "| main |" in spent and "| speech |" in spent and "label efficiency" in spent
     claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 3: MP3 pretraining"))
     assert any(word in claim for word in ("agrees", "contradicts", "tie")), claim
     assert "| DropPos gamma 0.5 | not run |" in text
