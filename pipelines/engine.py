@@ -136,8 +136,8 @@ def make_accelerator(run: RunSection) -> Accelerator:
         AcceleratorState._reset_state()
     return Accelerator(mixed_precision=run.mixed_precision, gradient_accumulation_steps=run.grad_accum,
                        log_with="tensorboard" if run.tensorboard else None,
-                       project_config=ProjectConfiguration(project_dir=run.output, logging_dir=str(
-                           Path(run.output) / "tensorboard")))
+                       # accelerate writes to <logging_dir>/<run name>: the events land in <output>/tensorboard/
+                       project_config=ProjectConfiguration(project_dir=run.output, logging_dir=run.output))
 
 
 @dataclass
@@ -582,8 +582,8 @@ class Trainer:
                         scalars["skipped_shards"] = len(set(self.data.train.skipped))
                     self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "ranks": ranks,
                                     "data": self.data.path})
-                    if run.tensorboard:
-                        acc.log(scalars, step=step)
+                    if run.tensorboard:  # namespaced as TensorBoard groups them: train/loss, train/lr, ...
+                        acc.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
                     bar.set_postfix(loss=f"{scalars['loss']:.4f}")
                 if run.checkpoint_every and step % run.checkpoint_every == 0 and step < total:
                     self.save_checkpoint(step)
@@ -620,5 +620,8 @@ class Trainer:
         if self.acc.is_main_process:
             result = self.evaluate(self.acc.unwrap_model(objective), step)
             self.log.write({"step": step, "eval": result})
+            if self.run.tensorboard:  # val/top1, val/top5, ... beside train/*
+                self.acc.log({f"val/{k}": v for k, v in result.items() if isinstance(v, int | float)
+                              and k != "count"}, step=step)
         self.acc.wait_for_everyone()
         return result

@@ -210,3 +210,18 @@ def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
     assert demo.main(args) == 0 and (tmp_path / "demo" / "pretrain" / "DONE").read_text() == first  # skipped
 
 
+
+
+def test_tensorboard_scalars_are_namespaced_in_one_folder(shards, tmp_path):
+    """Training scalars under train/, the trainer's evaluations under val/, the event files in <output>/tensorboard/
+    (not tensorboard/tensorboard/)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = [a for a in TINY if not a.startswith("run.tensorboard")]
+    assert finetune.main([*img(shards), *args, "optim.max_steps=4", "run.log_every=2", "run.eval_every=2",
+                          "run.tensorboard=true", f"run.output={tmp_path / 'ft'}"]) == 0
+    events = sorted((tmp_path / "ft" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and not (tmp_path / "ft" / "tensorboard" / "tensorboard").exists()
+    tags = EventAccumulator(str(events[0].parent)).Reload().Tags()["scalars"]
+    assert {"train/loss", "train/lr", "val/top1", "val/top5"} <= set(tags), tags
+    assert not [t for t in tags if "/" not in t], "every scalar is namespaced"
