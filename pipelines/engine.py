@@ -96,7 +96,7 @@ def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
     """What a checkpoint records about its data (classes, normalization, manifest fingerprint, input layout)."""
     m = data.manifest
     return {"classes": m.classes, "normalization": m.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
-            "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()}}
+            "img_size": cfg.img_size, "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()}}
 
 
 def check_inputs(backbone: Backbone, data: Data, source: str) -> None:

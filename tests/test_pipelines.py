@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from patchplace.data.memory import InMemorySplit
 from patchplace.export.__main__ import main as export_main
+from patchplace.export.evaluate import OnnxModel
 from patchplace.export.evaluate import main as ort_evaluate_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,6 +115,34 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     assert config["metadata"]["probe_feature"] == expected, "the checkpoint records the feature its training trained"
 
 
+def numpy_only_top1(onnx_path: Path, split: Path) -> tuple[float, np.ndarray]:
+    """Top-1 of an exported classifier with nothing but onnxruntime, numpy and the ONNX file's metadata_props
+    (the raw uint8 images come from the shards)."""
+    import onnxruntime
+
+    raw = InMemorySplit.load(split)
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    meta = session.get_modelmeta().custom_metadata_map
+    pre, classes = json.loads(meta["preprocessing"]), json.loads(meta["classes"])
+    assert classes == raw.manifest.classes and pre["layout"] == "NCHW"
+    x = raw.inputs.numpy()
+    for step in pre["steps"]:
+        if step["op"] == "pad":
+            (h, w), to = x.shape[-2:], step["to"]
+            top, left = (to - h) // 2, (to - w) // 2
+            x = np.pad(x, ((0, 0), (0, 0), (top, to - h - top), (left, to - w - left)),
+                       constant_values=step["value"])
+        elif step["op"] == "scale":
+            x = x.astype(np.float32) / np.float32(step["divide_by"])
+        elif step["op"] == "normalize":
+            mean, std = (np.asarray(step[k], np.float32)[None, :, None, None] for k in ("mean", "std"))
+            x = (x - mean) / std
+        else:
+            raise AssertionError(f"unexpected step {step}")
+    logits = session.run(["logits"], {"pixels": x.astype(np.float32)})[0]
+    return float((logits.argmax(1) == raw.labels.numpy()).mean()), x
+
+
 def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
     assert pretrain.main(["method=mp3", *img(shards), *TINY, "optim.max_steps=3",
                           f"run.output={tmp_path / 'pre'}"]) == 0
@@ -136,6 +166,12 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
                               "--latency-repeats", "0", "--batch-size", "5"]) == 0
     ort = json.loads((tmp_path / "ort" / "results.json").read_text())
     assert ort["accuracy"]["top1"] == results["classification"]["top1"]
+    # the .onnx file alone describes its preprocessing: onnxruntime + numpy get the evaluator's accuracy
+    top1, pixels = numpy_only_top1(tmp_path / "m.onnx", shards / "img" / "test")
+    evaluator = OnnxModel(tmp_path / "m.onnx")
+    raw = InMemorySplit.load(shards / "img" / "test").inputs
+    assert np.array_equal(pixels, evaluator.normalize(evaluator.pad(raw)).numpy()), "the same pixels, bit for bit"
+    assert abs(top1 - ort["accuracy"]["top1"]) <= 1 / 32  # (one batch vs batches of 5: a near-tie may flip)
     for gamma, value in results["consistency"].items():
         assert ort["consistency"][gamma]["consistency"] == value["consistency"], gamma
         assert ort["consistency"][gamma]["diff_norm"] == pytest.approx(value["diff_norm"], rel=1e-4, abs=1e-6)

@@ -10,7 +10,9 @@ Kinds:
 
 Every export is run on random and (optionally) real inputs through PyTorch and ONNX Runtime; if the max abs
 difference exceeds the tolerance (1e-4 fp32, DESIGN §2) the export fails and leaves no file behind. A sidecar
-``model.json`` records inputs, outputs, normalization, class names and provenance (checkpoint sha256).
+``model.json`` records inputs, outputs, normalization, class names and provenance (checkpoint sha256); the
+``.onnx`` file itself carries the same in its ``metadata_props`` (classes, preprocessing steps with their constants,
+inputs, outputs, backbone, method, checkpoint sha256), so onnxruntime + numpy alone preprocess correctly.
 """
 
 from __future__ import annotations
@@ -119,6 +121,52 @@ def plan_export(backbone: Backbone, kind: str = "classifier", speech_input: str 
     return ExportPlan(module.eval(), inputs, specs, outputs)
 
 
+def image_preprocessing(backbone: Backbone, metadata: dict[str, Any]) -> dict[str, Any]:
+    """How raw uint8 images become the ``pixels`` input, step by step, with the constants — what the evaluation
+    path of ``patchplace.data`` does (pad, resize only when the checkpoint trained at another side, scale,
+    normalize), written so that numpy alone can reproduce it."""
+    c = backbone.config
+    height, width = c.image_hw
+    norm = metadata.get("normalization") or {"mean": [0.5] * c.in_chans, "std": [0.5] * c.in_chans}
+    pad_to, img_size = metadata.get("pad_to"), metadata.get("img_size")
+    steps: list[dict[str, Any]] = []
+    if pad_to:
+        steps.append({"op": "pad", "to": pad_to, "value": 0, "on": "uint8 pixels, (C, h, w)",
+                      "placement": "centered: top = (to - h) // 2, left = (to - w) // 2, the rest bottom / right",
+                      "when": "h, w <= to (larger images are refused, not cropped)"})
+    resize = bool(img_size) and img_size != (pad_to or height)
+    if resize:
+        steps.append({"op": "resize", "size": img_size, "interpolation": "bicubic", "library": "PIL (timm)",
+                      "then": "center crop to size (crop_pct 1.0: no margin)"})
+    steps += [{"op": "scale", "divide_by": 255.0, "to": "float32"},
+              {"op": "normalize", "mean": list(norm["mean"]), "std": list(norm["std"]),
+               "formula": "(x - mean[c]) / std[c] per channel"}]
+    return {"input": "pixels", "layout": "NCHW", "dtype": "float32", "channels": c.in_chans, "height": height,
+            "width": width, "steps": steps, "mean": list(norm["mean"]), "std": list(norm["std"]),
+            "pad_to": pad_to, "pad_value": 0, "interpolation": "bicubic" if resize else "none (no resize)",
+            "crop": "center, crop_pct 1.0" if resize else "none"}
+
+
+def model_properties(sidecar: dict[str, Any], preprocessing: dict[str, Any] | None) -> dict[str, str]:
+    """ONNX ``metadata_props`` (strings; JSON where structured): what a user with only onnxruntime + numpy needs —
+    class names, the preprocessing, the inputs and outputs — and where the model came from."""
+    props = {"patchplace.format": sidecar["format"], "kind": sidecar["kind"], "modality": sidecar["modality"],
+             "classes": json.dumps(sidecar["classes"]), "inputs": json.dumps(sidecar["inputs"]),
+             "outputs": json.dumps(OUTPUT_MEANING[sidecar["kind"]]), "backbone": json.dumps(sidecar["backbone"]),
+             "method": str(sidecar["provenance"]["method"]),
+             "checkpoint_sha256": sidecar["provenance"]["checkpoint_sha256"]}
+    if preprocessing is not None:
+        props["preprocessing"] = json.dumps(preprocessing)
+    return props
+
+
+OUTPUT_MEANING = {
+    "classifier": {"logits": "(batch, classes) scores; argmax indexes `classes`",
+                   "pooled": "(batch, dim) the feature the head reads (final-normed CLS or patch mean)"},
+    "features": {"pooled": "(batch, dim) the backbone's pooled feature", "tokens": "(batch, tokens, dim)"},
+}
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -168,7 +216,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
         torch.onnx.export(plan.module, tuple(plan.inputs.values()), str(tmp_model), dynamo=True,
                           opset_version=opset, input_names=list(plan.inputs), output_names=plan.outputs,
                           dynamic_shapes=tuple(dynamic.values()), external_data=False, verbose=False)
-        onnx.checker.check_model(onnx.load(str(tmp_model)), full_check=True)
+        graph = onnx.load(str(tmp_model))
+        onnx.checker.check_model(graph, full_check=True)
         session = onnx_session(tmp_model, ["CPUExecutionProvider"])
         checks = {"random_batch_2": max_abs_diff(plan.module, session, plan.inputs),
                   "random_batch_5": max_abs_diff(plan.module, session, plan_export(
@@ -192,6 +241,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
                            "checkpoint_sha256": _sha256(checkpoint / "model.safetensors"),
                            "data": metadata.get("data")},
         }
+        if backbone.config.modality == "image":
+            sidecar["preprocessing"] = image_preprocessing(backbone, metadata)
+        onnx.helper.set_model_props(graph, model_properties(sidecar, sidecar.get("preprocessing")))
+        onnx.save(graph, str(tmp_model))  # the same graph, now self-describing
         tmp_json = Path(tmp) / "model.json"
         tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
         os.replace(tmp_model, out)
