@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import inspect
+import io
 import re
+import tokenize
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
@@ -25,9 +29,9 @@ class DataSection:
     """Shards and the input pipeline (see patchplace.data)."""
 
     train: str = "shards/fashion_mnist/train"  # split directory with manifest.json
-    val: str = "shards/fashion_mnist/test"
+    val: str = "shards/fashion_mnist/test"  # split the training-time evaluation (and evaluate.py) reads
     train_urls: str | None = None  # optional override: brace pattern or pipe: URLs of the same shards
-    val_urls: str | None = None
+    val_urls: str | None = None  # the same for data.val
     batch_size: int = 128  # per process
     num_workers: int = 2  # streaming only: DataLoader worker processes
     shuffle_buffer: int = 5000  # streaming only
@@ -36,15 +40,15 @@ class DataSection:
     pad_to: int | None = 32  # images: zero-pad (28 -> 32 for patch 4)
     img_size: int | None = None  # images: resize/crop side (default: native or padded side)
     scale: tuple[float, float] = (0.35, 1.0)  # RandomResizedCrop area range
-    hflip: float = 0.5
-    auto_augment: str | None = None
-    re_prob: float = 0.0
+    hflip: float = 0.5  # horizontal flip probability (training)
+    auto_augment: str | None = None  # timm auto-augment policy, e.g. rand-m9-mstd0.5 (streaming path only)
+    re_prob: float = 0.0  # random erasing probability (timm RandomErasing)
     noise_split: str | None = None  # audio: background_noise split for noise mixing
     train_limit: int | None = None  # cap on samples per process per epoch (None: the whole split)
     label_fraction: float | None = None  # train on a fixed class-balanced fraction of data.train (e.g. 0.01: 1%)
     label_subset_seed: int = 0  # which balanced subset (the same for every method and run)
     skip_corrupt: bool = False  # skip unreadable / truncated train shards (warned, counted in the log), not fail
-    val_limit: int | None = None
+    val_limit: int | None = None  # evaluate on the first N samples of data.val (None: all)
 
     def validate(self) -> None:
         for name in ("batch_size",):
@@ -73,7 +77,7 @@ class DataSection:
 class ModelSection:
     """Backbone: a preset of patchplace.models plus overrides, or a pretrained checkpoint (fine-tuning)."""
 
-    preset: str = "vit_cpu"
+    preset: str = "vit_cpu"  # patchplace.models preset (vit_cpu, vit_cpu_narrow, vit_tiny, ..., audio_mp3)
     overrides: dict[str, Any] = field(default_factory=dict)  # BackboneConfig fields, e.g. {embed_dim: 128}
     checkpoint: str | None = None  # save_pretrained() directory to start from
 
@@ -82,14 +86,14 @@ class ModelSection:
 class OptimSection:
     """AdamW (timm) with linear warm-up and cosine decay."""
 
-    epochs: float = 1.0
+    epochs: float = 1.0  # passes over data.train (fractions allowed)
     max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
-    lr: float = 1e-3
-    weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_fraction: float = 0.05
-    min_lr_ratio: float = 0.01
-    clip_grad: float | None = 1.0
+    lr: float = 1e-3  # peak learning rate (AdamW), after the linear warm-up
+    weight_decay: float = 0.05  # AdamW; none on norms, biases, PEs and tokens
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    warmup_fraction: float = 0.05  # fraction of the steps spent warming the lr up linearly
+    min_lr_ratio: float = 0.01  # the cosine ends at lr x this
+    clip_grad: float | None = 1.0  # gradient-norm clipping (None: off)
     layer_decay: float | None = None  # layer-wise lr decay (fine-tuning, e.g. 0.75)
 
     def validate(self) -> None:
@@ -109,17 +113,17 @@ class OptimSection:
 class RunSection:
     """Output, seeds, precision, logging and checkpoint cadence."""
 
-    output: str = "runs/default"
-    seed: int = 0
+    output: str = "runs/default"  # run directory (log.jsonl, checkpoints, tensorboard/)
+    seed: int = 0  # weights, data order, augmentation (each rank adds its rank for masks / noise)
     mixed_precision: str = "no"  # no | fp16 | bf16
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step
     log_every: int = 10  # steps
     checkpoint_every: int = 0  # steps; 0 = only at the end
     eval_every: int = 0  # steps; 0 = only at the end
     resume: bool = False  # continue from the newest complete checkpoint in output/checkpoints (if any)
     overwrite: bool = False  # replace the run already in run.output (without it, reusing a directory is an error)
     stop_after: int | None = None  # leave after this many steps, as if interrupted (resume tests and demos)
-    tensorboard: bool = True
+    tensorboard: bool = True  # events in output/tensorboard/ (train/*, val/*)
     # DDP's find_unused_parameters; null = only for objectives whose steps may leave a trainable parameter without
     # gradient (MJP's E_unk). True costs a graph traversal per step (results/benchmark.md, ddp suite).
     find_unused_parameters: bool | None = None
@@ -257,23 +261,63 @@ def validate(config: Any) -> None:
         config.validate()
 
 
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """What each field of a dataclass means, read from its source: the comment after the field (or the comment
+    lines right above it), else a ``name``: text entry of the class docstring (the objectives' configs)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):  # a subclass's words win
+        if not is_dataclass(klass):
+            continue
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        comments = {}
+        for token in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
+            if token.type == tokenize.COMMENT:
+                comments[token.start[0] - 1] = token.string.lstrip("#").strip()
+        names, seen = {f.name for f in fields(klass)}, set()
+        for i, line in enumerate(lines):
+            match = re.match(r"\s+(\w+)\s*:", line)
+            if not match or match.group(1) not in names or match.group(1) in seen:
+                continue
+            seen.add(match.group(1))
+            text = comments.get(i) if comments.get(i) and not line.strip().startswith("#") else None
+            above, j = [], i - 1
+            while j >= 0 and lines[j].strip().startswith("#"):
+                above.insert(0, comments.get(j, ""))
+                j -= 1
+            docs[match.group(1)] = text or " ".join(above)
+        for name, text in re.findall(r"``(\w+)``:\s*(.+?)(?=;\s*``|\.?\s*$|\.\s)", " ".join(
+                (klass.__doc__ or "").split()), flags=re.S):
+            if name in names and not docs.get(name):
+                docs[name] = text.strip()
+    return {k: v for k, v in docs.items() if v}
+
+
 def describe(config: Any, prefix: str = "") -> list[str]:
-    """One line per field with its default (for --help); ``config`` is a dataclass type or instance."""
+    """One line per field with its default and what it means (for --help); ``config`` is a dataclass type or
+    instance."""
     instance = config() if isinstance(config, type) else config
-    lines = []
+    docs, lines = field_docs(type(instance)), []
     for f in fields(instance):
         value = getattr(instance, f.name)
         if is_dataclass(value):
             lines += describe(value, f"{prefix}{f.name}.")
         else:
-            lines.append(f"  {prefix}{f.name} = {value!r}")
+            line = f"  {prefix}{f.name} = {value!r}"
+            lines.append(f"{line:<44} # {docs[f.name]}" if f.name in docs else line)
     return lines
 
 
-def parser(cls: type, description: str) -> argparse.ArgumentParser:
+def parser(cls: type, description: str, argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """``--config`` + overrides; ``--help`` lists every field with its default and meaning, plus what the config
+    class adds for this command line (``help_fields(argv)``, e.g. the chosen objective's fields)."""
+    extra = cls.help_fields(list(argv or [])) if hasattr(cls, "help_fields") else []
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="config fields (override with section.field=value):\n"
-                                       + "\n".join(describe(cls)))
+                                       + "\n".join([*describe(cls), *extra]))
     p.add_argument("--config", help="YAML file (pipelines/configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="section.field=value, e.g. optim.lr=3e-4 run.output=runs/x")
     return p

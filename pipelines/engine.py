@@ -85,7 +85,7 @@ def start(config_cls: type, description: str, argv: list[str] | None, augment: b
     The seed is the same on every process here, so every rank builds the same initial weights (DDP also broadcasts
     rank 0's); :meth:`Trainer.fit` then gives each rank its own random stream. ``split_train=False``: every process
     reads the whole train split (evaluation, which runs on the main process only)."""
-    args = parser(config_cls, description).parse_args(argv)
+    args = parser(config_cls, description, sys.argv[1:] if argv is None else argv).parse_args(argv)
     cfg = load(config_cls, args.config, args.overrides)
     accelerator = make_accelerator(cfg.run)
     set_seed(cfg.run.seed)

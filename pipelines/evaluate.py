@@ -60,12 +60,12 @@ from patchplace.objectives import (
 class EvalSection:
     """What to compute (each can be switched off) and with how much data."""
 
-    linear_probe: bool = True
-    knn: bool = True
-    position_probe: bool = True
-    consistency_ratios: tuple[float, ...] = (0.03, 0.09, 0.15, 0.27, 0.5)
+    linear_probe: bool = True  # linear classifier on frozen features (MAE protocol), 100% and low-label
+    knn: bool = True  # kNN top-1 per layer (MP3 App. C)
+    position_probe: bool = True  # linear probe of each patch token's position (DropPos Table 7)
+    consistency_ratios: tuple[float, ...] = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP eval gammas (classifiers)
     probe_train_samples: int = 5000  # train samples used for the probes' features
-    probe_epochs: int = 100
+    probe_epochs: int = 100  # epochs of each linear probe
     low_label_fraction: float = 0.01  # a second linear probe on this fraction of the probe's labels (StoP: 1%)
     # linear probes trained on these class-balanced fractions of the *whole* data.train (the label-efficiency
     # protocol: the same subsets as fine-tuning with data.label_fraction, picked by data.label_subset_seed)
@@ -89,7 +89,7 @@ class PrivacySection(AttackConfig):
     ratio: float = 0.27  # masked-jigsaw gamma of settings (b) / (c) (Table 5 uses MJP with gamma = 0.27)
     analytic: bool = True  # APRIL's closed form, for models with a learnable PE
     steps: int = 200  # gradient-matching attack (a CPU budget)
-    tv_weight: float = 1e-4
+    tv_weight: float = 1e-4  # total-variation prior of the gradient-matching attack
 
     def attack(self) -> AttackConfig:
         return AttackConfig(**{f.name: getattr(self, f.name) for f in fields(AttackConfig)})

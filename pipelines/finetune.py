@@ -38,12 +38,12 @@ class FinetuneSection:
     """Fine-tuning recipe (DeiT / MAE style, scaled to small data)."""
 
     pos_embed: str | None = "learned"  # PE for fine-tuning; None keeps the checkpoint's mode
-    global_pool: str = "cls"
-    drop_path: float = 0.1
-    label_smoothing: float = 0.1
-    mixup: float = 0.8
-    cutmix: float = 1.0
-    mixup_prob: float = 1.0
+    global_pool: str = "cls"  # cls | mean: the feature the head reads
+    drop_path: float = 0.1  # stochastic depth rate (timm DropPath, linear over the blocks)
+    label_smoothing: float = 0.1  # of the (soft) targets
+    mixup: float = 0.8  # Mixup alpha (0: off; timm Mixup)
+    cutmix: float = 1.0  # CutMix alpha (0: off)
+    mixup_prob: float = 1.0  # probability of mixing a batch at all
 
     def validate(self) -> None:
         if not 0 <= self.drop_path < 1 or not 0 <= self.label_smoothing < 1 or not 0 <= self.mixup_prob <= 1:

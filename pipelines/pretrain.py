@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
+import yaml
+from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection, describe
 from engine import (
     USER_ERRORS,
     Data,
@@ -61,12 +63,27 @@ METHODS: dict[str, tuple[type, type, dict[str, Any], str, bool]] = {
 class PretrainConfig:
     """``method`` picks the objective; ``objective`` holds its config fields (paper defaults otherwise)."""
 
-    method: str = "mp3"
-    objective: dict[str, Any] = field(default_factory=dict)
+    method: str = "mp3"  # mp3 | mp3_speech | droppos | mae | ijepa | stop | randsac | mjp | supervised
+    objective: dict[str, Any] = field(default_factory=dict)  # the method's fields (listed below), e.g. {eta: 0.5}
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1.5e-3, betas=(0.9, 0.95)))
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/pretrain"))
+
+    @staticmethod
+    def help_fields(argv: list[str]) -> list[str]:
+        """--help: the objective fields of the method this command line picks (``method=``, else its
+        ``--config``'s, else mp3), with the method's defaults and what each field means."""
+        method = next((a.split("=", 1)[1] for a in argv if a.startswith("method=")), None)
+        if method is None and "--config" in argv[:-1]:
+            try:
+                method = (yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}).get("method")
+            except OSError:
+                method = None
+        method = method if method in METHODS else "mp3"
+        _, config_cls, defaults, _, _ = METHODS[method]
+        return [f"objective fields of method={method} (objective.field=value; another method: method=<name> "
+                "--help):", *describe(config_cls.from_dict(defaults), "objective.")]
 
     def validate(self) -> None:
         if self.method not in METHODS:

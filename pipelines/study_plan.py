@@ -17,7 +17,7 @@ class StudyConfig:
     """Budget knobs of the study (one place)."""
 
     preset: str = "vit_cpu_narrow"  # the one ViT of every image run
-    pretrain_epochs: float = 0.25
+    pretrain_epochs: float = 0.25  # image pretraining epochs per method
     finetune_epochs: float = 0.25  # supervised / MJP train pretrain_epochs + finetune_epochs from scratch
     seeds: tuple[int, ...] = (0,)  # main table
     # main rows fine-tuned with all labels on every seed (the rows a full-label claim reads); the other main rows
@@ -29,33 +29,33 @@ class StudyConfig:
     label_fractions: tuple[float, ...] = (0.01, 0.1)
     label_finetune_epochs: tuple[float, ...] = (20.0, 3.0)  # epochs over each subset (same length as the fractions)
     label_subset_seed: int = 0  # which balanced subsets (the same for every method and seed)
-    ablation_seeds: tuple[int, ...] = (0,)
+    ablation_seeds: tuple[int, ...] = (0,)  # seeds of the ablation groups
     groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
     only: tuple[str, ...] = ()  # run names to restrict the groups to (e.g. add seeds to some rows); () = all
     only_seeds: tuple[int, ...] = ()  # seeds this process runs (study.py --jobs gives each process its own); () = all
     probe_only: tuple[str, ...] = ()  # ablation groups evaluated by probes only (no fine-tuning; not main)
-    batch_size: int = 128
-    num_workers: int = 1
+    batch_size: int = 128  # image stages, per process
+    num_workers: int = 1  # data.num_workers of every stage (decoding shards; streaming workers)
     threads: int = 0  # torch threads per study process (0: torch's default)
-    finetune_overrides: tuple[str, ...] = ("finetune.mixup=0.0", "finetune.cutmix=0.0")
-    probe_train_samples: int = 2000
-    probe_val_samples: int = 2000
-    probe_epochs: int = 100
+    finetune_overrides: tuple[str, ...] = ("finetune.mixup=0.0", "finetune.cutmix=0.0")  # on the recipe
+    probe_train_samples: int = 2000  # train images of the (all-label) linear / kNN / position probes
+    probe_val_samples: int = 2000  # test images the probes are scored on
+    probe_epochs: int = 100  # epochs of each linear probe
     curve_samples: int = 1000  # test images for the consistency / eta / DropPos-grid curves
-    ort_consistency_samples: int = 1000
+    ort_consistency_samples: int = 1000  # test images of the ONNX Runtime consistency check
     robustness_samples: int = 200  # test images x 13 corruptions x 5 severities (ONNX Runtime)
-    speech_pretrain_epochs: float = 20.0
-    speech_finetune_epochs: float = 30.0
-    speech_seeds: tuple[int, ...] = (0, 1, 2)
+    speech_pretrain_epochs: float = 20.0  # MP3 speech pretraining epochs
+    speech_finetune_epochs: float = 30.0  # speech fine-tuning epochs (supervised: the sum, from scratch)
+    speech_seeds: tuple[int, ...] = (0, 1, 2)  # seeds of the speech rows
     privacy_images: int = 10  # MJP Table 5 gradient inversion: one test image per class (0: skip)
     privacy_steps: int = 200  # gradient-matching attack steps per client update (APRIL's analytic attack: exact)
     test_samples: int | None = None  # cap on test images for top-1 (None: all 10,000)
     fashion_mnist: str = "shards/fashion_mnist"  # image shards: train/ and test/
     spoken_keywords: str = "shards/spoken_keywords"  # speech shards: train/, test/, background_noise/
     overrides: tuple[str, ...] = ()  # section.field=value for every image training / evaluation stage
-    speech_overrides: tuple[str, ...] = ()
-    runs: str = "runs/study"
-    results: str = "results"
+    speech_overrides: tuple[str, ...] = ()  # section.field=value for every speech stage
+    runs: str = "runs/study"  # run directories: <runs>/seed<k>/<run>/<stage>/
+    results: str = "results"  # where <name>.json / .md / PNGs go
     name: str = "study"  # results files: <results>/<name>.json, <name>.md, <name>_*.png
     compare_with: str | None = None  # an earlier study.json: its claims, judged by the same rules, beside these
 

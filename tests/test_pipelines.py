@@ -261,3 +261,26 @@ def test_tensorboard_scalars_are_namespaced_in_one_folder(shards, tmp_path):
     tags = EventAccumulator(str(events[0].parent)).Reload().Tags()["scalars"]
     assert {"train/loss", "train/lr", "val/top1", "val/top5"} <= set(tags), tags
     assert not [t for t in tags if "/" not in t], "every scalar is namespaced"
+
+
+def test_help_describes_every_field_and_the_chosen_objectives_fields(capsys):
+    """--help: each config field with its default and meaning (the comments of the config classes), and the
+    objective fields of the method the command line picks (method=..., else the --config's, else mp3)."""
+    from config import describe
+
+    for cls in (pretrain.PretrainConfig, finetune.FinetuneConfig, evaluate.EvaluateConfig, study_plan.StudyConfig):
+        bare = [line for line in describe(cls) if " # " not in line]
+        assert not bare, f"{cls.__name__}: fields without a description: {bare}"
+    for method, (_, config_cls, defaults, _, _) in pretrain.METHODS.items():
+        bare = [line for line in describe(config_cls.from_dict(defaults)) if " # " not in line]
+        assert not bare, f"{method}: objective fields without a description: {bare}"
+    for argv, method, line in (
+            (["method=droppos"], "droppos", "objective.tau = 0.1"),
+            (["--config", str(ROOT / "pipelines" / "configs" / "stop_fashion_mnist.yaml")], "stop",
+             "objective.stop = True"),
+            ([], "mp3", "objective.eta = 0.75")):
+        with pytest.raises(SystemExit):
+            pretrain.main([*argv, "--help"])
+        out = capsys.readouterr().out
+        assert f"objective fields of method={method}" in out and line in out, out[-600:]
+        assert "data.label_fraction = None" in out and "# train on a fixed class-balanced fraction" in out

@@ -53,13 +53,13 @@ class AttackConfig:
     """Gradient-matching attack settings (defaults: Geiping et al.'s cosine attack, sized for a CPU budget)."""
 
     steps: int = 300
-    lr: float = 0.1
+    lr: float = 0.1  # attack optimizer step size
     distance: str = "cosine"  # "cosine" (Geiping et al.) or "l2" (DLG)
     tv_weight: float = 1e-2  # total-variation prior on the dummy images
     optimizer: str = "adam"  # "adam" (signed gradients, lr x0.1 at 3/8, 5/8, 7/8 of the steps) or "lbfgs"
     restarts: int = 1  # independent random starts; the best final gradient distance wins
     known_labels: bool = True  # False: labels inferred from the classifier bias gradient (iDLG)
-    seed: int = 0
+    seed: int = 0  # the dummy images' initialization
 
     def validate(self) -> AttackConfig:
         if self.steps < 1 or self.restarts < 1 or self.lr <= 0 or self.tv_weight < 0:

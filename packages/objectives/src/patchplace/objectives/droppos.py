@@ -54,14 +54,14 @@ class DropPosConfig(ObjectiveConfig):
     temperature (Eq. 9) — ``float("inf")`` switches attentive reconstruction off (Table 4, "tau = inf").
     """
 
-    mask_ratio: float = 0.75
-    pos_mask_ratio: float = 0.75
-    decoder_dim: int = 512
-    decoder_depth: int = 2
-    decoder_heads: int = 16
-    sigma_start: float = 1.0
-    sigma_end: float = 0.0
-    tau: float = 0.1
+    mask_ratio: float = 0.75  # gamma: patches dropped from the encoder (Eq. 1)
+    pos_mask_ratio: float = 0.75  # gamma_pos: visible patches that keep their PE as anchors (Eq. 2)
+    decoder_dim: int = 512  # position decoder width (no PE)
+    decoder_depth: int = 2  # position decoder blocks
+    decoder_heads: int = 16  # position decoder heads
+    sigma_start: float = 1.0  # position-smoothing sigma at the start, decayed linearly (Eq. 7)
+    sigma_end: float = 0.0  # ... and at the end
+    tau: float = 0.1  # attentive-reconstruction temperature (Eq. 9); .inf switches it off (Table 4)
 
     def validate(self) -> DropPosConfig:
         check_ratio("mask_ratio", self.mask_ratio)

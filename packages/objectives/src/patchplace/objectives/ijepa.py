@@ -50,20 +50,20 @@ class IJEPAConfig(ObjectiveConfig):
     aspect 0.75-1.5; a context block of scale 0.85-1.0; EMA momentum 0.996 -> 1.0) and StoP (``stop=True``,
     sigma = 0.25, noise on masked tokens, learned covariance)."""
 
-    predictor_dim: int = 384
-    predictor_depth: int = 12
-    predictor_heads: int = 12
-    num_targets: int = 4
-    target_scale: tuple[float, float] = (0.15, 0.2)
-    target_aspect: tuple[float, float] = (0.75, 1.5)
-    context_scale: tuple[float, float] = (0.85, 1.0)
-    min_keep: int = 4
-    ema_start: float = 0.996
-    ema_end: float = 1.0
-    stop: bool = False
-    sigma: float = 0.25
-    noise_on: str = "masked"
-    covariance: str = "learned"
+    predictor_dim: int = 384  # predictor width
+    predictor_depth: int = 12  # predictor blocks
+    predictor_heads: int = 12  # predictor heads
+    num_targets: int = 4  # target blocks per image
+    target_scale: tuple[float, float] = (0.15, 0.2)  # target block area, fraction of the image
+    target_aspect: tuple[float, float] = (0.75, 1.5)  # target block aspect ratio
+    context_scale: tuple[float, float] = (0.85, 1.0)  # context block area (targets removed from it)
+    min_keep: int = 4  # fewest context patches kept
+    ema_start: float = 0.996  # target-encoder EMA momentum at the start, linear to ema_end
+    ema_end: float = 1.0  # ... at the end
+    stop: bool = False  # StoP: stochastic positions for the masked tokens
+    sigma: float = 0.25  # StoP noise scale
+    noise_on: str = "masked"  # StoP: which tokens get the noise: masked | context | both
+    covariance: str = "learned"  # StoP noise covariance: learned | fixed
 
     def validate(self) -> IJEPAConfig:
         for name in ("predictor_dim", "predictor_depth", "predictor_heads", "num_targets", "min_keep"):

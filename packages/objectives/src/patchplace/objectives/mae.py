@@ -29,11 +29,11 @@ from .common import (
 class MAEConfig(ObjectiveConfig):
     """MAE defaults: mask 0.75, decoder 512 wide x 8 deep x 16 heads, normalized-pixel targets."""
 
-    mask_ratio: float = 0.75
-    decoder_dim: int = 512
-    decoder_depth: int = 8
-    decoder_heads: int = 16
-    norm_pix_loss: bool = True
+    mask_ratio: float = 0.75  # fraction of patches masked
+    decoder_dim: int = 512  # decoder width
+    decoder_depth: int = 8  # decoder blocks
+    decoder_heads: int = 16  # decoder heads
+    norm_pix_loss: bool = True  # per-patch normalized pixel targets
 
     def validate(self) -> MAEConfig:
         check_ratio("mask_ratio", self.mask_ratio)

@@ -70,16 +70,16 @@ class MJPConfig(ObjectiveConfig):
     * ``label_smoothing`` 0.1: the DeiT recipe the paper follows (supp. Table 7; official ``LABEL_SMOOTHING``).
     """
 
-    ratio: float = 0.03
-    min_block: int = 8
-    min_aspect: float = 0.3
-    apply_prob: float = 0.5
-    warmup_fraction: float = 20 / 300
-    dal: str = "mlp"
-    dal_weight: float = 0.01
-    dal_schedule: str = "constant"
-    schedule_epochs: int = 300
-    label_smoothing: float = 0.1
+    ratio: float = 0.03  # gamma: fraction of patches jigsawed (Alg. 1)
+    min_block: int = 8  # smallest block of the block-wise generator (patches)
+    min_aspect: float = 0.3  # block aspect in [min_aspect, 1 / min_aspect]
+    apply_prob: float = 0.5  # fraction of batches jigsawed
+    warmup_fraction: float = 20 / 300  # no jigsaw before this fraction of training
+    dal: str = "mlp"  # DAL map g (Eq. 1): mlp | linear | pca
+    dal_weight: float = 0.01  # lambda of the DAL loss
+    dal_schedule: str = "constant"  # constant | official (warm-up + cosine 0.01 -> 0.005)
+    schedule_epochs: int = 300  # epochs the official DAL schedule is cut into
+    label_smoothing: float = 0.1  # DeiT recipe
 
     def validate(self) -> MJPConfig:
         check_ratio("ratio", self.ratio)

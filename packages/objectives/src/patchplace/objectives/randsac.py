@@ -63,16 +63,16 @@ class RandSACConfig(ObjectiveConfig):
     ``norm_pix_loss``: per-patch normalized pixel targets (Tables 7, 13, 14).
     """
 
-    segments: str = "blob"
-    num_segments: int = 11
-    square_size: int = 2
-    hierarchy: tuple[int, ...] = (5,)
-    decoder_dim: int = 512
-    decoder_depth: int = 4
-    decoder_heads: int = 16
-    decoder_mlp_ratio: float = 4.0
-    skip_connections: bool = True
-    norm_pix_loss: bool = True
+    segments: str = "blob"  # blob | square | raster | patch_random
+    num_segments: int = 11  # K blobs (Table 7)
+    square_size: int = 2  # M for square segments (Table 4)
+    hierarchy: tuple[int, ...] = (5,)  # partitions per level above the segments, e.g. (5,) = 11 -> 5; () flat
+    decoder_dim: int = 512  # decoder width
+    decoder_depth: int = 4  # decoder blocks
+    decoder_heads: int = 16  # decoder heads
+    decoder_mlp_ratio: float = 4.0  # decoder MLP width / decoder_dim
+    skip_connections: bool = True  # trainable encoder -> decoder skips (§4.2)
+    norm_pix_loss: bool = True  # per-patch normalized pixel targets
 
     def validate(self) -> RandSACConfig:
         if self.segments not in SEGMENT_TYPES:

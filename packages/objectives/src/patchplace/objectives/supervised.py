@@ -15,7 +15,7 @@ from .common import BackboneObjective, ObjectiveConfig, ObjectiveError, check_ra
 
 @dataclass
 class SupervisedConfig(ObjectiveConfig):
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.1  # of the one-hot targets
 
     def validate(self) -> SupervisedConfig:
         check_ratio("label_smoothing", self.label_smoothing)
