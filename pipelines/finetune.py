@@ -29,7 +29,7 @@ from engine import (
 )
 
 from patchplace.finetune import build_mixup, prepare_for_finetune
-from patchplace.models import create_model, load_pretrained
+from patchplace.models import ModelError, create_model, load_pretrained
 from patchplace.objectives import Supervised, SupervisedConfig
 
 
@@ -72,11 +72,27 @@ def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modalit
         backbone, metadata = create_model(cfg.model.preset, **extra, **cfg.model.overrides), {"method": "scratch"}
         source = f"model.preset={cfg.model.preset}"
     if data is not None:
+        if cfg.model.checkpoint:
+            at_data_size(backbone, data, source)
         check_inputs(backbone, data, source)
     ft = cfg.finetune
     backbone = prepare_for_finetune(backbone, num_classes, pos_embed=ft.pos_embed, global_pool=ft.global_pool,
                                     drop_path_rate=ft.drop_path)
     return backbone, metadata
+
+
+def at_data_size(backbone, data: Data, source: str) -> None:
+    """Fine-tune a checkpoint at the data's image side when it differs from the one it was trained at (same patch
+    size): the patch grid grows or shrinks and the PE is resampled (``Backbone.set_image_size``)."""
+    side = getattr(data.train.transform, "size", None)
+    if backbone.config.modality != "image" or side is None or (side, side) == backbone.config.image_hw:
+        return
+    try:
+        old, new = backbone.set_image_size(side)
+    except ModelError as exc:
+        raise ConfigError(f"{source} cannot be fine-tuned at {side} px (data.img_size / data.pad_to): {exc}") from None
+    print(f"model: {source} was trained on a {old[0]}x{old[1]} patch grid; fine-tuning at {side} px = "
+          f"{new[0]}x{new[1]} patches, its {backbone.config.pos_embed} PE resampled to the new grid")
 
 
 def build_recipe(cfg: FinetuneSection, backbone, num_classes: int, modality: str) -> tuple[Supervised, Callable]:

@@ -284,3 +284,27 @@ def test_help_describes_every_field_and_the_chosen_objectives_fields(capsys):
         out = capsys.readouterr().out
         assert f"objective fields of method={method}" in out and line in out, out[-600:]
         assert "data.label_fraction = None" in out and "# train on a fixed class-balanced fraction" in out
+
+
+def test_finetune_and_export_at_another_resolution_resample_the_pe(shards, tmp_path, capsys):
+    """Pretrained at 32 px, fine-tuned at 48 px (data.img_size: pad to 32, resize to 48): the 8 x 8 grid becomes
+    12 x 12 with the PE resampled; exported at 48 px (its own size) and a 32 px checkpoint exported at 48."""
+    assert pretrain.main(["method=droppos", *img(shards), *TINY, "optim.max_steps=2",
+                          f"run.output={tmp_path / 'pre'}"]) == 0
+    assert finetune.main([*img(shards), *TINY, "optim.max_steps=2", f"run.output={tmp_path / 'ft'}",
+                          f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "finetune.pos_embed=null",
+                          "data.img_size=48"]) == 0
+    assert "trained on a 8x8 patch grid; fine-tuning at 48 px = 12x12 patches, its sincos2d PE" in \
+        capsys.readouterr().out
+    config = json.loads((tmp_path / "ft" / "checkpoint" / "config.json").read_text())
+    assert config["backbone"]["img_size"] == 48 and config["metadata"]["img_size"] == 48
+    assert export_main([str(tmp_path / "ft" / "checkpoint"), "--out", str(tmp_path / "ft.onnx"), "--data",
+                        str(shards / "img" / "test"), "--samples", "8"]) == 0
+    pre = json.loads((tmp_path / "ft.json").read_text())["preprocessing"]
+    assert [s["op"] for s in pre["steps"]] == ["pad", "resize", "scale", "normalize"] and pre["height"] == 48
+    assert export_main([str(tmp_path / "pre" / "checkpoint"), "--kind", "features", "--img-size", "48", "--out",
+                        str(tmp_path / "pre48.onnx")]) == 0
+    assert json.loads((tmp_path / "pre48.json").read_text())["inputs"][0]["shape"] == ["batch", 1, 48, 48]
+    assert export_main([str(tmp_path / "pre" / "checkpoint"), "--kind", "features", "--img-size", "50", "--out",
+                        str(tmp_path / "bad.onnx")]) == 2
+    assert "not divisible by patch_size" in capsys.readouterr().err and not (tmp_path / "bad.onnx").exists()

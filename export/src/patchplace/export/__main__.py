@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -22,12 +23,15 @@ from patchplace.models import read_config
 from .exporter import DEFAULT_OPSET, KINDS, SPEECH_INPUTS, ExportError, export_checkpoint, onnx_session
 
 
-def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_input: str
-                ) -> list[dict[str, torch.Tensor]]:
+def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_input: str,
+                img_size: int | None = None) -> list[dict[str, torch.Tensor]]:
     """The first ``samples`` inputs of ``split``, preprocessed as for evaluation, as ONNX feeds (+ labels)."""
     config, metadata = read_config(checkpoint)
+    if img_size is not None:
+        config = replace(config, img_size=img_size)
     manifest = Manifest.load(split)
-    options = {"pad_to": metadata.get("pad_to")} if manifest.modality == "image" else {}
+    side = img_size or metadata.get("img_size")
+    options = {"pad_to": metadata.get("pad_to"), "img_size": side} if manifest.modality == "image" else {}
     dataset = ShardDataset(manifest, transform=build_transform(manifest, train=False, **options),
                            epoch_length=min(samples, manifest.num_samples))
     x, y = (torch.stack(t) if i == 0 else torch.tensor(t) for i, t in enumerate(zip(*dataset, strict=True)))
@@ -73,13 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="shard split whose first samples join the parity check (e.g. the test split)")
     parser.add_argument("--samples", type=int, default=256, help="real samples for parity / int8 check")
     parser.add_argument("--quantize", action="store_true", help="also write an int8 dynamic-quantized model")
+    parser.add_argument("--img-size", type=int, help="export for this image side instead of the checkpoint's "
+                        "(same patch size; the PE is resampled)")
     args = parser.parse_args(argv)
     if args.opset < 17:
         parser.error("--opset must be >= 17")
     try:
-        real = real_inputs(args.checkpoint, args.data, args.samples, args.kind, args.speech_input) if args.data else []
+        real = real_inputs(args.checkpoint, args.data, args.samples, args.kind, args.speech_input,
+                           args.img_size) if args.data else []
         sidecar = export_checkpoint(args.checkpoint, args.out, kind=args.kind, speech_input=args.speech_input,
-                                    opset=args.opset, tolerance=args.tolerance, real_inputs=real)
+                                    opset=args.opset, tolerance=args.tolerance, real_inputs=real,
+                                    img_size=args.img_size)
         report = {"onnx": args.out, "parity": sidecar["parity"]}
         if args.quantize:
             report["int8"] = quantize(args.out, real, args.data)

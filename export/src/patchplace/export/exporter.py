@@ -197,13 +197,19 @@ def max_abs_diff(module: nn.Module, session: ort.InferenceSession, inputs: dict[
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, kind: str = "classifier",
                       speech_input: str = "waveform", opset: int = DEFAULT_OPSET, tolerance: float = 1e-4,
-                      real_inputs: list[dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+                      real_inputs: list[dict[str, torch.Tensor]] | None = None,
+                      img_size: int | None = None) -> dict[str, Any]:
     """Export ``checkpoint`` to ``out`` (model.onnx) + ``out`` with .json (sidecar); returns the sidecar dict.
+    ``img_size``: export for another image side than the checkpoint's (same patch size; the PE is resampled,
+    ``Backbone.set_image_size``), e.g. a model fine-tuned at 32 px served at 48 px.
 
     Raises :class:`ExportError` (and writes nothing) when the parity check fails."""
     checkpoint, out = Path(checkpoint), Path(out)
     try:
         backbone, metadata = load_pretrained(checkpoint)
+        if img_size is not None:
+            backbone.set_image_size(img_size)
+            metadata = {**metadata, "img_size": img_size}
     except ModelError as exc:
         raise ExportError(str(exc)) from exc
     plan = plan_export(backbone.eval(), kind, speech_input)

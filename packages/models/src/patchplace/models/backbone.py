@@ -169,6 +169,40 @@ class Backbone(nn.Module):
         self.config = replace(self.config, pos_embed=mode).validate()
         self._build_pos_embed(mode)
 
+    def set_image_size(self, img_size: int | tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Run at another resolution with the same patch size (fine-tuning or exporting at another image size than
+        pretraining): the patch grid changes and the PE follows it — a learned table is resampled with timm's
+        ``resample_abs_pos_embed`` (bicubic, antialiased; the class-token row kept), ``sincos2d`` is rebuilt for
+        the new grid, ``relbias2d`` tables are resized with timm's ``resize_rel_pos_bias_table`` (BEiT's
+        interpolation); every other weight is unchanged. -> (old grid, new grid)."""
+        from dataclasses import replace
+
+        from timm.layers import resample_abs_pos_embed, resize_rel_pos_bias_table
+
+        if self.config.modality != "image":
+            raise ModelError("set_image_size is for image backbones (audio: num_frames is fixed by the frontend)")
+        old, mode = self.grid, self.config.pos_embed
+        config = replace(self.config, img_size=img_size).validate()
+        if config.image_hw == self.config.image_hw:
+            return old, old
+        learned = self.pos_table.detach() if mode == "learned" else None
+        tables = [b.rel_pos_bias.relative_position_bias_table.detach() for b in self.blocks] \
+            if mode == "relbias2d" else []
+        self.config = config
+        self.patch_embed.img_size = config.image_hw
+        new = self.grid
+        if mode == "learned":
+            self.pos_table = nn.Parameter(resample_abs_pos_embed(
+                learned, new_size=list(new), old_size=list(old), num_prefix_tokens=self.num_prefix_tokens))
+        elif mode in ("sincos2d", "relbias2d"):
+            self._build_pos_embed(mode)
+            for block, table in zip(self.blocks, tables, strict=False):
+                target = block.rel_pos_bias.relative_position_bias_table
+                target.data.copy_(resize_rel_pos_bias_table(table, new_window_size=tuple(new),
+                                                            new_bias_shape=tuple(target.shape),
+                                                            old_window_size=tuple(old)))
+        return old, new
+
     def enable_unknown_pos(self) -> None:
         """Add MJP's learnable unknown PE (trunc-normal .02) if the backbone has none; other weights unchanged."""
         from dataclasses import replace
