@@ -86,7 +86,23 @@ class DropPos(BackboneObjective):
     ``forward(batch, progress)`` returns ``loss`` (Eq. 8) and detached metrics: ``pos_acc`` / ``pos_acc_top5``
     (plain top-1 / top-5 position accuracy over the visible tokens whose PE was dropped, each token counted once),
     ``pos_acc_attn_weighted`` (top-1 with each dropped token weighted by its attentive weight, Eq. 9 — the accuracy
-    the official code logs) and the current ``sigma`` (Eq. 7).
+    the official code logs) and the current ``sigma`` (Eq. 7). Pass ``progress`` every step: sigma decays with it.
+
+    A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
+
+    >>> import torch
+    >>> from patchplace.models import create_model
+    >>> from patchplace.objectives import DropPos, DropPosConfig
+    >>> model = DropPos(create_model("vit_micro", in_chans=1, pos_embed="sincos2d"),
+    ...                 DropPosConfig(decoder_dim=32, decoder_heads=2))
+    >>> opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    >>> steps = 3
+    >>> for step in range(steps):
+    ...     images, labels = torch.randn(8, 1, 32, 32), torch.randint(0, 10, (8,))
+    ...     out = model(images, progress=step / steps)  # loss, pos_acc, sigma
+    ...     opt.zero_grad(); out["loss"].backward(); opt.step()
+    >>> bool(torch.isfinite(out["loss"]))
+    True
     """
 
     no_weight_decay_tokens = ("mask_pos_token",)  # the [MASK] position token p_mask (Eq. 3)

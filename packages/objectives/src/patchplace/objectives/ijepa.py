@@ -87,9 +87,25 @@ class IJEPAConfig(ObjectiveConfig):
 class IJEPA(BackboneObjective):
     """I-JEPA / StoP on an image backbone with fixed ``sincos2d`` PE (the class token, if any, is not used here).
 
-    >>> model = IJEPA(create_model("vit_cpu", pos_embed="sincos2d"), IJEPAConfig(stop=True, predictor_dim=96,
-    ...                                                                           predictor_depth=4, predictor_heads=4))
-    >>> loss = model(images, progress=p)["loss"]; loss.backward(); opt.step(); model.update_target(p)
+    After each optimizer step call ``update_target(progress)``: the EMA target encoder follows the context encoder
+    with a momentum scheduled by ``progress`` (``IJEPAConfig(stop=True)`` is StoP).
+
+    A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
+
+    >>> import torch
+    >>> from patchplace.models import create_model
+    >>> from patchplace.objectives import IJEPA, IJEPAConfig
+    >>> model = IJEPA(create_model("vit_micro", in_chans=1, pos_embed="sincos2d"),
+    ...               IJEPAConfig(stop=True, predictor_dim=32, predictor_depth=1, predictor_heads=2))
+    >>> opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    >>> steps = 3
+    >>> for step in range(steps):
+    ...     images, labels = torch.randn(8, 1, 32, 32), torch.randint(0, 10, (8,))
+    ...     out = model(images, progress=step / steps)  # loss
+    ...     opt.zero_grad(); out["loss"].backward(); opt.step()
+    ...     _ = model.update_target((step + 1) / steps)  # EMA of the target encoder (returns the momentum)
+    >>> bool(torch.isfinite(out["loss"]))
+    True
     """
 
     no_weight_decay_tokens = ("mask_token",)

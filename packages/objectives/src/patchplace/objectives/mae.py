@@ -61,7 +61,24 @@ def pixel_targets(images: torch.Tensor, patch_size: int, normalize: bool = True)
 
 
 class MAE(BackboneObjective):
-    """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token."""
+    """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token.
+
+    A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
+
+    >>> import torch
+    >>> from patchplace.models import create_model
+    >>> from patchplace.objectives import MAE, MAEConfig
+    >>> model = MAE(create_model("vit_micro", in_chans=1, pos_embed="sincos2d"),
+    ...             MAEConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2))
+    >>> opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    >>> steps = 3
+    >>> for step in range(steps):
+    ...     images, labels = torch.randn(8, 1, 32, 32), torch.randint(0, 10, (8,))
+    ...     out = model(images, progress=step / steps)  # loss
+    ...     opt.zero_grad(); out["loss"].backward(); opt.step()
+    >>> bool(torch.isfinite(out["loss"]))
+    True
+    """
 
     no_weight_decay_tokens = ("mask_token",)
     probe_feature = "cls"  # the encoder runs [CLS; visible] (MAE's linear probe reads the class token)

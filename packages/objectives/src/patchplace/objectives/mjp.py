@@ -278,6 +278,22 @@ class MJP(BackboneObjective):
     without jigsaw). ``progress=None`` means "no schedule": past the warm-up, lambda = ``dal_weight``. In eval mode
     it is the plain classifier loss (no jigsaw, no DAL). Returns ``loss`` and detached ``ce``, ``dal``, ``acc``,
     ``jigsaw`` (1.0 when this batch was shuffled) and ``dal_weight``.
+
+    A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
+
+    >>> import torch
+    >>> from patchplace.models import create_model
+    >>> from patchplace.objectives import MJP, MJPConfig
+    >>> model = MJP(create_model("vit_micro", in_chans=1, num_classes=10, pos_embed="learned"),
+    ...             MJPConfig(ratio=0.15, warmup_fraction=0.0))
+    >>> opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    >>> steps = 3
+    >>> for step in range(steps):
+    ...     images, labels = torch.randn(8, 1, 32, 32), torch.randint(0, 10, (8,))
+    ...     out = model((images, labels), progress=step / steps)  # loss, ce, dal, acc
+    ...     opt.zero_grad(); out["loss"].backward(); opt.step()
+    >>> bool(torch.isfinite(out["loss"]))
+    True
     """
 
     # E_unk gets no gradient on steps without the jigsaw (a random half, and all of the warm-up). As the official

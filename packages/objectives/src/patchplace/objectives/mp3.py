@@ -56,10 +56,20 @@ class MP3Config(ObjectiveConfig):
 class MP3(BackboneObjective):
     """MP3 on any backbone of ``patchplace.models`` (ViT patches or audio frames).
 
-    >>> backbone = create_model("vit_cpu", in_chans=1, pos_embed="none")
-    >>> mp3 = MP3(backbone, MP3Config(eta=0.75))
-    >>> out = mp3(images)                   # {"loss", "pos_acc", "pos_acc_top5"}
-    >>> out["loss"].backward()
+    A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
+
+    >>> import torch
+    >>> from patchplace.models import create_model
+    >>> from patchplace.objectives import MP3, MP3Config
+    >>> model = MP3(create_model("vit_micro", in_chans=1, pos_embed="none"), MP3Config(eta=0.5))
+    >>> opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    >>> steps = 3
+    >>> for step in range(steps):
+    ...     images, labels = torch.randn(8, 1, 32, 32), torch.randint(0, 10, (8,))
+    ...     out = model(images, progress=step / steps)  # loss, pos_acc, pos_acc_top5
+    ...     opt.zero_grad(); out["loss"].backward(); opt.step()
+    >>> bool(torch.isfinite(out["loss"]))
+    True
     """
 
     # MP3 never feeds the class token (App. A runs the patch tokens alone): probe the average of the final-normed

@@ -123,11 +123,23 @@ class DecoderBlock(nn.Module):
 class RandSAC(BackboneObjective):
     """RandSAC pretraining on an image backbone with ``pos_embed='sincos2d'``.
 
-    >>> backbone = create_model("vit_tiny", img_size=32, patch_size=4, pos_embed="sincos2d", global_pool="mean")
-    >>> model = RandSAC(backbone, RandSACConfig(decoder_dim=192, decoder_depth=3, decoder_heads=3))
-    >>> out = model(images)                      # {"loss", "num_segments"}
-    >>> out["loss"].backward()
-    >>> features = model.backbone.forward_features(images)   # evaluation: no masks, no decoder
+    A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
+
+    >>> import torch
+    >>> from patchplace.models import create_model
+    >>> from patchplace.objectives import RandSAC, RandSACConfig
+    >>> model = RandSAC(create_model("vit_micro", in_chans=1, pos_embed="sincos2d", global_pool="mean"),
+    ...                 RandSACConfig(decoder_dim=32, decoder_depth=1, decoder_heads=2))
+    >>> opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    >>> steps = 3
+    >>> for step in range(steps):
+    ...     images, labels = torch.randn(8, 1, 32, 32), torch.randint(0, 10, (8,))
+    ...     out = model(images, progress=step / steps)  # loss, num_segments
+    ...     opt.zero_grad(); out["loss"].backward(); opt.step()
+    >>> bool(torch.isfinite(out["loss"]))
+    True
+    >>> model.backbone.forward_features(images).shape  # evaluation: no masks, no decoder; class token + 64 patches
+    torch.Size([8, 65, 32])
     """
 
     # The encoder runs the patch tokens alone (no class token); the paper's supplemental ("Different from ViT ... we

@@ -23,7 +23,23 @@ class SupervisedConfig(ObjectiveConfig):
 
 
 class Supervised(BackboneObjective):
-    """``forward((images, labels))``: labels are class indices (B,) or soft targets (B, classes) from mixup."""
+    """``forward((images, labels))``: labels are class indices (B,) or soft targets (B, classes) from mixup.
+
+    A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
+
+    >>> import torch
+    >>> from patchplace.models import create_model
+    >>> from patchplace.objectives import Supervised, SupervisedConfig
+    >>> model = Supervised(create_model("vit_micro", in_chans=1, num_classes=10), SupervisedConfig())
+    >>> opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    >>> steps = 3
+    >>> for step in range(steps):
+    ...     images, labels = torch.randn(8, 1, 32, 32), torch.randint(0, 10, (8,))
+    ...     out = model((images, labels), progress=step / steps)  # loss, acc
+    ...     opt.zero_grad(); out["loss"].backward(); opt.step()
+    >>> bool(torch.isfinite(out["loss"]))
+    True
+    """
 
     def __init__(self, backbone: Backbone, config: SupervisedConfig | None = None) -> None:
         super().__init__()
