@@ -117,8 +117,8 @@ class Study:
 
     def label_efficiency(self, run: Run, seed: int) -> dict[str, float]:
         """Fine-tune the pretrained backbone (supervised: train from scratch) on each class-balanced label fraction,
-        for ``label_finetune_epochs`` over the subset; the stage's closing evaluation on the whole test split is
-        its top-1."""
+        for ``label_finetune_epochs`` over the subset; the stage's closing evaluation on the test images
+        (``test_samples`` of them, else all) is its top-1."""
         c, seconds = self.cfg, {}
         if not run.label_efficiency or not c.label_fractions:
             return seconds
