@@ -115,32 +115,23 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     assert config["metadata"]["probe_feature"] == expected, "the checkpoint records the feature its training trained"
 
 
-def numpy_only_top1(onnx_path: Path, split: Path) -> tuple[float, np.ndarray]:
-    """Top-1 of an exported classifier with nothing but onnxruntime, numpy and the ONNX file's metadata_props
-    (the raw uint8 images come from the shards)."""
-    import onnxruntime
+def readme_snippet(name: str, **names) -> dict:
+    """Run the README's ``<!-- snippet: name -->`` python block with ``names`` defined; -> its globals."""
+    text = (ROOT / "README.md").read_text()
+    code = text.split(f"<!-- snippet: {name} -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope = dict(names)
+    exec(compile(code, f"README.md snippet {name}", "exec"), scope)
+    return scope
 
+
+def numpy_only_top1(onnx_path: Path, split: Path) -> tuple[float, np.ndarray]:
+    """Top-1 of an exported classifier through the README's onnxruntime + numpy snippet, which reads nothing but
+    the ONNX file's metadata_props (the raw uint8 images come from the shards)."""
     raw = InMemorySplit.load(split)
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    meta = session.get_modelmeta().custom_metadata_map
-    pre, classes = json.loads(meta["preprocessing"]), json.loads(meta["classes"])
-    assert classes == raw.manifest.classes and pre["layout"] == "NCHW"
-    x = raw.inputs.numpy()
-    for step in pre["steps"]:
-        if step["op"] == "pad":
-            (h, w), to = x.shape[-2:], step["to"]
-            top, left = (to - h) // 2, (to - w) // 2
-            x = np.pad(x, ((0, 0), (0, 0), (top, to - h - top), (left, to - w - left)),
-                       constant_values=step["value"])
-        elif step["op"] == "scale":
-            x = x.astype(np.float32) / np.float32(step["divide_by"])
-        elif step["op"] == "normalize":
-            mean, std = (np.asarray(step[k], np.float32)[None, :, None, None] for k in ("mean", "std"))
-            x = (x - mean) / std
-        else:
-            raise AssertionError(f"unexpected step {step}")
-    logits = session.run(["logits"], {"pixels": x.astype(np.float32)})[0]
-    return float((logits.argmax(1) == raw.labels.numpy()).mean()), x
+    scope = readme_snippet("onnxruntime", MODEL=str(onnx_path), images=raw.inputs.numpy())
+    assert scope["classes"] == raw.manifest.classes and scope["pre"]["layout"] == "NCHW"
+    truth = [raw.manifest.classes[i] for i in raw.labels.tolist()]
+    return float(np.mean([p == t for p, t in zip(scope["predictions"], truth, strict=True)])), scope["x"]
 
 
 def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
