@@ -12,11 +12,11 @@ from .errors import ModelError
 from .hub import load_pretrained, read_config, save_pretrained
 from .pos_embed import RelativePositionBias2d, sincos_1d, sincos_2d
 from .registry import PRESETS, create_model, list_models
-from .timm_interop import from_timm, timm_kwargs, to_timm_state_dict
+from .timm_interop import adopt_timm, from_timm, is_timm_vit, timm_kwargs, to_timm_state_dict
 
 __all__ = [
     "POS_EMBED_MODES", "PRESETS", "Attention", "AudioTransformer", "Backbone", "BackboneConfig", "ModelError",
-    "RelativePositionBias2d", "VisionTransformer", "build_backbone", "create_model", "from_timm", "gather_tokens",
-    "list_models", "load_pretrained", "read_config", "save_pretrained", "sincos_1d", "sincos_2d", "timm_kwargs",
-    "to_timm_state_dict",
+    "RelativePositionBias2d", "VisionTransformer", "adopt_timm", "build_backbone", "create_model", "from_timm",
+    "gather_tokens", "is_timm_vit", "list_models", "load_pretrained", "read_config", "save_pretrained", "sincos_1d",
+    "sincos_2d", "timm_kwargs", "to_timm_state_dict",
 ]

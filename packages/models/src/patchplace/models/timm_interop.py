@@ -5,7 +5,7 @@ Supported timm features: class token or not, ``global_pool`` ``token`` / ``avg``
 (timm's default for ``avg`` moves the final norm after pooling, which this backbone does not do), learned or no
 PE, qkv bias. Register tokens, LayerScale, q/k norm, ``no_embed_class`` and pre-norm are refused by name.
 A ``sincos2d`` table exports as timm's (learned) ``pos_embed`` with identical values; ``relbias2d`` has no timm
-``VisionTransformer`` equivalent.
+``VisionTransformer`` equivalent. :func:`adopt_timm` lets the objectives train a timm ViT in place.
 """
 
 from __future__ import annotations
@@ -86,4 +86,41 @@ def from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
     if missing or unexpected:
         raise ModelError(f"timm weights do not map onto the backbone: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
+    return model
+
+
+def is_timm_vit(model: nn.Module) -> bool:
+    """A timm ``VisionTransformer`` (not a patchplace backbone)."""
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
+
+    return isinstance(model, TimmViT)
+
+
+def adopt_timm(timm_model: nn.Module, pos_embed: str | None = None) -> VisionTransformer:
+    """A patchplace backbone that **shares** the parameters of a timm ``VisionTransformer``: an objective trains
+    the timm model in place (its ``state_dict`` after training is the trained one). What the backbone cannot
+    express is refused as in :func:`from_timm`.
+
+    ``pos_embed``: the PE the objective needs. ``None`` keeps timm's learned table (shared). ``"sincos2d"``
+    (MAE, DropPos, I-JEPA / StoP, RandSAC) writes the fixed 2-D sin-cos table into timm's ``pos_embed`` and freezes
+    it — timm can hold it only as a (frozen) learned table, the backbone holds it as fixed. ``"none"`` (MP3) runs
+    without PE: timm's ``pos_embed`` is left out of the forward and untouched (MP3 fine-tunes with a fresh PE).
+    """
+    from dataclasses import replace
+
+    model = from_timm(timm_model)
+    shared = dict(timm_model.named_parameters())
+    for name, _ in list(model.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._parameters[attr] = shared["pos_embed" if name == "pos_table" else name]  # the same Parameter
+    if pos_embed is not None and pos_embed != model.config.pos_embed:
+        if pos_embed not in ("sincos2d", "none"):
+            raise ModelError(f"adopt_timm: pos_embed must be None, 'sincos2d' or 'none', got {pos_embed!r}")
+        model.config = replace(model.config, pos_embed=pos_embed).validate()
+        model._build_pos_embed(pos_embed)
+        if pos_embed == "sincos2d" and timm_model.pos_embed is not None:
+            with torch.no_grad():
+                timm_model.pos_embed.copy_(model.pos_table.to(timm_model.pos_embed.dtype))
+            timm_model.pos_embed.requires_grad_(False)
     return model

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchplace.models import Backbone
+from patchplace.models import Backbone, adopt_timm, is_timm_vit
 from patchplace.models.backbone import Block
 
 
@@ -219,6 +219,13 @@ def init_linear(module: nn.Module) -> None:
         nn.init.xavier_uniform_(module.weight)
         if module.bias is not None:
             nn.init.zeros_(module.bias)
+
+
+def as_backbone(backbone: nn.Module, pos_embed: str | None = None) -> Backbone:
+    """The backbone an objective trains: a patchplace backbone as given, or a timm ``VisionTransformer`` adopted
+    with its parameters shared (training the objective trains the timm model in place) and the PE the method needs
+    (:func:`patchplace.models.adopt_timm`)."""
+    return adopt_timm(backbone, pos_embed) if is_timm_vit(backbone) else backbone
 
 
 def require_pos_mode(backbone: Backbone, modes: tuple[str, ...], method: str) -> None:

@@ -33,6 +33,7 @@ from .common import (
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
+    as_backbone,
     check_positive,
     check_ratio,
     gather_rows,
@@ -108,8 +109,9 @@ class DropPos(BackboneObjective):
     no_weight_decay_tokens = ("mask_pos_token",)  # the [MASK] position token p_mask (Eq. 3)
     probe_feature = "cls"  # CLS keeps its PE and is encoded with the visible tokens (Eq. 3)
 
-    def __init__(self, backbone: Backbone, config: DropPosConfig | None = None) -> None:
+    def __init__(self, backbone: Backbone | nn.Module, config: DropPosConfig | None = None) -> None:
         super().__init__()
+        backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
         self.config = (config or DropPosConfig()).validate()
         require_pos_mode(backbone, ("sincos2d",), "DropPos")  # fixed 2D sin-cos PE, not learned (§3 DESIGN)
         if backbone.cls_token is None:

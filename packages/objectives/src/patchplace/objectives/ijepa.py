@@ -33,6 +33,7 @@ from .common import (
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
+    as_backbone,
     check_positive,
     check_ratio,
     gather_rows,
@@ -113,8 +114,9 @@ class IJEPA(BackboneObjective):
     # I-JEPA and StoP linear probes do (DESIGN §4).
     probe_feature = "patch_mean"
 
-    def __init__(self, backbone: Backbone, config: IJEPAConfig | None = None) -> None:
+    def __init__(self, backbone: Backbone | nn.Module, config: IJEPAConfig | None = None) -> None:
         super().__init__()
+        backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
         self.config = c = (config or IJEPAConfig()).validate()
         require_pos_mode(backbone, ("sincos2d",), "I-JEPA")
         if backbone.config.modality != "image":

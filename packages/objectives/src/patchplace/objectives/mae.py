@@ -15,6 +15,7 @@ from .common import (
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
+    as_backbone,
     check_positive,
     check_ratio,
     gather_rows,
@@ -83,8 +84,9 @@ class MAE(BackboneObjective):
     no_weight_decay_tokens = ("mask_token",)
     probe_feature = "cls"  # the encoder runs [CLS; visible] (MAE's linear probe reads the class token)
 
-    def __init__(self, backbone: Backbone, config: MAEConfig | None = None) -> None:
+    def __init__(self, backbone: Backbone | nn.Module, config: MAEConfig | None = None) -> None:
         super().__init__()
+        backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
         self.config = c = (config or MAEConfig()).validate()
         require_pos_mode(backbone, ("sincos2d",), "MAE")
         if backbone.config.modality != "image" or backbone.cls_token is None:

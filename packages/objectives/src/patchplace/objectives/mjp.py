@@ -33,6 +33,7 @@ from .common import (
     BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
+    as_backbone,
     check_ratio,
     gather_rows,
     grid_coords,
@@ -303,8 +304,9 @@ class MJP(BackboneObjective):
     # AdamW's momentum still turns into updates: a different trajectory.
     leaves_parameters_unused = True
 
-    def __init__(self, backbone: Backbone, config: MJPConfig | None = None) -> None:
+    def __init__(self, backbone: Backbone | nn.Module, config: MJPConfig | None = None) -> None:
         super().__init__()
+        backbone = as_backbone(backbone, None)  # a timm VisionTransformer is adopted, its parameters shared
         self.config = c = (config or MJPConfig()).validate()
         require_pos_mode(backbone, ("learned", "sincos2d"), "MJP")  # Eq. 3-5: an additive, per-position PE table
         if backbone.config.modality != "image":

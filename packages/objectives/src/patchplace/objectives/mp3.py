@@ -24,6 +24,7 @@ from .common import (
     BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
+    as_backbone,
     check_ratio,
     image_to_patches,
     num_kept,
@@ -76,8 +77,9 @@ class MP3(BackboneObjective):
     # patch outputs, the representation App. C's kNN evaluates (average-pooled), with no class token in the sequence.
     probe_feature = "patch_mean"
 
-    def __init__(self, backbone: Backbone, config: MP3Config | None = None) -> None:
+    def __init__(self, backbone: Backbone | nn.Module, config: MP3Config | None = None) -> None:
         super().__init__()
+        backbone = as_backbone(backbone, "none")  # a timm VisionTransformer is adopted, its parameters shared
         self.config = (config or MP3Config()).validate()
         mode = backbone.config.pos_embed
         if mode == "relbias2d":

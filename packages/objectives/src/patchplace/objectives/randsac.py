@@ -35,6 +35,7 @@ from .common import (
     BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
+    as_backbone,
     check_positive,
     init_linear,
     require_pos_mode,
@@ -147,8 +148,9 @@ class RandSAC(BackboneObjective):
     # the mean of the encoder's patch outputs.
     probe_feature = "patch_mean"
 
-    def __init__(self, backbone: Backbone, config: RandSACConfig | None = None) -> None:
+    def __init__(self, backbone: Backbone | nn.Module, config: RandSACConfig | None = None) -> None:
         super().__init__()
+        backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
         self.config = c = (config or RandSACConfig()).validate()
         require_pos_mode(backbone, ("sincos2d",), "RandSAC")
         if backbone.config.modality != "image":

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from patchplace.models import Backbone
 
-from .common import BackboneObjective, ObjectiveConfig, ObjectiveError, check_ratio, split_batch
+from .common import BackboneObjective, ObjectiveConfig, ObjectiveError, as_backbone, check_ratio, split_batch
 
 
 @dataclass
@@ -41,8 +42,9 @@ class Supervised(BackboneObjective):
     True
     """
 
-    def __init__(self, backbone: Backbone, config: SupervisedConfig | None = None) -> None:
+    def __init__(self, backbone: Backbone | nn.Module, config: SupervisedConfig | None = None) -> None:
         super().__init__()
+        backbone = as_backbone(backbone, None)  # a timm VisionTransformer is adopted, its parameters shared
         self.config = (config or SupervisedConfig()).validate()
         if backbone.config.num_classes < 1:
             raise ObjectiveError("supervised training needs a classifier head: create the backbone with num_classes")
