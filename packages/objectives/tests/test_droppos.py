@@ -113,7 +113,10 @@ def test_sigma_schedule(make_model, images):
 def test_config_defaults_and_bad_configs(make_backbone):
     c = DropPosConfig()
     assert c.validate() is c
-    assert (c.mask_ratio, c.pos_mask_ratio, c.decoder_dim, c.decoder_depth, c.decoder_heads) == (.75, .75, 512, 2, 16)
+    assert (c.mask_ratio, c.pos_mask_ratio, c.decoder_dim, c.decoder_depth, c.decoder_heads) == (
+        .75, .75, None, 2, None)
+    paper = DropPosConfig.paper()
+    assert (paper.decoder_dim, paper.decoder_depth, paper.decoder_heads) == (512, 2, 16)
     assert (c.sigma_start, c.sigma_end, c.tau) == (1.0, 0.0, 0.1)
     DropPosConfig(tau=float("inf")).validate()
     for bad in (dict(mask_ratio=1.0), dict(pos_mask_ratio=-0.1), dict(decoder_dim=0), dict(decoder_depth=0),

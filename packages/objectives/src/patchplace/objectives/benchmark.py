@@ -43,13 +43,13 @@ from .randsac import RandSAC, RandSACConfig
 from .supervised import Supervised
 
 # Decoder / predictor sizes. "study": the Fashion-MNIST configs of the study (pipelines/configs/*_fashion_mnist.yaml:
-# decoders 128 x 2 x 4 heads, predictor 96 x 4 x 4 heads, MJP gamma 0.15). "paper": each config dataclass's
-# defaults, i.e. the papers' ImageNet settings (MAE decoder 512 x 8, DropPos 512 x 2, RandSAC 512 x 4, I-JEPA / StoP
-# predictor 384 x 12, MJP gamma 0.03).
+# decoders 128 x 2 x 4 heads, predictor 96 x 4 x 4 heads, MJP gamma 0.15). "paper": each config's ``paper()``
+# widths, the papers' ImageNet settings (MAE decoder 512 x 8, DropPos 512 x 2, RandSAC 512 x 4, I-JEPA / StoP
+# predictor 384 x 12), MJP gamma 0.03.
 WIDTHS: dict[str, dict[str, Any]] = {
     "study": {"decoder": dict(decoder_dim=128, decoder_depth=2, decoder_heads=4),
               "predictor": dict(predictor_dim=96, predictor_depth=4, predictor_heads=4), "mjp_ratio": 0.15},
-    "paper": {"decoder": {}, "predictor": {}, "mjp_ratio": MJPConfig().ratio},
+    "paper": {"decoder": None, "predictor": None, "mjp_ratio": MJPConfig().ratio},
 }
 
 
@@ -153,21 +153,26 @@ def default_objectives(preset: str = "vit_cpu", *, in_chans: int = 1, num_classe
     def backbone(pos: str, classes: int = 0) -> Backbone:
         return create_model(preset, in_chans=in_chans, pos_embed=pos, num_classes=classes, **size)
 
-    dec, pred = w["decoder"], w["predictor"]
+    def config(cls: type, **extra: Any):
+        """``cls`` at these widths (``paper()``, or the study's decoder / predictor sizes) + ``extra``."""
+        if w["decoder"] is None:
+            return cls.paper(**extra)
+        return cls(**(w["predictor"] if cls is IJEPAConfig else w["decoder"]), **extra)
+
     builders: dict[str, Callable[[], nn.Module]] = {
         "supervised": lambda: Supervised(backbone("learned", num_classes)),
         **{f"mp3_eta{eta:g}": lambda eta=eta: MP3(backbone("none"), MP3Config(eta=eta)) for eta in mp3_etas},
-        "droppos": lambda: DropPos(backbone("sincos2d"), DropPosConfig(**dec)),
-        "mae": lambda: MAE(backbone("sincos2d"), MAEConfig(**dec)),
-        **{f"mae_ratio{r:g}": lambda r=r: MAE(backbone("sincos2d"), MAEConfig(mask_ratio=r, **dec))
+        "droppos": lambda: DropPos(backbone("sincos2d"), config(DropPosConfig)),
+        "mae": lambda: MAE(backbone("sincos2d"), config(MAEConfig)),
+        **{f"mae_ratio{r:g}": lambda r=r: MAE(backbone("sincos2d"), config(MAEConfig, mask_ratio=r))
            for r in mae_ratios},
         # MJP with the jigsaw on every step (the recipe shuffles half the batches after warm-up): the worst case.
         "mjp": lambda: MJP(backbone("learned", num_classes), MJPConfig(ratio=w["mjp_ratio"], apply_prob=1.0,
                                                                        warmup_fraction=0.0)),
-        "randsac": lambda: RandSAC(backbone("sincos2d"), RandSACConfig(**dec)),
-        "ijepa": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(**pred)),
-        "stop": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **pred)),
-        "stop_noema": lambda: IJEPA(backbone("sincos2d"), IJEPAConfig(stop=True, **pred)),
+        "randsac": lambda: RandSAC(backbone("sincos2d"), config(RandSACConfig)),
+        "ijepa": lambda: IJEPA(backbone("sincos2d"), config(IJEPAConfig)),
+        "stop": lambda: IJEPA(backbone("sincos2d"), config(IJEPAConfig, stop=True)),
+        "stop_noema": lambda: IJEPA(backbone("sincos2d"), config(IJEPAConfig, stop=True)),
     }
     return builders
 

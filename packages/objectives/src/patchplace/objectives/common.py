@@ -4,8 +4,8 @@ own blocks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -21,10 +21,29 @@ class ObjectiveError(ValueError):
 # ---------------------------------------------------------------------------------------------- configs
 @dataclass
 class ObjectiveConfig:
-    """Base of every objective's config dataclass: paper defaults as defaults, ``validate()`` on build."""
+    """Base of every objective's config dataclass: the papers' ratios and schedules as defaults, ``validate()`` on
+    build. Decoder / predictor widths left ``None`` follow the backbone (``RELATIVE``, filled in by
+    :meth:`for_backbone` when the objective is built), so a small backbone gets a small decoder; ``paper()`` gives
+    the paper's widths."""
+
+    # width fields that default to the backbone's: field -> "embed_dim" | "half_embed_dim" | "num_heads"
+    RELATIVE: ClassVar[dict[str, str]] = {}
+    PAPER: ClassVar[dict[str, Any]] = {}  # the paper's (ImageNet) widths
 
     def validate(self) -> ObjectiveConfig:
         return self
+
+    @classmethod
+    def paper(cls, **overrides: Any):
+        """The paper's decoder / predictor widths (plus ``overrides``)."""
+        return cls(**{**cls.PAPER, **overrides}).validate()
+
+    def for_backbone(self, backbone: Backbone):
+        """This config with the widths left ``None`` taken from ``backbone`` (see ``RELATIVE``), validated."""
+        values = {"embed_dim": backbone.embed_dim, "half_embed_dim": backbone.embed_dim // 2,
+                  "num_heads": backbone.config.num_heads}
+        filled = {name: values[rule] for name, rule in self.RELATIVE.items() if getattr(self, name) is None}
+        return replace(self, **filled).validate() if filled else self
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]):
@@ -40,6 +59,19 @@ def check_ratio(name: str, value: float, *, high_inclusive: bool = False) -> Non
     ok = 0.0 <= value <= 1.0 if high_inclusive else 0.0 <= value < 1.0
     if not ok:
         raise ObjectiveError(f"{name} must be in [0, 1{']' if high_inclusive else ')'}, got {value}")
+
+
+def check_widths(config: ObjectiveConfig, dim: str, heads: str, *, multiple_of: int = 1) -> None:
+    """A decoder / predictor width and head count: positive where set (``None``: the backbone's, filled in by
+    :meth:`ObjectiveConfig.for_backbone`), the width divisible by the heads (and by ``multiple_of``)."""
+    width, count = getattr(config, dim), getattr(config, heads)
+    for name, value in ((dim, width), (heads, count)):
+        if value is not None:
+            check_positive(name, value)
+    if width is not None and count is not None and width % count:
+        raise ObjectiveError(f"{dim} {width} must be divisible by {heads} {count}")
+    if width is not None and width % multiple_of:
+        raise ObjectiveError(f"{dim} must be divisible by {multiple_of} (2-D sin-cos PE), got {width}")
 
 
 def check_positive(name: str, value: float) -> None:

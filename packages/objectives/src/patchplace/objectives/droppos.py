@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from .common import (
     as_backbone,
     check_positive,
     check_ratio,
+    check_widths,
     gather_rows,
     num_kept,
     random_masking,
@@ -50,16 +51,20 @@ from .common import (
 class DropPosConfig(ObjectiveConfig):
     """DropPos hyper-parameters; defaults are the paper's (§4 "Pre-training", Tables 1-4 defaults).
 
-    ``mask_ratio`` gamma (Eq. 1), ``pos_mask_ratio`` gamma_pos (Eq. 2); a 2-block, 512-wide decoder without PE;
+    ``mask_ratio`` gamma (Eq. 1), ``pos_mask_ratio`` gamma_pos (Eq. 2); a 2-block decoder without PE, as wide as
+    the backbone (``DropPosConfig.paper()``: 512 wide, 16 heads);
     sigma decays linearly ``sigma_start`` -> ``sigma_end`` (Eq. 7); ``tau`` is the attentive-reconstruction
     temperature (Eq. 9) — ``float("inf")`` switches attentive reconstruction off (Table 4, "tau = inf").
     """
 
+    RELATIVE: ClassVar[dict[str, str]] = {"decoder_dim": "embed_dim", "decoder_heads": "num_heads"}
+    PAPER: ClassVar[dict[str, Any]] = {"decoder_dim": 512, "decoder_depth": 2, "decoder_heads": 16}
+
     mask_ratio: float = 0.75  # gamma: patches dropped from the encoder (Eq. 1)
     pos_mask_ratio: float = 0.75  # gamma_pos: visible patches that keep their PE as anchors (Eq. 2)
-    decoder_dim: int = 512  # position decoder width (no PE)
+    decoder_dim: int | None = None  # position decoder width, no PE (None: the backbone's; paper(): 512)
     decoder_depth: int = 2  # position decoder blocks
-    decoder_heads: int = 16  # position decoder heads
+    decoder_heads: int | None = None  # position decoder heads (None: the backbone's; paper(): 16)
     sigma_start: float = 1.0  # position-smoothing sigma at the start, decayed linearly (Eq. 7)
     sigma_end: float = 0.0  # ... and at the end
     tau: float = 0.1  # attentive-reconstruction temperature (Eq. 9); .inf switches it off (Table 4)
@@ -67,12 +72,8 @@ class DropPosConfig(ObjectiveConfig):
     def validate(self) -> DropPosConfig:
         check_ratio("mask_ratio", self.mask_ratio)
         check_ratio("pos_mask_ratio", self.pos_mask_ratio)
-        check_positive("decoder_dim", self.decoder_dim)
         check_positive("decoder_depth", self.decoder_depth)
-        check_positive("decoder_heads", self.decoder_heads)
-        if self.decoder_dim % self.decoder_heads:
-            raise ObjectiveError(f"decoder_dim {self.decoder_dim} must be divisible by decoder_heads "
-                                 f"{self.decoder_heads}")
+        check_widths(self, "decoder_dim", "decoder_heads")
         for name in ("sigma_start", "sigma_end"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -112,7 +113,7 @@ class DropPos(BackboneObjective):
     def __init__(self, backbone: Backbone | nn.Module, config: DropPosConfig | None = None) -> None:
         super().__init__()
         backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = (config or DropPosConfig()).validate()
+        self.config = (config or DropPosConfig()).validate().for_backbone(backbone)
         require_pos_mode(backbone, ("sincos2d",), "DropPos")  # fixed 2D sin-cos PE, not learned (§3 DESIGN)
         if backbone.cls_token is None:
             raise ObjectiveError("DropPos needs a backbone with a class token (class_token=True): the [CLS] token "

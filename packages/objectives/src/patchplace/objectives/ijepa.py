@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from .common import (
     as_backbone,
     check_positive,
     check_ratio,
+    check_widths,
     gather_rows,
     require_pos_mode,
     split_batch,
@@ -47,13 +49,17 @@ COVARIANCES = ("learned", "fixed")
 
 @dataclass
 class IJEPAConfig(ObjectiveConfig):
-    """I-JEPA defaults (predictor 384 wide x 12 deep x 12 heads for ViT-H; 4 target blocks of scale 0.15-0.2 and
+    """I-JEPA defaults (a 12-block predictor half as wide as the backbone with its head count — ``paper()``: 384 wide
+    x 12 heads, the paper's; 4 target blocks of scale 0.15-0.2 and
     aspect 0.75-1.5; a context block of scale 0.85-1.0; EMA momentum 0.996 -> 1.0) and StoP (``stop=True``,
     sigma = 0.25, noise on masked tokens, learned covariance)."""
 
-    predictor_dim: int = 384  # predictor width
+    RELATIVE: ClassVar[dict[str, str]] = {"predictor_dim": "half_embed_dim", "predictor_heads": "num_heads"}
+    PAPER: ClassVar[dict[str, Any]] = {"predictor_dim": 384, "predictor_depth": 12, "predictor_heads": 12}
+
+    predictor_dim: int | None = None  # predictor width (None: half the backbone's; paper(): 384)
     predictor_depth: int = 12  # predictor blocks
-    predictor_heads: int = 12  # predictor heads
+    predictor_heads: int | None = None  # predictor heads (None: the backbone's; paper(): 12)
     num_targets: int = 4  # target blocks per image
     target_scale: tuple[float, float] = (0.15, 0.2)  # target block area, fraction of the image
     target_aspect: tuple[float, float] = (0.75, 1.5)  # target block aspect ratio
@@ -67,8 +73,9 @@ class IJEPAConfig(ObjectiveConfig):
     covariance: str = "learned"  # StoP noise covariance: learned | fixed
 
     def validate(self) -> IJEPAConfig:
-        for name in ("predictor_dim", "predictor_depth", "predictor_heads", "num_targets", "min_keep"):
+        for name in ("predictor_depth", "num_targets", "min_keep"):
             check_positive(name, getattr(self, name))
+        check_widths(self, "predictor_dim", "predictor_heads", multiple_of=4)
         for name in ("target_scale", "context_scale"):
             low, high = getattr(self, name)
             if not 0 < low <= high <= 1:
@@ -117,7 +124,7 @@ class IJEPA(BackboneObjective):
     def __init__(self, backbone: Backbone | nn.Module, config: IJEPAConfig | None = None) -> None:
         super().__init__()
         backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = c = (config or IJEPAConfig()).validate()
+        self.config = c = (config or IJEPAConfig()).validate().for_backbone(backbone)
         require_pos_mode(backbone, ("sincos2d",), "I-JEPA")
         if backbone.config.modality != "image":
             raise ObjectiveError("I-JEPA multi-block masks need an image backbone")

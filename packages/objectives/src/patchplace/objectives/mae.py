@@ -4,6 +4,7 @@ decoder with mask tokens reconstructs normalized pixels; MSE on masked patches o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from .common import (
     as_backbone,
     check_positive,
     check_ratio,
+    check_widths,
     gather_rows,
     num_kept,
     random_masking,
@@ -28,18 +30,22 @@ from .common import (
 
 @dataclass
 class MAEConfig(ObjectiveConfig):
-    """MAE defaults: mask 0.75, decoder 512 wide x 8 deep x 16 heads, normalized-pixel targets."""
+    """MAE defaults: mask 0.75, 8 decoder blocks, normalized-pixel targets; the decoder as wide as the backbone
+    with its head count (``MAEConfig.paper()``: 512 wide x 16 heads, the paper's ImageNet decoder)."""
+
+    RELATIVE: ClassVar[dict[str, str]] = {"decoder_dim": "embed_dim", "decoder_heads": "num_heads"}
+    PAPER: ClassVar[dict[str, Any]] = {"decoder_dim": 512, "decoder_depth": 8, "decoder_heads": 16}
 
     mask_ratio: float = 0.75  # fraction of patches masked
-    decoder_dim: int = 512  # decoder width
+    decoder_dim: int | None = None  # decoder width (None: the backbone's; paper(): 512)
     decoder_depth: int = 8  # decoder blocks
-    decoder_heads: int = 16  # decoder heads
+    decoder_heads: int | None = None  # decoder heads (None: the backbone's; paper(): 16)
     norm_pix_loss: bool = True  # per-patch normalized pixel targets
 
     def validate(self) -> MAEConfig:
         check_ratio("mask_ratio", self.mask_ratio)
-        for name in ("decoder_dim", "decoder_depth", "decoder_heads"):
-            check_positive(name, getattr(self, name))
+        check_positive("decoder_depth", self.decoder_depth)
+        check_widths(self, "decoder_dim", "decoder_heads")
         return self
 
 
@@ -87,7 +93,7 @@ class MAE(BackboneObjective):
     def __init__(self, backbone: Backbone | nn.Module, config: MAEConfig | None = None) -> None:
         super().__init__()
         backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = c = (config or MAEConfig()).validate()
+        self.config = c = (config or MAEConfig()).validate().for_backbone(backbone)
         require_pos_mode(backbone, ("sincos2d",), "MAE")
         if backbone.config.modality != "image" or backbone.cls_token is None:
             raise ObjectiveError("MAE needs an image backbone with a class token")

@@ -23,6 +23,7 @@ full attention (the paper fine-tunes / probes on the average-pooled feature, App
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from timm.layers import Mlp
@@ -37,6 +38,7 @@ from .common import (
     ObjectiveError,
     as_backbone,
     check_positive,
+    check_widths,
     init_linear,
     require_pos_mode,
     split_batch,
@@ -64,13 +66,16 @@ class RandSACConfig(ObjectiveConfig):
     ``norm_pix_loss``: per-patch normalized pixel targets (Tables 7, 13, 14).
     """
 
+    RELATIVE: ClassVar[dict[str, str]] = {"decoder_dim": "embed_dim", "decoder_heads": "num_heads"}
+    PAPER: ClassVar[dict[str, Any]] = {"decoder_dim": 512, "decoder_depth": 4, "decoder_heads": 16}
+
     segments: str = "blob"  # blob | square | raster | patch_random
     num_segments: int = 11  # K blobs (Table 7)
     square_size: int = 2  # M for square segments (Table 4)
     hierarchy: tuple[int, ...] = (5,)  # partitions per level above the segments, e.g. (5,) = 11 -> 5; () flat
-    decoder_dim: int = 512  # decoder width
+    decoder_dim: int | None = None  # decoder width (None: the backbone's; paper(): 512)
     decoder_depth: int = 4  # decoder blocks
-    decoder_heads: int = 16  # decoder heads
+    decoder_heads: int | None = None  # decoder heads (None: the backbone's; paper(): 16)
     decoder_mlp_ratio: float = 4.0  # decoder MLP width / decoder_dim
     skip_connections: bool = True  # trainable encoder -> decoder skips (§4.2)
     norm_pix_loss: bool = True  # per-patch normalized pixel targets
@@ -92,11 +97,9 @@ class RandSACConfig(ObjectiveConfig):
                 raise ObjectiveError(f"hierarchy must be strictly decreasing partition counts >= 1 below "
                                      f"num_segments={self.num_segments} (e.g. (5,) for 11 -> 5), got {self.hierarchy}")
             top = parts
-        for name in ("decoder_dim", "decoder_depth", "decoder_heads", "decoder_mlp_ratio"):
+        for name in ("decoder_depth", "decoder_mlp_ratio"):
             check_positive(name, getattr(self, name))
-        if self.decoder_dim % self.decoder_heads or self.decoder_dim % 4:
-            raise ObjectiveError(f"decoder_dim must be divisible by decoder_heads ({self.decoder_heads}) and by 4 "
-                                 f"(2-D sin-cos PE), got {self.decoder_dim}")
+        check_widths(self, "decoder_dim", "decoder_heads", multiple_of=4)
         return self
 
 
@@ -151,7 +154,7 @@ class RandSAC(BackboneObjective):
     def __init__(self, backbone: Backbone | nn.Module, config: RandSACConfig | None = None) -> None:
         super().__init__()
         backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = c = (config or RandSACConfig()).validate()
+        self.config = c = (config or RandSACConfig()).validate().for_backbone(backbone)
         require_pos_mode(backbone, ("sincos2d",), "RandSAC")
         if backbone.config.modality != "image":
             raise ObjectiveError("RandSAC needs an image backbone (2-D token grid)")
