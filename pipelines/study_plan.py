@@ -29,6 +29,7 @@ class StudyConfig:
     label_fractions: tuple[float, ...] = (0.01, 0.1)
     label_finetune_epochs: tuple[float, ...] = (20.0, 3.0)  # epochs over each subset (same length as the fractions)
     label_subset_seed: int = 0  # which balanced subsets (the same for every method and seed)
+    label_batch_size: int | None = None  # batch of the label-efficiency stages (None: batch_size); smaller = more steps
     ablation_seeds: tuple[int, ...] = (0,)  # seeds of the ablation groups
     groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
     only: tuple[str, ...] = ()  # run names to restrict the groups to (e.g. add seeds to some rows); () = all

@@ -125,7 +125,8 @@ class Study:
         for fraction, epochs in zip(c.label_fractions, c.label_finetune_epochs, strict=True):
             out = self.dir(run, seed) / f"label{fraction:g}"
             extra = [f"data.label_fraction={fraction}", f"data.label_subset_seed={c.label_subset_seed}",
-                     f"data.val_limit={c.test_samples or 'null'}"]
+                     f"data.val_limit={c.test_samples or 'null'}",
+                     *([f"data.batch_size={c.label_batch_size}"] if c.label_batch_size else [])]
             train = self.supervised if run.classifier_only else self.finetune
             seconds[out.name] = train(run, seed, out, epochs, extra)
         return seconds

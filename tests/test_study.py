@@ -36,7 +36,8 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
             "speech_pretrain_epochs=1",
             "speech_finetune_epochs=1", "speech_seeds=[0,1]", "overrides=[data.shuffle_buffer=16]",
             "speech_overrides=[data.batch_size=8]", "privacy_steps=3", "label_fractions=[0.1,0.5]",
-            "label_finetune_epochs=[2,1]", "seeds=[0]", "ablation_seeds=[0]", "full_label_rows=[]"]
+            "label_finetune_epochs=[2,1]", "seeds=[0]", "ablation_seeds=[0]", "full_label_rows=[]",
+            "label_batch_size=4", "privacy_images=10"]
     assert study.main(args) == 0
     result = json.loads((tmp_path / "results" / "study.json").read_text())
     rows = result["results"]
@@ -57,6 +58,7 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
         assert {"top1@0.1", "top1@0.5"} <= set(rows[name][0]), name
         used = pipeline_config.yaml.safe_load((runs / name / "label0.1" / "config.yaml").read_text())["data"]
         assert used["label_fraction"] == 0.1 and used["val_limit"] == 32, "the subset; top-1 on the test images"
+        assert used["batch_size"] == 4, "label_batch_size"
     assert (runs / "supervised" / "label0.5" / "checkpoint").is_dir() and not (runs / "mjp" / "label0.1").exists()
     assert {"linear_probe@0.1", "linear_probe@0.5"} <= set(rows["mp3"][0]), "probes on the same subsets"
     assert "linear_probe@0.1" not in rows["supervised"][0], "a supervised backbone saw every label"
