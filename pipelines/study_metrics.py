@@ -122,7 +122,7 @@ BUDGET_FIELDS = ("preset", "pretrain_epochs", "finetune_epochs", "probe_only", "
                  "probe_train_samples", "probe_val_samples", "probe_epochs", "curve_samples",
                  "ort_consistency_samples", "robustness_samples", "speech_pretrain_epochs", "speech_finetune_epochs",
                  "test_samples", "overrides", "speech_overrides", "label_fractions", "label_finetune_epochs",
-                 "label_subset_seed", "label_batch_size")
+                 "label_subset_seed", "label_batch_size", "probe_extras")
 
 
 def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:

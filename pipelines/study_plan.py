@@ -42,6 +42,7 @@ class StudyConfig:
     probe_train_samples: int = 2000  # train images of the (all-label) linear / kNN / position probes
     probe_val_samples: int = 2000  # test images the probes are scored on
     probe_epochs: int = 100  # epochs of each linear probe
+    probe_extras: bool = True  # the kNN-per-layer and position probes too (the linear probes always run)
     curve_samples: int = 1000  # test images for the consistency / eta / DropPos-grid curves
     ort_consistency_samples: int = 1000  # test images of the ONNX Runtime consistency check
     robustness_samples: int = 200  # test images x 13 corruptions x 5 severities (ONNX Runtime)

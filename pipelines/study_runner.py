@@ -149,6 +149,7 @@ class Study:
                 f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
                 f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]",
                 f"eval.label_fractions=[{','.join(map(str, fractions))}]",
+                *([] if c.probe_extras else ["eval.knn=false", "eval.position_probe=false"]),
                 f"data.label_subset_seed={c.label_subset_seed}", *data], label=f"{d} probe")
         if classifier is None:
             return
