@@ -47,7 +47,7 @@ from .audio import _as_wave
 from .errors import DataError
 from .keyed_random import keyed_uniform
 from .manifest import Manifest
-from .transforms import ImageTransformConfig
+from .transforms import ImageTransformConfig, image_transform_config
 
 # keyed_random streams: one per kind of draw, so adding draws to one never changes another
 CROP_STREAM, FLIP_STREAM, ERASE_STREAM, CLIP_STREAM, SHIFT_STREAM, NOISE_STREAM = range(1, 7)
@@ -121,13 +121,7 @@ class BatchedImageAugment:
     counterpart of :class:`~patchplace.data.transforms.ImageTransform` with the same config and sizes."""
 
     def __init__(self, manifest: Manifest, train: bool, config: ImageTransformConfig | None = None) -> None:
-        cfg = config or ImageTransformConfig()
-        cfg.validate()
-        if manifest.modality != "image":
-            raise DataError(f"{manifest.dataset} is {manifest.modality} data, not images")
-        if not manifest.normalization:
-            raise DataError(f"manifest of {manifest.dataset}/{manifest.split} has no normalization statistics; "
-                            "rebuild it with its data/ recipe")
+        cfg = image_transform_config(manifest, config)
         if train and (cfg.auto_augment or cfg.color_jitter):
             raise DataError("auto_augment / color_jitter run on PIL images, one at a time: stream this split "
                             "(data.in_memory=false) or drop them")

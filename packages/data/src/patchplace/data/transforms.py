@@ -62,17 +62,24 @@ class PadTo:
         return F.pad(x, (left, self.size - w - left, top, self.size - h - top))
 
 
+def image_transform_config(manifest: Manifest, config: ImageTransformConfig | None) -> ImageTransformConfig:
+    """The validated config of an image transform (streaming or batched), after checking that ``manifest`` holds
+    images with the normalization statistics the transform needs."""
+    cfg = config or ImageTransformConfig()
+    cfg.validate()
+    if manifest.modality != "image":
+        raise DataError(f"{manifest.dataset} is {manifest.modality} data, not images")
+    if not manifest.normalization:
+        raise DataError(f"manifest of {manifest.dataset}/{manifest.split} has no normalization statistics; "
+                        "rebuild it with its data/ recipe")
+    return cfg
+
+
 class ImageTransform:
     """uint8 ``(C, H, W)`` tensor -> normalized float tensor, via optional padding and timm's transform."""
 
     def __init__(self, manifest: Manifest, train: bool, config: ImageTransformConfig | None = None) -> None:
-        cfg = config or ImageTransformConfig()
-        cfg.validate()
-        if manifest.modality != "image":
-            raise DataError(f"{manifest.dataset} is {manifest.modality} data, not images")
-        if not manifest.normalization:
-            raise DataError(f"manifest of {manifest.dataset}/{manifest.split} has no normalization statistics; "
-                            "rebuild it with its data/ recipe")
+        cfg = image_transform_config(manifest, config)
         native = manifest.info.get("image_size")
         self.size = cfg.img_size or cfg.pad_to or (max(native) if native else None)
         if self.size is None:
