@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from config import ConfigError, describe, load
 from stages import StageError
-from study_plan import StudyConfig
+from study_plan import StudyConfig, group_seeds
 from study_report import report
 from study_runner import Study
 
@@ -55,10 +55,6 @@ class Unit:
     groups: tuple[str, ...]
     seed: int
     cost: float
-
-
-def group_seeds(cfg: StudyConfig, group: str) -> tuple[int, ...]:
-    return cfg.seeds if group == "main" else cfg.speech_seeds if group == "speech" else cfg.ablation_seeds
 
 
 def split_units(cfg: StudyConfig, jobs: int) -> list[list[Unit]]:

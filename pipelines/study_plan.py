@@ -162,6 +162,11 @@ RUNS: tuple[Run, ...] = (
 )
 
 
+def group_seeds(cfg: StudyConfig, group: str) -> tuple[int, ...]:
+    """The seeds a group runs: ``seeds`` (main), ``speech_seeds`` (speech), else ``ablation_seeds``."""
+    return cfg.seeds if group == "main" else cfg.speech_seeds if group == "speech" else cfg.ablation_seeds
+
+
 def runs_of(groups: tuple[str, ...], only: tuple[str, ...] = ()) -> list[Run]:
     """Runs in execution order: groups as given, rows in table order (fine-tunes of a shared pretraining last);
     only the runs named in ``only`` when it is given."""

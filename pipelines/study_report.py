@@ -10,7 +10,7 @@ from typing import Any
 
 import evaluate
 import torch
-from stages import hardware_line
+from stages import hardware_line, stage_seconds
 from study_claims import (
     PRIVACY_METRICS,
     PRIVACY_RUNS,
@@ -206,7 +206,7 @@ def wall_clock(study: Study) -> list[str]:
         run, stage_name = done.parent.parent.name, done.parent.name
         kind = next((k for k, prefixes in STAGE_KINDS if stage_name.startswith(prefixes)), "other")
         per_group = minutes.setdefault(group.get(run, "other"), {})
-        per_group[kind] = per_group.get(kind, 0.0) + float(read_json(done)["seconds"]) / 60
+        per_group[kind] = per_group.get(kind, 0.0) + (stage_seconds(done.parent) or 0.0) / 60
     if not minutes:
         return []
     kinds = [k for k, _ in STAGE_KINDS if any(k in m for m in minutes.values())]

@@ -10,7 +10,7 @@ import evaluate
 import finetune
 import pretrain
 from stages import stage
-from study_plan import CONFIGS, RUNS, Run, StudyConfig, runs_of
+from study_plan import CONFIGS, RUNS, Run, StudyConfig, group_seeds, runs_of
 
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
@@ -27,9 +27,7 @@ class Study:
         return self.root / f"seed{seed}" / run.name
 
     def seeds(self, run: Run) -> tuple[int, ...]:
-        if run.speech:
-            return self.cfg.speech_seeds
-        return self.cfg.seeds if run.group == "main" else self.cfg.ablation_seeds
+        return group_seeds(self.cfg, run.group)
 
     def data(self, run: Run, evaluation: bool = False) -> list[str]:
         """Split overrides (+ the user's extra overrides) of a training or evaluation stage."""
