@@ -32,7 +32,8 @@ def test_widths_follow_the_backbone_and_paper_is_one_call_away(cls, config_cls, 
     assert (dim, heads) == ((16, 2) if part == "predictor" else (32, 2)), "relative to the backbone, recorded"
     assert (dim, depth, heads) != paper and tuple(getattr(config_cls.paper(), f"{part}_{k}")
                                                   for k in ("dim", "depth", "heads")) == paper
-    assert config_cls.paper(**{f"{part}_depth": 1}).validate() is not None  # overrides on top of the paper's
+    shallow = config_cls.paper(**{f"{part}_depth": 1})  # overrides on top of the paper's widths
+    assert (getattr(shallow, f"{part}_dim"), getattr(shallow, f"{part}_depth")) == (paper[0], 1)
     with pytest.raises(ObjectiveError, match="divisible"):
         config_cls(**{f"{part}_dim": 30, f"{part}_heads": 4}).validate()
 
