@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,67 +42,61 @@ from study_runner import Study
 # numbers), study_claims (the verdicts), study_report (tables, figures, results files); this file: the command line.
 
 
-# Relative cost of one seed of each group at the CPU budget, in supervised epochs of Fashion-MNIST (training +
-# evaluations), to balance --jobs; the first main seed also fine-tunes every main row with all labels (when
-# full_label_rows limits the later seeds).
-GROUP_COST = {"main": 10.0, "mp3_pe": 4.5, "mp3_eta": 0.9, "droppos": 1.4, "mjp": 4.5, "randsac": 3.0, "speech": 3.1}
-FIRST_MAIN_EXTRA = 5.0
-
-
 @dataclass(frozen=True)
 class Unit:
     """Groups run together on one seed by one study process (mp3_pe rides with main: it fine-tunes main's MP3)."""
 
     groups: tuple[str, ...]
     seed: int
-    cost: float
+
+    def __str__(self) -> str:
+        return f"{'+'.join(self.groups)} seed {self.seed}"
 
 
-def split_units(cfg: StudyConfig, jobs: int) -> list[list[Unit]]:
-    """(groups, seed) units spread over ``jobs`` processes, greedy longest-first; each process runs its units in
-    the priority order of ``cfg.groups``, then by seed."""
+def study_units(cfg: StudyConfig) -> list[Unit]:
+    """Every (groups, seed) unit once, in the priority order of ``cfg.groups``, then by seed."""
     units: dict[tuple[str, int], list[str]] = {}
     for group in cfg.groups:
         for seed in group_seeds(cfg, group):
             host = ("main", seed) if group == "mp3_pe" and ("main", seed) in units else (group, seed)
             units.setdefault(host, []).append(group)
-    first_main = cfg.seeds[0]
-    made = [Unit(tuple(groups), seed, sum(GROUP_COST[g] for g in groups)
-                 + (FIRST_MAIN_EXTRA if (key, seed) == ("main", first_main) and cfg.full_label_rows else 0.0))
-            for (key, seed), groups in units.items()]
-    buckets: list[list[Unit]] = [[] for _ in range(min(jobs, len(made)))]
-    for unit in sorted(made, key=lambda u: -u.cost):
-        min(buckets, key=lambda b: sum(u.cost for u in b)).append(unit)
-    return [sorted(b, key=lambda u: (cfg.groups.index(u.groups[0]), u.seed)) for b in buckets if b]
+    return [Unit(tuple(groups), seed) for (_, seed), groups in units.items()]
 
 
-def run_jobs(args: argparse.Namespace, cfg: StudyConfig) -> int:
-    """Run the study as ``args.jobs`` processes at a time (each with cpu_count / jobs torch threads), each job its
-    units one after another; logs in runs/job<i>.log."""
+def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int] | None = None) -> int:
+    """Run the study as ``args.jobs`` processes at a time (each with cpu_count / jobs torch threads). The units
+    wait in one queue in priority order and a process takes the next one when it finishes its last, so finished
+    stages (a resumed study) and uneven units never leave a core idle; logs in runs/job<i>.log."""
     import subprocess
     import threading
 
+    call = call or subprocess.call
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     base = [sys.executable, __file__, *(["--config", args.config] if args.config else []), *args.overrides]
     Path(cfg.runs).mkdir(parents=True, exist_ok=True)
-    failed: list[str] = []
+    queue, lock, failed = list(study_units(cfg)), threading.Lock(), []
+    print(f"[study] {len(queue)} units ({', '.join(map(str, queue))}) over {args.jobs} processes, {threads} "
+          f"thread(s) each; logs {Path(cfg.runs) / 'job<i>.log'}", flush=True)
 
-    def job(i: int, units: list[Unit]) -> None:
+    def job(i: int) -> None:
         log = Path(cfg.runs) / f"job{i}.log"
-        for unit in units:
+        while True:
+            with lock:
+                if not queue or failed:
+                    return
+                unit = queue.pop(0)
+            print(f"[study] job {i}: {unit}", flush=True)
             with log.open("a") as f:
-                code = subprocess.call([*base, f"groups=[{','.join(unit.groups)}]", f"only_seeds=[{unit.seed}]",
-                                        f"threads={threads}"], stdout=f, stderr=subprocess.STDOUT)
+                code = call([*base, f"groups=[{','.join(unit.groups)}]", f"only_seeds=[{unit.seed}]",
+                             f"threads={threads}"], stdout=f, stderr=subprocess.STDOUT)
             if code != 0:
-                failed.append(f"{log} ({'+'.join(unit.groups)} seed {unit.seed})")
+                with lock:
+                    failed.append(f"{log} ({unit})")
                 return
 
-    workers = []
-    for i, units in enumerate(split_units(cfg, args.jobs)):
-        plan = ", ".join(f"{'+'.join(u.groups)} seed {u.seed}" for u in units)
-        print(f"[study] job {i}: {plan}; {threads} thread(s), log {Path(cfg.runs) / f'job{i}.log'}", flush=True)
-        workers.append(threading.Thread(target=job, args=(i, units)))
-        workers[-1].start()
+    workers = [threading.Thread(target=job, args=(i,)) for i in range(max(1, args.jobs))]
+    for worker in workers:
+        worker.start()
     for worker in workers:
         worker.join()
     if failed:

@@ -3,10 +3,12 @@ resume, the job split, merging earlier results, and the claims' seed-paired verd
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -114,24 +116,37 @@ def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seed
         pipeline_config.load(StudyConfig, None, ["label_fractions=[0.01]"])
 
 
-def test_study_splits_group_seeds_over_jobs_and_stages_refuse_a_busy_directory(tmp_path):
+def test_study_jobs_pull_units_from_one_queue_and_stages_refuse_a_busy_directory(tmp_path):
     cfg = pipeline_config.load(StudyConfig, None, ["seeds=[0,1,2]", "ablation_seeds=[0,1,2]", "speech_seeds=[0,1]",
-                                                   "full_label_rows=[supervised]"])
-    buckets = study.split_units(cfg, 2)
-    units = [(g, u.seed) for b in buckets for u in b for g in u.groups]
+                                                   "full_label_rows=[supervised]", f"runs={tmp_path / 'runs'}"])
+    units = study.study_units(cfg)
+    pairs = [(g, u.seed) for u in units for g in u.groups]
     expected = [(g, s) for g in GROUPS for s in ((0, 1) if g == "speech" else (0, 1, 2))]
-    assert sorted(units) == sorted(expected) and len(units) == len(set(units)), "every (group, seed) exactly once"
-    costs = [sum(u.cost for u in b) for b in buckets]
-    assert len(buckets) == 2 and max(costs) - min(costs) <= max(u.cost for b in buckets for u in b)
-    assert all(("mp3_pe" in u.groups) == ("main" in u.groups) for b in buckets for u in b), \
+    assert sorted(pairs) == sorted(expected) and len(pairs) == len(set(pairs)), "every (group, seed) exactly once"
+    assert all(("mp3_pe" in u.groups) == ("main" in u.groups) for u in units), \
         "mp3_pe rides with main of the same seed (it fine-tunes main's MP3 pretraining)"
-    first = next(u for b in buckets for u in b if "main" in u.groups and u.seed == 0)
-    assert first.cost > next(u for b in buckets for u in b if "main" in u.groups and u.seed == 1).cost
-    order = ("randsac", "main", "mjp", "mp3_pe", "speech", "droppos", "mp3_eta")
-    cfg.groups = order
-    for bucket in study.split_units(cfg, 3):  # every process keeps the priority order given, then the seed order
-        keys = [(order.index(u.groups[0]), u.seed) for u in bucket]
-        assert keys == sorted(keys), bucket
+    keys = [(cfg.groups.index(u.groups[0]), u.seed) for u in units]
+    assert keys == sorted(keys), "the queue keeps the priority order of groups, then the seed order"
+
+    # Dynamic balance: job 0 is held on its first unit until job 1 has run every other unit (a static split
+    # would have given job 0 about half of them and this would time out).
+    released, ran, lock = threading.Event(), [], threading.Lock()
+
+    def call(argv, stdout, stderr):
+        with lock:
+            first = not ran
+            ran.append((argv[-3], argv[-2]))
+        if first:
+            assert released.wait(timeout=60), "job 1 did not take the other units while job 0 was busy"
+        elif len(ran) == len(units):
+            released.set()
+        return 0
+
+    args = argparse.Namespace(jobs=2, config=None, overrides=[])
+    assert study.run_jobs(args, cfg, call=call) == 0
+    assert sorted(ran) == sorted((f"groups=[{','.join(u.groups)}]", f"only_seeds=[{u.seed}]") for u in units)
+    failing = argparse.Namespace(jobs=2, config=None, overrides=[])
+    assert study.run_jobs(failing, cfg, call=lambda argv, stdout, stderr: 1) == 1, "a failed unit fails the study"
     with pytest.raises(pipeline_config.ConfigError, match="probe_only"):
         pipeline_config.load(StudyConfig, None, ["probe_only=[main]"])
     (tmp_path / "LOCK").write_text(str(os.getppid()))  # a live process holds the stage
