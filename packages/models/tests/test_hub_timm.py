@@ -28,7 +28,7 @@ def test_save_load_round_trip_is_exact(micro, tmp_path, mode):
         torch.nn.init.normal_(model.blocks[1].rel_pos_bias.relative_position_bias_table)
     x = torch.randn(2, 3, 16, 16)
     save_pretrained(model, tmp_path / "ckpt", metadata={"classes": ["a", "b"], "data": "abc123"})
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["README.md", "config.json", "model.safetensors"]
     loaded, metadata = load_pretrained(tmp_path / "ckpt")
     assert metadata == {"classes": ["a", "b"], "data": "abc123"} and loaded.config == model.config
     torch.testing.assert_close(loaded.eval()(x), model(x), atol=0, rtol=0)

@@ -17,9 +17,13 @@ Parameter names follow timm's ``VisionTransformer`` (``patch_embed.proj``, ``blo
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
+from typing import Any
 
 import torch
+from huggingface_hub import PyTorchModelHubMixin
 from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import nn
 
@@ -94,8 +98,17 @@ class Block(nn.Module):
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
-class Backbone(nn.Module):
-    """Shared Transformer trunk; :class:`VisionTransformer` and :class:`AudioTransformer` add the patchifier."""
+class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=["patchplace"],
+               repo_url="https://github.com/patchplace/patchplace"):
+    """Shared Transformer trunk; :class:`VisionTransformer` and :class:`AudioTransformer` add the patchifier.
+
+    Hugging Face Hub conventions (``huggingface_hub.PyTorchModelHubMixin``): ``model.save_pretrained(dir,
+    metadata=..., push_to_hub=False)``, ``Backbone.from_pretrained("dir" or "user/repo")``,
+    ``model.push_to_hub("user/repo")`` — all in the checkpoint format of :mod:`patchplace.models.hub` (config.json
+    with timm's fields, timm-keyed safetensors, model card). ``pretrained_metadata`` holds the loaded metadata.
+    """
+
+    pretrained_metadata: dict[str, Any] | None = None
 
     def __init__(self, config: BackboneConfig) -> None:
         super().__init__()
@@ -343,10 +356,39 @@ class Backbone(nn.Module):
         return names | {n for n, _ in self.named_parameters() if n.endswith("relative_position_bias_table")}
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, directory, metadata: dict | None = None):
+    def save_pretrained(self, save_directory: str | os.PathLike, metadata: dict[str, Any] | None = None,
+                        **hub_kwargs: Any) -> Path | str:
+        """Write a checkpoint directory (``metadata`` defaults to ``pretrained_metadata``); ``push_to_hub=True,
+        repo_id=...`` also uploads it (returns the commit URL, else the directory)."""
+        if metadata is not None:
+            self.pretrained_metadata = metadata
+        url = PyTorchModelHubMixin.save_pretrained(self, save_directory, **hub_kwargs)
+        return url or Path(save_directory)
+
+    def _save_pretrained(self, save_directory: Path) -> None:
         from .hub import save_pretrained
 
-        return save_pretrained(self, directory, metadata)
+        save_pretrained(self, save_directory, self.pretrained_metadata)
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, revision: str | None, cache_dir: str | Path | None,
+                         force_download: bool, local_files_only: bool, token: str | bool | None,
+                         map_location: str = "cpu", **_: Any) -> Backbone:
+        from .hub import load_pretrained
+
+        directory = Path(model_id)
+        if not directory.is_dir():
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(repo_id=model_id, revision=revision, cache_dir=cache_dir,
+                                               force_download=force_download, local_files_only=local_files_only,
+                                               token=token))
+        model, metadata = load_pretrained(directory, map_location)
+        if not isinstance(model, cls):
+            raise ModelError(f"{model_id} holds a {type(model).__name__}, not a {cls.__name__}: load it with "
+                             f"Backbone.from_pretrained or {type(model).__name__}.from_pretrained")
+        model.pretrained_metadata = metadata
+        return model
 
 
 def _init_weights(module: nn.Module) -> None:

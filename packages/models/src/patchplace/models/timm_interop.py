@@ -4,8 +4,12 @@ Parameter names already match timm's except the learned PE table (``pos_table`` 
 Supported timm features: class token or not, ``global_pool`` ``token`` / ``avg`` **with** ``fc_norm=False``
 (timm's default for ``avg`` moves the final norm after pooling, which this backbone does not do), learned or no
 PE, qkv bias. Register tokens, LayerScale, q/k norm, ``no_embed_class`` and pre-norm are refused by name.
-A ``sincos2d`` table exports as timm's (learned) ``pos_embed`` with identical values; ``relbias2d`` has no timm
-``VisionTransformer`` equivalent. :func:`adopt_timm` lets the objectives train a timm ViT in place.
+A ``sincos2d`` table exports as timm's (learned) ``pos_embed`` with identical values and comes back from
+:func:`from_timm` as ``sincos2d`` while its values are still the fixed table. ``relbias2d`` (BEiT's per-layer
+relative position bias, with a class token) maps onto timm's ``Beit`` (``use_rel_pos_bias=True``, no absolute PE,
+no LayerScale); BEiT has no key bias, which is exact: a key bias adds ``q . b_k`` to every logit of a query, which
+the softmax cancels (and its gradient is zero), so it is dropped. :func:`adopt_timm` lets the objectives train a
+timm ViT in place. Checkpoint layouts (:func:`timm_layout`) say which timm model a checkpoint directory loads into.
 """
 
 from __future__ import annotations
@@ -31,13 +35,89 @@ def timm_kwargs(config: BackboneConfig) -> dict[str, Any]:
                 fc_norm=False, pos_embed="none" if config.pos_embed == "none" else "learn")
 
 
+def beit_kwargs(config: BackboneConfig) -> dict[str, Any]:
+    """Keyword arguments of the equivalent ``timm.models.beit.Beit`` for a ``relbias2d`` image backbone."""
+    if config.modality != "image" or config.pos_embed != "relbias2d" or not config.class_token:
+        raise ModelError(f"no timm Beit equivalent for {config.modality} / {config.pos_embed} / class_token="
+                         f"{config.class_token} (Beit: relbias2d with a class token)")
+    return dict(img_size=config.image_hw, patch_size=config.patch_size, in_chans=config.in_chans,
+                num_classes=config.num_classes, global_pool="token" if config.global_pool == "cls" else "avg",
+                use_fc_norm=False, embed_dim=config.embed_dim, depth=config.depth, num_heads=config.num_heads,
+                mlp_ratio=config.mlp_ratio, qkv_bias=config.qkv_bias, use_abs_pos_emb=False,
+                use_rel_pos_bias=True, use_shared_rel_pos_bias=False,
+                init_values=0.0)  # 0, not None: timm drops None kwargs and BEiT-base defaults to LayerScale 0.1
+
+
+# What a checkpoint directory's model.safetensors holds: timm ViT keys, timm Beit keys, or ours (no timm model).
+TIMM_ARCHITECTURES = {"timm_vit": "vit_base_patch16_224", "timm_beit": "beit_base_patch16_224"}
+
+
+def timm_layout(config: BackboneConfig) -> str:
+    """``timm_vit`` / ``timm_beit`` when timm can build this backbone, else ``patchplace``."""
+    for layout, kwargs in (("timm_vit", timm_kwargs), ("timm_beit", beit_kwargs)):
+        try:
+            kwargs(config)
+            return layout
+        except ModelError:
+            pass
+    return "patchplace"
+
+
+def timm_model_args(config: BackboneConfig) -> dict[str, Any]:
+    """``create_model`` keyword arguments of the layout (they override every size of the registered name)."""
+    kwargs = timm_kwargs(config) if timm_layout(config) == "timm_vit" else beit_kwargs(config)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+
+
 def to_timm_state_dict(model: Backbone) -> dict[str, torch.Tensor]:
-    """State dict loadable by ``VisionTransformer(**timm_kwargs(model.config))``."""
-    timm_kwargs(model.config)  # refuses what timm cannot express
-    state = {k: v for k, v in model.state_dict().items() if k != "pos_table"}
+    """State dict loadable (strictly) by ``VisionTransformer(**timm_kwargs(model.config))`` or, for ``relbias2d``,
+    ``Beit(**beit_kwargs(model.config))``. The MJP unknown PE is not a timm parameter: see :func:`split_extras`."""
+    layout = timm_layout(model.config)
+    if layout == "patchplace":
+        timm_kwargs(model.config)  # the refusal, by name
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if k not in ("pos_table", "unknown_pos_embed")}
+    if layout == "timm_beit":
+        return _to_beit(state, model.config.embed_dim)
     if model.pos_table is not None:
         state["pos_embed"] = model.pos_table.detach().clone()
     return state
+
+
+def _to_beit(state: dict[str, torch.Tensor], dim: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        if key.endswith("attn.qkv.bias"):  # q and v biases; the key bias is dropped (exact, see the module doc)
+            out[key.replace("qkv.bias", "q_bias")] = value[:dim]
+            out[key.replace("qkv.bias", "v_bias")] = value[2 * dim:]
+        elif key.endswith("rel_pos_bias.relative_position_bias_table"):
+            out[key.replace("rel_pos_bias.", "attn.")] = value
+        elif not key.endswith("relative_position_index"):
+            out[key] = value
+    return out
+
+
+def from_timm_state_dict(state: dict[str, torch.Tensor], config: BackboneConfig) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_timm_state_dict` (our parameter names; fixed tables and buffers left out)."""
+    out = {}
+    for key, value in state.items():
+        if key == "pos_embed":
+            if config.pos_embed == "learned":
+                out["pos_table"] = value
+        elif key.endswith("attn.q_bias"):
+            v = state[key.replace("q_bias", "v_bias")]
+            out[key.replace("q_bias", "qkv.bias")] = torch.cat([value, torch.zeros_like(value), v])
+        elif key.endswith("attn.relative_position_bias_table"):
+            out[key.replace("attn.", "rel_pos_bias.")] = value
+        elif not key.endswith(("attn.v_bias", "relative_position_index")):
+            out[key] = value
+    return out
+
+
+def split_extras(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(timm-loadable part, patchplace-only parameters): the MJP unknown PE is used only under the jigsaw."""
+    extras = {k: v for k, v in state.items() if k == "unknown_pos_embed"}
+    return {k: v for k, v in state.items() if k not in extras}, extras
 
 
 def _refuse(timm_model: nn.Module) -> None:
@@ -72,21 +152,34 @@ def from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
         embed_dim=timm_model.embed_dim, depth=len(blocks), num_heads=blocks[0].attn.num_heads,
         mlp_ratio=blocks[0].mlp.fc1.out_features / timm_model.embed_dim,
         qkv_bias=blocks[0].attn.qkv.bias is not None,
-        pos_embed="none" if timm_model.pos_embed is None else "learned",
+        pos_embed=_pos_embed_mode(timm_model),
         class_token=timm_model.cls_token is not None,
         global_pool="cls" if timm_model.global_pool == "token" else "mean",
         num_classes=timm_model.num_classes, norm_eps=timm_model.norm.eps)
     for key, value in overrides.items():
         setattr(config, key, value)
     model = VisionTransformer(config)
-    state = dict(timm_model.state_dict())
-    if "pos_embed" in state:
-        state["pos_table"] = state.pop("pos_embed")
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(from_timm_state_dict(timm_model.state_dict(), config), strict=False)
     if missing or unexpected:
         raise ModelError(f"timm weights do not map onto the backbone: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     return model
+
+
+def _pos_embed_mode(timm_model: nn.Module) -> str:
+    """``none``, or ``sincos2d`` when timm's table still holds the fixed 2-D sin-cos values (a patchplace
+    ``sincos2d`` checkpoint loaded into timm), else ``learned``."""
+    from .pos_embed import sincos_2d
+
+    table = timm_model.pos_embed
+    if table is None:
+        return "none"
+    grid, prefix = tuple(timm_model.patch_embed.grid_size), getattr(timm_model, "num_prefix_tokens", 0)
+    fixed = sincos_2d(grid, table.shape[-1])
+    if prefix and table.shape[1] == prefix + fixed.shape[0]:
+        fixed = torch.cat([torch.zeros(prefix, fixed.shape[1]), fixed])
+    same = fixed.shape == table.shape[1:] and torch.allclose(table[0].detach().float().cpu(), fixed, atol=1e-6)
+    return "sincos2d" if same else "learned"
 
 
 def is_timm_vit(model: nn.Module) -> bool:
