@@ -70,6 +70,7 @@ from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset,
 from patchplace.data.mfcc import MFCC
 from patchplace.finetune import build_optimizer, parameter_groups
 from patchplace.models import Backbone, ModelError, save_pretrained
+from patchplace.models.hub import update_metadata
 from patchplace.objectives import ObjectiveError
 
 # Errors a user can act on: printed as one line by the pipeline scripts (exit code 2).
@@ -90,6 +91,27 @@ def start(config_cls: type, description: str, argv: list[str] | None, augment: b
     accelerator = make_accelerator(cfg.run)
     set_seed(cfg.run.seed)
     return cfg, accelerator, build_data(cfg.data, accelerator, cfg.run.seed, augment=augment, split_train=split_train)
+
+
+def recipe(config: Any, processes: int) -> dict[str, Any]:
+    """The training recipe a checkpoint's model card shows: the optimizer, data and method sections without paths."""
+    from dataclasses import asdict, is_dataclass
+
+    out: dict[str, Any] = {"processes": processes}
+    for section in ("optim", "finetune", "objective"):
+        value = getattr(config, section, None)
+        if is_dataclass(value):
+            out[section] = asdict(value)
+        elif isinstance(value, dict) and value:
+            out[section] = dict(value)
+    data = getattr(config, "data", None)
+    if data is not None:
+        out["data"] = {k: getattr(data, k) for k in ("batch_size", "img_size", "pad_to", "scale", "hflip", "re_prob",
+                                                      "label_fraction") if hasattr(data, k)}
+    run = getattr(config, "run", None)
+    if run is not None:
+        out["run"] = {k: getattr(run, k) for k in ("seed", "mixed_precision", "grad_accum") if hasattr(run, k)}
+    return out
 
 
 def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
@@ -378,7 +400,8 @@ class Trainer:
         self.acc, self.objective, self.backbone, self.data = accelerator, objective, backbone, data
         self.optim_cfg, self.run, self.config = optim, run, config
         # DESIGN §4: the checkpoint records which pooled feature this training trained, so probes read that one.
-        self.metadata = {**metadata, "probe_feature": getattr(objective, "probe_feature", backbone.config.global_pool)}
+        self.metadata = {**metadata, "probe_feature": getattr(objective, "probe_feature", backbone.config.global_pool),
+                         "recipe": recipe(config, accelerator.num_processes)}
         self.batch_transform, self.evaluate = batch_transform, evaluate
         self.out = Path(run.output)
         self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
@@ -611,6 +634,9 @@ class Trainer:
         self.save_checkpoint(step)
         if self.evaluate is not None:
             last_eval = self._evaluate(objective, step)
+            if acc.is_main_process and last_eval:  # the model card and config.json carry what the run measured
+                update_metadata(self.out / "checkpoint", metrics={k: v for k, v in last_eval.items()
+                                                                  if isinstance(v, int | float | str)})
         if run.tensorboard:
             acc.end_training()
         return last_eval

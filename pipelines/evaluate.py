@@ -251,6 +251,59 @@ def plot_privacy_grid(originals: np.ndarray, shuffled: np.ndarray, recs_a: dict[
     plt.close(fig)
 
 
+def plot_evaluation(results: dict[str, Any], classes: list[str], out_dir: Path) -> list[str]:
+    """``evaluation.png`` for any checkpoint kind: one panel per result it has — confusion matrix (classifiers),
+    linear probe top-1 per label fraction, kNN top-1 per layer, MJP consistency / Diff. Norm per gamma."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if "confusion" in results.get("classification", {}):
+        panels.append("confusion")
+    probes = {**({"100%": results["linear_probe"]["top1"]} if "linear_probe" in results else {}),
+              **({f"{results['linear_probe_low_label']['fraction']:.0%} (probe set)":
+                  results["linear_probe_low_label"]["top1"]} if "linear_probe_low_label" in results else {}),
+              **{f"{float(f):.0%}": r["top1"] for f, r in results.get("linear_probe_label_fraction", {}).items()}}
+    if probes:
+        panels.append("probes")
+    if results.get("knn_per_layer"):
+        panels.append("knn")
+    if results.get("consistency"):
+        panels.append("consistency")
+    if not panels:
+        return []
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "confusion":
+            matrix = np.asarray(results["classification"]["confusion"], dtype=float)
+            ax.imshow(matrix / np.maximum(matrix.sum(1, keepdims=True), 1), cmap="Blues", vmin=0, vmax=1)
+            ax.set(title=f"confusion (top-1 {results['classification']['top1']:.3f})", xlabel="predicted",
+                   ylabel="true", xticks=range(len(classes)), yticks=range(len(classes)))
+            ax.set_xticklabels(classes, rotation=90, fontsize=6)
+            ax.set_yticklabels(classes, fontsize=6)
+        elif panel == "probes":
+            ax.bar(list(probes), list(probes.values()))
+            ax.set(title="linear probe top-1 by labels", ylim=(0, 1))
+        elif panel == "knn":
+            layers = sorted(results["knn_per_layer"], key=int)
+            ax.plot([int(k) for k in layers], [results["knn_per_layer"][k]["top1"] for k in layers], marker="o")
+            ax.set(title="kNN top-1 per layer", xlabel="layer", ylim=(0, 1))
+        else:
+            gammas = sorted(results["consistency"], key=float)
+            ax.plot([float(g) for g in gammas], [results["consistency"][g]["consistency"] for g in gammas],
+                    marker="o", label="consistency")
+            ax.plot([float(g) for g in gammas], [results["consistency"][g]["diff_norm"] for g in gammas],
+                    marker="o", label="Diff. Norm")
+            ax.set(title="patch-shuffle consistency (MJP)", xlabel="gamma")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "evaluation.png", dpi=110)
+    plt.close(fig)
+    return ["evaluation.png"]
+
+
 def to_markdown(results: dict[str, Any]) -> str:
     lines = [f"# Evaluation of {results['checkpoint']}", "", f"method: {results['method']}", ""]
     if "classification" in results:
@@ -286,6 +339,14 @@ def to_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def probe(desc: str, *args: Any, epochs: int, **kwargs: Any) -> dict[str, float]:
+    """:func:`linear_probe` with a progress bar over its epochs."""
+    from tqdm import tqdm
+
+    with tqdm(total=epochs, desc=desc, unit="epoch", leave=False) as bar:
+        return linear_probe(*args, epochs=epochs, progress=bar.update, **kwargs)
+
+
 def label_fraction_probes(backbone, data, fractions: tuple[float, ...], subset_seed: int, test_features,
                           pool: str, batch_size: int, device, epochs: int) -> dict[str, dict[str, Any]]:
     """Linear probes trained on class-balanced fractions of the whole train split — the subsets fine-tuning uses
@@ -302,8 +363,8 @@ def label_fraction_probes(backbone, data, fractions: tuple[float, ...], subset_s
         if data.frontend is not None:
             batches = [(data.frontend(x), y) for x, y in batches]
         tr, tr_y = extract_features(backbone, batches, pool=pool, device=device)
-        results[f"{fraction:g}"] = {**linear_probe(tr[max(tr)], tr_y, te[max(te)], te_y,
-                                                   num_classes=data.manifest.num_classes, epochs=epochs),
+        results[f"{fraction:g}"] = {**probe(f"linear probe, {fraction:.0%} of the labels", tr[max(tr)], tr_y,
+                                            te[max(te)], te_y, num_classes=data.manifest.num_classes, epochs=epochs),
                                     "train_samples": len(tr_y), "label_subset_seed": subset_seed}
     return results
 
@@ -343,12 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     if ev.linear_probe:
         tr, tr_y = extract_features(backbone, train, pool=pool, device=device)
         te, te_y = extract_features(backbone, val, pool=pool, device=device)
-        results["linear_probe"] = linear_probe(tr[max(tr)], tr_y, te[max(te)], te_y,
-                                               num_classes=data.manifest.num_classes, epochs=ev.probe_epochs)
+        results["linear_probe"] = probe("linear probe", tr[max(tr)], tr_y, te[max(te)], te_y,
+                                        num_classes=data.manifest.num_classes, epochs=ev.probe_epochs)
         few = subsample_per_class(tr_y, ev.low_label_fraction)  # StoP / I-JEPA also report 1% of the labels
-        results["linear_probe_low_label"] = {**linear_probe(tr[max(tr)][few], tr_y[few], te[max(te)], te_y,
-                                                            num_classes=data.manifest.num_classes,
-                                                            epochs=ev.probe_epochs),
+        results["linear_probe_low_label"] = {**probe(f"linear probe, {ev.low_label_fraction:.0%} of the probe labels",
+                                                     tr[max(tr)][few], tr_y[few], te[max(te)], te_y,
+                                                     num_classes=data.manifest.num_classes, epochs=ev.probe_epochs),
                                              "fraction": ev.low_label_fraction, "train_samples": len(few)}
     if ev.label_fractions:
         if not ev.linear_probe:
@@ -384,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     out_dir.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plot_evaluation(results, data.manifest.classes, out_dir) + sorted(
+        p.name for p in out_dir.glob("*.png") if p.name != "evaluation.png")
     for name, text in (("results.json", json.dumps(results, indent=2) + "\n"), ("report.md", to_markdown(results))):
         with atomic_file(out_dir / name) as tmp:  # a kill never leaves a half-written result
             tmp.write_text(text)

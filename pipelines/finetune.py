@@ -15,6 +15,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
 from engine import (
@@ -59,6 +60,15 @@ class FinetuneConfig:
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-3, layer_decay=0.75))
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/finetune"))
+
+
+def weights_sha256(checkpoint: str | None) -> str | None:
+    """What the fine-tuning started from, without a local path in the checkpoint: its weights' sha256."""
+    if checkpoint is None:
+        return None
+    import hashlib
+
+    return "sha256:" + hashlib.sha256((Path(checkpoint) / "model.safetensors").read_bytes()).hexdigest()
 
 
 def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):
@@ -139,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                   "samples)")
             return {k: v for k, v in result.items() if k != "confusion"}
 
-        metadata = {"method": f"finetune:{pretrained.get('method', '?')}", "pretrained": cfg.model.checkpoint,
-                    "pretrain_metadata": pretrained, **data_metadata(data, cfg.data)}
+        metadata = {"method": f"finetune:{pretrained.get('method', '?')}",
+                    "pretrained": weights_sha256(cfg.model.checkpoint), "pretrain_metadata": pretrained,
+                    **data_metadata(data, cfg.data)}
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
                           batch_transform=batch_transform, evaluate=evaluate, command=command_line(__file__, argv))
     except USER_ERRORS as exc:

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from patchplace.data.memory import InMemorySplit
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import OnnxModel
 from patchplace.export.evaluate import main as ort_evaluate_main
+from patchplace.models import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
@@ -141,6 +143,28 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
                           f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "finetune.pos_embed=relbias2d"]) == 0
     ft_config = json.loads((tmp_path / "ft" / "checkpoint" / "config.json").read_text())
     assert ft_config["backbone"]["pos_embed"] == "relbias2d" and ft_config["backbone"]["num_classes"] == 3
+    # self-describing checkpoint: recipe, the metrics of the closing evaluation, provenance without local paths,
+    # and timm loads it (relbias2d -> timm's Beit) with our outputs
+    last = [json.loads(line) for line in (tmp_path / "ft" / "log.jsonl").read_text().splitlines()][-1]["eval"]
+    meta = ft_config["metadata"]
+    assert meta["metrics"]["top1"] == last["top1"] and meta["recipe"]["optim"]["max_steps"] == 3
+    assert meta["pretrained"].startswith("sha256:") and ft_config["architecture"] == "beit_base_patch16_224"
+    card = (tmp_path / "ft" / "checkpoint" / "README.md").read_text()
+    assert f"| top1 | {last['top1']} |" in card and "Position Prediction" in card
+    for file in (tmp_path / "ft" / "checkpoint").iterdir():
+        assert str(tmp_path) not in file.read_text(errors="ignore"), f"local path inside {file.name}"
+    import timm
+
+    ours = load_pretrained(tmp_path / "ft" / "checkpoint")[0].eval()
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'ft' / 'checkpoint'}", pretrained=True).eval()
+    x = torch.randn(2, *theirs.pretrained_cfg["input_size"])
+    torch.testing.assert_close(theirs(x), ours(x), atol=1e-5, rtol=0)
+    scope = readme_snippet("timm", CHECKPOINT=str(tmp_path / "ft" / "checkpoint"))  # the README's blocks, as written
+    torch.testing.assert_close(scope["same"](scope["x"]), scope["logits"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(scope["logits"], ours(scope["x"]), atol=1e-5, rtol=0)
+    scope = readme_snippet("hub", CHECKPOINT=str(tmp_path / "ft" / "checkpoint"), OUT=str(tmp_path / "hub"))
+    assert scope["metrics"]["top1"] == last["top1"]
+    assert json.loads((tmp_path / "hub" / "config.json").read_text())["id2label"] == ft_config["id2label"]
     assert evaluate.main([*img(shards), "data.batch_size=8", "data.num_workers=0", f"run.output={tmp_path / 'ev'}",
                           f"model.checkpoint={tmp_path / 'ft' / 'checkpoint'}", "eval.probe_train_samples=32",
                           "eval.probe_epochs=2", "eval.max_eval_samples=16"]) == 0
@@ -150,6 +174,7 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
     assert len(results["knn_per_layer"]) == 2 and 0 <= results["position_probe"]["top1"] <= 1
     assert results["linear_probe_low_label"]["train_samples"] == 3  # 1% of 32, at least one per class
     assert results["probe_feature"] == "cls"  # the fine-tuned head reads the class token
+    assert results["plots"] == ["evaluation.png"] and (tmp_path / "ev" / "evaluation.png").stat().st_size > 10_000
     # The ONNX Runtime evaluator reports the same consistency / Diff. Norm for the same model and images.
     assert export_main([str(tmp_path / "ft" / "checkpoint"), "--out", str(tmp_path / "m.onnx")]) == 0
     assert ort_evaluate_main([str(tmp_path / "m.onnx"), "--data", str(shards / "img" / "test"), "--out",
@@ -171,6 +196,8 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
                           "eval.probe_epochs=2", "eval.max_eval_samples=16", "eval.label_fractions=[0.1,0.5]"]) == 0
     results = json.loads((tmp_path / "ev2" / "results.json").read_text())
     assert results["probe_feature"] == "patch_mean"  # MP3 never trained the class token
+    assert results["plots"] == ["evaluation.png", "mp3_position_accuracy.png", "mp3_reassembled.png"], \
+        "a pretrained (headless) checkpoint gets the summary plot too, beside its method's own"
     # label-efficiency probes: the balanced subsets of the whole train split (64 images, 3 classes) fine-tuning uses
     subsets = results["linear_probe_label_fraction"]
     assert {k: v["train_samples"] for k, v in subsets.items()} == {"0.1": 6, "0.5": 31}

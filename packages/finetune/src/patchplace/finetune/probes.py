@@ -6,7 +6,7 @@ backbone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -111,9 +111,10 @@ def subsample_per_class(labels: torch.Tensor, fraction: float, seed: int = 0) ->
 
 def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor, *,
                  num_classes: int, epochs: int = 100, lr: float = 1e-2, weight_decay: float = 0.0,
-                 batch_size: int = 256, seed: int = 0) -> dict[str, float]:
+                 batch_size: int = 256, seed: int = 0, progress: Callable[[], object] | None = None
+                 ) -> dict[str, float]:
     """Linear classifier on frozen features with a non-affine BatchNorm in front (MAE's linear probe), AdamW,
-    cosine schedule; returns test top-1 / top-5."""
+    cosine schedule; returns test top-1 / top-5. ``progress`` is called after every epoch (e.g. a bar's update)."""
     torch.manual_seed(seed)
     head = nn.Sequential(nn.BatchNorm1d(train_x.shape[1], affine=False, eps=1e-6), nn.Linear(train_x.shape[1],
                                                                                              num_classes))
@@ -130,6 +131,8 @@ def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
             loss.backward()
             opt.step()
             sched.step()
+        if progress is not None:
+            progress()
     head.eval()
     with torch.no_grad():
         correct = topk_correct(head(test_x), test_y)
