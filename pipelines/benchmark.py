@@ -24,8 +24,10 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               (the in-memory path) vs the per-sample timm / PIL transform, and the ways to crop-and-resize a batch
               with per-sample boxes (grid_sample, torchvision roi_align / v2, kornia if installed); MFCC clips/s.
   models      one Transformer block's forward + backward with MP3 context-only keys/values vs full attention.
-  onnx        ONNX Runtime vs PyTorch eager inference latency (p50 / p95) and images/s of a randomly initialised
-              --onnx-preset classifier exported with patchplace.export, at each --onnx-batches size.
+  onnx        inference latency (p50 / p95) and images/s of a randomly initialised --onnx-preset classifier at each
+              --onnx-batches size: PyTorch eager, the plain ONNX graph on a default ONNX Runtime session (before),
+              ONNX Runtime's optimized graph and its int8 variant (after; patchplace.export), speed-ups over
+              PyTorch from the same run; every runner uses --threads threads (ONNX Runtime intra-op too).
   pipelines   end-to-end samples/s of the Fashion-MNIST pretraining configs (--methods; default supervised mp3
               droppos mae) through pretrain.py on each data path — in memory (batched augmentation on the
               device), streaming (--pipelines-workers), and the same loop on one repeated batch (pure step) —
@@ -265,35 +267,66 @@ def models_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[s
     return rows
 
 
-def onnx_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Export a randomly initialised classifier (weights do not change the latency) and time it."""
+ONNX_GRAPHS = ("plain", "optimized", "int8")  # before: the plain graph on a default session; after: the other two
+
+
+def _onnx_sessions(checkpoint: Path, out: Path, threads: int) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """Sessions on the plain graph (a default ONNX Runtime session, as before this optimization), the optimized
+    graph and its int8 variant (both through ``onnx_session``), with ``threads`` intra-op threads each; -> (sessions,
+    the optimized export's ``graph`` record, its export seconds)."""
     import onnxruntime as ort
 
-    from patchplace.export import export_checkpoint
-    from patchplace.export.evaluate import OnnxModel, latency
+    from patchplace.export import export_checkpoint, onnx_session
+    from patchplace.export.exporter import quantize_int8
+
+    export_checkpoint(checkpoint, out / "plain.onnx", optimize=False)
+    start = time.perf_counter()
+    graph = export_checkpoint(checkpoint, out / "optimized.onnx")["graph"]
+    export_s = time.perf_counter() - start
+    sessions = {"optimized": onnx_session(out / "optimized.onnx", threads=threads),
+                "int8": onnx_session(quantize_int8(out / "optimized.onnx"), threads=threads)}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    sessions["plain"] = ort.InferenceSession(str(out / "plain.onnx"), options,
+                                             providers=sessions["optimized"].get_providers())
+    return sessions, graph, export_s
+
+
+def onnx_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Export a randomly initialised classifier (weights do not change the latency) and time PyTorch eager, the plain
+    ONNX graph (before), ONNX Runtime's optimized graph and its int8 variant (after) in one run, same threads."""
+    import onnxruntime as ort
+
+    from patchplace.export.evaluate import time_runners
+    from patchplace.export.exporter import Classifier
     from patchplace.models import create_model, save_pretrained
 
     img_size, in_chans, _ = _setting(args.onnx_preset, None, None, None)
     torch.manual_seed(0)
     backbone = create_model(args.onnx_preset, in_chans=in_chans, img_size=img_size, num_classes=10,
                             pos_embed="learned").eval()
-    rows = []
+    threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_pretrained(backbone, Path(tmp) / "checkpoint", metadata={"method": "random-init"})
-        start = time.perf_counter()
-        export_checkpoint(checkpoint, Path(tmp) / "model.onnx")
-        export_s = time.perf_counter() - start
-        model = OnnxModel(Path(tmp) / "model.onnx")
-        timings = latency(model, tuple(args.onnx_batches), args.onnx_repeats, checkpoint=str(checkpoint))
-        providers = model.session.get_providers()
+        sessions, graph, export_s = _onnx_sessions(checkpoint, Path(tmp), threads)
+        runners = {"pytorch": Classifier(backbone), **{
+            name: (lambda x, s=sessions[name]: s.run(None, {"pixels": x.numpy()})) for name in ONNX_GRAPHS}}
+        timings = time_runners(runners, (in_chans, img_size, img_size), tuple(args.onnx_batches), args.onnx_repeats)
+    fused = ", ".join(f"{op} x{n}" for op, n in graph.get("fused", {}).items()) or f"none ({graph.get('reason')})"
+    rows = []
     for bs in args.onnx_batches:
-        o, p = timings[f"onnxruntime/batch{bs}"], timings[f"pytorch/batch{bs}"]
-        rows.append({"name": f"inference/{args.onnx_preset}/batch{bs}", "batch": bs,
-                     "ort_p50_ms": o["p50_ms"], "ort_p95_ms": o["p95_ms"], "torch_p50_ms": p["p50_ms"],
-                     "torch_p95_ms": p["p95_ms"], "ort_images_per_s": o["images_per_s"],
-                     "torch_images_per_s": p["images_per_s"], "ort_speedup": round(p["p50_ms"] / o["p50_ms"], 2),
-                     "input": f"{in_chans} x {img_size} px", "export_s": round(export_s, 1),
-                     "onnxruntime": ort.__version__, "providers": providers[0], "repeats": args.onnx_repeats,
+        t = {name: timings[f"{name}/batch{bs}"] for name in ("pytorch", *ONNX_GRAPHS)}
+        row = {"name": f"inference/{args.onnx_preset}/batch{bs}", "batch": bs,
+               "torch_p50_ms": t["pytorch"]["p50_ms"], "torch_p95_ms": t["pytorch"]["p95_ms"],
+               "torch_images_per_s": t["pytorch"]["images_per_s"]}
+        for name in ONNX_GRAPHS:
+            row.update({f"{name}_p50_ms": t[name]["p50_ms"], f"{name}_p95_ms": t[name]["p95_ms"],
+                        f"{name}_images_per_s": t[name]["images_per_s"],
+                        f"{name}_speedup": round(t["pytorch"]["p50_ms"] / t[name]["p50_ms"], 2)})
+        rows.append({**row, "optimized_vs_plain": round(t["plain"]["p50_ms"] / t["optimized"]["p50_ms"], 2),
+                     "fused": fused, "threads": threads, "input": f"{in_chans} x {img_size} px",
+                     "export_s": round(export_s, 1), "onnxruntime": ort.__version__,
+                     "providers": sessions["optimized"].get_providers()[0], "repeats": args.onnx_repeats,
                      "suite": "onnx"})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -629,10 +662,14 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("benchmark", "name"), ("preset", "preset"), ("batch", "batch"), ("tokens", "tokens"),
         ("full ms", "full_ms"), ("context ms", "context_ms"), ("time ratio", "time_vs_full"),
         ("FLOP ratio", "flop_ratio")]),
-    "onnx": ("Inference: ONNX Runtime vs PyTorch eager", [
-        ("model / batch", "name"), ("ORT p50 ms", "ort_p50_ms"), ("PyTorch p50 ms", "torch_p50_ms"),
-        ("ORT p95 ms", "ort_p95_ms"), ("PyTorch p95 ms", "torch_p95_ms"), ("ORT images/s", "ort_images_per_s"),
-        ("PyTorch images/s", "torch_images_per_s"), ("ORT speed-up", "ort_speedup"), ("ORT provider", "providers")]),
+    "onnx": ("Inference: PyTorch eager vs ONNX Runtime — plain graph (before) vs optimized graph and its int8 "
+             "variant (after), same run and threads", [
+        ("model / batch", "name"), ("PyTorch p50 ms", "torch_p50_ms"), ("plain p50 ms", "plain_p50_ms"),
+        ("optimized p50 ms", "optimized_p50_ms"), ("int8 p50 ms", "int8_p50_ms"),
+        ("plain speed-up", "plain_speedup"), ("optimized speed-up", "optimized_speedup"),
+        ("int8 speed-up", "int8_speedup"), ("optimized / plain", "optimized_vs_plain"),
+        ("optimized images/s", "optimized_images_per_s"), ("threads", "threads"), ("fused", "fused"),
+        ("ORT provider", "providers")]),
     "mp3_table2": ("GPU: MP3 Table 2 (step time and peak memory vs the supervised ViT, same run)", [
         ("objective", "name"), ("masking ratio", "masking_ratio"), ("step ms", "step_ms"),
         ("time ratio", "time_vs_supervised"), ("paper time ratio", "paper_time_ratio"),
@@ -696,6 +733,13 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                           "added to the RSS of the built model (activations, gradients, AdamW state, allocator "
                           f"caches). MP3 paper (ViT-B): wall-clock ratio {MP3_PAPER['time_ratio']} at eta = "
                           f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}.", ""]
+            if suite == "onnx":
+                lines += ["plain: the standard-ONNX graph of the training model's attention (`python -m "
+                          "patchplace.export --no-optimize`) on a default ONNX Runtime session, as exported before "
+                          "the optimizer; optimized: the default export (ONNX Runtime's fused Attention / BiasGelu, "
+                          "SkipLayerNormalization split back into Add + LayerNormalization) through `onnx_session`; "
+                          "int8: its dynamic-quantized variant (`--quantize`). Speed-up: PyTorch p50 / this p50 in "
+                          "the same run; every runner on the same number of threads.", ""]
             if suite == "ddp":
                 lines += ["samples/s: the last log line of pretrain.py (every step; process start-up excluded), "
                           "median of the alternated runs listed. On one machine the 2 processes share its cores, "

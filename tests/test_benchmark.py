@@ -53,11 +53,25 @@ def test_masks_suite_and_data_vs_training(tmp_path):
     assert row["headroom_supervised"] == 3.0 and row["fastest_objective"] == "mae" and row["headroom_fastest"] == 2.0
 
 
+def test_onnx_suite_times_before_and_after_in_one_run(tmp_path):
+    """The plain graph (before), the optimized graph and its int8 variant (after) against PyTorch, same threads."""
+    assert benchmark.main(["--suite", "onnx", "--onnx-preset", "vit_micro", "--onnx-batches", "1", "2",
+                           "--onnx-repeats", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "benchmark.json").read_text())["results"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["fused"] == "Attention x2, BiasGelu x2" and r["threads"] == 1
+        for name in ("plain", "optimized", "int8"):
+            assert r[f"{name}_speedup"] == round(r["torch_p50_ms"] / r[f"{name}_p50_ms"], 2)
+        assert r["optimized_vs_plain"] == round(r["plain_p50_ms"] / r["optimized_p50_ms"], 2)
+    assert "| optimized speed-up |" in (tmp_path / "benchmark.md").read_text()
+
+
 def test_markdown_heads_every_table_with_the_hardware_line():
     meta = {"suite": "all", "hardware": benchmark.hardware_line(), "matmul_peak": {"gflops": 50.0}}
     rows = [{"suite": "matmul", "name": "matmul_peak/float32/64", "gflops": 50.0, "median_gflops": 40.0,
              "device": "cpu"},
-            {"suite": "onnx", "name": "inference/vit/batch1", "ort_p50_ms": 1.0, "torch_p50_ms": 2.0}]
+            {"suite": "onnx", "name": "inference/vit/batch1", "optimized_p50_ms": 1.0, "torch_p50_ms": 2.0}]
     text = benchmark.to_markdown(rows, meta)
     sections = text.split("\n## ")[1:]
     assert len(sections) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -173,7 +174,12 @@ def test_cli_real_input_parity_and_int8_variant(toy, tmp_path, capsys):
     assert report["parity"]["max_abs_diff"]["real_0"] <= 1e-4
     int8 = report["int8"]
     assert int8["samples"] == 8 and int8["bytes"] < int8["fp32_bytes"] and 0 <= int8["agreement"] <= 1
-    assert (tmp_path / "m.int8.onnx").is_file()
+    assert int8["top1_delta"] == pytest.approx(int8["int8_top1"] - int8["fp32_top1"])
+    # quantized from the optimized graph (its fused attention becomes QAttention), metadata kept
+    quantized = onnx.load(str(tmp_path / "m.int8.onnx"))
+    assert {"QAttention", "BiasGelu"} <= {n.op_type for n in quantized.graph.node}
+    props = {p.key: p.value for p in quantized.metadata_props}
+    assert json.loads(props["classes"]) == ["a", "b", "c"] and props["quantization"].startswith("int8 dynamic")
 
 
 def test_corrupted_images_are_seeded_and_cached(tmp_path):

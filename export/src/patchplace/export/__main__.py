@@ -9,18 +9,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import onnx
 import torch
 
 from patchplace.data import DataError, Manifest, ShardDataset, build_transform
 from patchplace.data.mfcc import MFCC
 from patchplace.models import read_config
 
-from .exporter import DEFAULT_OPSET, KINDS, SPEECH_INPUTS, ExportError, export_checkpoint, onnx_session
+from .exporter import (
+    DEFAULT_OPSET,
+    KINDS,
+    SPEECH_INPUTS,
+    ExportError,
+    describe_graph,
+    export_checkpoint,
+    onnx_session,
+    quantize_int8,
+)
 
 
 def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_input: str,
@@ -45,23 +52,17 @@ def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_inp
 
 
 def quantize(path: str, real: list[dict[str, torch.Tensor]], split: str | None) -> dict:
-    """int8 dynamic quantization (onnxruntime.quantization) and its top-1 change on the real samples."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    out = Path(path).with_suffix(".int8.onnx")
-    model = onnx.load(path)
-    del model.graph.value_info[:]  # the dynamo exporter's value_info trips ORT's shape re-inference; drop it
-    with tempfile.TemporaryDirectory() as tmp:
-        onnx.save(model, f"{tmp}/model.onnx")
-        quantize_dynamic(f"{tmp}/model.onnx", str(out), weight_type=QuantType.QInt8)
+    """int8 dynamic quantization of the exported graph and its top-1 change on the real samples."""
+    out = quantize_int8(path)
     result = {"path": str(out), "bytes": out.stat().st_size, "fp32_bytes": Path(path).stat().st_size}
     if real:
         feed = {k: v.numpy() for k, v in real[0].items() if not k.startswith("_")}
         labels = real[0]["_labels"].numpy()
         fp32 = onnx_session(path).run(None, feed)[0].argmax(1)
         int8 = onnx_session(out).run(None, feed)[0].argmax(1)
-        result.update(samples=len(labels), split=split, fp32_top1=float((fp32 == labels).mean()),
-                      int8_top1=float((int8 == labels).mean()), agreement=float((fp32 == int8).mean()))
+        fp32_top1, int8_top1 = float((fp32 == labels).mean()), float((int8 == labels).mean())
+        result.update(samples=len(labels), split=split, fp32_top1=fp32_top1, int8_top1=int8_top1,
+                      top1_delta=round(int8_top1 - fp32_top1, 6), agreement=float((fp32 == int8).mean()))
     return result
 
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="shard split whose first samples join the parity check (e.g. the test split)")
     parser.add_argument("--samples", type=int, default=256, help="real samples for parity / int8 check")
     parser.add_argument("--quantize", action="store_true", help="also write an int8 dynamic-quantized model")
+    parser.add_argument("--no-optimize", action="store_true", help="write the plain standard-ONNX graph instead of "
+                        "ONNX Runtime's fused one (com.microsoft Attention / BiasGelu ops)")
     parser.add_argument("--img-size", type=int, help="export for this image side instead of the checkpoint's "
                         "(same patch size; the PE is resampled)")
     args = parser.parse_args(argv)
@@ -87,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                            args.img_size) if args.data else []
         sidecar = export_checkpoint(args.checkpoint, args.out, kind=args.kind, speech_input=args.speech_input,
                                     opset=args.opset, tolerance=args.tolerance, real_inputs=real,
-                                    img_size=args.img_size)
-        report = {"onnx": args.out, "parity": sidecar["parity"]}
+                                    img_size=args.img_size, optimize=not args.no_optimize)
+        print(describe_graph(sidecar["graph"]), file=sys.stderr)
+        report = {"onnx": args.out, "graph": sidecar["graph"], "parity": sidecar["parity"]}
         if args.quantize:
             report["int8"] = quantize(args.out, real, args.data)
     except (ExportError, DataError) as exc:

@@ -19,6 +19,7 @@ import sys
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,10 @@ IMAGENET_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "
 
 
 class OnnxModel:
-    """An exported classifier: its session, sidecar and the preprocessing the sidecar describes."""
+    """An exported classifier: its session (``threads`` intra-op threads, 0: ONNX Runtime's default), sidecar and
+    the preprocessing the sidecar describes."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, threads: int = 0) -> None:
         path = Path(path)
         sidecar = path.with_suffix(".json")
         if path.suffix != ".onnx" or not sidecar.is_file():
@@ -54,7 +56,7 @@ class OnnxModel:
         if self.meta.get("outputs") != ["logits", "pooled"]:
             raise ExportError(f"{path} has outputs {self.meta.get('outputs')}, expected ['logits', 'pooled']: "
                               "re-export it with this version of patchplace.export")
-        self.session = onnx_session(path)
+        self.session = onnx_session(path, threads=threads)
         self.inputs = [i["name"] for i in self.meta["inputs"]]
         self.channels, self.height, self.width = self.meta["inputs"][0]["shape"][1:]
         self.patch_size = self.meta["backbone"]["patch_size"]
@@ -208,34 +210,38 @@ def robustness(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, bat
     return result
 
 
-def latency(model: OnnxModel, batch_sizes=(1, 8, 64), repeats: int = 20, checkpoint: str | None = None
-            ) -> dict[str, Any]:
-    """p50 / p95 seconds per batch and images/s for ONNX Runtime, and PyTorch eager on the same inputs."""
-    torch_model = None
-    if checkpoint:
-        from patchplace.models import load_pretrained
-
-        torch_model = Classifier(load_pretrained(checkpoint)[0].eval())
+def time_runners(runners: dict[str, Callable[[torch.Tensor], Any]], shape: tuple[int, ...],
+                 batch_sizes=(1, 8, 64), repeats: int = 20) -> dict[str, Any]:
+    """p50 / p95 ms per batch and images/s of each runner on the same random (B, *shape) inputs, keyed
+    ``name/batchB``; per batch size the runners take turns, each 3 warm-up and ``repeats`` timed calls."""
     out: dict[str, Any] = {}
     for bs in batch_sizes:
-        x = torch.randn(bs, model.channels, model.height, model.width)
-        runners = {"onnxruntime": lambda x=x: model.run(x)}
-        if torch_model is not None:
-            runners["pytorch"] = lambda x=x: torch_model(x)
+        x = torch.randn(bs, *shape)
         for name, run in runners.items():
             with torch.inference_mode():
                 for _ in range(3):
-                    run()
+                    run(x)
                 times = []
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    run()
+                    run(x)
                     times.append(time.perf_counter() - start)
             times.sort()
             p50, p95 = times[len(times) // 2], times[min(len(times) - 1, int(0.95 * len(times)))]
             out[f"{name}/batch{bs}"] = {"p50_ms": round(p50 * 1e3, 3), "p95_ms": round(p95 * 1e3, 3),
                                         "images_per_s": round(bs / p50, 1)}
     return out
+
+
+def latency(model: OnnxModel, batch_sizes=(1, 8, 64), repeats: int = 20, checkpoint: str | None = None
+            ) -> dict[str, Any]:
+    """p50 / p95 seconds per batch and images/s for ONNX Runtime, and PyTorch eager on the same inputs."""
+    runners: dict[str, Callable[[torch.Tensor], Any]] = {"onnxruntime": model.run}
+    if checkpoint:
+        from patchplace.models import load_pretrained
+
+        runners["pytorch"] = Classifier(load_pretrained(checkpoint)[0].eval())
+    return time_runners(runners, (model.channels, model.height, model.width), batch_sizes, repeats)
 
 
 def plot(results: dict[str, Any], out: Path) -> None:

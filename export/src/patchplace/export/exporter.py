@@ -8,8 +8,10 @@ Kinds:
   (the pre-logit features, for MJP's Diff. Norm).
 * ``features`` — the backbone as a feature extractor: outputs ``pooled (B, D)`` and ``tokens (B, T, D)``.
 
-Every export is run on random and (optionally) real inputs through PyTorch and ONNX Runtime; if the max abs
-difference exceeds the tolerance (1e-4 fp32, DESIGN §2) the export fails and leaves no file behind. A sidecar
+The graph written is ONNX Runtime's fused one (:mod:`.optimize`: Attention, BiasGelu) unless the optimizer fails or
+its graph misses the tolerance — then the plain one, and the sidecar's ``graph`` says why. Every export is run on
+random and (optionally) real inputs through PyTorch and ONNX Runtime; if the max abs difference exceeds the tolerance
+(1e-4 fp32, DESIGN §2) the export fails and leaves no file behind. A sidecar
 ``model.json`` records inputs, outputs, normalization, class names and provenance (checkpoint sha256); the
 ``.onnx`` file itself carries the same in its ``metadata_props`` (classes, preprocessing steps with their constants,
 inputs, outputs, backbone, method, checkpoint sha256), so onnxruntime + numpy alone preprocess correctly.
@@ -21,7 +23,9 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,8 @@ from torch import nn
 
 from patchplace.data.mfcc import MFCC
 from patchplace.models import Backbone, ModelError, load_pretrained
+
+from .optimize import fusable, optimize_graph
 
 KINDS = ("classifier", "features")
 SPEECH_INPUTS = ("waveform", "features")
@@ -154,7 +160,7 @@ def model_properties(sidecar: dict[str, Any], preprocessing: dict[str, Any] | No
              "classes": json.dumps(sidecar["classes"]), "inputs": json.dumps(sidecar["inputs"]),
              "outputs": json.dumps(OUTPUT_MEANING[sidecar["kind"]]), "backbone": json.dumps(sidecar["backbone"]),
              "method": str(sidecar["provenance"]["method"]),
-             "checkpoint_sha256": sidecar["provenance"]["checkpoint_sha256"]}
+             "checkpoint_sha256": sidecar["provenance"]["checkpoint_sha256"], "graph": json.dumps(sidecar["graph"])}
     if preprocessing is not None:
         props["preprocessing"] = json.dumps(preprocessing)
     return props
@@ -175,14 +181,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def onnx_session(path: str | os.PathLike, providers: list[str] | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime session on CUDA when available, else CPU."""
+def onnx_session(path: str | os.PathLike, providers: list[str] | None = None,
+                 threads: int = 0) -> ort.InferenceSession:
+    """An ONNX Runtime session on CUDA when available, else CPU: every graph optimization (ORT_ENABLE_ALL) except
+    SkipLayerNormFusion on the CPU (see :mod:`.optimize`: its kernel is ~10x slower than LayerNormalization there);
+    ``threads``: intra-op threads (0: ONNX Runtime's default, one per physical core)."""
     available = ort.get_available_providers()
     wanted = ("CUDAExecutionProvider", "CPUExecutionProvider") if torch.cuda.is_available() else (
         "CPUExecutionProvider",)  # onnxruntime-gpu lists CUDA even where no GPU / CUDA libraries exist
     chosen = providers or [p for p in wanted if p in available]
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    disabled = [] if "CUDAExecutionProvider" in chosen else ["SkipLayerNormFusion"]
     try:
-        return ort.InferenceSession(str(path), providers=chosen)
+        return ort.InferenceSession(str(path), options, providers=chosen, disabled_optimizers=disabled)
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ExportError(f"{path} is not a loadable ONNX model ({exc})") from exc
 
@@ -195,13 +208,65 @@ def max_abs_diff(module: nn.Module, session: ort.InferenceSession, inputs: dict[
     return max(float(np.abs(g - e.numpy()).max()) for g, e in zip(got, expected, strict=True))
 
 
+def parity_checks(graph: onnx.ModelProto, path: Path, plan: ExportPlan, batch_5: dict[str, torch.Tensor],
+                  real_inputs: list[dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
+    """Max abs difference between PyTorch (``plan.module``) and ``graph`` (saved to ``path``) under ONNX Runtime's
+    CPU provider on random inputs at batch 2 and 5 and on the real inputs."""
+    onnx.save(graph, str(path))
+    session = onnx_session(path, ["CPUExecutionProvider"])
+    checks = {"random_batch_2": max_abs_diff(plan.module, session, plan.inputs),
+              "random_batch_5": max_abs_diff(plan.module, session, batch_5)}
+    for i, inputs in enumerate(real_inputs or []):
+        feed = {k: v for k, v in inputs.items() if not k.startswith("_")}  # "_labels" ride along
+        if list(feed) != list(plan.inputs):
+            raise ExportError(f"real inputs {list(feed)} do not match the model's inputs {list(plan.inputs)}")
+        checks[f"real_{i}"] = max_abs_diff(plan.module, session, feed)
+    return checks
+
+
+def optimized_or_not(graph: onnx.ModelProto, backbone: Backbone, tolerance: float,
+                     parity: Callable[[onnx.ModelProto], dict[str, float]]
+                     ) -> tuple[onnx.ModelProto, dict[str, float] | None, dict[str, Any]]:
+    """ONNX Runtime's transformer optimization of ``graph`` with its parity checks and what was fused, or — when the
+    optimizer fails, fuses nothing or the result disagrees with PyTorch — ``graph`` itself, no checks, and why."""
+    try:
+        optimized, fusion = optimize_graph(graph, backbone.config.num_heads, backbone.config.embed_dim)
+    except Exception as exc:  # the optimizer fails on graphs it does not know with any exception type
+        return graph, None, {"optimized": False, "reason": f"ONNX Runtime's optimizer failed ({type(exc).__name__}: "
+                                                           f"{exc})"}
+    if not fusion["fused"]:
+        return graph, None, {"optimized": False, "reason": "ONNX Runtime's optimizer fused nothing"}
+    checks = parity(optimized)
+    if max(checks.values()) > tolerance:
+        return graph, None, {"optimized": False, "reason": f"the optimized graph disagrees with PyTorch by "
+                                                           f"{max(checks.values()):.2e}"}
+    depth, attentions = backbone.config.depth, fusion["fused"].get("Attention", 0)
+    if attentions < depth:  # relbias2d: ORT's attention fusion takes no additive bias
+        fusion = {**fusion, "attention_unfused": f"{depth - attentions} of {depth}"}
+    return optimized, checks, {"optimized": True, "optimizer": f"onnxruntime.transformers {ort.__version__} (vit)",
+                               **fusion}
+
+
+def describe_graph(info: dict[str, Any]) -> str:
+    """One line for the export log: which graph was written."""
+    if not info["optimized"]:
+        return f"graph: not optimized, {info['reason']}"
+    fused = ", ".join(f"{op} x{n}" for op, n in info["fused"].items())
+    unfused = f"; attention not fused in {info['attention_unfused']} blocks" if "attention_unfused" in info else ""
+    return (f"graph: ONNX Runtime-optimized ({fused}; {info['skip_layer_norms_split']} SkipLayerNormalization "
+            f"split into Add + LayerNormalization{unfused})")
+
+
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, kind: str = "classifier",
                       speech_input: str = "waveform", opset: int = DEFAULT_OPSET, tolerance: float = 1e-4,
                       real_inputs: list[dict[str, torch.Tensor]] | None = None,
-                      img_size: int | None = None) -> dict[str, Any]:
+                      img_size: int | None = None, optimize: bool = True) -> dict[str, Any]:
     """Export ``checkpoint`` to ``out`` (model.onnx) + ``out`` with .json (sidecar); returns the sidecar dict.
     ``img_size``: export for another image side than the checkpoint's (same patch size; the PE is resampled,
     ``Backbone.set_image_size``), e.g. a model fine-tuned at 32 px served at 48 px.
+    ``optimize``: write ONNX Runtime's fused graph (:mod:`.optimize`; com.microsoft Attention / BiasGelu, so it
+    needs ONNX Runtime) when it passes the parity check, else the plain graph — the sidecar's ``graph`` says which
+    and why; ``False``: the plain standard-ONNX graph of the training model's own attention.
 
     Raises :class:`ExportError` (and writes nothing) when the parity check fails."""
     checkpoint, out = Path(checkpoint), Path(out)
@@ -219,27 +284,25 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         tmp_model = Path(tmp) / out.name
         # dynamo=True: the maintained exporter (the TorchScript one is deprecated since torch 2.9).
-        torch.onnx.export(plan.module, tuple(plan.inputs.values()), str(tmp_model), dynamo=True,
-                          opset_version=opset, input_names=list(plan.inputs), output_names=plan.outputs,
-                          dynamic_shapes=tuple(dynamic.values()), external_data=False, verbose=False)
+        torch.onnx.export(fusable(plan.module) if optimize else plan.module, tuple(plan.inputs.values()),
+                          str(tmp_model), dynamo=True, opset_version=opset, input_names=list(plan.inputs),
+                          output_names=plan.outputs, dynamic_shapes=tuple(dynamic.values()), external_data=False,
+                          verbose=False)
         graph = onnx.load(str(tmp_model))
         onnx.checker.check_model(graph, full_check=True)
-        session = onnx_session(tmp_model, ["CPUExecutionProvider"])
-        checks = {"random_batch_2": max_abs_diff(plan.module, session, plan.inputs),
-                  "random_batch_5": max_abs_diff(plan.module, session, plan_export(
-                      backbone, kind, speech_input, batch=5).inputs)}
-        for i, inputs in enumerate(real_inputs or []):
-            feed = {k: v for k, v in inputs.items() if not k.startswith("_")}  # "_labels" ride along
-            if list(feed) != list(plan.inputs):
-                raise ExportError(f"real inputs {list(feed)} do not match the model's inputs {list(plan.inputs)}")
-            checks[f"real_{i}"] = max_abs_diff(plan.module, session, feed)
+        batch_5 = plan_export(backbone, kind, speech_input, batch=5).inputs
+        parity = partial(parity_checks, path=tmp_model, plan=plan, batch_5=batch_5, real_inputs=real_inputs)
+        checks, info = None, {"optimized": False, "reason": "not asked (optimize=False)"}
+        if optimize:
+            graph, checks, info = optimized_or_not(graph, backbone, tolerance, parity)
+        checks = checks or parity(graph)
         worst = max(checks.values())
         if worst > tolerance:
             raise ExportError(f"ONNX Runtime disagrees with PyTorch by {worst:.2e} (> {tolerance:.0e}) on "
                               f"{max(checks, key=checks.get)}; nothing was written")
         sidecar = {
             "format": "patchplace.export/1", "kind": kind, "modality": backbone.config.modality,
-            "inputs": plan.input_specs, "outputs": plan.outputs, "opset": opset,
+            "inputs": plan.input_specs, "outputs": plan.outputs, "opset": opset, "graph": info,
             "classes": metadata.get("classes"), "normalization": metadata.get("normalization"),
             "pad_to": metadata.get("pad_to"), "backbone": backbone.config.to_dict(),
             "parity": {"max_abs_diff": checks, "tolerance": tolerance},
@@ -256,3 +319,24 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
         os.replace(tmp_model, out)
         os.replace(tmp_json, out.with_suffix(".json"))
     return sidecar
+
+
+def quantize_int8(path: str | os.PathLike) -> Path:
+    """int8 dynamic quantization (onnxruntime.quantization, int8 weights per output channel) of the exported
+    ``path`` into ``path`` with suffix ``.int8.onnx``, its metadata_props kept; -> that path."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    path = Path(path)
+    out = path.with_suffix(".int8.onnx")
+    model = onnx.load(str(path))
+    del model.graph.value_info[:]  # the dynamo exporter's value_info trips ORT's shape re-inference; drop it
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx.save(model, f"{tmp}/model.onnx")
+        # DefaultTensorType: shape inference gives no type past the com.microsoft ops of an optimized graph
+        quantize_dynamic(f"{tmp}/model.onnx", str(out), weight_type=QuantType.QInt8, per_channel=True,
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    quantized = onnx.load(str(out))
+    onnx.helper.set_model_props(quantized, {**{p.key: p.value for p in model.metadata_props},
+                                            "quantization": "int8 dynamic (per-channel int8 weights)"})
+    onnx.save(quantized, str(out))
+    return out
