@@ -58,7 +58,7 @@ $(KWS_MANIFEST): $(KWS_CORPUS)
 data: $(FMNIST_MANIFEST) $(KWS_MANIFEST)
 
 # The main job: MP3 pretraining on Fashion-MNIST -> fine-tuning -> evaluation -> ONNX export + ONNX Runtime
-# evaluation -> runs/demo/report.md (~32 min on
+# evaluation -> runs/demo/report.md (~13 min on
 # 2 CPU cores; resumable: run it again after an interruption). Budget knobs: see `python pipelines/demo.py --help`.
 demo: setup data
 	$(PY) -m patchplace.data verify $(SHARDS)/fashion_mnist $(SHARDS)/spoken_keywords

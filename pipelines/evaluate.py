@@ -288,7 +288,7 @@ def plot_evaluation(results: dict[str, Any], classes: list[str], out_dir: Path) 
             ax.set(title="linear probe top-1 by labels", ylim=(0, 1))
         elif panel == "knn":
             layers = sorted(results["knn_per_layer"], key=int)
-            ax.plot([int(k) for k in layers], [results["knn_per_layer"][k]["top1"] for k in layers], marker="o")
+            ax.plot([int(k) for k in layers], [results["knn_per_layer"][k] for k in layers], marker="o")
             ax.set(title="kNN top-1 per layer", xlabel="layer", ylim=(0, 1))
         else:
             gammas = sorted(results["consistency"], key=float)

@@ -260,6 +260,13 @@ def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
     assert "| supervised from scratch |" in report and "| MP3 pretraining + fine-tuning |" in report
     used = pipeline_config.yaml.safe_load((tmp_path / "demo" / "supervised" / "config.yaml").read_text())
     assert used["optim"]["epochs"] == 2 and used["model"]["checkpoint"] is None
+    tuned = pipeline_config.yaml.safe_load((tmp_path / "demo" / "finetune" / "config.yaml").read_text())
+    for config in (used, tuned):  # the same short-budget recipe and 8 px patches on both sides of the comparison
+        assert config["finetune"]["mixup"] == 0 and config["finetune"]["cutmix"] == 0
+        assert config["optim"]["layer_decay"] is None and config["data"]["scale"] == [0.8, 1.0]
+    assert used["model"]["overrides"] == {"patch_size": 8}
+    assert json.loads((tmp_path / "demo" / "finetune" / "checkpoint" / "config.json").read_text())[
+        "backbone"]["patch_size"] == 8
     first = (tmp_path / "demo" / "pretrain" / "DONE").read_text()
     assert demo.main(args) == 0 and (tmp_path / "demo" / "pretrain" / "DONE").read_text() == first  # skipped
 
