@@ -30,7 +30,14 @@ from .backbone import Backbone, build_backbone
 from .card import model_card
 from .config import BackboneConfig
 from .errors import ModelError
-from .timm_interop import TIMM_ARCHITECTURES, from_timm_state_dict, split_extras, timm_layout, timm_model_args
+from .timm_interop import (
+    TIMM_ARCHITECTURES,
+    from_timm_state_dict,
+    split_extras,
+    timm_layout,
+    timm_model_args,
+    to_timm_state_dict,
+)
 
 FORMAT = "patchplace.models/1"
 CONFIG_NAME, WEIGHTS_NAME, CARD_NAME = "config.json", "model.safetensors", "README.md"
@@ -56,8 +63,6 @@ def save_pretrained(model: Backbone, directory: str | os.PathLike, metadata: dic
         layout = timm_layout(model.config)
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         if layout != "patchplace":
-            from .timm_interop import to_timm_state_dict
-
             state = {k: v.contiguous().cpu() for k, v in to_timm_state_dict(model).items()}
             _, extras = split_extras(model.state_dict())
             if extras:
