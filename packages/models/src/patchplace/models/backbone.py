@@ -98,8 +98,7 @@ class Block(nn.Module):
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
-class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=["patchplace"],
-               repo_url="https://github.com/patchplace/patchplace"):
+class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=["patchplace"]):
     """Shared Transformer trunk; :class:`VisionTransformer` and :class:`AudioTransformer` add the patchifier.
 
     Hugging Face Hub conventions (``huggingface_hub.PyTorchModelHubMixin``): ``model.save_pretrained(dir,
