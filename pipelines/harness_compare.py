@@ -2,7 +2,8 @@
 what a harness change (e.g. issue 16: layer decay applied, no weight decay on PEs / tokens, probes of the trained
 feature, one Diff. Norm) did to the published numbers.
 
-    python pipelines/harness_compare.py results/study_v1/study.json results/study.json --out results/harness_fix.md
+    python pipelines/harness_compare.py results/study_v1/study.json results/study_v1_harness2/study.json \
+        --out results/harness_fix.md
 """
 
 from __future__ import annotations

@@ -134,4 +134,14 @@ def test_anchor_suite_trains_ours_and_a_plain_timm_loop_on_the_same_data(shards,
     rows = {r["name"].split("/")[1]: r for r in json.loads((tmp_path / "benchmark.json").read_text())["results"]}
     assert set(rows) == {"patchplace supervised (finetune.py)", "plain timm loop"}
     assert all(0 <= r["top1"] <= 1 and r["samples_per_s"] > 0 and r["epochs"] == 1.0 for r in rows.values())
-    assert "Anchor: our supervised baseline" in (tmp_path / "benchmark.md").read_text()
+    text = (tmp_path / "benchmark.md").read_text()
+    assert "Anchor: our supervised baseline" in text and "ours - plain" in text
+
+
+def test_anchor_summary_pairs_the_seeds_both_loops_ran():
+    rows = [{"name": "anchor/patchplace supervised (finetune.py)", "seed": s, "top1": t}
+            for s, t in ((0, 0.80), (1, 0.82), (2, 0.90))]
+    rows += [{"name": "anchor/plain timm loop", "seed": s, "top1": t} for s, t in ((0, 0.78), (1, 0.83))]
+    text = benchmark.anchor_summary(rows)
+    assert text.startswith("Seeds 0, 1: ours 81.00%, plain timm loop 80.50%; ours - plain +0.50 ± 2.1 pt"), text
+    assert benchmark.anchor_summary(rows[:3]) == "No seed has both loops."

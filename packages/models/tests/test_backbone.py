@@ -128,6 +128,9 @@ def test_presets_match_the_papers_sizes():
     audio = create_model("audio_mp3")
     assert 67_000 < count(audio) < 73_000  # MP3 §4.3: "around 70K parameters"
     assert audio.config.pos_embed == "sincos1d" and audio.grid == (101,)
+    # "a dropout of 0.1": on the residual branches, none on the attention weights (the preset's note)
+    assert (audio.config.drop_rate, audio.config.attn_drop_rate, audio.config.depth, audio.config.embed_dim) == (
+        0.1, 0.0, 8, 32)
     assert create_model("vit_base").config.embed_dim == 768 and create_model("vit_small").num_patches == 196
     assert BackboneConfig.from_dict(create_model("vit_tiny").config.to_dict()).depth == 12
 

@@ -19,6 +19,7 @@ from patchplace.models import (
     timm_kwargs,
     to_timm_state_dict,
 )
+from patchplace.models.hub import update_metadata
 
 
 @pytest.mark.parametrize("mode", ["none", "learned", "sincos2d", "relbias2d"])
@@ -32,6 +33,24 @@ def test_save_load_round_trip_is_exact(micro, tmp_path, mode):
     loaded, metadata = load_pretrained(tmp_path / "ckpt")
     assert metadata == {"classes": ["a", "b"], "data": "abc123"} and loaded.config == model.config
     torch.testing.assert_close(loaded.eval()(x), model(x), atol=0, rtol=0)
+
+
+def test_update_metadata_adds_metrics_to_config_and_card_and_keeps_the_weights(micro, tmp_path):
+    model = micro(pos_embed="learned")
+    save_pretrained(model, tmp_path / "ckpt", metadata={"method": "mp3"})
+    weights = (tmp_path / "ckpt" / "model.safetensors").read_bytes()
+    card = (tmp_path / "ckpt" / "README.md").read_text()
+    assert "Not recorded in this checkpoint (written before its evaluation)." in card
+    update_metadata(tmp_path / "ckpt", metrics={"top1": 0.875})
+    raw = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert raw["metadata"] == {"method": "mp3", "metrics": {"top1": 0.875}}
+    card = (tmp_path / "ckpt" / "README.md").read_text()
+    params = sum(p.numel() for p in model.parameters())
+    assert "| top1 | 0.875 |" in card and f"{params / 1e6:.2f}M parameters" in card, card
+    assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    loaded, metadata = load_pretrained(tmp_path / "ckpt")
+    assert metadata["metrics"] == {"top1": 0.875} and loaded.config == model.config
 
 
 def test_audio_round_trip_and_overwrite(tmp_path):

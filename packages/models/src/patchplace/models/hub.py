@@ -125,7 +125,8 @@ def update_metadata(directory: str | os.PathLike, **fields: Any) -> None:
     """Add ``fields`` (e.g. the metrics measured after the checkpoint was written) to a checkpoint's metadata and
     rewrite its model card; each file is replaced atomically."""
     directory = Path(directory)
-    model, metadata = load_pretrained(directory)
+    config, metadata = read_config(directory)
+    model = build_backbone(config)  # the card needs the config and parameter count, not the weights
     metadata = _without_local_paths({**metadata, **fields})
     raw = json.loads((directory / CONFIG_NAME).read_text())
     raw["metadata"] = metadata
@@ -159,15 +160,21 @@ def read_config(directory: str | os.PathLike) -> tuple[BackboneConfig, dict[str,
     return BackboneConfig.from_dict(raw["backbone"]), raw.get("metadata", {})
 
 
-def _header(weights: Path) -> dict[str, str]:
+def _read_weights(weights: Path, device: str | None = None) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(header metadata, tensors on ``device``) of a safetensors file in one open; ``device=None``: header only."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(weights), "pt") as f:
-            return f.metadata() or {}
+        with safe_open(str(weights), "pt", device=device or "cpu") as f:
+            names = f.keys()  # safe_open is not iterable
+            return f.metadata() or {}, ({} if device is None else {k: f.get_tensor(k) for k in names})
     except SafetensorError as exc:
         raise ModelError(f"{weights} is not a readable safetensors file ({exc}); a pickle (.pt) renamed to "
                          f"{WEIGHTS_NAME}? Re-save the model with save_pretrained()") from None
+
+
+def _header(weights: Path) -> dict[str, str]:
+    return _read_weights(weights)[0]
 
 
 def _config_from_header(weights: Path) -> BackboneConfig:
@@ -187,9 +194,8 @@ def load_pretrained(directory: str | os.PathLike, map_location: str | torch.devi
     if not weights.is_file():
         raise ModelError(f"no {WEIGHTS_NAME} in {directory}: the checkpoint is incomplete")
     model = build_backbone(config)
-    layout = _header(weights).get("layout", "patchplace")
-    state = load_file(str(weights), device=str(map_location))
-    if layout != "patchplace":
+    header, state = _read_weights(weights, str(map_location))
+    if header.get("layout", "patchplace") != "patchplace":
         state = from_timm_state_dict(state, config)
     if (Path(directory) / EXTRAS_NAME).is_file():
         state.update(load_file(str(Path(directory) / EXTRAS_NAME), device=str(map_location)))
