@@ -86,9 +86,13 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path, stem: str = "study")
     if main:
         fig, ax = plt.subplots(figsize=(7, 3.2))
         x = range(len(main))
-        bars = (("top1", "fine-tuned top-1"), ("linear_probe", "linear probe"), ("knn", "kNN (best layer)"))
-        for offset, (key, name) in zip((-0.2, 0.0, 0.2), bars, strict=True):
-            ax.bar([i + offset for i in x], [mean_of(rows, n, key) or 0 for n in main], width=0.2, label=name)
+        bars = [(key, name) for key, name in (("top1", "fine-tuned top-1"), ("linear_probe", "linear probe"),
+                                              ("knn", "kNN (best layer)"))
+                if any(mean_of(rows, n, key) is not None for n in main)]  # a metric no run measured: no bar
+        width = 0.8 / max(1, len(bars))
+        for k, (key, name) in enumerate(bars):
+            offset = (k - (len(bars) - 1) / 2) * width
+            ax.bar([i + offset for i in x], [mean_of(rows, n, key) or 0 for n in main], width=width, label=name)
         ax.set_xticks(list(x), [labels[n] for n in main], rotation=20)
         ax.set(ylabel="Fashion-MNIST test accuracy", ylim=(0, 1), title="same ViT, same data, same total epochs")
         ax.legend(fontsize=7, loc="lower right")
@@ -96,6 +100,7 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path, stem: str = "study")
         fig.savefig(out / f"{stem}_main.png", dpi=120)
         plt.close(fig)
         written.append(f"{stem}_main.png")
+    written += label_efficiency_figure(rows, out, stem, plt)
     curves = {n: rows[n][0]["mp3_eta_curve"] for n in ("mp3_eta0", "mp3", "mp3_eta0.75")
               if n in rows and "mp3_eta_curve" in rows[n][0]}
     if curves:
@@ -129,6 +134,34 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path, stem: str = "study")
         plt.close(fig)
         written.append(f"{stem}_mjp_consistency.png")
     return written
+
+
+def label_efficiency_figure(rows: dict[str, list[dict[str, Any]]], out: Path, stem: str, plt: Any) -> list[str]:
+    """Fine-tuned top-1 per main run at each label fraction and with every label: mean over seeds, error bar = std
+    over seeds (the label-efficiency table as a picture)."""
+    fractions = sorted({float(k.split("@")[1]) for ms in rows.values() for m in ms for k in m
+                        if k.startswith("top1@")})
+    main = [r.name for r in RUNS if r.group == "main" and r.name in rows
+            and any(fraction_key("top1", f) in m for m in rows[r.name] for f in fractions)]
+    if not fractions or not main:
+        return []
+    labels = {r.name: r.label for r in RUNS}
+    keys = [(fraction_key("top1", f), f"{f:.0%} of the labels") for f in fractions] + [("top1", "all labels")]
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    width = 0.8 / len(keys)
+    for k, (key, name) in enumerate(keys):
+        values = [list(per_seed(rows, n, key).values()) for n in main]
+        ax.bar([i + (k - (len(keys) - 1) / 2) * width for i in range(len(main))],
+               [statistics.mean(v) if v else 0 for v in values], width=width, label=name,
+               yerr=[statistics.stdev(v) if len(v) > 1 else 0 for v in values], capsize=2)
+    ax.set_xticks(range(len(main)), [labels[n] for n in main], rotation=20)
+    ax.set(ylabel="Fashion-MNIST test top-1", ylim=(0, 1),
+           title="fine-tuned on a fraction of the labels (supervised: from scratch on it)")
+    ax.legend(fontsize=7, loc="upper center", ncol=len(keys))
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}_label_efficiency.png", dpi=120)
+    plt.close(fig)
+    return [f"{stem}_label_efficiency.png"]
 
 
 def privacy_figure(study: Study, out: Path) -> list[str]:

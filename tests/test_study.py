@@ -82,7 +82,8 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert set(rows["supervised_nope"][0]["privacy"]) == {"gradient_matching", "random"}, "no PE: no APRIL"
     assert "## MJP: gradient inversion" in text and "| supervised, no PE | 0 | gradient matching | (a) |" in text
     assert "| MJP gamma 0.27 | not run |" in text
-    for figure in ("study_main.png", "study_mp3_eta.png", "study_mjp_consistency.png", "study_privacy.png"):
+    for figure in ("study_main.png", "study_label_efficiency.png", "study_mp3_eta.png", "study_mjp_consistency.png",
+                   "study_privacy.png"):
         assert (tmp_path / "results" / figure).is_file(), figure
     capsys.readouterr()
     assert study.main(args) == 0  # resumes: every stage is skipped
