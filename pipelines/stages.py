@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 
 class StageError(RuntimeError):
@@ -22,12 +25,16 @@ def stage(directory: Path, run: Callable[[list[str]], int], argv: list[str], lab
     directory.mkdir(parents=True, exist_ok=True)
     done = directory / "DONE"
     name = label or str(directory)
+    settings = config_fingerprint(argv)
     if done.is_file():
         record = json.loads(done.read_text())
         if record.get("argv") != list(argv):
             changed = sorted(set(record.get("argv") or ["(not recorded)"]) ^ set(argv))
             raise StageError(f"{name} was done with other arguments (differing: {' '.join(changed[:6])}); remove "
                              f"{directory} to redo it, or write this run elsewhere")
+        if record.get("config") not in (None, settings):  # DONE files older than the fingerprint: argv only
+            raise StageError(f"{name} was done with other settings in {argv[argv.index('--config') + 1]} (it "
+                             f"changed since); remove {directory} to redo it, or write this run elsewhere")
         print(f"[{name}] done before, skipping ({done})")
         return float(record["seconds"])
     with _Lock(directory / "LOCK", name):
@@ -36,8 +43,18 @@ def stage(directory: Path, run: Callable[[list[str]], int], argv: list[str], lab
         if run(argv) != 0:
             raise StageError(f"{name} failed; fix the error above and run the same command again (it resumes)")
         seconds = time.perf_counter() - start
-        done.write_text(json.dumps({"seconds": round(seconds, 1), "argv": list(argv)}))
+        record = {"seconds": round(seconds, 1), "argv": list(argv)}
+        done.write_text(json.dumps(record | ({"config": settings} if settings else {})))
     return seconds
+
+
+def config_fingerprint(argv: list[str]) -> str | None:
+    """sha256 (16 hex) of the settings in the stage's ``--config`` YAML (parsed: comments and layout do not count),
+    so that a stage done before the file's settings changed is not silently reused; None without ``--config``."""
+    if "--config" not in argv[:-1]:
+        return None
+    settings = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class _Lock:

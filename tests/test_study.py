@@ -158,6 +158,17 @@ def test_study_jobs_pull_units_from_one_queue_and_stages_refuse_a_busy_directory
     assert not (tmp_path / "LOCK").exists()
     with pytest.raises(stages.StageError, match="done with other arguments"):  # another budget, same directory
         stages.stage(tmp_path, lambda argv: 0, ["optim.epochs=5"])
+    yml = tmp_path / "stage.yaml"
+    yml.write_text("optim:\n  lr: 0.001  # a comment\n")
+    assert stages.stage(tmp_path / "y", lambda argv: 0, ["--config", str(yml)]) >= 0
+    yml.write_text("# reworded comment\noptim: {lr: 0.001}\n")  # the same settings: still done
+    assert stages.stage(tmp_path / "y", lambda argv: 0, ["--config", str(yml)]) >= 0
+    yml.write_text("optim:\n  lr: 0.002\n")
+    with pytest.raises(stages.StageError, match=r"done with other settings in .*stage\.yaml"):
+        stages.stage(tmp_path / "y", lambda argv: 0, ["--config", str(yml)])
+    done = tmp_path / "y" / "DONE"
+    done.write_text(json.dumps({k: v for k, v in json.loads(done.read_text()).items() if k != "config"}))
+    assert stages.stage(tmp_path / "y", lambda argv: 0, ["--config", str(yml)]) >= 0, "DONE before fingerprints"
     with pytest.raises(stages.StageError, match="failed"):
         stages.stage(tmp_path / "x", lambda argv: 1, [])
     assert not (tmp_path / "x" / "DONE").exists() and not (tmp_path / "x" / "LOCK").exists()
