@@ -500,7 +500,7 @@ def anchor_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[s
         return []
     val = args.shards.parent / "test" if (args.shards.parent / "test" / "manifest.json").is_file() else args.shards
     config = str(Path(__file__).parent / "configs" / "finetune_fashion_mnist.yaml")
-    preset, batch = args.pipelines_preset or STUDY["preset"], args.pipelines_batch or STUDY["batch"]
+    preset, batch = args.pipelines_preset or STUDY["preset"], args.pipelines_batch  # main(): the study's 128
     rows = []
     for seed in args.anchor_seeds:
         overrides = [f"data.train={args.shards}", f"data.val={val}", f"model.preset={preset}",
@@ -894,7 +894,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only these configs (e.g. supervised mp3; default: every one, or supervised + mp3 in all)")
     g.add_argument("--pipelines-preset", default=None,
                    help="model.preset override (default: the configs' own; vit_cpu_narrow in all)")
-    g.add_argument("--pipelines-batch", type=int, default=None, help="data.batch_size (default: 64; 128 in all)")
+    g.add_argument("--pipelines-batch", type=int, default=None,
+                   help="data.batch_size (default: 64; the study's 128 in all, ddp, anchor)")
     g.add_argument("--pipelines-workers", type=int, default=2,
                    help="data.num_workers of the streaming path (default: %(default)s, the configs')")
     g.add_argument("--pipelines-overrides", nargs="*", default=[], metavar="KEY=VALUE",
@@ -919,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
     if study:
         args.pipelines_preset = args.pipelines_preset or STUDY["preset"]
     if args.pipelines_batch is None:
-        args.pipelines_batch = STUDY["batch"] if study or args.suite == "ddp" else 64
+        args.pipelines_batch = STUDY["batch"] if study or args.suite in ("ddp", "anchor") else 64
     out = args.out or Path("results" if args.suite == "all" else "runs/benchmark")
     state: dict[str, Any] = {}
     start = time.perf_counter()
