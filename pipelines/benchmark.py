@@ -500,7 +500,7 @@ def anchor_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[s
         return []
     val = args.shards.parent / "test" if (args.shards.parent / "test" / "manifest.json").is_file() else args.shards
     config = str(Path(__file__).parent / "configs" / "finetune_fashion_mnist.yaml")
-    preset, batch = args.pipelines_preset or STUDY["preset"], args.pipelines_batch  # main(): the study's 128
+    preset, batch = args.pipelines_preset or STUDY["preset"], args.pipelines_batch
     rows = []
     for seed in args.anchor_seeds:
         overrides = [f"data.train={args.shards}", f"data.val={val}", f"model.preset={preset}",

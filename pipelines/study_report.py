@@ -89,10 +89,7 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path, stem: str = "study")
         bars = [(key, name) for key, name in (("top1", "fine-tuned top-1"), ("linear_probe", "linear probe"),
                                               ("knn", "kNN (best layer)"))
                 if any(mean_of(rows, n, key) is not None for n in main)]  # a metric no run measured: no bar
-        width = 0.8 / max(1, len(bars))
-        for k, (key, name) in enumerate(bars):
-            offset = (k - (len(bars) - 1) / 2) * width
-            ax.bar([i + offset for i in x], [mean_of(rows, n, key) or 0 for n in main], width=width, label=name)
+        grouped_bars(ax, [(name, [mean_of(rows, n, key) or 0 for n in main], None) for key, name in bars])
         ax.set_xticks(list(x), [labels[n] for n in main], rotation=20)
         ax.set(ylabel="Fashion-MNIST test accuracy", ylim=(0, 1), title="same ViT, same data, same total epochs")
         ax.legend(fontsize=7, loc="lower right")
@@ -136,6 +133,15 @@ def plots(rows: dict[str, list[dict[str, Any]]], out: Path, stem: str = "study")
     return written
 
 
+def grouped_bars(ax: Any, series: list[tuple[str, list[float], list[float] | None]]) -> None:
+    """One bar per (series, group) side by side within each group; ``series``: (label, heights, error bars)."""
+    width = 0.8 / max(1, len(series))
+    for k, (label, heights, errors) in enumerate(series):
+        offset = (k - (len(series) - 1) / 2) * width
+        ax.bar([i + offset for i in range(len(heights))], heights, width=width, label=label, yerr=errors,
+               capsize=2 if errors else 0)
+
+
 def label_efficiency_figure(rows: dict[str, list[dict[str, Any]]], out: Path, stem: str, plt: Any) -> list[str]:
     """Fine-tuned top-1 per main run at each label fraction and with every label: mean over seeds, error bar = std
     over seeds (the label-efficiency table as a picture)."""
@@ -148,12 +154,12 @@ def label_efficiency_figure(rows: dict[str, list[dict[str, Any]]], out: Path, st
     labels = {r.name: r.label for r in RUNS}
     keys = [(fraction_key("top1", f), f"{f:.0%} of the labels") for f in fractions] + [("top1", "all labels")]
     fig, ax = plt.subplots(figsize=(7.5, 3.4))
-    width = 0.8 / len(keys)
-    for k, (key, name) in enumerate(keys):
+    series = []
+    for key, name in keys:
         values = [list(per_seed(rows, n, key).values()) for n in main]
-        ax.bar([i + (k - (len(keys) - 1) / 2) * width for i in range(len(main))],
-               [statistics.mean(v) if v else 0 for v in values], width=width, label=name,
-               yerr=[statistics.stdev(v) if len(v) > 1 else 0 for v in values], capsize=2)
+        series.append((name, [statistics.mean(v) if v else 0 for v in values],
+                       [statistics.stdev(v) if len(v) > 1 else 0 for v in values]))
+    grouped_bars(ax, series)
     ax.set_xticks(range(len(main)), [labels[n] for n in main], rotation=20)
     ax.set(ylabel="Fashion-MNIST test top-1", ylim=(0, 1),
            title="fine-tuned on a fraction of the labels (supervised: from scratch on it)")
