@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import math
 import re
 import tokenize
 import typing
@@ -18,6 +19,9 @@ from typing import Any
 import yaml
 
 from patchplace.data.manifest import dataset_dir_hint
+
+LR_SCALING = ("none", "linear", "sqrt")
+MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
 
 
 class ConfigError(ValueError):
@@ -95,6 +99,10 @@ class OptimSection:
     min_lr_ratio: float = 0.01  # the cosine ends at lr x this
     clip_grad: float | None = 1.0  # gradient-norm clipping (None: off)
     layer_decay: float | None = None  # layer-wise lr decay (fine-tuning, e.g. 0.75)
+    # none | linear | sqrt: rescale optim.lr from optim.lr_base_batch to the run's global batch (data.batch_size x
+    # processes x run.grad_accum): linear (Goyal et al. 2017; MAE's blr x batch / 256) or square root
+    lr_scaling: str = "none"
+    lr_base_batch: int | None = None  # the global batch optim.lr was tuned at (null: data.batch_size x run.grad_accum)
 
     def validate(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
@@ -107,6 +115,16 @@ class OptimSection:
             raise ConfigError("optim.warmup_fraction must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
             raise ConfigError(f"optim.layer_decay must be in (0, 1], got {self.layer_decay}")
+        if self.lr_scaling not in LR_SCALING:
+            raise ConfigError(f"optim.lr_scaling must be one of {', '.join(LR_SCALING)}, got {self.lr_scaling!r}")
+        if self.lr_base_batch is not None and self.lr_base_batch < 1:
+            raise ConfigError(f"optim.lr_base_batch must be >= 1 (or null), got {self.lr_base_batch}")
+
+    def scaled_lr(self, global_batch: int, default_base: int) -> float:
+        """The peak lr of a run at ``global_batch`` under ``lr_scaling`` (``default_base``: the base batch when
+        ``lr_base_batch`` is null)."""
+        ratio = global_batch / (self.lr_base_batch or default_base)
+        return self.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
 
 
 @dataclass
@@ -114,7 +132,7 @@ class RunSection:
     """Output, seeds, precision, logging and checkpoint cadence."""
 
     output: str = "runs/default"  # run directory (log.jsonl, checkpoints, tensorboard/)
-    seed: int = 0  # weights, data order, augmentation (each rank adds its rank for masks / noise)
+    seed: int = 0  # weights, data order, augmentation; masks / noise / drop path: a stream per (seed, rank)
     mixed_precision: str = "no"  # no | fp16 | bf16
     grad_accum: int = 1  # micro-batches per optimizer step
     log_every: int = 10  # steps
@@ -133,6 +151,8 @@ class RunSection:
             raise ConfigError(f"run.mixed_precision must be no, fp16 or bf16, got {self.mixed_precision!r}")
         if self.grad_accum < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("run.grad_accum and run.log_every must be >= 1, checkpoint/eval cadences >= 0")
+        if not 0 <= self.seed < MAX_SEED:
+            raise ConfigError(f"run.seed must be in [0, 2**31), got {self.seed}")
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

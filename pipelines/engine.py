@@ -45,7 +45,7 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
-from config import ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
+from config import MAX_SEED, ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
 from rundir import (
     CheckpointError,
     RunLock,
@@ -54,9 +54,12 @@ from rundir import (
     complete_steps,
     disk_error,
     disk_message,
+    latest_step,
+    load_state_strictly,
     partial_dir,
     point_checkpoint_link,
     prepare_directory,
+    unsealed_steps,
     verify,
 )
 from safetensors.torch import save_file
@@ -70,13 +73,41 @@ from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset,
 from patchplace.data.mfcc import MFCC
 from patchplace.finetune import build_optimizer, parameter_groups
 from patchplace.models import Backbone, ModelError, save_pretrained
-from patchplace.models.hub import update_metadata
 from patchplace.objectives import ObjectiveError
+
+
+class Diverged(ValueError):
+    """A non-finite loss or weights: the run stopped without saving them (the last good checkpoint is kept)."""
+
+    every_rank = True  # the losses are gathered, the weights are the same on every rank: all ranks stop alike
+
+
+class DiskFull(ValueError):
+    """A write of the run (log, config, checkpoint) failed for lack of space."""
+
 
 # Errors a user can act on: printed as one line by the pipeline scripts (exit code 2).
 USER_ERRORS = (ConfigError, DataError, ModelError, ObjectiveError, ValueError)
-# The ones training itself can meet (a full disk, a corrupt checkpoint on resume, a bad shard mid-epoch).
-RUN_ERRORS = (ConfigError, DataError)
+# The ones training itself can meet (a full disk, a corrupt checkpoint on resume, a bad shard mid-epoch, a
+# diverged loss).
+RUN_ERRORS = (ConfigError, DataError, Diverged, DiskFull)
+
+
+def every_rank(exc: Exception) -> Exception:
+    """Mark ``exc`` as met by every rank alike (printed once, by the main process: :meth:`Trainer.train`)."""
+    exc.every_rank = True
+    return exc
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s random stream (masks, noise, drop path) in a run seeded ``seed``: rank 0 keeps
+    ``seed`` (a one-process run draws what it always drew); rank r > 0 draws from ``2**31 + seed * 4096 + r``,
+    above every valid ``run.seed``, so no (seed, rank) pair shares another's stream (for seed < 2**19 and up to
+    4096 ranks; beyond, the map wraps modulo 2**31). ``seed + rank`` would give rank 0 of seed 1 the stream of
+    rank 1 of seed 0."""
+    if rank == 0:
+        return seed
+    return MAX_SEED + (seed * 4096 + rank) % MAX_SEED
 
 
 def start(config_cls: type, description: str, argv: list[str] | None, augment: bool = True,
@@ -266,17 +297,19 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     return Data(train, val, manifest, frontend, path, started)
 
 
-def make_optimizer(model: nn.Module, cfg: OptimSection) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None) -> torch.optim.Optimizer:
     """AdamW on the objective's parameter groups (``patchplace.finetune.build_optimizer``): no weight decay on norms,
-    biases, PEs, class / mask / unknown tokens; layer-wise lr decay (each group's lr pre-scaled) if configured."""
+    biases, PEs, class / mask / unknown tokens; layer-wise lr decay (each group's lr pre-scaled) if configured.
+    ``lr``: the peak lr (default ``cfg.lr``; the Trainer passes it scaled to the global batch)."""
     try:
-        return build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-                               layer_decay=cfg.layer_decay)
+        return build_optimizer(model, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
+                               betas=cfg.betas, layer_decay=cfg.layer_decay)
     except ValueError as exc:
         raise ConfigError(f"optim.layer_decay: {exc}") from None
 
 
 def warmup_cosine(total_steps: int, warmup_fraction: float, min_ratio: float) -> Callable[[int], float]:
+    """The lr factor of optimizer step ``step`` (0-based): linear warm-up, then cosine down to ``min_ratio``."""
     warmup = round(warmup_fraction * total_steps)
 
     def factor(step: int) -> float:
@@ -306,8 +339,29 @@ def classify(backbone: Backbone, dataset: ShardDataset | MemoryReader, batch_siz
     return accuracy.compute()
 
 
+class StepSchedule:
+    """The lr of every parameter group as a function of the optimizer step alone: ``base lr x factor(step)``, set
+    before each optimizer step (as nanoGPT's ``get_lr(it)``). Nothing to checkpoint, and nothing a wrapper can step
+    twice: Accelerate's scheduler wrapper steps a prepared scheduler once per *process* per optimizer step
+    (``split_batches=False``), which ran the schedule P times too fast under P processes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float]) -> None:
+        self.optimizer, self.factor = optimizer, factor
+        for group in optimizer.param_groups:  # peak lr x the group's layer-decay scale (torch's name for it)
+            group.setdefault("initial_lr", group["lr"])
+        self.base = [group["initial_lr"] for group in optimizer.param_groups]
+
+    def set(self, step: int) -> float:
+        """Give every group its lr for optimizer step ``step`` (0-based); returns the factor."""
+        factor = self.factor(step)
+        for group, base in zip(self.optimizer.param_groups, self.base, strict=True):
+            group["lr"] = base * factor
+        return factor
+
+
 class JsonlLog:
-    """Append-only JSON-lines log, written by the main process only."""
+    """Append-only JSON-lines log, written by the main process only. Each record is one ``write`` of a whole line;
+    a line torn by a full disk or a kill is dropped on resume (:func:`truncate_log`)."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path, self.enabled = path, enabled
@@ -336,13 +390,35 @@ def command_line(script: str, argv: list[str] | None) -> str:
     return " ".join(shlex.quote(a) for a in [f"pipelines/{Path(script).name}", *kept])
 
 
+def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a ``log.jsonl`` and how many lines could not be read (a line torn by a full disk or a kill,
+    or damaged later): those are skipped, never a traceback."""
+    records, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step", 0), int):
+            records.append(record)
+        else:
+            torn += 1
+    return records, torn
+
+
 def truncate_log(path: Path, step: int) -> None:
-    """Keep the records of ``log.jsonl`` up to ``step`` (a resumed run logs the later steps again: each once)."""
+    """Keep the records of ``log.jsonl`` up to ``step`` (a resumed run logs the later steps again: each once);
+    unreadable lines are dropped with a warning."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    records, torn = read_log(path)
+    if torn:
+        print(f"warning: {path}: dropped {torn} unreadable line(s) (torn by a full disk or a kill)", file=sys.stderr)
     with atomic_file(path) as tmp:
-        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step))
 
 
 class Interrupted(Exception):
@@ -399,14 +475,24 @@ class Trainer:
                  command: str | None = None) -> None:
         self.acc, self.objective, self.backbone, self.data = accelerator, objective, backbone, data
         self.optim_cfg, self.run, self.config = optim, run, config
+        # optim.lr_scaling: the peak lr follows the global batch (recorded in the model card and optimizer.json)
+        per_process = config.data.batch_size * run.grad_accum
+        self.global_batch = per_process * accelerator.num_processes
+        self.peak_lr = optim.scaled_lr(self.global_batch, default_base=per_process)
         # DESIGN §4: the checkpoint records which pooled feature this training trained, so probes read that one.
         self.metadata = {**metadata, "probe_feature": getattr(objective, "probe_feature", backbone.config.global_pool),
-                         "recipe": recipe(config, accelerator.num_processes)}
+                         "recipe": {**recipe(config, accelerator.num_processes), "global_batch": self.global_batch,
+                                    "peak_lr": self.peak_lr}}
         self.batch_transform, self.evaluate = batch_transform, evaluate
         self.out = Path(run.output)
         self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
         self.batch_size = None
-        self.optimizer = make_optimizer(objective, optim)  # here, so a knob without effect fails before training
+        # here, so a knob without effect fails before training
+        self.optimizer = make_optimizer(objective, optim, self.peak_lr)
+        if optim.lr_scaling != "none":
+            accelerator.print(f"optim.lr_scaling={optim.lr_scaling}: peak lr {optim.lr:g} at global batch "
+                              f"{optim.lr_base_batch or per_process} -> {self.peak_lr:.4g} at global batch "
+                              f"{self.global_batch} ({accelerator.num_processes} process(es))")
         self.command = command or "the same command"
         # One run per directory: the main process holds run.output's lock until fit() ends, and checks what the
         # directory holds against run.resume / run.overwrite before anything is written.
@@ -427,13 +513,17 @@ class Trainer:
         return per_epoch, total
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, metrics: dict[str, Any] | None = None) -> None:
         """Crash-consistent (``rundir.py``): write ``checkpoints/.partial-step-N`` (backbone + objective extras,
         Accelerate state with every rank's RNG), seal it with ``COMPLETE``, rename it to ``step-N``, point the
-        ``checkpoint`` link at it, then remove the previous step. A full disk is a one-line error."""
+        ``checkpoint`` link at it, then remove the previous step. ``metrics`` (the end-of-run evaluation) go into
+        the model card and config.json *before* the seal: nothing rewrites a sealed checkpoint. Weights that are
+        not finite are never saved (:class:`Diverged`); a full disk is a one-line error."""
         acc, out = self.acc, self.out
+        self._check_finite_weights(step)
         partial = partial_dir(out, step)
         acc.wait_for_everyone()
+        metadata = {**self.metadata, "step": step, **({"metrics": metrics} if metrics else {})}
         try:
             if acc.is_main_process:
                 if partial.exists():
@@ -441,7 +531,7 @@ class Trainer:
                 partial.mkdir(parents=True)
             acc.wait_for_everyone()
             if acc.is_main_process:
-                save_pretrained(self.backbone, partial / "checkpoint", metadata={**self.metadata, "step": step})
+                save_pretrained(self.backbone, partial / "checkpoint", metadata=metadata)
                 extras = {k: v.detach().contiguous().cpu() for k, v in acc.unwrap_model(self.objective)
                           .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
                 if extras:
@@ -449,7 +539,8 @@ class Trainer:
             acc.save_state(str(partial / "state"))  # every process writes its own random_states_<rank>.pkl
             acc.wait_for_everyone()  # ... before the main process seals the directory
             if acc.is_main_process:
-                (partial / "state" / "trainer.json").write_text(json.dumps({"step": step}))
+                (partial / "state" / "trainer.json").write_text(json.dumps({
+                    "step": step, "world_size": acc.num_processes, "global_batch": self.global_batch}))
                 final = commit(partial, step)
                 point_checkpoint_link(out, final / "checkpoint")
                 clean(out, keep=final)
@@ -461,22 +552,68 @@ class Trainer:
         acc.wait_for_everyone()
 
     def resume_step(self) -> int:
-        """``run.resume=true``: load the newest complete checkpoint after verifying every file (0: none yet)."""
+        """``run.resume=true``: load the newest complete checkpoint after verifying every file (0: none yet).
+
+        Refused in one line: a ``step-*`` directory newer than every sealed one but without its ``COMPLETE``
+        record (damage: a save writes ``COMPLETE`` before the directory gets its name), a checkpoint written by
+        another number of processes (the global batch, each rank's data position and random stream would change),
+        and a state file the safe loader refuses or cannot read (Accelerate would skip a bad random state)."""
         if not self.run.resume:
             return 0
-        steps = complete_steps(self.out)
+        acc, steps = self.acc, complete_steps(self.out)
+        newest = steps[-1][0] if steps else -1
+        unsealed = [path for number, path in unsealed_steps(self.out) if number > newest]
+        if unsealed:
+            raise CheckpointError(
+                f"{unsealed[-1]} has no {unsealed[-1] / 'COMPLETE'} record, so it cannot be verified (it was removed "
+                "or the directory was copied in part): restore the record, or delete that directory to resume from "
+                + (f"step {newest}" if steps else "scratch") + ", or start over with run.overwrite=true")
         if steps:
             path = steps[-1][1]
-            if self.acc.is_main_process:
+            if acc.is_main_process:
                 verify(path)
-            self.acc.wait_for_everyone()
+            acc.wait_for_everyone()
             state = path / "state"
         elif (self.out / "state" / "trainer.json").is_file():  # a run from before checkpoints/ (issue 18)
             state = self.out / "state"
         else:
+            acc.print(f"run.resume=true: {self.out} holds no checkpoint yet; starting at step 0")
             return 0
-        self.acc.load_state(str(state))
-        return int(json.loads((state / "trainer.json").read_text())["step"])
+        trainer = json.loads((state / "trainer.json").read_text())
+        saved = trainer.get("world_size") or len(list(state.glob("random_states_*.pkl")))
+        if saved != acc.num_processes:
+            launch = "python" if saved == 1 else f"accelerate launch --num_processes {saved} <the same options>"
+            raise every_rank(CheckpointError(
+                f"run.resume=true: the step-{trainer['step']} checkpoint in {self.out} was written by {saved} "
+                f"process(es), this launch has {acc.num_processes}: the global batch, each rank's place in the data "
+                f"and its random stream would change; resume with {launch}, or start a new run (another "
+                "run.output, or run.overwrite=true)"))
+        load_state_strictly(acc, state)
+        return int(trainer["step"])
+
+    def _check_finite_weights(self, step: int) -> None:
+        """No checkpoint of non-finite weights (a step with a finite loss can still blow them up)."""
+        finite = torch.stack([p.detach().isfinite().all() for p in self.objective.parameters()]).all()
+        if not bool(finite):
+            raise Diverged(self._diverged(step, "the weights hold non-finite values"))
+
+    def _check_finite_loss(self, loss: torch.Tensor, step: int) -> None:
+        """Stop before a non-finite loss reaches the weights: every rank's loss is gathered (one collective per
+        micro-step), so all ranks stop at the same step."""
+        losses = self.acc.gather(loss.detach().float().reshape(1)) if self.acc.num_processes > 1 else \
+            loss.detach().float().reshape(1)
+        bad = (~losses.isfinite()).nonzero().flatten().tolist()
+        if bad:
+            rank = bad[0]
+            raise Diverged(self._diverged(step, f"the loss is {losses[rank].item()} on rank {rank}"))
+
+    def _diverged(self, step: int, what: str) -> str:
+        last = latest_step(self.out)
+        kept = (f"the last good checkpoint (step {last}) is kept in {self.out / 'checkpoints'}" if last is not None
+                else "no checkpoint was written")
+        return (f"training diverged at step {step}: {what}; nothing of it was saved, {kept}; try a lower optim.lr "
+                f"(peak {self.peak_lr:g}), a longer optim.warmup_fraction, optim.clip_grad, or run.mixed_precision="
+                "bf16 / no instead of fp16, in a new run (run.overwrite=true or another run.output)")
 
     # ------------------------------------------------------------------ loop
     def _inputs(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -504,12 +641,23 @@ class Trainer:
         """:meth:`fit` for a pipeline's ``main``: (last evaluation, exit code). An interruption prints how to resume
         (exit 143 / 130), an error training meets prints one line (exit 2)."""
         try:
-            return self.fit(batch_size), 0
+            try:
+                return self.fit(batch_size), 0
+            except OSError as exc:  # a write outside a checkpoint (log, config, optimizer.json, a tracker)
+                if not disk_error(exc):
+                    raise
+                raise DiskFull(disk_message(self.out, None, exc)) from None
         except Interrupted as exc:
             print(exc, file=sys.stderr)
             return {}, exc.exit_code
-        except RUN_ERRORS as exc:  # e.g. a full disk at a checkpoint, a corrupt checkpoint on resume, a bad shard
-            print(f"error: {one_line(exc)}", file=sys.stderr)
+        except RUN_ERRORS as exc:  # e.g. a full disk, a corrupt checkpoint on resume, a bad shard, a NaN loss
+            # An error every rank meets alike (every_rank) is printed once, by the main process, before any rank
+            # leaves (the launcher ends the others as soon as one exits); a rank's own error by that rank.
+            every_rank = getattr(exc, "every_rank", False)
+            if self.acc.is_main_process or not every_rank:
+                print(f"error: {one_line(exc)}", file=sys.stderr)
+            if every_rank and self.acc.num_processes > 1:
+                self.acc.wait_for_everyone()
             return {}, 2
 
     def _stop_signal(self, signals: _StopSignals) -> int:
@@ -532,28 +680,36 @@ class Trainer:
         acc, run = self.acc, self.run
         per_epoch, total = self.budget(batch_size)
         optimizer = self.optimizer
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(
-            total, self.optim_cfg.warmup_fraction, self.optim_cfg.min_lr_ratio))
+        schedule = StepSchedule(optimizer, warmup_cosine(total, self.optim_cfg.warmup_fraction,
+                                                         self.optim_cfg.min_lr_ratio))
         if acc.is_main_process:  # what every parameter really gets (lr scale, weight decay), for the user to check
             write_json_atomic(self.out / "optimizer.json", {
-                "lr": self.optim_cfg.lr, "layer_decay": self.optim_cfg.layer_decay,
-                "weight_decay": self.optim_cfg.weight_decay,
+                "lr": self.peak_lr, "config_lr": self.optim_cfg.lr, "lr_scaling": self.optim_cfg.lr_scaling,
+                "lr_base_batch": self.optim_cfg.lr_base_batch or self.global_batch // acc.num_processes,
+                "global_batch": self.global_batch, "processes": acc.num_processes,
+                "layer_decay": self.optim_cfg.layer_decay, "weight_decay": self.optim_cfg.weight_decay,
                 "parameters": parameter_groups(optimizer, self.objective)})
         find_unused = self.run.find_unused_parameters
         if find_unused is None:  # auto: only objectives that may leave a parameter without gradient (MJP)
             find_unused = bool(getattr(self.objective, "leaves_parameters_unused", False))
         acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=find_unused)
-        objective, optimizer, scheduler = acc.prepare(self.objective, optimizer, scheduler)
+        # The schedule is not prepared: Accelerate's wrapper would step it once per process (StepSchedule).
+        objective, optimizer = acc.prepare(self.objective, optimizer)
         if acc.is_main_process:
-            (self.out / "config.yaml").write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
+            with atomic_file(self.out / "config.yaml") as tmp:
+                tmp.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
             if run.tensorboard:
                 acc.init_trackers("tensorboard")
-        # Each rank its own random stream (masks, noise, drop path): seed + rank. Resume restores every rank's
-        # stream from state/random_states_<rank>.pkl. The data order has its own (seed, epoch, rank) seeds.
-        set_seed(run.seed, device_specific=True)
+        # Each rank its own random stream (masks, noise, drop path): rank_seed(seed, rank), distinct for every
+        # (seed, rank) pair. Resume restores every rank's stream from state/random_states_<rank>.pkl. The data
+        # order has its own (seed, epoch, rank) seeds.
+        set_seed(rank_seed(run.seed, acc.process_index))
         step = first_step = self.resume_step()
         if acc.is_main_process and run.resume:
             truncate_log(self.out / "log.jsonl", step)  # the steps after the checkpoint are logged again
+        if run.resume and step >= total:  # a finished run: nothing to train, nothing to rewrite
+            acc.print(f"run.resume=true: {self.out} is complete (step {step} of {total}); nothing to do")
+            return self._finished_result()
         # which processes really run this job (world size and the distinct ranks, gathered from every process)
         ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
         bar = self.bar = tqdm(total=total, initial=step, disable=not acc.is_main_process,
@@ -575,11 +731,12 @@ class Trainer:
                 progress = step / total
                 with acc.accumulate(objective):
                     out = objective((x, y), progress=progress)
+                    self._check_finite_loss(out["loss"], step + 1)  # before it reaches the weights
                     acc.backward(out["loss"])
                     if acc.sync_gradients and self.optim_cfg.clip_grad:
                         acc.clip_grad_norm_(objective.parameters(), self.optim_cfg.clip_grad)
+                    lr_factor = schedule.set(step)  # the lr of this optimizer step, once per step on every rank
                     optimizer.step()
-                    scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                 fetch = time.perf_counter()
                 if not acc.sync_gradients:
@@ -597,8 +754,8 @@ class Trainer:
                                if torch.is_tensor(v) and v.numel() == 1}
                     elapsed = time.perf_counter() - start
                     seen = (step - steady_step) * batch_size * acc.num_processes * run.grad_accum
-                    top = optimizer.param_groups[0]  # the schedule's base lr (groups carry lr * lr_scale)
-                    scalars.update(lr=top["lr"] / top.get("lr_scale", 1.0), epoch=epoch, startup_s=round(startup, 2))
+                    # the lr this step trained with (groups carry it x their layer-decay lr_scale)
+                    scalars.update(lr=self.peak_lr * lr_factor, epoch=epoch, startup_s=round(startup, 2))
                     if seen:  # (not on the first step: startup)
                         scalars.update(data_share=round(waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
                     if self.data.train.skipped:  # data.skip_corrupt (counted in this process; workers warn)
@@ -631,15 +788,21 @@ class Trainer:
             # the next epoch (an epoch shortened by data.skip_corrupt ends early: its steps are not made up)
             epoch, skip = epoch + 1, 0
         bar.close()
-        self.save_checkpoint(step)
-        if self.evaluate is not None:
+        metrics = None
+        if self.evaluate is not None:  # measured first, so the final checkpoint is sealed with its metrics
             last_eval = self._evaluate(objective, step)
-            if acc.is_main_process and last_eval:  # the model card and config.json carry what the run measured
-                update_metadata(self.out / "checkpoint", metrics={k: v for k, v in last_eval.items()
-                                                                  if isinstance(v, int | float | str)})
+            metrics = {k: v for k, v in last_eval.items() if isinstance(v, int | float | str)} or None
+        self.save_checkpoint(step, metrics=metrics)
         if run.tensorboard:
             acc.end_training()
         return last_eval
+
+    def _finished_result(self) -> dict[str, Any]:
+        """What a finished run measured at its end (the last evaluation in its log), for a resumed finished run."""
+        path = self.out / "log.jsonl"
+        records = read_log(path)[0] if self.acc.is_main_process and path.is_file() else []
+        evals = [r["eval"] for r in records if isinstance(r.get("eval"), dict)]
+        return evals[-1] if evals else {}
 
     def _evaluate(self, objective: nn.Module, step: int) -> dict[str, Any]:
         result: dict[str, Any] = {}

@@ -42,8 +42,10 @@ LOCK = ".lock"
 RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "checkpoint", "state", "tensorboard")
 # Leftovers of the layout before checkpoints/ (issue 18), removed once a save succeeds.
 LEGACY_LEFTOVERS = (".state.tmp", ".state.old")
-# Config fields a resumed run may change: they do not change what is trained.
-RESUMABLE_CHANGES = ("run.resume", "run.overwrite", "run.stop_after", "run.log_every", "run.checkpoint_every",
+# Config fields a resumed run may change: they do not change what is trained (run.output: the same directory
+# spelled another way, relative / absolute / a trailing slash, or the run moved elsewhere).
+RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.stop_after", "run.log_every",
+                     "run.checkpoint_every",
                      "run.eval_every", "run.tensorboard", "run.find_unused_parameters", "data.num_workers")
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -123,7 +125,14 @@ def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config:
                           "it with run.overwrite=true, or choose another run.output")
     saved = directory / "config.yaml"
     if saved.is_file():
-        changed = config_changes(yaml.safe_load(saved.read_text()) or {}, config)
+        try:
+            old = yaml.safe_load(saved.read_text())
+            if not isinstance(old, dict | None):
+                raise ValueError(f"a {type(old).__name__}, not a mapping")
+        except (ValueError, yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"run.resume=true: {saved} is unreadable ({one_line(exc)}), so the run's settings "
+                              "cannot be checked: restore it, or start over with run.overwrite=true") from None
+        changed = config_changes(old or {}, config)
         if changed:
             raise ConfigError(f"run.resume=true: {', '.join(changed)} differ from {saved}; resume with the run's "
                               "values, or start a new run (another run.output, or run.overwrite=true)")
@@ -176,6 +185,65 @@ def step_dir(directory: Path, step: int) -> Path:
 
 def partial_dir(directory: Path, step: int) -> Path:
     return Path(directory) / CHECKPOINTS / f".partial-step-{step:08d}"
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
+
+
+def unsealed_steps(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step-*`` directory *without* a ``COMPLETE`` record, oldest first: never made by a
+    save (it seals before it renames), so damage."""
+    root = Path(directory) / CHECKPOINTS
+    found = [(int(p.name[5:]), p) for p in (root.glob("step-*") if root.is_dir() else [])
+             if p.name[5:].isdigit() and not (p / COMPLETE).is_file()]
+    return sorted(found)
+
+
+def load_state_strictly(accelerator: Any, state: Path) -> None:
+    """``accelerator.load_state(state)``, but a file it cannot read is a one-line :class:`CheckpointError` naming
+    it, never a traceback: this rank's random state is read first by the same safe loader (Accelerate skips a bad
+    one with ``except Exception``, and the resumed run would silently draw other masks), and a file the safe
+    (``weights_only``) loader refuses is named as not written by this run, without torch's advice to turn the
+    safety off."""
+    from accelerate.utils import load
+
+    own = state / f"random_states_{accelerator.process_index}.pkl"
+    try:
+        states = load(own)
+        if not isinstance(states, dict) or not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(
+                states):
+            raise ValueError("it lacks the python / numpy / torch random states")
+    except Exception as exc:
+        raise CheckpointError(_unloadable(own, exc)) from None
+    try:
+        accelerator.load_state(str(state))
+    except Exception as exc:
+        bad = next((p for p in sorted(state.iterdir()) if p.suffix in (".bin", ".pkl") and not _loads(p)), state)
+        raise CheckpointError(_unloadable(bad, exc)) from None
+
+
+def _loads(path: Path) -> bool:
+    from accelerate.utils import load
+
+    try:
+        load(path, map_location="cpu")
+    except Exception:
+        return False
+    return True
+
+
+def _unloadable(path: Path, exc: BaseException) -> str:
+    text = str(exc)
+    if "Weights only load failed" in text or "Unsupported global" in text or "UnpicklingError" in type(exc).__name__:
+        why = ("it holds Python objects the safe loader refuses to run, so it is not a file this run wrote "
+               "(replaced or tampered with)")
+    else:
+        first = text.strip().splitlines()[0][:160] if text.strip() else ""
+        why = f"it cannot be read ({type(exc).__name__}: {first})"
+    return (f"checkpoint file {path} cannot be loaded: {why}; the run cannot resume exactly from it: restore the "
+            "file, delete that checkpoint directory to resume from an earlier one, or start over with "
+            "run.overwrite=true")
 
 
 def complete_steps(directory: Path) -> list[tuple[int, Path]]:
@@ -301,11 +369,16 @@ def mount_point(path: Path) -> Path:
     return path
 
 
-def disk_message(directory: Path, step: int, exc: BaseException) -> str:
+def disk_message(directory: Path, step: int | None, exc: BaseException) -> str:
+    """One line for a write that failed for lack of space: what, how much is free where, what is kept, what to do
+    (``step``: the checkpoint being written, None for another write of the run)."""
     usage = shutil.disk_usage(directory)
     last = latest_step(directory)
     kept = f"the last complete checkpoint (step {last}) is intact" if last is not None else "no checkpoint yet"
-    return (f"could not write the step-{step} checkpoint in {directory}: the disk is full or a size limit was hit "
+    name = getattr(exc, "filename", None)
+    what = f"the step-{step} checkpoint in {directory}" if step is not None else \
+        (f"{name}" if name else f"to {directory}")
+    return (f"could not write {what}: the disk is full or a size limit was hit "
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); {usage.free / 2**20:.0f} MiB free of "
             f"{usage.total / 2**30:.1f} GiB on the filesystem mounted at {mount_point(directory)}; {kept}; free "
             "space (or point run.output elsewhere) and run the same command with run.resume=true")

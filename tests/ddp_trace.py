@@ -86,8 +86,8 @@ def _install() -> None:
 
     save = engine.Trainer.save_checkpoint
 
-    def traced_save(self, step):
-        save(self, step)
+    def traced_save(self, step, **kwargs):
+        save(self, step, **kwargs)
         if _fault("TRACE_KILL") == step:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -58,11 +58,11 @@ class LineCounter:
         save = engine.Trainer.save_checkpoint
         counter = self
 
-        def traced_save(trainer, step):
+        def traced_save(trainer, step, **kwargs):
             counter.saves.append({"step": step, "events": 0, "rundir_events": [], "rundir_lines": {}})
             sys.settrace(counter.trace)
             try:
-                return save(trainer, step)
+                return save(trainer, step, **kwargs)
             finally:
                 sys.settrace(None)
 
@@ -160,11 +160,11 @@ def signal_at(name: str, step: int, args: list[str]) -> int:
 def file_size_limit(limit: int, step: int, args: list[str]) -> int:
     save = engine.Trainer.save_checkpoint
 
-    def limited_save(trainer, at):
+    def limited_save(trainer, at, **kwargs):
         if at >= step:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-        return save(trainer, at)
+        return save(trainer, at, **kwargs)
 
     engine.Trainer.save_checkpoint = limited_save
     return pretrain.main(args)

@@ -97,6 +97,11 @@ class MAE(BackboneObjective):
         require_pos_mode(backbone, ("sincos2d",), "MAE")
         if backbone.config.modality != "image" or backbone.cls_token is None:
             raise ObjectiveError("MAE needs an image backbone with a class token")
+        n = backbone.num_patches
+        if num_kept(n, c.mask_ratio) >= n:  # the loss is over masked patches only: it would be 0 at every step
+            raise ObjectiveError(f"mask_ratio={c.mask_ratio} masks none of the {n} patches, so MAE's loss (over the "
+                                 "masked patches) is 0 and nothing trains: use a ratio that masks at least one "
+                                 f"(> {0.5 / n:.3g}; the paper's is 0.75)")
         self.backbone = backbone
         self.patch_size = backbone.config.patch_size
         self.decoder = TransformerDecoder(backbone.embed_dim, c.decoder_dim, c.decoder_depth, c.decoder_heads)
