@@ -82,6 +82,12 @@ class Diverged(ValueError):
     every_rank = True  # the losses are gathered, the weights are the same on every rank: all ranks stop alike
 
 
+class NonFiniteOutput(Diverged):
+    """Non-finite logits at evaluation (the main process alone evaluates)."""
+
+    every_rank = False
+
+
 class DiskFull(ValueError):
     """A write of the run (log, config, checkpoint) failed for lack of space."""
 
@@ -334,7 +340,12 @@ def classify(backbone: Backbone, dataset: ShardDataset | MemoryReader, batch_siz
         x = x.to(device)
         if frontend is not None:
             x = frontend(x)
-        accuracy.update(backbone(x), y)
+        logits = backbone(x)
+        if not bool(logits.isfinite().all()):  # an argmax of NaN still "scores" a class: no accuracy of it
+            raise NonFiniteOutput("the model's logits are not finite (NaN / inf) on data.val: its weights or inputs "
+                                  "hold NaN / inf; no accuracy is reported; use an earlier checkpoint or a lower "
+                                  "optim.lr")
+        accuracy.update(logits, y)
     backbone.train(was_training)
     return accuracy.compute()
 
@@ -368,8 +379,11 @@ class JsonlLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as exc:  # a buffered write's error names no file: name it
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
 
 def one_line(exc: BaseException) -> str:
@@ -708,6 +722,10 @@ class Trainer:
         if acc.is_main_process and run.resume:
             truncate_log(self.out / "log.jsonl", step)  # the steps after the checkpoint are logged again
         if run.resume and step >= total:  # a finished run: nothing to train, nothing to rewrite
+            if acc.is_main_process:  # ... but what a kill in its last save left undone (the link, the old step)
+                final = complete_steps(self.out)[-1][1]
+                point_checkpoint_link(self.out, final / "checkpoint")
+                clean(self.out, keep=final)
             acc.print(f"run.resume=true: {self.out} is complete (step {step} of {total}); nothing to do")
             return self._finished_result()
         # which processes really run this job (world size and the distinct ranks, gathered from every process)

@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -210,14 +211,18 @@ def load_state_strictly(accelerator: Any, state: Path) -> None:
 
     own = state / f"random_states_{accelerator.process_index}.pkl"
     try:
-        states = load(own)
+        with warnings.catch_warnings():  # (torch warns about pickle protocols before refusing a file)
+            warnings.simplefilter("ignore")
+            states = load(own)
         if not isinstance(states, dict) or not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(
                 states):
             raise ValueError("it lacks the python / numpy / torch random states")
     except Exception as exc:
         raise CheckpointError(_unloadable(own, exc)) from None
     try:
-        accelerator.load_state(str(state))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            accelerator.load_state(str(state))
     except Exception as exc:
         bad = next((p for p in sorted(state.iterdir()) if p.suffix in (".bin", ".pkl") and not _loads(p)), state)
         raise CheckpointError(_unloadable(bad, exc)) from None
@@ -227,7 +232,9 @@ def _loads(path: Path) -> bool:
     from accelerate.utils import load
 
     try:
-        load(path, map_location="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load(path, map_location="cpu")
     except Exception:
         return False
     return True
@@ -235,9 +242,11 @@ def _loads(path: Path) -> bool:
 
 def _unloadable(path: Path, exc: BaseException) -> str:
     text = str(exc)
-    if "Weights only load failed" in text or "Unsupported global" in text or "UnpicklingError" in type(exc).__name__:
-        why = ("it holds Python objects the safe loader refuses to run, so it is not a file this run wrote "
-               "(replaced or tampered with)")
+    if "Weights only load failed" in text:  # torch's long advice (to turn the safety off) is never repeated
+        after = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
+        detail = after[0].strip() if after and "WeightsUnpickler error:" in text else "not plain tensors"
+        why = (f"the safe (weights-only) loader refuses it ({detail}), so it is not a file this run wrote "
+               "(damaged, replaced or tampered with); it was not run")
     else:
         first = text.strip().splitlines()[0][:160] if text.strip() else ""
         why = f"it cannot be read ({type(exc).__name__}: {first})"

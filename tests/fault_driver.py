@@ -12,6 +12,13 @@
     python tests/fault_driver.py fsize BYTES STEP -- <pretrain arguments>
         From the checkpoint of step STEP on, no file may grow beyond BYTES (RLIMIT_FSIZE): writes fail like on a
         full disk.
+    python tests/fault_driver.py logfull STEP -- <pretrain arguments>
+        At the log record of step STEP, log.jsonl may grow by 10 bytes only: that record is torn, as by a full disk.
+    python tests/fault_driver.py nan STEP -- <pretrain arguments>
+        The inputs of optimizer step STEP are NaN (so is its loss).
+
+``kills`` runs ``pipelines/finetune.py`` instead when the arguments start with ``finetune``, and with KILL_SAVE=last
+kills only in the run's last save (the one that seals the end-of-run metrics).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
 import engine  # noqa: E402
+import finetune  # noqa: E402
 import pretrain  # noqa: E402
 import rundir  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -96,26 +104,29 @@ def strays(out: Path) -> list[str]:
 
 
 def kills(report: Path, base: Path, seed: int, count: int, args: list[str]) -> None:
+    script = pretrain
+    if args and args[0] in ("pretrain", "finetune"):
+        script, args = (finetune if args[0] == "finetune" else pretrain), args[1:]
     straight = base / "straight"
     counter = LineCounter()
     counter.install()
     resumed: list[int] = []
     resume_step = engine.Trainer.resume_step
     engine.Trainer.resume_step = lambda trainer: resumed.append(resume_step(trainer)) or resumed[-1]
-    assert pretrain.main(with_output(args, straight)) == 0
+    assert script.main(with_output(args, straight)) == 0
     # Count on a second straight run: the first one also ran one-time work (lazy imports, first-call caches) that
     # the forked children, started from this warmed-up process, will not repeat.
     counter.saves = []
-    assert pretrain.main(with_output(args, base / "counted")) == 0
+    assert script.main(with_output(args, base / "counted")) == 0
     assert same(weights(straight), weights(base / "counted"))
     saves = [dict(s) for s in counter.saves]
     # Every distinct line of the checkpoint protocol (rundir.py) in a save that has a previous checkpoint to lose,
     # then COUNT random points: alternately a line of rundir.py and any line of the save path, in any save.
-    middle = len(saves) // 2
+    middle = len(saves) - 1 if os.environ.get("KILL_SAVE") == "last" else len(saves) // 2
     points = [(middle, event) for event in sorted(saves[middle]["rundir_lines"].values())]
     rng = random.Random(seed)
     for i in range(count):
-        save = rng.randrange(len(saves))
+        save = middle if os.environ.get("KILL_SAVE") == "last" else rng.randrange(len(saves))
         pool = saves[save]["rundir_events"] if i % 2 == 0 else range(1, saves[save]["events"] + 1)
         points.append((save, rng.choice(list(pool))))
     results = []
@@ -124,23 +135,59 @@ def kills(report: Path, base: Path, seed: int, count: int, args: list[str]) -> N
         pid = os.fork()
         if pid == 0:  # child: the same run, killed at that line of that save
             counter.kill_at, counter.saves = point, []
-            code = pretrain.main(with_output(args, out))
+            code = script.main(with_output(args, out))
             os._exit(100 + code)  # never reached when the kill point is
         _, status = os.waitpid(pid, 0)
         killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").is_dir() else []
         counter.kill_at, counter.saves = None, []
-        code = pretrain.main([*with_output(args, out), "run.resume=true"])
+        code = script.main([*with_output(args, out), "run.resume=true"])
+        again = script.main([*with_output(args, out), "run.resume=true"])  # a finished run accepts its own files
         log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
         steps = [r["step"] for r in log if "loss" in r]
         results.append({"save": point[0], "save_step": saves[point[0]]["step"], "line": point[1], "killed": killed,
-                        "left": checkpoints, "resume_code": code, "resumed_from": resumed[-1],
+                        "left": checkpoints, "resume_code": code, "resumed_from": resumed[-2],
+                        "again_code": again, "metrics": sealed_metrics(out),
                         "same_weights": code == 0 and same(weights(straight), weights(out)),
                         "steps_logged_once": steps == sorted(set(steps)), "strays": strays(out)})
     report.write_text(json.dumps({"saves": [{"step": s["step"], "events": s["events"],
                                              "rundir_events": len(s["rundir_events"]),
                                              "rundir_lines": len(s["rundir_lines"])} for s in saves],
                                   "kills": results}, indent=1))
+
+
+def sealed_metrics(out: Path) -> dict | None:
+    """The metrics in the final checkpoint's config.json, after checking the checkpoint against its seal."""
+    if not (out / "checkpoint").exists():
+        return None
+    rundir.verify((out / "checkpoint").resolve().parent)
+    return json.loads((out / "checkpoint" / "config.json").read_text())["metadata"].get("metrics")
+
+
+def log_full(step: int, args: list[str]) -> int:
+    write = engine.JsonlLog.write
+
+    def limited_write(log, record):
+        if record.get("step") == step and "loss" in record:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+            resource.setrlimit(resource.RLIMIT_FSIZE, (log.path.stat().st_size + 10, resource.RLIM_INFINITY))
+        return write(log, record)
+
+    engine.JsonlLog.write = limited_write
+    return pretrain.main(args)
+
+
+def nan_at(step: int, args: list[str]) -> int:
+    inputs = engine.Trainer._inputs
+    seen = [0]
+
+    def poisoned(self, batch):
+        seen[0] += 1
+        x, y = inputs(self, batch)
+        return (x * float("nan"), y) if seen[0] == step else (x, y)
+
+    engine.Trainer._inputs = poisoned
+    return pretrain.main(args)
 
 
 def signal_at(name: str, step: int, args: list[str]) -> int:
@@ -181,6 +228,10 @@ def main() -> int:
         return signal_at(params[0], int(params[1]), args)
     if mode == "fsize":
         return file_size_limit(int(params[0]), int(params[1]), args)
+    if mode == "logfull":
+        return log_full(int(params[0]), args)
+    if mode == "nan":
+        return nan_at(int(params[0]), args)
     raise SystemExit(f"unknown mode {mode}")
 
 

@@ -299,3 +299,230 @@ def test_data_settings_that_cannot_work_name_the_key_and_the_fix(shards, tmp_pat
     manifest.write_text(json.dumps(raw))
     assert pretrain.main([*common, *data, f"run.output={tmp_path / 'c'}"]) == 2
     assert f"{manifest}: a field has the wrong type or shape" in error_line(capsys)
+
+
+# ---------------------------------------------------------------------------------------------- issue 29
+def reseal(step: Path) -> None:
+    """Rewrite a checkpoint's COMPLETE record to match its files as they are now: damage the seal cannot see."""
+    record = json.loads((step / "COMPLETE").read_text())
+    record["files"] = {name: {"bytes": (step / name).stat().st_size, "sha256": rundir._sha256(step / name)}
+                       for name in record["files"]}
+    (step / "COMPLETE").write_text(json.dumps(record))
+
+
+def errors_of(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+def finetune_args(shards: Path, out: Path, steps: int = 4) -> list[str]:
+    return [*img(shards), *TINY, f"optim.max_steps={steps}", "finetune.mixup=0", "finetune.cutmix=0",
+            "run.eval_every=2", f"run.output={out}"]
+
+
+def test_a_nan_loss_stops_the_run_in_one_line_and_keeps_the_last_good_checkpoint(shards, tmp_path):
+    """Before issue 29, optim.lr=1e9 trained NaN weights and exited 0. A NaN at step 5 (injected into the inputs)
+    stops the run before it reaches the weights: one line naming the step, the loss and what to try; the step-4
+    checkpoint stays and is finite; the run resumes from it (the NaN came from outside: the resumed run ends with
+    an uninterrupted run's weights)."""
+    out = tmp_path / "run"
+    result = drive("nan", "5", args=[*stop_args(shards, out, 8), "run.checkpoint_every=2"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = errors_of(result)
+    assert line.startswith("error: training diverged at step 5: the loss is nan on rank 0; nothing of it was saved, "
+                           f"the last good checkpoint (step 4) is kept in {out / 'checkpoints'}; try a lower "
+                           "optim.lr"), line
+    assert "Traceback" not in result.stderr and logged_steps(out) == [1, 2, 3, 4]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000004"]
+    resumed = python([*stop_args(shards, out, 8), "run.checkpoint_every=2", "run.resume=true"])
+    straight = tmp_path / "straight"
+    assert resumed.returncode == 0 and python(stop_args(shards, straight, 8)).returncode == 0
+    assert same(weights(out), weights(straight))
+    # a real divergence: lr 1e9 never writes a checkpoint of non-finite weights
+    huge = tmp_path / "huge"
+    result = python(["method=supervised", *img(shards), *TINY, "optim.max_steps=6", "optim.lr=1e9",
+                     "run.checkpoint_every=1", f"run.output={huge}"])
+    assert result.returncode == 2 and len(errors_of(result)) == 1, result.stderr[-2000:]
+    assert "error: training diverged at step" in errors_of(result)[0] and "Traceback" not in result.stderr
+    from patchplace.models import load_pretrained
+
+    if (huge / "checkpoint").exists():  # whatever was kept loads: finite weights
+        load_pretrained(huge / "checkpoint")
+
+
+def test_a_nan_checkpoint_is_refused_by_finetune_evaluate_export_and_onnx_runtime(shards, tmp_path, capsys):
+    """A checkpoint of NaN weights (planted: training no longer writes one): fine-tuning, evaluation, the ONNX
+    export and ONNX Runtime's evaluation each stop with one line; no accuracy is reported, no file exported. Before
+    issue 29: fine-tuning reported "val top-1 0.3438" (argmax of NaN) and the export's parity gate passed NaN."""
+    import evaluate
+    import finetune
+    import torch
+
+    from patchplace.models import load_pretrained, save_pretrained
+
+    good = tmp_path / "good"
+    assert finetune.main(finetune_args(shards, good, 2)) == 0
+    backbone, metadata = load_pretrained(good / "checkpoint")
+    with torch.no_grad():
+        backbone.head.weight.fill_(float("nan"))
+    nan = save_pretrained(backbone, tmp_path / "nan", metadata=metadata)
+    capsys.readouterr()
+    assert finetune.main([*finetune_args(shards, tmp_path / "ft", 2), f"model.checkpoint={nan}"]) == 2
+    assert "holds non-finite weights (NaN / inf in 1 tensor(s), e.g. head.weight)" in error_line(capsys)
+    assert evaluate.main([*img(shards), "data.num_workers=0", f"model.checkpoint={nan}",
+                          f"run.output={tmp_path / 'ev'}"]) == 2
+    assert "holds non-finite weights" in error_line(capsys)
+    exported = subprocess.run([sys.executable, "-m", "patchplace.export", str(nan), "--out",
+                               str(tmp_path / "nan.onnx")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert exported.returncode != 0 and "Traceback" not in exported.stderr, exported.stderr[-2000:]
+    assert not (tmp_path / "nan.onnx").exists()
+    # an ONNX file whose weights turned NaN after export: ONNX Runtime's evaluation reports no top-1
+    import onnx
+    from onnx import numpy_helper
+
+    onnx_path = tmp_path / "good.onnx"
+    done = subprocess.run([sys.executable, "-m", "patchplace.export", str(good / "checkpoint"), "--out",
+                           str(onnx_path)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    graph = onnx.load(str(onnx_path))
+    for init in graph.graph.initializer:
+        values = numpy_helper.to_array(init)
+        if values.dtype.kind == "f" and values.size > 8:
+            init.CopyFrom(numpy_helper.from_array(values * float("nan"), init.name))
+            break
+    onnx.save(graph, str(onnx_path))
+    rated = subprocess.run([sys.executable, "-m", "patchplace.export.evaluate", str(onnx_path), "--data",
+                            str(shards / "img" / "test")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert rated.returncode != 0 and "Traceback" not in rated.stderr, rated.stderr[-2000:]
+    assert "top-1" not in rated.stdout
+
+
+def test_a_finished_run_resumes_as_complete_without_touching_its_files(shards, tmp_path, capsys):
+    """The end-of-run metrics are sealed with the final checkpoint: before issue 29 they were written into
+    config.json and the model card after COMPLETE, so ``run.resume=true`` (as the demo and study stages pass) called
+    the finished run corrupt and suggested run.overwrite=true, which deletes it."""
+    import finetune
+
+    out = tmp_path / "ft"
+    assert finetune.main(finetune_args(shards, out)) == 0
+    step = (out / "checkpoint").resolve().parent
+    record = rundir.verify(step)
+    metrics = json.loads((out / "checkpoint" / "config.json").read_text())["metadata"]["metrics"]
+    assert metrics["count"] == 32 and 0 <= metrics["top1"] <= 1
+    assert "config.json" in " ".join(record["files"]) and "top1" in (out / "checkpoint" / "README.md").read_text()
+    before = {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
+    log = (out / "log.jsonl").read_text()
+    capsys.readouterr()
+    assert finetune.main([*finetune_args(shards, out), "run.resume=true"]) == 0
+    assert f"{out} is complete (step 4 of 4); nothing to do" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before
+    assert (out / "log.jsonl").read_text() == log and rundir.verify(step) == record
+
+
+def test_a_kill_in_the_last_save_of_a_finetune_keeps_its_metrics_sealed(shards, tmp_path):
+    """The kill sweep over the save that seals the end-of-run metrics: every line of the checkpoint protocol and 4
+    random lines of that save; each killed run resumes (again: a finished run accepts its own files) and ends with
+    the uninterrupted run's weights and its metrics inside the sealed checkpoint."""
+    report = tmp_path / "report.json"
+    args = ["finetune", *finetune_args(shards, tmp_path / "unused"), "run.checkpoint_every=2"]
+    result = subprocess.run([sys.executable, DRIVER, "kills", str(report), str(tmp_path), "29", "4", "--", *args],
+                            capture_output=True, text=True, timeout=900, env={**ENV, "KILL_SAVE": "last"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert [s["step"] for s in data["saves"]] == [2, 4] and len(data["kills"]) >= 20
+    for kill in data["kills"]:
+        assert kill["killed"] and kill["resume_code"] == 0 and kill["again_code"] == 0, kill
+        assert kill["same_weights"] and kill["steps_logged_once"] and kill["strays"] == [], kill
+        assert kill["metrics"] and kill["metrics"]["count"] == 32, kill
+
+
+def test_a_full_disk_while_logging_is_one_line_and_the_torn_line_does_not_stop_the_resume(shards, tmp_path):
+    """RLIMIT_FSIZE lets the step-5 log record be written only in part (a full disk): before issue 29 that was a
+    traceback, and every later resume failed with a JSONDecodeError beside a valid checkpoint."""
+    out = tmp_path / "run"
+    args = [*stop_args(shards, out, 8), "run.checkpoint_every=2"]
+    result = drive("logfull", "5", args=args)
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = errors_of(result)
+    assert f"could not write {out / 'log.jsonl'}: the disk is full or a size limit was hit" in line, line
+    assert "the last complete checkpoint (step 4) is intact" in line and "Traceback" not in result.stderr
+    assert not (out / "log.jsonl").read_text().endswith("\n"), "the record was torn"
+    resumed = python([*args, "run.resume=true"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "dropped 1 unreadable line(s)" in resumed.stderr
+    straight = tmp_path / "straight"
+    assert python(stop_args(shards, straight, 8)).returncode == 0
+    assert same(weights(out), weights(straight)) and logged_steps(out) == list(range(1, 9))
+
+
+def test_damaged_checkpoints_are_refused_in_one_line_and_left_alone(shards, tmp_path):
+    """A step directory without COMPLETE (before: resume restarted at step 0 and deleted it at the next save); a
+    random state that cannot be read but matches its seal (before: Accelerate skipped it and the run drew other
+    masks); a planted pickle that matches its seal (before: 36 lines quoting torch's advice to set
+    weights_only=False). Each: exit 2, one line naming the file, no traceback, the directory untouched, the pickle
+    never run."""
+    import pickle
+
+    base = tmp_path / "base"
+    assert python([*stop_args(shards, base), "run.checkpoint_every=2", "run.stop_after=4"]).returncode == 0
+
+    def damaged(name: str) -> tuple[Path, Path]:
+        out = tmp_path / name
+        shutil.copytree(base, out, symlinks=True)
+        return out, out / "checkpoints" / "step-00000004"
+
+    out, step = damaged("unsealed")
+    (step / "COMPLETE").unlink()
+    result = python([*stop_args(shards, out), "run.resume=true"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert errors_of(result) == [f"error: {step} has no {step / 'COMPLETE'} record, so it cannot be verified (it was "
+                                 "removed or the directory was copied in part): restore the record, or delete that "
+                                 "directory to resume from scratch, or start over with run.overwrite=true"]
+    assert step.is_dir() and sorted(p.name for p in step.iterdir()) == ["checkpoint", "state"]
+
+    out, step = damaged("rng")
+    (step / "state" / "random_states_0.pkl").write_bytes(b"not a pickle at all")
+    reseal(step)
+    result = python([*stop_args(shards, out), "run.resume=true"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    (line,) = errors_of(result)
+    assert line.startswith(f"error: checkpoint file {step / 'state' / 'random_states_0.pkl'} cannot be loaded: the "
+                           "safe (weights-only) loader refuses it (Unsupported operand"), line
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    out, step = damaged("pickle")
+    (step / "state" / "optimizer.bin").write_bytes(pickle.dumps({"state": Planted()}))
+    reseal(step)
+    result = python([*stop_args(shards, out), "run.resume=true"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    (line,) = errors_of(result)
+    assert line.startswith(f"error: checkpoint file {step / 'state' / 'optimizer.bin'} cannot be loaded: the safe "
+                           "(weights-only) loader refuses it"), line
+    assert "weights_only" not in result.stderr and not (tmp_path / "pwned").exists()
+    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr
+
+
+def test_resume_names_an_empty_directory_and_follows_a_moved_or_respelled_one(shards, tmp_path, monkeypatch, capsys):
+    """run.resume=true with nothing to resume says so; the same directory spelled relative / absolute / with a
+    trailing slash, or moved elsewhere, resumes (before: refused as 'run.output differs' or restarted)."""
+    monkeypatch.chdir(tmp_path)
+    assert pretrain.main([*stop_args(shards, Path("rel")), "run.checkpoint_every=2", "run.stop_after=2",
+                          "run.resume=true"]) == 0
+    assert "run.resume=true: rel holds no checkpoint yet; starting at step 0" in capsys.readouterr().out
+    assert pretrain.main([*stop_args(shards, Path("rel")), "run.checkpoint_every=2", "run.stop_after=4",
+                          f"run.output={tmp_path / 'rel'}/", "run.resume=true"]) == 0
+    (tmp_path / "rel").rename(tmp_path / "moved")
+    assert pretrain.main([*stop_args(shards, tmp_path / "moved"), "run.checkpoint_every=2", "run.resume=true"]) == 0
+    straight = tmp_path / "straight"
+    assert pretrain.main(stop_args(shards, straight)) == 0
+    assert same(weights(tmp_path / "moved"), weights(straight)) and logged_steps(tmp_path / "moved") == [1, 2, 3,
+                                                                                                          4, 5, 6]
+
+
+def test_mae_with_a_mask_ratio_that_masks_nothing_is_refused(shards, tmp_path, capsys):
+    assert pretrain.main(["method=mae", *img(shards), *TINY, *SMALL_HEADS["mae"], "objective.mask_ratio=0",
+                          "optim.max_steps=1", f"run.output={tmp_path / 'mae'}"]) == 2
+    assert "mask_ratio=0 masks none of the 64 patches, so MAE's loss (over the masked patches) is 0" in \
+        error_line(capsys)

@@ -203,4 +203,15 @@ def load_pretrained(directory: str | os.PathLike, map_location: str | torch.devi
     if missing or unexpected:
         raise ModelError(f"{weights} does not match its config.json: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")
+    check_finite(state, weights)
     return model.to(map_location), metadata
+
+
+def check_finite(state: dict[str, torch.Tensor], source: str | os.PathLike) -> None:
+    """A checkpoint whose weights hold NaN / inf is refused (every output of it would be NaN, and an argmax of NaN
+    still reports an accuracy): one line naming the tensors."""
+    bad = [name for name, value in state.items() if value.is_floating_point() and not value.isfinite().all()]
+    if bad:
+        raise ModelError(f"{source} holds non-finite weights (NaN / inf in {len(bad)} tensor(s), e.g. {bad[0]}): the "
+                         "training that wrote it diverged; use an earlier checkpoint, or train again with a lower "
+                         "optim.lr")
