@@ -52,6 +52,7 @@ class DataSection:
     label_fraction: float | None = None  # train on a fixed class-balanced fraction of data.train (e.g. 0.01: 1%)
     label_subset_seed: int = 0  # which balanced subset (the same for every method and run)
     skip_corrupt: bool = False  # skip unreadable / truncated train shards (warned, counted in the log), not fail
+    verify_shards: bool = True  # check each shard's size + sha256 against its manifest when read (~1% of a load)
     val_limit: int | None = None  # evaluate on the first N samples of data.val (None: all)
 
     def validate(self) -> None:

@@ -263,7 +263,7 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                               f"({why}); set data.in_memory=auto and enough data.memory_budget_mb")
         if why is None:
             split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt,
-                                       num_workers=cfg.num_workers)  # decoding shards in parallel
+                                       num_workers=cfg.num_workers, verify=cfg.verify_shards)  # in parallel
             budget -= decoded_bytes(m)
             if train and cfg.label_fraction is not None:  # the label-efficiency protocol: a fixed balanced subset
                 split = split.subset(balanced_subset(split.labels, cfg.label_fraction, cfg.label_subset_seed))
@@ -283,10 +283,10 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                 readers[key] = ShardDataset(m, urls=urls, transform=build_transform(m, augment, **opts),
                                             shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=rank, world_size=world,
                                             num_workers=cfg.num_workers, seeded_transforms=True,
-                                            skip_corrupt=cfg.skip_corrupt)  # epoch_length: below
+                                            skip_corrupt=cfg.skip_corrupt, verify=cfg.verify_shards)
             else:
                 readers[key] = ShardDataset(m, urls=urls, transform=build_transform(m, False, **opts),
-                                            num_workers=cfg.num_workers)
+                                            num_workers=cfg.num_workers, verify=cfg.verify_shards)
             path[key.split(".")[1]] = "streaming"
             accelerator.print(f"{key}: streaming from {len(m.shards)} shard(s) with {cfg.num_workers} worker(s) "
                               f"({why})")

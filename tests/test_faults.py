@@ -243,12 +243,22 @@ def test_a_truncated_shard_mid_training_is_one_line_or_skipped_and_counted(shard
 
 
 def test_a_flipped_label_byte_names_the_shard_and_key(shards, tmp_path, capsys):
+    """A shard changed after its split was written (here a label byte) fails its manifest's sha256 before any of
+    its samples is used; with the check off (data.verify_shards=false) the bad label itself is still named."""
+    from patchplace.data.manifest import sha256_file
+
     root = copy_shards(shards, tmp_path)
-    rewrite_label(root / "train" / "train-000000.tar", "0003", b"Z")
-    assert pretrain.main(["method=supervised", f"data.train={root / 'train'}", f"data.val={root / 'test'}", *TINY,
-                          "optim.max_steps=8", f"run.output={tmp_path / 'run'}"]) == 2
+    shard = root / "train" / "train-000000.tar"
+    rewrite_label(shard, "0003", b"Z")
+    args = ["method=supervised", f"data.train={root / 'train'}", f"data.val={root / 'test'}", *TINY,
+            "optim.max_steps=8"]
+    assert pretrain.main([*args, f"run.output={tmp_path / 'run'}"]) == 2
     line = error_line(capsys)
-    assert f"sample 0003 in {root / 'train' / 'train-000000.tar'}: its .cls is not a class index (b'Z')" in line
+    assert f"corrupt shard {shard}: sha256 {sha256_file(shard)} differs from the manifest's " in line, line
+    assert f"python -m patchplace.data verify {root / 'train'}" in line, line
+    assert pretrain.main([*args, "data.verify_shards=false", f"run.output={tmp_path / 'unverified'}"]) == 2
+    line = error_line(capsys)
+    assert f"sample 0003 in {shard}: its .cls is not a class index (b'Z')" in line, line
 
 
 def test_inputs_the_model_cannot_take_are_one_line_before_training(shards, tmp_path, capsys):

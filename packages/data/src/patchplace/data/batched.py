@@ -47,7 +47,7 @@ from .audio import _as_wave
 from .errors import DataError
 from .keyed_random import keyed_uniform
 from .manifest import Manifest
-from .transforms import ImageTransformConfig, image_transform_config
+from .transforms import ImageTransformConfig, check_native_size, image_transform_config
 
 # keyed_random streams: one per kind of draw, so adding draws to one never changes another
 CROP_STREAM, FLIP_STREAM, ERASE_STREAM, CLIP_STREAM, SHIFT_STREAM, NOISE_STREAM = range(1, 7)
@@ -134,6 +134,7 @@ class BatchedImageAugment:
         self.size = cfg.img_size or cfg.pad_to or max(native)
         self.channels = int(manifest.info.get("channels", 3))
         height, width = native
+        self.native, self.where = (int(height), int(width)), f"{manifest.dataset}/{manifest.split}"
         if cfg.pad_to and (height > cfg.pad_to or width > cfg.pad_to):
             raise DataError(f"cannot pad a {height}x{width} image to {cfg.pad_to}: it is larger; use img_size to "
                             "resize")
@@ -207,6 +208,7 @@ class BatchedImageAugment:
         if images.dtype != torch.uint8 or images.ndim != 4 or images.shape[1] != self.channels:
             raise DataError(f"expected a uint8 (B, {self.channels}, H, W) batch, got {images.dtype} "
                             f"{tuple(images.shape)}")
+        check_native_size(images, self.native, self.where)
         index = index.to(images.device)
         x = self._pad(images.to(torch.float32))
         if self.train:

@@ -40,6 +40,16 @@ def decode_image_bytes(data: bytes, channels: int, key: str = "?") -> torch.Tens
     return tensor.unsqueeze(0) if channels == 1 else tensor.permute(2, 0, 1).contiguous()
 
 
+def encoded_size(data: bytes, key: str = "?") -> tuple[int, int]:
+    """(H, W) from an encoded image's header (PNG, JPEG, ...), without decoding its pixels."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+    except (UnidentifiedImageError, OSError) as exc:
+        raise DataError(f"sample {key}: cannot read the encoded image's header ({exc})") from exc
+    return height, width
+
+
 def encode_wav(wave: np.ndarray, sample_rate: int) -> bytes:
     """16-bit PCM WAV bytes of a mono float waveform in [-1, 1] (clipped)."""
     wave = np.asarray(wave, dtype=np.float32)
@@ -62,15 +72,22 @@ def resample(wave: np.ndarray, orig_rate: int, target_rate: int) -> np.ndarray:
     return resample_poly(wave, target_rate // g, orig_rate // g).astype(np.float32)
 
 
+def decode_wav(source: bytes | str, key: str = "?") -> tuple[np.ndarray, int]:
+    """A WAV (bytes or path) as a float32 mono waveform (channels **downmixed**: their mean) and its sample rate;
+    files soundfile cannot parse raise a DataError naming the sample."""
+    try:
+        wave, rate = soundfile.read(io.BytesIO(source) if isinstance(source, bytes) else source,
+                                    dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:
+        raise DataError(f"{key}: cannot read as WAV ({exc}); re-create it as 16 kHz mono PCM") from exc
+    return wave.mean(axis=1), int(rate)
+
+
 def read_wav(source: bytes | str, target_rate: int = 16000, key: str = "?") -> np.ndarray:
     """Read a WAV (bytes or path) as float32 mono at ``target_rate``.
 
     Policy for other formats: multi-channel audio is **downmixed** (channel mean) and other sample rates are
     **resampled** (polyphase); files soundfile cannot parse raise a DataError naming the sample.
     """
-    try:
-        wave, rate = soundfile.read(io.BytesIO(source) if isinstance(source, bytes) else source,
-                                    dtype="float32", always_2d=True)
-    except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:
-        raise DataError(f"{key}: cannot read as WAV ({exc}); re-create it as 16 kHz mono PCM") from exc
-    return resample(wave.mean(axis=1), rate, target_rate)
+    wave, rate = decode_wav(source, key)
+    return resample(wave, rate, target_rate)

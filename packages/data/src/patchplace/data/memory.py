@@ -1,5 +1,6 @@
 """In-memory splits: a split whose decoded size fits a memory budget is read once from its shards (with the same
-corruption checks as streaming: counts against the manifest, the shard named on error) into one tensor of inputs
+checks as streaming: each shard's size and sha256 and its count against the manifest, each image's size against the
+manifest's ``image_size``, the shard named on error) into one tensor of inputs
 and one of labels, then served by index — no worker processes, no per-sample decoding after the first read.
 
 Fashion-MNIST train is 60,000 x 1 x 28 x 28 uint8 = 47 MB; the keyword corpus as float32 waveforms is
@@ -65,11 +66,13 @@ class InMemorySplit:
 
     @classmethod
     def load(cls, manifest: str | os.PathLike | Manifest, budget_bytes: int | None = None, *,
-             urls: str | list[str] | None = None, skip_corrupt: bool = False, num_workers: int = 0) -> InMemorySplit:
+             urls: str | list[str] | None = None, skip_corrupt: bool = False, num_workers: int = 0,
+             verify: bool = True) -> InMemorySplit:
         """Read every shard once into manifest order. ``budget_bytes``: refuse (DataError) a split that does not
         fit. ``urls``: the same shards elsewhere (as :class:`ShardDataset`); ``skip_corrupt``: leave out unreadable
-        shards (warned, listed in ``skipped``) instead of failing on the first one; ``num_workers``: decode that
-        many shards at once in worker processes."""
+        or altered shards (warned, listed in ``skipped``) instead of failing on the first one; ``num_workers``:
+        decode that many shards at once in worker processes; ``verify``: check each shard's size and sha256 against
+        the manifest before decoding it (``False`` trusts the bytes)."""
         m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
         need = decoded_bytes(m)
         if need is None:
@@ -78,15 +81,8 @@ class InMemorySplit:
         if budget_bytes is not None and need > budget_bytes:
             raise DataError(f"{m.dataset}/{m.split} takes {need / 2**20:.0f} MiB decoded, more than the memory "
                             f"budget of {budget_bytes / 2**20:.0f} MiB; stream it from its shards or raise the budget")
-        reader = ShardDataset(m, urls=urls, return_key=True, skip_corrupt=skip_corrupt)
-        workers = min(num_workers, len(reader.urls))
-        decoded: dict[int, _Shard] = {}
-        try:
-            for shard in DataLoader(_ShardDecoder(reader), batch_size=None, num_workers=workers):
-                decoded[shard.index] = shard
-        except DataError as exc:  # from a worker: "Caught DataError in DataLoader worker ... Original Traceback"
-            last = str(exc).strip().splitlines()[-1]
-            raise DataError(last.split("DataError: ", 1)[-1]) from None
+        reader = ShardDataset(m, urls=urls, return_key=True, skip_corrupt=skip_corrupt, verify=verify)
+        decoded = _decode_shards(reader, min(num_workers, len(reader.urls)))
         shards = [decoded[i] for i in sorted(decoded) if decoded[i].keys]
         skipped = [url for i in sorted(decoded) for url in decoded[i].skipped]
         keys = [k for shard in shards for k in shard.keys]
@@ -110,6 +106,20 @@ class _Shard:
     labels: torch.Tensor
     keys: list[str]
     skipped: list[str]
+    error: str | None = None  # the DataError that stopped the decoding (the worker stops there)
+
+
+def _decode_shards(reader: ShardDataset, workers: int) -> dict[int, _Shard]:
+    """Every shard of ``reader``, decoded (in ``workers`` processes). Workers hand a DataError back as a shard's
+    ``error`` rather than raising it, so the loader ends normally and shuts its workers down at once (an exception
+    from a worker left them to the garbage collector, which stalled for 5 s)."""
+    decoded: dict[int, _Shard] = {}
+    for shard in DataLoader(_ShardDecoder(reader), batch_size=None, num_workers=workers):
+        decoded[shard.index] = shard
+    errors = [decoded[i].error for i in sorted(decoded) if decoded[i].error is not None]
+    if errors:
+        raise DataError(errors[0])
+    return decoded
 
 
 class _ShardDecoder(IterableDataset):
@@ -121,22 +131,27 @@ class _ShardDecoder(IterableDataset):
     def __iter__(self) -> Iterator[_Shard]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for index in range(worker, len(self.reader.urls), workers):
+            try:
+                yield self._decode(index)
+            except DataError as exc:  # handed back, not raised: see _decode_shards
+                yield _Shard(index, torch.empty(0), torch.empty(0, dtype=torch.int64), [], [], error=str(exc))
+                return
+
+    def _decode(self, index: int) -> _Shard:
         reader, image = self.reader, self.reader.manifest.modality == "image"
-        for index in range(worker, len(reader.urls), workers):
-            before = len(reader.skipped)
-            samples = [reader._prepare(sample) for sample in reader._read_shard(index)]
-            skipped = reader.skipped[before:]
-            if skipped:  # a corrupt shard left out whole (the samples before the damage too)
-                samples = []
-            if not samples:
-                yield _Shard(index, torch.empty(0), torch.empty(0, dtype=torch.int64), [], skipped)
-                continue
-            inputs = torch.stack([x if image else x.to(torch.float32) for x, _, _ in samples]) \
-                if len({tuple(x.shape) for x, _, _ in samples}) == 1 else None
-            if inputs is None:
-                raise DataError(f"{reader.urls[index]}: samples of several shapes; stream this split")
-            yield _Shard(index, inputs, torch.tensor([y for _, y, _ in samples], dtype=torch.int64),
-                         [k for _, _, k in samples], skipped)
+        before = len(reader.skipped)
+        samples = [reader._prepare(sample) for sample in reader._read_shard(index)]
+        skipped = reader.skipped[before:]
+        if skipped:  # a corrupt shard left out whole (the samples before the damage too)
+            samples = []
+        if not samples:
+            return _Shard(index, torch.empty(0), torch.empty(0, dtype=torch.int64), [], skipped)
+        if len({tuple(x.shape) for x, _, _ in samples}) != 1:
+            raise DataError(f"{reader.urls[index]}: samples of several shapes; stream this split")
+        inputs = torch.stack([x if image else x.to(torch.float32) for x, _, _ in samples])
+        return _Shard(index, inputs, torch.tensor([y for _, y, _ in samples], dtype=torch.int64),
+                      [k for _, _, k in samples], skipped)
 
 
 def balanced_subset(labels: torch.Tensor, fraction: float, seed: int = 0) -> torch.Tensor:

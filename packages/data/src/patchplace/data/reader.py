@@ -12,6 +12,11 @@ caller, e.g. ``accelerator.process_index``), so every rank yields ``len(ds)`` sa
 URLs default to the shards next to the manifest; pass ``urls`` (a list, a brace pattern such as
 ``/data/train-{000000..000099}.tar`` or ``pipe:curl -s https://host/train-{000000..000099}.tar``) to read the
 same shards from elsewhere — the manifest still provides counts, classes and normalization.
+
+Every shard is checked against the manifest when it is opened — size and sha256, before any of its samples is
+used (:mod:`patchplace.data.integrity`; ``pipe:`` / remote URLs are hashed as they stream and spooled) — and every
+decoded image against the manifest's ``image_size``: a shard that differs is a corrupt shard (an error naming it, or
+skipped and counted with ``skip_corrupt``), an image of another size an error naming its shard and key.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .codecs import decode_image_bytes, read_wav
+from .codecs import decode_image_bytes, decode_wav
 from .errors import DataError
+from .integrity import open_shard
 from .manifest import Manifest
 from .plan import WorkerPlan, plan_epoch, worker_quotas_for_epoch
 
@@ -58,11 +64,14 @@ class ShardDataset(IterableDataset):
         num_workers: the DataLoader's ``num_workers`` (needed to plan; :func:`make_loader` passes it on).
         split_by: ``auto`` | ``shard`` | ``sample`` (see :mod:`patchplace.data.plan`).
         epoch_length: cap on samples per rank per epoch (``with_epoch`` style).
-        skip_corrupt: skip (and count in ``skipped``) unreadable or truncated shards instead of raising.
+        skip_corrupt: skip (and count in ``skipped``) unreadable, truncated or altered shards (a size or sha256
+            that differs from the manifest) instead of raising.
         return_key: also yield each sample's ``__key__``.
         seeded_transforms: run ``transform`` under a random state derived from (seed, epoch, sample key), so
             augmentations are the same whatever the worker count and survive an exact resume (the caller's
             global RNG state is restored afterwards).
+        verify: check each shard's size and sha256 against the manifest when it is opened (default); ``False``
+            trusts the bytes (the sample counts are still checked).
     """
 
     def __init__(
@@ -82,6 +91,7 @@ class ShardDataset(IterableDataset):
         skip_corrupt: bool = False,
         return_key: bool = False,
         seeded_transforms: bool = False,
+        verify: bool = True,
     ) -> None:
         super().__init__()
         self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
@@ -96,7 +106,7 @@ class ShardDataset(IterableDataset):
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.split_by, self.epoch_length, self.skip_corrupt = split_by, epoch_length, skip_corrupt
-        self.seeded_transforms = seeded_transforms
+        self.seeded_transforms, self.verify = seeded_transforms, verify
         self.epoch = 0
         self.skipped: list[str] = []
         len(self)  # validate the plan parameters now, not in a worker
@@ -163,9 +173,14 @@ class ShardDataset(IterableDataset):
                 index += 1
 
     def _read_shard(self, shard: int) -> Iterator[dict]:
-        """All samples of one shard; a read error or a count that differs from the manifest is corruption."""
+        """All samples of one shard; a read error, bytes that differ from the manifest's size / sha256 (checked
+        before the first sample) or a count that differs from the manifest is corruption."""
         url, expected = self.urls[shard], self.counts[shard]
-        samples = wds.tariterators.tarfile_samples([{"url": url}])
+        try:
+            samples = open_shard(url, self.manifest.shards[shard], verify=self.verify)
+        except _CORRUPT as exc:
+            self._corrupt(url, _reason(exc))
+            return
         n = 0
         while True:
             try:
@@ -173,7 +188,7 @@ class ShardDataset(IterableDataset):
             except StopIteration:
                 break
             except _CORRUPT as exc:
-                self._corrupt(url, f"{type(exc).__name__}: {exc.args[0] if exc.args else exc}")
+                self._corrupt(url, _reason(exc))
                 return
             n += 1
             if not set(self.manifest.fields.values()) <= sample.keys():
@@ -189,8 +204,9 @@ class ShardDataset(IterableDataset):
             self.skipped.append(url)
             warnings.warn(f"skipping corrupt shard {url}: {why}", stacklevel=3)
             return
-        raise DataError(f"corrupt shard {url}: {why}; rebuild it with its data/ recipe, check all shards with "
-                        f"`python -m patchplace.data verify {Path(url).parent}`, or skip bad shards (counted) with "
+        where = self.manifest.directory if self.manifest.path is not None else Path(url).parent
+        raise DataError(f"corrupt shard {url}: {why}; rebuild the split with its data/ recipe, check all shards "
+                        f"with `python -m patchplace.data verify {where}`, or skip bad shards (counted) with "
                         "data.skip_corrupt=true (ShardDataset(skip_corrupt=True))")
 
     def _prepare(self, sample: dict) -> Any:
@@ -210,12 +226,32 @@ class ShardDataset(IterableDataset):
         where = f"{sample.get('__url__')}:{key}"
         if m.modality == "image":
             x: Any = decode_image_bytes(sample[fields["input"]], int(m.info.get("channels", 3)), key=where)
+            self._check_size(x, sample)
         else:
-            x = torch.from_numpy(np.ascontiguousarray(
-                read_wav(sample[fields["input"]], int(m.info["sample_rate"]), key=where)))
+            x = torch.from_numpy(np.ascontiguousarray(self._wave(sample, where)))
         if self.transform is not None:
             x = self._seeded(key, x) if self.seeded_transforms else self.transform(x)
         return (x, label, key) if self.return_key else (x, label)
+
+    def _check_size(self, image: torch.Tensor, sample: dict) -> None:
+        """An image whose size differs from the manifest's ``image_size`` is an error (never cropped to fit)."""
+        m, declared = self.manifest, self.manifest.info.get("image_size")
+        if declared and tuple(image.shape[-2:]) != tuple(declared):
+            h, w = image.shape[-2:]
+            raise DataError(f"sample {sample['__key__']} in {sample.get('__url__')}: a {h}x{w} image, but the manifest "
+                            f"of {m.dataset}/{m.split} declares image_size {declared[0]}x{declared[1]}: the shard does "
+                            "not match its manifest; rebuild the split with its data/ recipe")
+
+    def _wave(self, sample: dict, where: str) -> np.ndarray:
+        """The sample's waveform; a WAV whose rate differs from the manifest's ``sample_rate`` is an error (shards
+        are written at that rate; the clip *length* may vary: ``clip_samples`` is what transforms fix it to)."""
+        m, rate = self.manifest, int(self.manifest.info["sample_rate"])
+        wave, found = decode_wav(sample[self.manifest.fields["input"]], key=where)
+        if found != rate:
+            raise DataError(f"sample {sample['__key__']} in {sample.get('__url__')}: a {found} Hz WAV, but the "
+                            f"manifest of {m.dataset}/{m.split} declares sample_rate {rate}: the shard does not match "
+                            "its manifest; rebuild the split with its data/ recipe")
+        return wave
 
     def _seeded(self, key: str, x: Any) -> Any:
         """Apply the transform with python's and torch's RNGs seeded from (seed, epoch, key), then restore them."""
@@ -228,6 +264,13 @@ class ShardDataset(IterableDataset):
                 return self.transform(x)
             finally:
                 random.setstate(state)
+
+
+def _reason(exc: BaseException) -> str:
+    """One line on why a shard could not be read (a :class:`ShardMismatch` says it whole)."""
+    if isinstance(exc, DataError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc.args[0] if exc.args else exc}"
 
 
 def make_loader(dataset: ShardDataset, batch_size: int, *, drop_last: bool = False,

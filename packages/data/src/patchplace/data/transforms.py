@@ -1,8 +1,10 @@
 """Per-sample transforms for the reader: timm's image transforms with the dataset's own normalization.
 
-Images arrive as uint8 ``(C, H, W)`` tensors. ``pad_to`` zero-pads them (centered) first — e.g. Fashion-MNIST
-28 -> 32 so patch 4 gives the 8 x 8 grid of the MP3 CIFAR setting — then timm's ``create_transform`` does the
-crop / flip / (optional RandAugment, random erasing) / normalize with the manifest's mean and std.
+Images arrive as uint8 ``(C, H, W)`` tensors of the manifest's ``image_size`` (any other size is an error, not
+cropped to fit: the reader checks each decoded image, the transform again). ``pad_to`` zero-pads them (centered)
+first — e.g. Fashion-MNIST 28 -> 32 so patch 4 gives the 8 x 8 grid of the MP3 CIFAR setting — then timm's
+``create_transform`` does the crop / flip / (optional RandAugment, random erasing) / normalize with the manifest's
+mean and std (``img_size`` / ``crop_pct`` resize and crop as configured).
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ class PadTo:
         return F.pad(x, (left, self.size - w - left, top, self.size - h - top))
 
 
+def check_native_size(images: torch.Tensor, native: tuple[int, int] | None, where: str) -> None:
+    """Images of a size other than their manifest's ``image_size`` (``native``; None: sizes vary) are an error: the
+    transform would crop or stretch them to fit without a word."""
+    if native is not None and tuple(images.shape[-2:]) != native:
+        h, w = images.shape[-2:]
+        raise DataError(f"a {h}x{w} image, but the manifest of {where} declares image_size {native[0]}x{native[1]}: "
+                        "the shards do not match their manifest; rebuild the split with its data/ recipe")
+
+
 def image_transform_config(manifest: Manifest, config: ImageTransformConfig | None) -> ImageTransformConfig:
     """The validated config of an image transform (streaming or batched), after checking that ``manifest`` holds
     images with the normalization statistics the transform needs."""
@@ -85,6 +96,8 @@ class ImageTransform:
         if self.size is None:
             raise DataError(f"{manifest.dataset} images vary in size: set img_size for the transform")
         self.channels = int(manifest.info.get("channels", 3))
+        self.native = tuple(native) if native else None
+        self.where = f"{manifest.dataset}/{manifest.split}"
         self.pad = PadTo(cfg.pad_to) if cfg.pad_to else None
         self.timm = create_transform(
             input_size=(self.channels, self.size, self.size), is_training=train, scale=cfg.scale,
@@ -97,6 +110,7 @@ class ImageTransform:
         if x.dtype != torch.uint8 or x.ndim != 3 or x.shape[0] != self.channels:
             raise DataError(f"expected a uint8 ({self.channels}, H, W) image tensor, got {x.dtype} "
                             f"{tuple(x.shape)}")
+        check_native_size(x, self.native, self.where)
         if self.pad is not None:
             x = self.pad(x)
         return self.timm(to_pil_image(x))

@@ -15,7 +15,7 @@ import numpy as np
 import webdataset as wds
 
 from .atomic import atomic_dir
-from .codecs import encode_png, encode_wav
+from .codecs import encode_png, encode_wav, encoded_size
 from .errors import DataError
 from .manifest import Manifest, ShardInfo, sha256_file
 
@@ -140,14 +140,29 @@ class SplitWriter:
         self._writer.write({"__key__": key, self.fields["input"]: payload, "cls": str(int(label)).encode()})
 
     def add_image(self, key: str, label: int, image: np.ndarray, encoded: bytes | None = None) -> None:
-        """Write a uint8 image (HxW or HxWxC); ``encoded`` keeps the original file bytes (e.g. JPEG) instead."""
-        channels = int(self.info.get("channels", 1))
-        got = 1 if image.ndim == 2 else image.shape[2]
-        if got != channels:
-            raise DataError(f"sample {key}: image has {got} channel(s), the split declares {channels}")
+        """Write a uint8 image (HxW or HxWxC); ``encoded`` keeps the original file bytes (e.g. JPEG) instead.
+
+        The image must have the split's ``info`` ``channels`` and, when ``info`` gives one, its ``image_size``
+        [H, W] (as must ``encoded``'s header): readers and transforms rely on it, nothing downstream resizes."""
+        self._check_image(key, image, encoded)
         if self.stats is not None:
             self.stats.update(image)
         self.write(key, label, encoded if encoded is not None else encode_png(image))
+
+    def _check_image(self, key: str, image: np.ndarray, encoded: bytes | None) -> None:
+        """A DataError unless ``image`` (and ``encoded``'s header) has the size and channels ``info`` declares."""
+        channels, declared = int(self.info.get("channels", 1)), self.info.get("image_size")
+        if image.ndim not in (2, 3):
+            raise DataError(f"sample {key}: an image is HxW or HxWxC, got shape {image.shape}")
+        got = 1 if image.ndim == 2 else image.shape[2]
+        size = tuple(image.shape[:2])
+        coded = encoded_size(encoded, key) if encoded is not None else size
+        if got != channels or coded != size or (declared and size != tuple(declared)):
+            found = f"{size[0]}x{size[1]}" + (f" (its encoded bytes {coded[0]}x{coded[1]})" if coded != size else "")
+            want = f" of {declared[0]}x{declared[1]}" if declared else ""
+            raise DataError(f"sample {key}: a {found} image with {got} channel(s), the split declares {channels} "
+                            f"channel(s){want} ({self.dataset}/{self.split} info): resize / convert it before writing "
+                            "it, or declare what the split holds")
 
     def add_audio(self, key: str, label: int, wave: np.ndarray) -> None:
         """Write a mono float32 waveform at the split's ``sample_rate`` as 16-bit PCM WAV."""
