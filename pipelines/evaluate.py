@@ -44,6 +44,7 @@ from patchplace.finetune import (
     torch_predict,
 )
 from patchplace.models import ModelError, load_pretrained
+from patchplace.models.hub import check_finite
 from patchplace.objectives import (
     MP3,
     DropPos,
@@ -137,7 +138,13 @@ def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tens
         objective = MP3(backbone, MP3Config.from_dict(metadata.get("objective", {})))
     else:
         objective = DropPos(backbone, DropPosConfig.from_dict(metadata.get("objective", {})))
-    missing, unexpected = objective.load_state_dict(load_file(str(extras)), strict=False)
+    try:
+        state = load_file(str(extras))
+    except Exception as exc:  # SafetensorError (a pickle renamed, a torn file): one line, no code runs
+        raise ModelError(f"{extras} is not a readable safetensors file ({' '.join(str(exc).split())[:160]}): "
+                         "restore it from the run's checkpoint, or evaluate without the method curves") from None
+    check_finite(state, extras)
+    missing, unexpected = objective.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("backbone.") for k in missing):
         raise ModelError(f"{extras} does not match the {method} objective")
     device = next(backbone.parameters()).device

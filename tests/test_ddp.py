@@ -171,7 +171,8 @@ def test_a_killed_two_process_bf16_run_resumes_where_an_uninterrupted_run_ends(s
     killed = run([*args, f"run.output={tmp_path / 'cut'}", "run.checkpoint_every=2"], env={"TRACE_KILL": "0:4"},
                  check=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
-    assert json.loads((state_dir(tmp_path / "cut") / "trainer.json").read_text()) == {"step": 4}
+    assert json.loads((state_dir(tmp_path / "cut") / "trainer.json").read_text()) == {"step": 4, "world_size": 2,
+                                                                                      "global_batch": 16}
     run([*args, f"run.output={tmp_path / 'cut'}", "run.resume=true"])
     for name in ("model.safetensors", "objective.safetensors"):
         a, b = (load_file(str(tmp_path / r / "checkpoint" / name)) for r in ("straight", "cut"))
@@ -231,7 +232,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp
     out = tmp_path / "run"
     stopped = run(mp3_args(shards, out, steps=6), env={"TRACE_SIGTERM": "1:3"}, check=False, timeout=120)
     assert stopped.returncode != 0 and "interrupted by SIGTERM at step 3" in stopped.stderr, stopped.stderr[-2000:]
-    assert json.loads((state_dir(out) / "trainer.json").read_text()) == {"step": 3}
+    assert json.loads((state_dir(out) / "trainer.json").read_text()) == {"step": 3, "world_size": 2, "global_batch": 16}
     assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {"random_states_0.pkl",
                                                                             "random_states_1.pkl"}
     run([*mp3_args(shards, out, steps=6), "run.resume=true"])

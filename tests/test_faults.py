@@ -400,10 +400,20 @@ def test_a_nan_checkpoint_is_refused_by_finetune_evaluate_export_and_onnx_runtim
             init.CopyFrom(numpy_helper.from_array(values * float("nan"), init.name))
             break
     onnx.save(graph, str(onnx_path))
+    sidecar = onnx_path.with_suffix(".json")
     rated = subprocess.run([sys.executable, "-m", "patchplace.export.evaluate", str(onnx_path), "--data",
-                            str(shards / "img" / "test")], capture_output=True, text=True, env=ENV, timeout=300)
-    assert rated.returncode != 0 and "Traceback" not in rated.stderr, rated.stderr[-2000:]
-    assert "top-1" not in rated.stdout
+                            str(shards / "img" / "test"), "--out", str(tmp_path / "ort"), "--latency-repeats", "0"],
+                           capture_output=True, text=True, env=ENV, timeout=300)
+    assert rated.returncode == 2 and "changed after its export" in rated.stderr, rated.stderr[-2000:]
+    from patchplace.data.manifest import sha256_file
+
+    record = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({**record, "onnx_sha256": sha256_file(onnx_path)}))  # damage the seal cannot see
+    rated = subprocess.run(rated.args, capture_output=True, text=True, env=ENV, timeout=300)
+    assert rated.returncode == 2 and "Traceback" not in rated.stderr, rated.stderr[-2000:]
+    (line,) = errors_of(rated)
+    assert "the model's logits hold NaN on" in line and "no top-1 is reported" in line, line
+    assert "top-1" not in rated.stdout and not (tmp_path / "ort" / "results.json").exists()
 
 
 def test_a_finished_run_resumes_as_complete_without_touching_its_files(shards, tmp_path, capsys):

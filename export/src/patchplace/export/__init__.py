@@ -4,6 +4,15 @@
 (accuracy, consistency, robustness, latency) is the rest of issue 7.
 """
 
-from .exporter import ExportError, FeatureExtractor, SpeechModel, export_checkpoint, onnx_session, plan_export
+from .exporter import (
+    ExportError,
+    FeatureExtractor,
+    SpeechModel,
+    export_checkpoint,
+    load_export,
+    onnx_session,
+    plan_export,
+)
 
-__all__ = ["ExportError", "FeatureExtractor", "SpeechModel", "export_checkpoint", "onnx_session", "plan_export"]
+__all__ = ["ExportError", "FeatureExtractor", "SpeechModel", "export_checkpoint", "load_export", "onnx_session",
+           "plan_export"]

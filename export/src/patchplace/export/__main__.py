@@ -25,6 +25,7 @@ from .exporter import (
     ExportError,
     describe_graph,
     export_checkpoint,
+    non_finite,
     onnx_session,
     quantize_int8,
 )
@@ -52,14 +53,20 @@ def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_inp
 
 
 def quantize(path: str, real: list[dict[str, torch.Tensor]], split: str | None) -> dict:
-    """int8 dynamic quantization of the exported graph and its top-1 change on the real samples."""
+    """int8 dynamic quantization of the exported graph and its top-1 change on the real samples (an int8 model
+    whose logits are non-finite there is removed, and the export fails)."""
     out = quantize_int8(path)
     result = {"path": str(out), "bytes": out.stat().st_size, "fp32_bytes": Path(path).stat().st_size}
     if real:
         feed = {k: v.numpy() for k, v in real[0].items() if not k.startswith("_")}
         labels = real[0]["_labels"].numpy()
         fp32 = onnx_session(path).run(None, feed)[0].argmax(1)
-        int8 = onnx_session(out).run(None, feed)[0].argmax(1)
+        int8_logits = onnx_session(out).run(None, feed)[0]
+        if kind := non_finite(int8_logits):
+            out.unlink()
+            raise ExportError(f"the int8 model's logits hold {kind} on the samples of {split}: it was removed, no "
+                              f"top-1 reported; use the fp32 model {path} (it passed the parity check)")
+        int8 = int8_logits.argmax(1)
         fp32_top1, int8_top1 = float((fp32 == labels).mean()), float((int8 == labels).mean())
         result.update(samples=len(labels), split=split, fp32_top1=fp32_top1, int8_top1=int8_top1,
                       top1_delta=round(int8_top1 - fp32_top1, 6), agreement=float((fp32 == int8).mean()))

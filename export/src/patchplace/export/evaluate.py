@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from patchplace.data import DataError, Manifest, ShardDataset, make_loader
 from patchplace.finetune import consistency_curve
 
-from .exporter import Classifier, ExportError, onnx_session
+from .exporter import Classifier, ExportError, load_export, non_finite
 
 CONSISTENCY_RATIOS = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP Table 1 uses 0.15, Fig. 3 the curve
 IMAGENET_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
@@ -41,22 +41,18 @@ IMAGENET_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "
 
 class OnnxModel:
     """An exported classifier: its session (``threads`` intra-op threads, 0: ONNX Runtime's default), sidecar and
-    the preprocessing the sidecar describes."""
+    the preprocessing the sidecar describes. The pair is checked (:func:`~.exporter.load_export`): a model.onnx
+    beside another export's model.json is refused; so are non-finite outputs, by :meth:`run`."""
 
     def __init__(self, path: str | Path, threads: int = 0) -> None:
-        path = Path(path)
-        sidecar = path.with_suffix(".json")
-        if path.suffix != ".onnx" or not sidecar.is_file():
-            raise ExportError(f"{path} is not an exported model: expected model.onnx with its model.json sidecar "
-                              "(python -m patchplace.export CHECKPOINT --out model.onnx)")
-        self.meta = json.loads(sidecar.read_text())
+        self.path = path = Path(path)
+        self.meta, self.session = load_export(path, threads=threads)
         if self.meta.get("kind") != "classifier" or self.meta.get("modality") != "image":
             raise ExportError(f"{path}: this evaluator takes image classifiers, got {self.meta.get('modality')} "
                               f"{self.meta.get('kind')}")
         if self.meta.get("outputs") != ["logits", "pooled"]:
             raise ExportError(f"{path} has outputs {self.meta.get('outputs')}, expected ['logits', 'pooled']: "
                               "re-export it with this version of patchplace.export")
-        self.session = onnx_session(path, threads=threads)
         self.inputs = [i["name"] for i in self.meta["inputs"]]
         self.channels, self.height, self.width = self.meta["inputs"][0]["shape"][1:]
         self.patch_size = self.meta["backbone"]["patch_size"]
@@ -100,6 +96,11 @@ class OnnxModel:
                 pixels.shape[0], (self.height // self.patch_size) * (self.width // self.patch_size),
                 dtype=torch.bool)).numpy()
         logits, pooled = self.session.run(None, feed)
+        for name, value in (("logits", logits), ("pooled", pooled)):
+            if kind := non_finite(value):
+                raise ExportError(f"{self.path}: the model's {name} hold {kind} on {len(value)} inputs: its weights "
+                                  "are damaged or its training diverged; re-export it from a good checkpoint (no "
+                                  "top-1 is reported)")
         return logits, pooled
 
 
@@ -164,7 +165,12 @@ def corrupted_images(images: torch.Tensor, name: str, severity: int, cache: Path
     digest = hashlib.sha256(images.numpy().tobytes()).hexdigest()[:16]
     file = cache / f"{name}-{severity}-{len(images)}-{digest}.npy" if cache else None
     if file is not None and file.is_file():
-        return torch.from_numpy(np.load(file))
+        try:
+            cached = np.load(file, allow_pickle=False)  # never unpickles
+            if cached.shape == images.shape and cached.dtype == np.uint8:
+                return torch.from_numpy(cached)
+        except (OSError, ValueError, EOFError):
+            pass  # a damaged cache file: computed and written again below
     state = np.random.get_state()
     np.random.seed(zlib.crc32(f"{name}/{severity}".encode()))
     try:
@@ -288,6 +294,28 @@ def to_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Every measurement the command line asks for; raises :class:`ExportError` / :class:`DataError` (nothing is
+    written then)."""
+    model = OnnxModel(args.model)
+    manifest = Manifest.load(args.data)
+    model.check_data(manifest)
+    images, labels = load_uint8(args.data, args.limit, args.batch_size)
+    results: dict[str, Any] = {"model": str(args.model), "data": str(args.data),
+                               "providers": model.session.get_providers()}
+    results["accuracy"] = accuracy(model, images, labels, args.batch_size)
+    n = min(args.consistency_limit, len(images))
+    results["consistency"] = consistency(model, images[:n], args.batch_size)
+    if args.robustness_limit:
+        reference = json.loads(Path(args.reference_errors).read_text()) if args.reference_errors else None
+        n = min(args.robustness_limit, len(images))
+        results["robustness"] = robustness(model, images[:n], labels[:n], args.batch_size, reference=reference,
+                                           cache=args.corruption_cache)
+    if args.latency_repeats:
+        results["latency"] = latency(model, repeats=args.latency_repeats, checkpoint=args.checkpoint)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m patchplace.export.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -306,25 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-repeats", type=int, default=20, help="timed runs per batch size (0 = skip)")
     args = parser.parse_args(argv)
     try:
-        model = OnnxModel(args.model)
-        manifest = Manifest.load(args.data)
-        model.check_data(manifest)
-        images, labels = load_uint8(args.data, args.limit, args.batch_size)
+        results = evaluate(args)
     except (ExportError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    results: dict[str, Any] = {"model": str(args.model), "data": str(args.data),
-                               "providers": model.session.get_providers()}
-    results["accuracy"] = accuracy(model, images, labels, args.batch_size)
-    n = min(args.consistency_limit, len(images))
-    results["consistency"] = consistency(model, images[:n], args.batch_size)
-    if args.robustness_limit:
-        reference = json.loads(Path(args.reference_errors).read_text()) if args.reference_errors else None
-        n = min(args.robustness_limit, len(images))
-        results["robustness"] = robustness(model, images[:n], labels[:n], args.batch_size, reference=reference,
-                                           cache=args.corruption_cache)
-    if args.latency_repeats:
-        results["latency"] = latency(model, repeats=args.latency_repeats, checkpoint=args.checkpoint)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

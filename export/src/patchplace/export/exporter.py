@@ -11,18 +11,30 @@ Kinds:
 The graph written is ONNX Runtime's fused one (:mod:`.optimize`: Attention, BiasGelu) unless the optimizer fails or
 its graph misses the tolerance — then the plain one, and the sidecar's ``graph`` says why. Every export is run on
 random and (optionally) real inputs through PyTorch and ONNX Runtime; if the max abs difference exceeds the tolerance
-(1e-4 fp32, DESIGN §2) the export fails and leaves no file behind. A sidecar
-``model.json`` records inputs, outputs, normalization, class names and provenance (checkpoint sha256); the
-``.onnx`` file itself carries the same in its ``metadata_props`` (classes, preprocessing steps with their constants,
-inputs, outputs, backbone, method, checkpoint sha256), so onnxruntime + numpy alone preprocess correctly.
+(1e-4 fp32, DESIGN §2) — or is NaN: non-finite weights, outputs or differences fail every gate — the export fails and
+leaves no file behind. A sidecar ``model.json`` records inputs, outputs, normalization, class names and provenance
+(checkpoint sha256); the ``.onnx`` file itself carries the same in its ``metadata_props`` (classes, preprocessing
+steps with their constants, inputs, outputs, backbone, method, checkpoint sha256), so onnxruntime + numpy alone
+preprocess correctly.
+
+The pair is bound: both carry one ``export_id`` and the sidecar records the ``.onnx`` file's sha256, so
+:func:`load_export` refuses a model.onnx beside another export's model.json (or changed since). The commit
+(:func:`write_pair`) removes the old sidecar first and renames the new one into place last; temporary directories of
+killed exports are removed by the next export to the same path (:func:`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+import shutil
+import socket
 import tempfile
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -48,6 +60,35 @@ DEFAULT_OPSET = 18
 
 class ExportError(ValueError):
     """The checkpoint cannot be exported as asked, or the exported graph disagrees with PyTorch."""
+
+
+def non_finite(values: np.ndarray | torch.Tensor) -> str:
+    """What in ``values`` is not finite: "NaN", "inf", "NaN and inf" — or "" when everything is finite."""
+    values = torch.as_tensor(values)
+    if not values.is_floating_point() or bool(torch.isfinite(values).all()):
+        return ""
+    return " and ".join(k for k, bad in (("NaN", torch.isnan(values).any()), ("inf", torch.isinf(values).any()))
+                        if bool(bad))
+
+
+DIVERGED = "the training that wrote it diverged; use an earlier checkpoint, or train again with a lower optim.lr"
+
+
+def check_finite_weights(backbone: Backbone, checkpoint: Path) -> None:
+    """Refuse a checkpoint any of whose weights (parameters and buffers, after ``set_image_size``) is NaN or
+    infinite (``load_pretrained`` may refuse it first, with the same advice)."""
+    state = backbone.state_dict()
+    bad = [name for name, tensor in state.items() if non_finite(tensor)]
+    if bad:
+        kinds = " and ".join(sorted({k for name in bad for k in non_finite(state[name]).split(" and ")}))
+        raise ExportError(f"{checkpoint} holds non-finite weights ({kinds} in {len(bad)} tensor(s), e.g. {bad[0]}): "
+                          f"{DIVERGED}; nothing was written")
+
+
+def worst_check(checks: dict[str, float]) -> tuple[str, float]:
+    """(name, value) of the largest difference, NaN counting as larger than any number (``max`` would skip it)."""
+    name = max(checks, key=lambda k: math.inf if math.isnan(checks[k]) else checks[k])
+    return name, checks[name]
 
 
 class Classifier(nn.Module):
@@ -173,7 +214,7 @@ OUTPUT_MEANING = {
 }
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -197,15 +238,68 @@ def onnx_session(path: str | os.PathLike, providers: list[str] | None = None,
     try:
         return ort.InferenceSession(str(path), options, providers=chosen, disabled_optimizers=disabled)
     except Exception as exc:  # onnxruntime raises its own exception types
-        raise ExportError(f"{path} is not a loadable ONNX model ({exc})") from exc
+        raise ExportError(f"{path} is not a loadable ONNX model ({' '.join(str(exc).split())})") from exc
 
 
-def max_abs_diff(module: nn.Module, session: ort.InferenceSession, inputs: dict[str, torch.Tensor]) -> float:
+def load_export(path: str | os.PathLike, providers: list[str] | None = None,
+                threads: int = 0) -> tuple[dict[str, Any], ort.InferenceSession]:
+    """(sidecar, session) of an exported ``model.onnx`` after checking that its ``model.json`` belongs to it: one
+    export id and one checkpoint in both, and the ``.onnx`` file's sha256 the one the sidecar recorded. Exports
+    written before the binding (no id in either) are checked by their checkpoint sha256 only."""
+    path = Path(path)
+    sidecar_path = path.with_suffix(".json")
+    rerun = f"re-run the export (python -m patchplace.export CHECKPOINT --out {path})"
+    if path.suffix != ".onnx" or not path.is_file():
+        raise ExportError(f"{path} is not an exported model: expected a .onnx file written by "
+                          f"python -m patchplace.export CHECKPOINT --out {path}")
+    if not sidecar_path.is_file():
+        raise ExportError(f"{path} is not an exported model: no {sidecar_path.name} beside it (an interrupted export "
+                          f"leaves none); {rerun}")
+    try:
+        sidecar = json.loads(sidecar_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{sidecar_path} is not valid JSON ({exc}): damaged; {rerun}") from None
+    if not isinstance(sidecar, dict):
+        raise ExportError(f"{sidecar_path} is not an export sidecar (a JSON object): damaged; {rerun}")
+    session = onnx_session(path, providers, threads)
+    props = session.get_modelmeta().custom_metadata_map
+    ids = props.get("export_id"), sidecar.get("export_id")
+    checkpoints = props.get("checkpoint_sha256"), (sidecar.get("provenance") or {}).get("checkpoint_sha256")
+    if ids[0] != ids[1] or checkpoints[0] != checkpoints[1]:
+        raise ExportError(f"{path} and {sidecar_path.name} come from different exports (export id {ids[0]} vs "
+                          f"{ids[1]}; an export interrupted between its renames, or one file copied over the "
+                          f"other): {rerun}")
+    if "onnx_sha256" in sidecar and sidecar["onnx_sha256"] != sha256_file(path):
+        raise ExportError(f"{path} changed after its export (its sha256 is not the one {sidecar_path.name} "
+                          f"records): damaged or edited; {rerun}")
+    return sidecar, session
+
+
+def max_abs_diff(module: nn.Module, session: ort.InferenceSession, inputs: dict[str, torch.Tensor],
+                 label: str = "these inputs") -> float:
+    """Max abs difference of ``session``'s outputs from ``module``'s — NaN when ONNX Runtime's are non-finite where
+    PyTorch's are not; raises :class:`ExportError` when PyTorch's are non-finite (the checkpoint, not the graph)."""
     with torch.no_grad():
         expected = module(*inputs.values())
     expected = expected if isinstance(expected, tuple) else (expected,)
+    for name, value in zip(session.get_outputs(), expected, strict=True):
+        if kind := non_finite(value):
+            raise ExportError(f"PyTorch's {name.name} output holds {kind} on {label} although its weights are "
+                              f"finite (float32 overflow): {DIVERGED}; nothing was written")
     got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
-    return max(float(np.abs(g - e.numpy()).max()) for g, e in zip(got, expected, strict=True))
+    diffs = [float(np.abs(g - e.numpy()).max()) if not non_finite(g) else math.nan
+             for g, e in zip(got, expected, strict=True)]
+    return worst_check(dict(enumerate(diffs)))[1]
+
+
+def check_finite_outputs(plan: ExportPlan, checkpoint: Path) -> None:
+    """Refuse a checkpoint whose finite weights give non-finite PyTorch outputs on the example inputs (overflow)."""
+    with torch.no_grad():
+        outputs = plan.module(*plan.inputs.values())
+    for name, value in zip(plan.outputs, outputs, strict=True):
+        if kind := non_finite(value):
+            raise ExportError(f"{checkpoint}: PyTorch's {name} output holds {kind} on random inputs although its "
+                              f"weights are finite (float32 overflow): {DIVERGED}; nothing was written")
 
 
 def parity_checks(graph: onnx.ModelProto, path: Path, plan: ExportPlan, batch_5: dict[str, torch.Tensor],
@@ -214,13 +308,13 @@ def parity_checks(graph: onnx.ModelProto, path: Path, plan: ExportPlan, batch_5:
     CPU provider on random inputs at batch 2 and 5 and on the real inputs."""
     onnx.save(graph, str(path))
     session = onnx_session(path, ["CPUExecutionProvider"])
-    checks = {"random_batch_2": max_abs_diff(plan.module, session, plan.inputs),
-              "random_batch_5": max_abs_diff(plan.module, session, batch_5)}
+    checks = {"random_batch_2": max_abs_diff(plan.module, session, plan.inputs, "random inputs"),
+              "random_batch_5": max_abs_diff(plan.module, session, batch_5, "random inputs")}
     for i, inputs in enumerate(real_inputs or []):
         feed = {k: v for k, v in inputs.items() if not k.startswith("_")}  # "_labels" ride along
         if list(feed) != list(plan.inputs):
             raise ExportError(f"real inputs {list(feed)} do not match the model's inputs {list(plan.inputs)}")
-        checks[f"real_{i}"] = max_abs_diff(plan.module, session, feed)
+        checks[f"real_{i}"] = max_abs_diff(plan.module, session, feed, f"real inputs {i}")
     return checks
 
 
@@ -233,13 +327,15 @@ def optimized_or_not(graph: onnx.ModelProto, backbone: Backbone, tolerance: floa
         optimized, fusion = optimize_graph(graph, backbone.config.num_heads, backbone.config.embed_dim)
     except Exception as exc:  # the optimizer fails on graphs it does not know with any exception type
         return graph, None, {"optimized": False, "reason": f"ONNX Runtime's optimizer failed ({type(exc).__name__}: "
-                                                           f"{exc})"}
+                                                           f"{' '.join(str(exc).split())})"}
     if not fusion["fused"]:
         return graph, None, {"optimized": False, "reason": "ONNX Runtime's optimizer fused nothing"}
     checks = parity(optimized)
-    if max(checks.values()) > tolerance:
-        return graph, None, {"optimized": False, "reason": f"the optimized graph disagrees with PyTorch by "
-                                                           f"{max(checks.values()):.2e}"}
+    name, worst = worst_check(checks)
+    if not worst <= tolerance:  # NaN: never within a tolerance
+        why = f"by {worst:.2e}" if math.isfinite(worst) else "(its outputs are non-finite where PyTorch's are not)"
+        return graph, None, {"optimized": False, "reason": f"the optimized graph disagrees with PyTorch {why} on "
+                                                           f"{name}"}
     depth, attentions = backbone.config.depth, fusion["fused"].get("Attention", 0)
     if attentions < depth:  # relbias2d: ORT's attention fusion takes no additive bias
         fusion = {**fusion, "attention_unfused": f"{depth - attentions} of {depth}"}
@@ -268,8 +364,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
     needs ONNX Runtime) when it passes the parity check, else the plain graph — the sidecar's ``graph`` says which
     and why; ``False``: the plain standard-ONNX graph of the training model's own attention.
 
-    Raises :class:`ExportError` (and writes nothing) when the parity check fails."""
+    Raises :class:`ExportError` (and writes nothing) when the weights or PyTorch's outputs are non-finite or the
+    parity check fails (NaN never passes it)."""
     checkpoint, out = Path(checkpoint), Path(out)
+    if not tolerance >= 0:  # NaN too: a NaN tolerance would pass every difference
+        raise ExportError(f"tolerance must be a number >= 0, got {tolerance}")
     try:
         backbone, metadata = load_pretrained(checkpoint)
         if img_size is not None:
@@ -277,11 +376,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
             metadata = {**metadata, "img_size": img_size}
     except ModelError as exc:
         raise ExportError(str(exc)) from exc
+    check_finite_weights(backbone, checkpoint)
     plan = plan_export(backbone.eval(), kind, speech_input)
+    check_finite_outputs(plan, checkpoint)
     batch = torch.export.Dim("batch", min=1, max=4096)
     dynamic = {name: {0: batch} for name in plan.inputs}
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+    remove_stale_temporaries(out)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=temporary_prefix(out)) as tmp:
         tmp_model = Path(tmp) / out.name
         # dynamo=True: the maintained exporter (the TorchScript one is deprecated since torch 2.9).
         torch.onnx.export(fusable(plan.module) if optimize else plan.module, tuple(plan.inputs.values()),
@@ -296,29 +398,99 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
         if optimize:
             graph, checks, info = optimized_or_not(graph, backbone, tolerance, parity)
         checks = checks or parity(graph)
-        worst = max(checks.values())
-        if worst > tolerance:
-            raise ExportError(f"ONNX Runtime disagrees with PyTorch by {worst:.2e} (> {tolerance:.0e}) on "
-                              f"{max(checks, key=checks.get)}; nothing was written")
+        name, worst = worst_check(checks)
+        if math.isnan(worst):
+            raise ExportError(f"ONNX Runtime's outputs are non-finite (nan) on {name} where PyTorch's are finite: "
+                              f"try --no-optimize or another --opset; nothing was written")
+        if not worst <= tolerance:
+            raise ExportError(f"ONNX Runtime disagrees with PyTorch by {worst:.2e} (> {tolerance:.0e}) on {name}: "
+                              f"try --no-optimize or another --opset; nothing was written")
         sidecar = {
             "format": "patchplace.export/1", "kind": kind, "modality": backbone.config.modality,
+            "export_id": uuid.uuid4().hex,
             "inputs": plan.input_specs, "outputs": plan.outputs, "opset": opset, "graph": info,
             "classes": metadata.get("classes"), "normalization": metadata.get("normalization"),
             "pad_to": metadata.get("pad_to"), "backbone": backbone.config.to_dict(),
             "parity": {"max_abs_diff": checks, "tolerance": tolerance},
             "provenance": {"checkpoint": str(checkpoint.resolve()), "method": metadata.get("method"),
-                           "checkpoint_sha256": _sha256(checkpoint / "model.safetensors"),
+                           "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"),
                            "data": metadata.get("data")},
         }
         if backbone.config.modality == "image":
             sidecar["preprocessing"] = image_preprocessing(backbone, metadata)
-        onnx.helper.set_model_props(graph, model_properties(sidecar, sidecar.get("preprocessing")))
-        onnx.save(graph, str(tmp_model))  # the same graph, now self-describing
-        tmp_json = Path(tmp) / "model.json"
-        tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
-        os.replace(tmp_model, out)
-        os.replace(tmp_json, out.with_suffix(".json"))
+        write_pair(graph, sidecar, Path(tmp), out)
     return sidecar
+
+
+def temporary_prefix(out: Path) -> str:
+    """``.NAME.HOST.PID.``: the prefix of an export's temporary directory beside ``out``, naming its owner."""
+    return f".{out.name}.{re.sub(r'[^A-Za-z0-9-]', '-', socket.gethostname())}.{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    if os.name != "posix":  # os.kill(pid, 0) would end the process on Windows: count it alive (removed by age)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+STALE_AFTER_S = 24 * 3600  # a temporary directory whose owner cannot be checked is removed after this
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove the temporary directories that killed exports to ``out`` left beside it: those of a dead process on
+    this host, and those whose owner cannot be checked (another host's, or named before owners were) once older than
+    a day; a running export's stays. -> the directories removed."""
+    own = temporary_prefix(out)
+    here = own[: own.rstrip(".").rindex(".") + 1]  # .NAME.HOST.
+    removed = []
+    for entry in out.parent.iterdir():
+        if not entry.name.startswith(f".{out.name}.") or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = entry.name[len(here):].split(".")[0] if entry.name.startswith(here) else ""
+        try:
+            stale = not _alive(int(pid)) if pid.isdigit() else time.time() - entry.stat().st_mtime > STALE_AFTER_S
+        except FileNotFoundError:  # its export just finished
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to the disk: a renamed file survives a power cut whole."""
+    if path.is_dir() and os.name != "posix":  # directories cannot be opened on Windows
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pair(graph: onnx.ModelProto, sidecar: dict[str, Any], tmp: Path, out: Path) -> None:
+    """The commit: write ``graph`` (self-describing, with the export id) and its sidecar (with the graph file's
+    sha256) into ``tmp``, then move them to ``out`` and its .json. The old sidecar goes first and the new one comes
+    last, so a kill at any instant leaves the old pair, a model.onnx without a sidecar, or the new pair — and a
+    mismatched pair is refused by :func:`load_export` anyway."""
+    tmp_model, tmp_json = tmp / out.name, tmp / "model.json"
+    props = {**model_properties(sidecar, sidecar.get("preprocessing")), "export_id": sidecar["export_id"]}
+    onnx.helper.set_model_props(graph, props)
+    onnx.save(graph, str(tmp_model))  # the same graph, now self-describing
+    sidecar["onnx_sha256"] = sha256_file(tmp_model)
+    tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
+    _fsync(tmp_model)
+    _fsync(tmp_json)
+    out.with_suffix(".json").unlink(missing_ok=True)
+    os.replace(tmp_model, out)
+    os.replace(tmp_json, out.with_suffix(".json"))
+    _fsync(out.parent)
 
 
 def quantize_int8(path: str | os.PathLike) -> Path:
@@ -330,13 +502,16 @@ def quantize_int8(path: str | os.PathLike) -> Path:
     out = path.with_suffix(".int8.onnx")
     model = onnx.load(str(path))
     del model.graph.value_info[:]  # the dynamo exporter's value_info trips ORT's shape re-inference; drop it
-    with tempfile.TemporaryDirectory() as tmp:
+    remove_stale_temporaries(out)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=temporary_prefix(out)) as tmp:  # all or nothing
         onnx.save(model, f"{tmp}/model.onnx")
         # DefaultTensorType: shape inference gives no type past the com.microsoft ops of an optimized graph
-        quantize_dynamic(f"{tmp}/model.onnx", str(out), weight_type=QuantType.QInt8, per_channel=True,
+        quantize_dynamic(f"{tmp}/model.onnx", f"{tmp}/int8.onnx", weight_type=QuantType.QInt8, per_channel=True,
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-    quantized = onnx.load(str(out))
-    onnx.helper.set_model_props(quantized, {**{p.key: p.value for p in model.metadata_props},
-                                            "quantization": "int8 dynamic (per-channel int8 weights)"})
-    onnx.save(quantized, str(out))
+        quantized = onnx.load(f"{tmp}/int8.onnx")
+        onnx.helper.set_model_props(quantized, {**{p.key: p.value for p in model.metadata_props},
+                                                "quantization": "int8 dynamic (per-channel int8 weights)"})
+        onnx.save(quantized, f"{tmp}/int8.onnx")
+        _fsync(Path(tmp) / "int8.onnx")
+        os.replace(f"{tmp}/int8.onnx", out)
     return out
