@@ -1,10 +1,14 @@
-"""The papers' claims against the study's numbers: seed-paired differences and their verdicts (agrees /
-**contradicts** / tie / not run), plus the small statistics helpers the tables share."""
+"""The papers' claims against the study's numbers: seed-paired differences decided by a two-sided paired t-test
+over seeds at alpha = 0.05 (on-par claims by an equivalence test, TOST, with the margin stated), reported with the
+95% CI and p (agrees / **contradicts** / undecided / not run), plus the small statistics helpers the tables
+share."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from study_plan import RUNS
@@ -48,47 +52,94 @@ def privacy_metric(attack: str, setting: str, key: str) -> Value:
     return lambda m: m.get("privacy", {}).get(attack, {}).get(setting, {}).get(key)
 
 
-def paired_delta(ours: dict[int, float], other: dict[int, float]) -> tuple[float, float, str] | None:
-    """Mean and spread (std over seeds) of ours - other on the seeds both have, and which seeds; without a shared
-    seed, the difference of the means (spread 0, marked unpaired). None when either side is missing."""
-    if not ours or not other:
-        return None
+ALPHA = 0.05  # a claim is decided by a paired test over seeds at this level, never by a rule of thumb
+
+
+@dataclass
+class PairedTest:
+    """A two-sided paired t-test of ours - other over the seeds both have, with the 95% confidence interval of the
+    mean difference (Student's t, n - 1 degrees of freedom)."""
+
+    seeds: list[int]
+    mean: float
+    low: float  # 95% CI
+    high: float
+    p: float | None  # None with one seed (no test)
+
+    def interval(self, level: float) -> tuple[float, float]:
+        """The ``level`` confidence interval of the mean difference (the TOST at alpha uses 1 - 2 alpha)."""
+        if len(self.seeds) < 2:
+            return -math.inf, math.inf
+        half = (self.high - self.mean) / _t_quantile(0.975, len(self.seeds) - 1) * _t_quantile(
+            0.5 + level / 2, len(self.seeds) - 1)
+        return self.mean - half, self.mean + half
+
+
+def _t_quantile(q: float, df: int) -> float:
+    from scipy.stats import t
+
+    return float(t.ppf(q, df))
+
+
+def paired_test(ours: dict[int, float], other: dict[int, float]) -> PairedTest | None:
+    """The paired t-test of ``ours`` - ``other`` on their shared seeds (None without a shared seed)."""
+    from scipy.stats import t
+
     seeds = sorted(ours.keys() & other.keys())
     if not seeds:
-        delta = statistics.mean(ours.values()) - statistics.mean(other.values())
-        return delta, 0.0, "unpaired seeds"
+        return None
     deltas = [ours[s] - other[s] for s in seeds]
-    spread = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
-    return statistics.mean(deltas), spread, ("seed " if len(seeds) == 1 else "seeds ") + ",".join(map(str, seeds))
+    mean = statistics.mean(deltas)
+    if len(deltas) < 2:
+        return PairedTest(seeds, mean, -math.inf, math.inf, None)
+    se = statistics.stdev(deltas) / math.sqrt(len(deltas))
+    if se == 0:  # every seed the same difference: decided unless it is 0
+        return PairedTest(seeds, mean, mean, mean, 0.0 if mean else 1.0)
+    half = _t_quantile(0.975, len(deltas) - 1) * se
+    p = float(2 * t.sf(abs(mean / se), len(deltas) - 1))
+    return PairedTest(seeds, mean, mean - half, mean + half, p)
 
 
-def _delta_text(delta: float, spread: float, seeds: str, scale: float, unit: str) -> str:
-    pm = f" ± {spread * scale:.1f}" if spread else ""
-    return f"{delta * scale:+.1f}{pm} {unit}, {seeds}"
+def _test_text(test: PairedTest, scale: float, unit: str) -> str:
+    n = len(test.seeds)
+    if test.p is None:
+        return f"{test.mean * scale:+.1f} {unit}, 1 seed: no test"
+    return (f"{test.mean * scale:+.1f} {unit}, 95% CI [{test.low * scale:+.1f}, {test.high * scale:+.1f}], "
+            f"p = {test.p:.2g}, {n} seeds")
 
 
-def verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool, noise: float = 0.005,
-            scale: float = 100, unit: str = "pt") -> str:
-    """Our seed-paired difference against the paper's direction. A tie when it is within +-noise, or within the
-    spread of the per-seed differences (too close to call at this budget)."""
-    got = paired_delta(ours, other)
-    if got is None:
+def verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool, scale: float = 100,
+            unit: str = "pt") -> str:
+    """Our seed-paired difference against the paper's direction, decided by a two-sided paired t-test at
+    :data:`ALPHA` (agrees / **contradicts**), else "undecided" with its CI, p and seed count."""
+    if not ours or not other:
         return "not run"
-    delta, spread, seeds = got
-    text = _delta_text(delta, spread, seeds, scale, unit)
-    if abs(delta) <= max(noise, spread):
-        return f"tie ({text})"
-    return f"{'agrees' if (delta > 0) == paper_says_higher else '**contradicts**'} ({text})"
+    test = paired_test(ours, other)
+    if test is None:
+        return "undecided (no shared seed: unpaired)"
+    text = _test_text(test, scale, unit)
+    if test.p is None or test.p >= ALPHA:
+        return f"undecided ({text})"
+    return f"{'agrees' if (test.mean > 0) == paper_says_higher else '**contradicts**'} ({text})"
 
 
-def on_par(ours: dict[int, float], other: dict[int, float], tolerance: float = 0.01) -> str:
-    """A claim that two numbers match: agrees when the seed-paired difference is within +-tolerance."""
-    got = paired_delta(ours, other)
-    if got is None:
+def on_par(ours: dict[int, float], other: dict[int, float], margin: float = 0.01, scale: float = 100,
+           unit: str = "pt") -> str:
+    """A claim that two numbers match, decided by an equivalence test (TOST at :data:`ALPHA`: the 90% CI of the
+    paired difference inside +-``margin``, stated in the verdict): agrees; **contradicts** when the 95% CI lies
+    wholly outside +-``margin``; else undecided."""
+    if not ours or not other:
         return "not run"
-    delta, spread, seeds = got
-    word = "agrees" if abs(delta) <= tolerance else "**contradicts**"
-    return f"{word} ({_delta_text(delta, spread, seeds, 100, 'pt')})"
+    test = paired_test(ours, other)
+    if test is None:
+        return "undecided (no shared seed: unpaired)"
+    low, high = test.interval(1 - 2 * ALPHA)
+    text = f"{_test_text(test, scale, unit)}; margin +-{margin * scale:g} {unit}"
+    if -margin < low and high < margin:
+        return f"agrees (equivalent: 90% CI [{low * scale:+.1f}, {high * scale:+.1f}] {unit}; {text})"
+    if test.p is not None and (test.low > margin or test.high < -margin):
+        return f"**contradicts** ({text})"
+    return f"undecided ({text})"
 
 
 def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -135,7 +186,7 @@ def claim_items(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
         return privacy_metric(attack, setting, "psnr")
 
     def psnr_verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool) -> str:
-        return verdict(ours, other, paper_says_higher, noise=1.0, scale=1, unit="dB PSNR")
+        return verdict(ours, other, paper_says_higher, scale=1, unit="dB PSNR")
 
     items = [
         ("MP3 Table 3: MP3 pretraining + fine-tuning beats supervised training of the same ViT",
@@ -190,9 +241,10 @@ def claim_items(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
 
 
 def decided_line(verdicts: list[str]) -> str:
-    """How many verdicts decide (agree / contradict) and how many do not (tie within the seed spread, not run)."""
+    """How many verdicts a paired test at alpha 0.05 decides (agree / contradict) and how many it does not."""
     count = {w: sum(v.startswith(p) for v in verdicts) for w, p in
-             (("agree", "agrees"), ("contradict", "**contradicts**"), ("tie", "tie"), ("not run", "not run"))}
-    return (f"Decided {count['agree'] + count['contradict']} of {len(verdicts)}: {count['agree']} agree, "
-            f"{count['contradict']} contradict; undecided: {count['tie']} tie(s) within the seed spread, "
-            f"{count['not run']} not run at this budget.")
+             (("agree", "agrees"), ("contradict", "**contradicts**"), ("undecided", "undecided"),
+              ("not run", "not run"))}
+    return (f"Decided {count['agree'] + count['contradict']} of {len(verdicts)} (two-sided paired t-test over seeds "
+            f"at alpha = {ALPHA}; on-par claims by TOST): {count['agree']} agree, {count['contradict']} contradict; "
+            f"undecided: {count['undecided']}, not run at this budget: {count['not run']}.")
