@@ -1,0 +1,214 @@
+"""Controls for the probe tables: what a linear probe and a kNN reach on raw pixels and on the features of a
+randomly initialised backbone, on the same train subsets and test images as the methods' probes.
+
+    python pipelines/controls.py --config pipelines/configs/controls_fashion_mnist.yaml
+    python pipelines/controls.py --config pipelines/configs/controls_fashion_mnist.yaml --study results/study.json
+
+A pretrained backbone's probe means something only above both: the raw pixels (the input itself, preprocessed as
+the model sees it) and a random-init backbone of the same preset (what the architecture gives before any training;
+one per seed). With ``--study``, every method's probe in that study's results is read against the random-init
+control: "learned" only where its mean beats the control's by more than the seed spread (the larger of the two
+standard deviations over seeds), else "not learned at this budget".
+
+Sets (``controls.*``): each class-balanced ``label_fractions`` subset of the whole train split (the subsets of the
+study's label-efficiency rows: ``balanced_subset`` with ``data.label_subset_seed``) and the first
+``probe_train_samples`` train images (the study's all-label probe set); tested on ``data.val`` (capped by
+``data.val_limit``, as the study's probes are). Writes ``controls.json`` and ``controls.md`` to ``run.output``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from config import ConfigError, DataSection, ModelSection, RunSection
+from engine import USER_ERRORS, start
+from evaluate import first_images, probe
+
+from patchplace.data.memory import MemoryReader, balanced_subset
+from patchplace.finetune import extract_features, knn_classify
+from patchplace.models import create_model
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class ControlsSection:
+    """What the controls are computed on."""
+
+    seeds: tuple[int, ...] = (0, 1, 2)  # one random-init backbone and one probe initialisation per seed
+    label_fractions: tuple[float, ...] = (0.01, 0.1)  # class-balanced subsets of the whole train split
+    probe_train_samples: int = 5000  # the all-label probe set: the first N train images (as evaluate.py)
+    probe_epochs: int = 100  # epochs of each linear probe (as the study's)
+    knn_k: int = 20  # neighbours of the kNN (cosine, DINO's weighting)
+    pool: str = "mean"  # random-init features: mean (of the patch tokens) | cls
+
+    def validate(self) -> None:
+        if not self.seeds or any(not 0 < f < 1 for f in self.label_fractions) or self.probe_train_samples < 1:
+            raise ConfigError("controls.seeds needs a seed, label_fractions must be in (0, 1), "
+                              "probe_train_samples >= 1")
+        if self.pool not in ("mean", "cls"):
+            raise ConfigError(f"controls.pool must be mean or cls, got {self.pool!r}")
+
+
+@dataclass
+class ControlsConfig:
+    """``model.preset`` (+ ``model.overrides``) is the backbone whose random initialisation is the control."""
+
+    controls: ControlsSection = field(default_factory=ControlsSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=lambda: ModelSection(preset="vit_cpu_narrow"))
+    run: RunSection = field(default_factory=lambda: RunSection(output="results/controls"))
+
+    @staticmethod
+    def help_fields(argv: list[str]) -> list[str]:
+        return ["--study STUDY.json: also read that study's probes (its results) against the random-init control"]
+
+
+def train_sets(data, cfg: ControlsConfig) -> dict[str, Batches]:
+    """{name: batches} of the probe train sets, preprocessed as for evaluation (no augmentation)."""
+    c, bs = cfg.controls, cfg.data.batch_size
+    if not isinstance(data.train, MemoryReader):
+        raise ConfigError("controls need data.train in memory (data.in_memory=auto and enough data.memory_budget_mb)")
+    sets: dict[str, Batches] = {}
+    split = data.train.split
+    for fraction in c.label_fractions:
+        subset = MemoryReader(split.subset(balanced_subset(split.labels, fraction, cfg.data.label_subset_seed)),
+                              data.train.transform, shuffle=False, device=data.train.device)
+        sets[f"{fraction:g}"] = list(subset.batches(bs, epoch=0))
+    x, y = first_images(data.train, c.probe_train_samples, bs)
+    sets["probe_set"] = list(zip(x.split(bs), y.split(bs), strict=True))
+    return sets
+
+
+def pixels(batches: Batches) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw-pixel features: each preprocessed image flattened."""
+    return torch.cat([x.flatten(1).float().cpu() for x, _ in batches]), torch.cat([y.cpu() for _, y in batches])
+
+
+def random_init(cfg: ControlsConfig, seed: int, in_chans: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return create_model(cfg.model.preset, in_chans=in_chans, num_classes=0, **cfg.model.overrides).eval()
+
+
+def features(backbone: torch.nn.Module, batches: Batches, pool: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    feats, labels = extract_features(backbone, batches, pool=pool, device=device)
+    return feats[max(feats)], labels
+
+
+def measure(cfg: ControlsConfig, data, device) -> dict[str, Any]:
+    """{control: {set: [top-1 per seed]}} for raw pixels and random-init features, linear probe and kNN."""
+    c, classes = cfg.controls, data.manifest.num_classes
+    sets, val = train_sets(data, cfg), list(data.val.batches(cfg.data.batch_size, epoch=0))
+    results: dict[str, dict[str, list[float]]] = {k: {} for k in ("pixels_linear", "pixels_knn", "random_linear",
+                                                                  "random_knn")}
+    test_x, test_y = pixels(val)
+    for name, batches in sets.items():
+        x, y = pixels(batches)
+        results["pixels_knn"][name] = [knn_classify(x, y, test_x, test_y, num_classes=classes, k=c.knn_k)["top1"]]
+        results["pixels_linear"][name] = [probe(f"pixels, {name}, seed {s}", x, y, test_x, test_y, seed=s,
+                                                num_classes=classes, epochs=c.probe_epochs)["top1"]
+                                          for s in c.seeds]
+    channels = int(data.manifest.info.get("channels", 1))
+    for seed in c.seeds:
+        backbone = random_init(cfg, seed, channels).to(device)
+        te, te_y = features(backbone, val, c.pool, device)
+        for name, batches in sets.items():
+            tr, tr_y = features(backbone, batches, c.pool, device)
+            results["random_knn"].setdefault(name, []).append(
+                knn_classify(tr, tr_y, te, te_y, num_classes=classes, k=c.knn_k)["top1"])
+            results["random_linear"].setdefault(name, []).append(
+                probe(f"random init seed {seed}, {name}", tr, tr_y, te, te_y, seed=seed, num_classes=classes,
+                      epochs=c.probe_epochs)["top1"])
+    return {"controls": results, "sets": {name: sum(len(y) for _, y in b) for name, b in sets.items()},
+            "test_samples": len(test_y), "preset": cfg.model.preset, "pool": c.pool, "seeds": list(c.seeds),
+            "label_subset_seed": cfg.data.label_subset_seed}
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def cell(values: list[float] | None) -> str:
+    if not values:
+        return "-"
+    mean, sd = mean_sd(values)
+    return f"{mean * 100:.1f}" + (f" ± {sd * 100:.1f}" if len(values) > 1 else "")
+
+
+# the study's probe keys for each set
+STUDY_KEYS = {"probe_set": "linear_probe"}
+
+
+def learned(method: list[float], control: list[float]) -> str:
+    """"learned" where the method's mean beats the random-init control's by more than the seed spread."""
+    (m, m_sd), (c, c_sd) = mean_sd(method), mean_sd(control)
+    margin = max(m_sd, c_sd)
+    return (f"learned (+{(m - c) * 100:.1f} pt > {margin * 100:.1f})" if m - c > margin else
+            f"not learned at this budget ({(m - c) * 100:+.1f} pt, spread {margin * 100:.1f})")
+
+
+def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
+    sets, controls = measured["sets"], measured["controls"]
+    names = list(sets)
+    heads = [f"{float(n):.0%} of the labels ({sets[n]})" if n != "probe_set" else f"probe set ({sets[n]})"
+             for n in names]
+    lines = ["# Probe controls", "",
+             f"Linear probe (BatchNorm + linear, {measured.get('probe_epochs', '')} AdamW epochs) and kNN (k = 20, "
+             f"cosine) top-1 % on {measured['test_samples']} test images; mean ± std over seeds "
+             f"{measured['seeds']}; random init: `{measured['preset']}`, `{measured['pool']}` pooled.", "",
+             "| control | " + " | ".join(heads) + " |", "| --- |" + " --- |" * len(names)]
+    labels = {"pixels_linear": "raw pixels, linear probe", "pixels_knn": "raw pixels, kNN",
+              "random_linear": "random-init backbone, linear probe", "random_knn": "random-init backbone, kNN"}
+    for key, label in labels.items():
+        lines.append(f"| {label} | " + " | ".join(cell(controls[key].get(n)) for n in names) + " |")
+    if study:
+        lines += ["", "## The study's probes against the controls", "",
+                  "A method's probe is *learned* where its mean beats the random-init control's by more than the seed "
+                  "spread (the larger std over seeds), else *not learned at this budget*; the raw-pixel probe is "
+                  "shown beside it.", "",
+                  "| method | set | method probe | random init | raw pixels | verdict |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for method, rows in study.items():
+            for name in names:
+                key = STUDY_KEYS.get(name, f"linear_probe@{name}")
+                values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+                if not values:
+                    continue
+                control = controls["random_linear"][name]
+                lines.append(f"| {method} | {name} | {cell(values)} ({len(values)} seeds) | {cell(control)} | "
+                             f"{cell(controls['pixels_linear'][name])} | {learned(values, control)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    study_path = None
+    if "--study" in argv:
+        i = argv.index("--study")
+        study_path, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+    try:
+        cfg, accelerator, data = start(ControlsConfig, __doc__, argv, augment=False, split_train=False)
+        study = json.loads(study_path.read_text())["results"] if study_path else None
+        if not accelerator.is_main_process:
+            return 0
+        measured = {**measure(cfg, data, accelerator.device), "probe_epochs": cfg.controls.probe_epochs}
+    except (*USER_ERRORS, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(cfg.run.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "controls.json").write_text(json.dumps(measured, indent=1) + "\n")
+    text = report(measured, study)
+    (out / "controls.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
