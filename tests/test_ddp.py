@@ -262,38 +262,51 @@ def test_two_processes_follow_the_lr_schedule_of_one_at_the_same_global_batch(sh
 
 
 def test_lr_scaling_follows_the_global_batch_and_is_recorded(shards, tmp_path):
-    """``optim.lr_scaling=linear``: the lr tuned at one process's batch (8) doubles on 2 processes (global 16);
-    ``sqrt`` gives sqrt(2)x; the peak lr, the rule and the global batch are in optimizer.json and the model card."""
-    script = str(ROOT / "pipelines" / "pretrain.py")
-    for rule, factor in (("linear", 2.0), ("sqrt", math.sqrt(2.0))):
-        out = tmp_path / rule
-        run([script, "method=supervised", *img(shards), *TINY, "optim.max_steps=2", "optim.lr=1e-3",
-             "optim.warmup_fraction=0", "optim.min_lr_ratio=1.0", f"optim.lr_scaling={rule}", f"run.output={out}"])
-        assert [r["lr"] for r in log(out)] == pytest.approx([1e-3 * factor] * 2)
-        recorded = json.loads((out / "optimizer.json").read_text())
-        assert (recorded["lr"], recorded["lr_scaling"], recorded["global_batch"], recorded["lr_base_batch"]) == (
-            pytest.approx(1e-3 * factor), rule, 16, 8)
-        card = json.loads((out / "checkpoint" / "config.json").read_text())["metadata"]["recipe"]
-        assert card["peak_lr"] == pytest.approx(1e-3 * factor) and card["global_batch"] == 16
+    """``optim.lr_scaling=linear``: the lr tuned at one process's batch (8) doubles on 2 processes (global 16); the
+    peak lr, the rule and the global batch are in optimizer.json and the model card. (``sqrt``: sqrt(2)x.)"""
+    from config import OptimSection
+
+    assert OptimSection(lr=1e-3, lr_scaling="sqrt").scaled_lr(16, default_base=8) == pytest.approx(1e-3 * 2**0.5)
+    assert OptimSection(lr=1e-3, lr_scaling="linear", lr_base_batch=256).scaled_lr(2048, 8) == pytest.approx(8e-3)
+    assert OptimSection(lr=1e-3).scaled_lr(2048, default_base=8) == 1e-3, "none: the lr as given"
+    out = tmp_path / "linear"
+    run([str(ROOT / "pipelines" / "pretrain.py"), "method=supervised", *img(shards), *TINY, "optim.max_steps=2",
+         "optim.lr=1e-3", "optim.warmup_fraction=0", "optim.min_lr_ratio=1.0", "optim.lr_scaling=linear",
+         f"run.output={out}"])
+    assert [r["lr"] for r in log(out)] == pytest.approx([2e-3] * 2)
+    recorded = json.loads((out / "optimizer.json").read_text())
+    assert (recorded["lr"], recorded["lr_scaling"], recorded["global_batch"], recorded["lr_base_batch"]) == (
+        pytest.approx(2e-3), "linear", 16, 8)
+    card = json.loads((out / "checkpoint" / "config.json").read_text())["metadata"]["recipe"]
+    assert card["peak_lr"] == pytest.approx(2e-3) and card["global_batch"] == 16
 
 
-def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_path):
+def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_path, capsys):
     """2 -> 1 and 1 -> 2 processes would change the global batch, every rank's place in the data and its random
-    stream: refused in one line naming both counts, nothing of the run touched."""
+    stream: refused in one line naming both counts, nothing of the run touched; the right count continues it."""
     script = str(ROOT / "pipelines" / "pretrain.py")
     for wrote, resumes in ((2, 1), (1, 2)):
         out = tmp_path / f"from{wrote}"
-        args = [script, "method=mp3", *img(shards), *TINY, "optim.max_steps=4", f"run.output={out}"]
-        run([*args, "run.stop_after=2"], processes=wrote)
+        args = ["method=mp3", *img(shards), *TINY, "optim.max_steps=4", f"run.output={out}"]
+        if wrote == 2:
+            run([script, *args, "run.stop_after=2"])
+        else:
+            assert pretrain.main([*args, "run.stop_after=2"]) == 0
         before = sorted(p.name for p in (out / "checkpoints").iterdir())
-        result = run([*args, "run.resume=true"], processes=resumes, check=False)
-        assert result.returncode == (2 if resumes == 1 else 1), result.stderr[-2000:]  # (the launcher's: 1)
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        capsys.readouterr()
+        if resumes == 1:
+            assert pretrain.main([*args, "run.resume=true"]) == 2
+            stderr = capsys.readouterr().err
+        else:
+            result = run([script, *args, "run.resume=true"], check=False)
+            assert result.returncode == 1, result.stderr[-2000:]  # (the launcher's code for a failed rank)
+            stderr = result.stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and f"written by {wrote} process(es), this launch has {resumes}" in errors[0], \
-            result.stderr[-2000:]
+            stderr[-2000:]
         assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before == ["step-00000002"]
-        run([*args, "run.resume=true"], processes=wrote)  # the right count continues it
-        assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
+    run([script, *args, "run.resume=true"], processes=1)  # the count that wrote it continues it
+    assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
 
 
 def test_rank_streams_never_coincide_across_seeds_and_ranks(shards, tmp_path, mp3_two_process):

@@ -32,7 +32,10 @@ from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa
 
 
 def test_every_shipped_config_loads_and_validates(shards):
-    classes = {"finetune": finetune.FinetuneConfig, "evaluate": evaluate.EvaluateConfig}
+    import controls
+
+    classes = {"finetune": finetune.FinetuneConfig, "evaluate": evaluate.EvaluateConfig,
+               "controls": controls.ControlsConfig}
     for path in sorted((ROOT / "pipelines" / "configs").glob("*.yaml")):
         if path.name.startswith("study"):
             cfg = pipeline_config.load(study_plan.StudyConfig, str(path), [])
