@@ -29,6 +29,7 @@ import torch
 from config import ConfigError, DataSection, ModelSection, RunSection
 from engine import USER_ERRORS, start
 from evaluate import first_images, probe
+from study_plan import RUNS
 
 from patchplace.data.memory import MemoryReader, balanced_subset
 from patchplace.finetune import extract_features, knn_classify
@@ -174,8 +175,9 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
                   "shown beside it.", "",
                   "| method | set | method probe | random init | raw pixels | verdict |",
                   "| --- | --- | --- | --- | --- | --- |"]
+        speech = {r.name for r in RUNS if r.speech}  # other data: no image control applies
         for method, rows in study.items():
-            for name in names:
+            for name in names if method not in speech else ():
                 key = STUDY_KEYS.get(name, f"linear_probe@{name}")
                 values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
                 if not values:
