@@ -21,6 +21,7 @@ import yaml
 from patchplace.data.manifest import dataset_dir_hint
 
 LR_SCALING = ("none", "linear", "sqrt")
+HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.train
 MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
 
 
@@ -33,7 +34,8 @@ class DataSection:
     """Shards and the input pipeline (see patchplace.data)."""
 
     train: str = "shards/fashion_mnist/train"  # split directory with manifest.json
-    val: str = "shards/fashion_mnist/test"  # split the training-time evaluation (and evaluate.py) reads
+    # split the training-time evaluation (and evaluate.py) reads; "holdout": the data.holdout samples of data.train
+    val: str = "shards/fashion_mnist/test"
     train_urls: str | None = None  # optional override: brace pattern or pipe: URLs of the same shards
     val_urls: str | None = None  # the same for data.val
     batch_size: int = 128  # per process
@@ -54,6 +56,10 @@ class DataSection:
     skip_corrupt: bool = False  # skip unreadable / truncated train shards (warned, counted in the log), not fail
     verify_shards: bool = True  # check each shard's size + sha256 against its manifest when read (~1% of a load)
     val_limit: int | None = None  # evaluate on the first N samples of data.val (None: all)
+    # a validation split held out of data.train: N class-balanced samples (data.holdout_seed) that training never
+    # reads; data.val=holdout evaluates on them (recipe choices read validation, the test split is read once)
+    holdout: int = 0
+    holdout_seed: int = 0  # which samples are held out (the same for every method and run)
 
     def validate(self) -> None:
         for name in ("batch_size",):
@@ -68,7 +74,10 @@ class DataSection:
             raise ConfigError(f"data.memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
         if self.num_workers < 0 or self.shuffle_buffer < 0:
             raise ConfigError("data.num_workers and data.shuffle_buffer must be >= 0")
-        for name in ("train", "val"):
+        if (self.val == HOLDOUT) != (self.holdout > 0):
+            raise ConfigError(f"data.val=holdout and data.holdout > 0 go together (got data.val={self.val}, "
+                              f"data.holdout={self.holdout}): hold samples out to validate on them")
+        for name in ("train", "val") if self.val != HOLDOUT else ("train",):
             path = Path(getattr(self, name))
             if not (path / "manifest.json").is_file():
                 hint = dataset_dir_hint(path)

@@ -45,7 +45,7 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
-from config import MAX_SEED, ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
+from config import HOLDOUT, MAX_SEED, ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
 from rundir import (
     CheckpointError,
     RunLock,
@@ -242,7 +242,9 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     ``data.in_memory`` and ``data.memory_budget_mb`` allow, else streamed from its shards; the choice is printed
     and logged with every step."""
     started = time.perf_counter()
-    manifest, val_manifest = Manifest.load(cfg.train), Manifest.load(cfg.val)
+    holdout = cfg.val == HOLDOUT
+    manifest = Manifest.load(cfg.train)
+    val_manifest = manifest if holdout else Manifest.load(cfg.val)
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
     if manifest.modality == "image":
@@ -253,18 +255,26 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
         options, eval_options = {"noise_bank": cfg.noise_split}, {}
     rank, world = (accelerator.process_index, accelerator.num_processes) if split_train else (0, 1)
     budget = int(cfg.memory_budget_mb * 2**20)
-    readers, path = {}, {}
+    readers, path, held = {}, {}, None
     for key, m, urls, train, opts in (("data.train", manifest, cfg.train_urls, True, options),
                                       ("data.val", val_manifest, cfg.val_urls, False, eval_options)):
         augmented = augment and train
-        why = memory_choice(cfg, m, budget, key, augment)
+        why = None if holdout and not train else memory_choice(cfg, m, budget, key, augment)
+        if why is not None and train and holdout:
+            raise ConfigError(f"data.val=holdout needs data.train in memory, but it streams ({why}); set "
+                              "data.in_memory=auto and enough data.memory_budget_mb")
         if why is not None and train and cfg.label_fraction is not None:
             raise ConfigError(f"data.label_fraction={cfg.label_fraction} needs data.train in memory, but it streams "
                               f"({why}); set data.in_memory=auto and enough data.memory_budget_mb")
         if why is None:
-            split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt,
-                                       num_workers=cfg.num_workers, verify=cfg.verify_shards)  # in parallel
-            budget -= decoded_bytes(m)
+            if held is not None and not train:
+                split = held  # data.val=holdout: the samples held out of data.train
+            else:
+                split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt,
+                                           num_workers=cfg.num_workers, verify=cfg.verify_shards)  # in parallel
+                budget -= decoded_bytes(m)
+            if train and holdout:
+                split, held = hold_out(split, cfg, accelerator)
             if train and cfg.label_fraction is not None:  # the label-efficiency protocol: a fixed balanced subset
                 split = split.subset(balanced_subset(split.labels, cfg.label_fraction, cfg.label_subset_seed))
                 per_class = torch.bincount(split.labels, minlength=m.num_classes).tolist()
@@ -301,6 +311,21 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
             reader.epoch_length = limit
     frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
     return Data(train, val, manifest, frontend, path, started)
+
+
+def hold_out(split: InMemorySplit, cfg: DataSection, accelerator: Accelerator) -> tuple[InMemorySplit,
+                                                                                        InMemorySplit]:
+    """(train without the held-out samples, the held-out samples): ``data.holdout`` class-balanced samples drawn
+    by ``data.holdout_seed`` alone, so every method and run validates on the same images and never trains on
+    them. Label subsets (``data.label_fraction``) are drawn from what remains."""
+    if not 0 < cfg.holdout < len(split):
+        raise ConfigError(f"data.holdout={cfg.holdout}: data.train holds {len(split)} samples; hold out fewer")
+    held = balanced_subset(split.labels, cfg.holdout / len(split), cfg.holdout_seed)
+    keep = torch.ones(len(split), dtype=torch.bool)
+    keep[held] = False
+    accelerator.print(f"data.val=holdout: {len(held)} class-balanced samples of data.train held out for validation "
+                      f"(data.holdout_seed={cfg.holdout_seed}); training reads the other {int(keep.sum())}")
+    return split.subset(keep.nonzero().flatten()), split.subset(held)
 
 
 def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None) -> torch.optim.Optimizer:

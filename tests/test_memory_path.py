@@ -123,3 +123,36 @@ def test_label_fraction_trains_on_a_fixed_balanced_subset(shards, tmp_path, caps
     assert all(torch.equal(weights(tmp_path / "a")[k], weights(tmp_path / "b")[k]) for k in weights(tmp_path / "a"))
     assert pretrain.main([*common, "data.in_memory=false", f"run.output={tmp_path / 'c'}"]) == 2
     assert "data.label_fraction=0.25 needs data.train in memory" in capsys.readouterr().err
+
+
+def test_a_validation_split_held_out_of_train_is_balanced_fixed_and_never_trained_on(shards, tmp_path, capsys):
+    """``data.val=holdout data.holdout=N``: N class-balanced train samples chosen by ``data.holdout_seed`` alone;
+    the train reader never yields them (label subsets are drawn from the rest); evaluation reads exactly them."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    train = str(shards / "img" / "train")
+
+    def split(**kw):
+        data = engine.build_data(DataSection(train=train, val="holdout", holdout=12, num_workers=0, **kw),
+                                 accelerator, seed=0, augment=False, split_train=False)
+        return data.train.split, data.val.split
+
+    kept, held = split()
+    assert len(held) == 12 and len(kept) == 52 and not set(held.keys) & set(kept.keys)
+    assert torch.bincount(held.labels, minlength=3).tolist() == [4, 4, 4]
+    assert split()[1].keys == held.keys, "the same samples every time"
+    assert split(holdout_seed=1)[1].keys != held.keys
+    few, _ = split(label_fraction=0.25)
+    assert set(few.keys) <= set(kept.keys), "label subsets come from what remains"
+    with pytest.raises(ConfigError, match=r"data\.val=holdout and data\.holdout > 0 go together"):
+        DataSection(train=train, val="holdout").validate()
+    import finetune
+
+    out = tmp_path / "ft"
+    assert finetune.main([f"data.train={train}", "data.val=holdout", "data.holdout=12", "model.preset=vit_micro",
+                          "data.batch_size=8", "data.num_workers=0", "optim.max_steps=2", "finetune.mixup=0",
+                          "finetune.cutmix=0", "run.tensorboard=false", f"run.output={out}"]) == 0
+    assert "12 class-balanced samples of data.train held out for validation" in capsys.readouterr().out
+    evals = [json.loads(line)["eval"] for line in (out / "log.jsonl").read_text().splitlines() if '"eval"' in line]
+    assert evals[-1]["count"] == 12, "the final evaluation read the held-out samples"
