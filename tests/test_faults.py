@@ -485,6 +485,14 @@ def test_damaged_checkpoints_are_refused_in_one_line_and_left_alone(shards, tmp_
     base = tmp_path / "base"
     assert pretrain.main([*stop_args(shards, base), "run.checkpoint_every=2", "run.stop_after=4"]) == 0
 
+    def refused(out: Path) -> tuple[str, str]:
+        """(the error line, all of stderr) of a resume that must stop with exit 2."""
+        capsys.readouterr()
+        assert pretrain.main([*stop_args(shards, out), "run.resume=true"]) == 2
+        err = capsys.readouterr().err
+        (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+        return line, err
+
     def damaged(name: str) -> tuple[Path, Path]:
         out = tmp_path / name
         shutil.copytree(base, out, symlinks=True)
@@ -503,10 +511,7 @@ def test_damaged_checkpoints_are_refused_in_one_line_and_left_alone(shards, tmp_
     out, step = damaged("rng")
     (step / "state" / "random_states_0.pkl").write_bytes(b"not a pickle at all")
     reseal(step)
-    capsys.readouterr()
-    assert pretrain.main([*stop_args(shards, out), "run.resume=true"]) == 2
-    err = capsys.readouterr().err
-    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    line, _ = refused(out)
     assert line.startswith(f"error: checkpoint file {step / 'state' / 'random_states_0.pkl'} cannot be loaded: the "
                            "safe (weights-only) loader refuses it (Unsupported operand"), line
 
@@ -517,10 +522,7 @@ def test_damaged_checkpoints_are_refused_in_one_line_and_left_alone(shards, tmp_
     out, step = damaged("pickle")
     (step / "state" / "optimizer.bin").write_bytes(pickle.dumps({"state": Planted()}))
     reseal(step)
-    capsys.readouterr()
-    assert pretrain.main([*stop_args(shards, out), "run.resume=true"]) == 2
-    err = capsys.readouterr().err
-    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    line, err = refused(out)
     assert line.startswith(f"error: checkpoint file {step / 'state' / 'optimizer.bin'} cannot be loaded: the safe "
                            "(weights-only) loader refuses it"), line
     assert "weights_only" not in err and not (tmp_path / "pwned").exists()
