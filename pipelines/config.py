@@ -29,6 +29,16 @@ class ConfigError(ValueError):
     """A config file or override is wrong (names the key and what is expected)."""
 
 
+def one_line(exc: BaseException) -> str:
+    """The message of a user error on one line. A DataLoader worker's error comes back as "Caught DataError in
+    DataLoader worker process 0. Original Traceback ...": its last line is the original message."""
+    text = str(exc).strip()
+    if "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last and "Error" in last.split(": ", 1)[0] else last
+    return " ".join(text.split())
+
+
 @dataclass
 class DataSection:
     """Shards and the input pipeline (see patchplace.data)."""

@@ -45,7 +45,18 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
-from config import HOLDOUT, MAX_SEED, ConfigError, DataSection, OptimSection, RunSection, load, parser, to_dict
+from config import (
+    HOLDOUT,
+    MAX_SEED,
+    ConfigError,
+    DataSection,
+    OptimSection,
+    RunSection,
+    load,
+    one_line,
+    parser,
+    to_dict,
+)
 from rundir import (
     CheckpointError,
     RunLock,
@@ -411,16 +422,6 @@ class JsonlLog:
                 raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
 
-def one_line(exc: BaseException) -> str:
-    """The message of a user error on one line. A DataLoader worker's error comes back as "Caught DataError in
-    DataLoader worker process 0. Original Traceback ...": its last line is the original message."""
-    text = str(exc).strip()
-    if "Original Traceback" in text:
-        last = text.splitlines()[-1]
-        text = last.split(": ", 1)[1] if ": " in last and "Error" in last.split(": ", 1)[0] else last
-    return " ".join(text.split())
-
-
 def command_line(script: str, argv: list[str] | None) -> str:
     """``pipelines/<script> <arguments>`` as the user typed them (``run.resume`` / ``run.overwrite`` left out), for
     the resume hint printed on SIGTERM / Ctrl-C."""
@@ -517,6 +518,7 @@ class Trainer:
         # optim.lr_scaling: the peak lr follows the global batch (recorded in the model card and optimizer.json)
         per_process = config.data.batch_size * run.grad_accum
         self.global_batch = per_process * accelerator.num_processes
+        self.lr_base_batch = optim.lr_base_batch or per_process
         self.peak_lr = optim.scaled_lr(self.global_batch, default_base=per_process)
         # DESIGN §4: the checkpoint records which pooled feature this training trained, so probes read that one.
         self.metadata = {**metadata, "probe_feature": getattr(objective, "probe_feature", backbone.config.global_pool),
@@ -530,7 +532,7 @@ class Trainer:
         self.optimizer = make_optimizer(objective, optim, self.peak_lr)
         if optim.lr_scaling != "none":
             accelerator.print(f"optim.lr_scaling={optim.lr_scaling}: peak lr {optim.lr:g} at global batch "
-                              f"{optim.lr_base_batch or per_process} -> {self.peak_lr:.4g} at global batch "
+                              f"{self.lr_base_batch} -> {self.peak_lr:.4g} at global batch "
                               f"{self.global_batch} ({accelerator.num_processes} process(es))")
         self.command = command or "the same command"
         # One run per directory: the main process holds run.output's lock until fit() ends, and checks what the
@@ -724,7 +726,7 @@ class Trainer:
         if acc.is_main_process:  # what every parameter really gets (lr scale, weight decay), for the user to check
             write_json_atomic(self.out / "optimizer.json", {
                 "lr": self.peak_lr, "config_lr": self.optim_cfg.lr, "lr_scaling": self.optim_cfg.lr_scaling,
-                "lr_base_batch": self.optim_cfg.lr_base_batch or self.global_batch // acc.num_processes,
+                "lr_base_batch": self.lr_base_batch,
                 "global_batch": self.global_batch, "processes": acc.num_processes,
                 "layer_decay": self.optim_cfg.layer_decay, "weight_decay": self.optim_cfg.weight_decay,
                 "parameters": parameter_groups(optimizer, self.objective)})

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from config import ConfigError
+from config import ConfigError, one_line
 
 from patchplace.data.atomic import umask
 
@@ -46,9 +46,8 @@ LEGACY_LEFTOVERS = (".state.tmp", ".state.old")
 # Config fields a resumed run may change: they do not change what is trained (run.output: the same directory
 # spelled another way, relative / absolute / a trailing slash, or the run moved elsewhere).
 RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.stop_after", "run.log_every",
-                     "run.checkpoint_every",
-                     "run.eval_every", "run.tensorboard", "run.find_unused_parameters", "data.num_workers",
-                     "data.verify_shards")
+                     "run.checkpoint_every", "run.eval_every", "run.tensorboard", "run.find_unused_parameters",
+                     "data.num_workers", "data.verify_shards")
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -189,10 +188,6 @@ def partial_dir(directory: Path, step: int) -> Path:
     return Path(directory) / CHECKPOINTS / f".partial-step-{step:08d}"
 
 
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:200]
-
-
 def unsealed_steps(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of every ``step-*`` directory *without* a ``COMPLETE`` record, oldest first: never made by a
     save (it seals before it renames), so damage."""
@@ -208,13 +203,9 @@ def load_state_strictly(accelerator: Any, state: Path) -> None:
     one with ``except Exception``, and the resumed run would silently draw other masks), and a file the safe
     (``weights_only``) loader refuses is named as not written by this run, without torch's advice to turn the
     safety off."""
-    from accelerate.utils import load
-
     own = state / f"random_states_{accelerator.process_index}.pkl"
     try:
-        with warnings.catch_warnings():  # (torch warns about pickle protocols before refusing a file)
-            warnings.simplefilter("ignore")
-            states = load(own)
+        states = _safe_load(own)
         if not isinstance(states, dict) or not {"random_state", "numpy_random_seed", "torch_manual_seed"} <= set(
                 states):
             raise ValueError("it lacks the python / numpy / torch random states")
@@ -229,13 +220,18 @@ def load_state_strictly(accelerator: Any, state: Path) -> None:
         raise CheckpointError(_unloadable(bad, exc)) from None
 
 
-def _loads(path: Path) -> bool:
+def _safe_load(path: Path) -> Any:
+    """Accelerate's loader (torch's ``weights_only`` one, numpy allowed), its pickle-protocol warnings silenced."""
     from accelerate.utils import load
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load(path, map_location="cpu")
+
+
+def _loads(path: Path) -> bool:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            load(path, map_location="cpu")
+        _safe_load(path)
     except Exception:
         return False
     return True

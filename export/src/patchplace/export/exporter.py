@@ -25,7 +25,6 @@ killed exports are removed by the next export to the same path (:func:`remove_st
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -48,6 +47,7 @@ import onnxscript  # noqa: F401 - torch.onnx.export(dynamo=True) builds the grap
 import torch
 from torch import nn
 
+from patchplace.data.manifest import sha256_file
 from patchplace.data.mfcc import MFCC
 from patchplace.models import Backbone, ModelError, load_pretrained
 
@@ -212,14 +212,6 @@ OUTPUT_MEANING = {
                    "pooled": "(batch, dim) the feature the head reads (final-normed CLS or patch mean)"},
     "features": {"pooled": "(batch, dim) the backbone's pooled feature", "tokens": "(batch, tokens, dim)"},
 }
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def onnx_session(path: str | os.PathLike, providers: list[str] | None = None,
