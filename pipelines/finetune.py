@@ -6,7 +6,10 @@ fresh head, PE mode for fine-tuning, layer-wise lr decay, label smoothing, Mixup
     python pipelines/finetune.py --config pipelines/configs/finetune_fashion_mnist.yaml   # supervised baseline
 
 MP3 backbones are pretrained without PE: ``finetune.pos_embed`` adds one (learned / relbias2d / sincos2d / none),
-keeping every other weight (MP3 Table 3). Top-1 / top-5 on ``data.val`` are logged at every evaluation.
+keeping every other weight (MP3 Table 3). ``finetune.global_pool`` (cls | mean) is the feature the head reads; left
+null it follows the checkpoint's method (its recorded ``finetune_pool``: the class token for MP3 §3.3, MJP and
+supervised, average pooling for MAE, DropPos, I-JEPA, StoP and RandSAC). Top-1 / top-5 on ``data.val`` are logged at
+every evaluation.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ from engine import (
 )
 
 from patchplace.finetune import build_mixup, prepare_for_finetune
-from patchplace.models import ModelError, create_model, load_pretrained
+from patchplace.models import Backbone, ModelError, create_model, load_pretrained
 from patchplace.objectives import Supervised, SupervisedConfig
+
+POOLS = ("cls", "mean")
+POOL_WORDS = {"cls": "the class token", "mean": "average-pooled patch tokens"}
 
 
 @dataclass
@@ -39,7 +45,7 @@ class FinetuneSection:
     """Fine-tuning recipe (DeiT / MAE style, scaled to small data)."""
 
     pos_embed: str | None = "learned"  # PE for fine-tuning; None keeps the checkpoint's mode
-    global_pool: str = "cls"  # cls | mean: the feature the head reads
+    global_pool: str | None = None  # cls | mean: the feature the head reads; None: the checkpoint's finetune_pool
     drop_path: float = 0.1  # stochastic depth rate (timm DropPath, linear over the blocks)
     label_smoothing: float = 0.1  # of the (soft) targets
     mixup: float = 0.8  # Mixup alpha (0: off; timm Mixup)
@@ -47,6 +53,9 @@ class FinetuneSection:
     mixup_prob: float = 1.0  # probability of mixing a batch at all
 
     def validate(self) -> None:
+        if self.global_pool not in (None, *POOLS):
+            raise ConfigError(f"finetune.global_pool must be one of {POOLS} or null (the checkpoint's finetune_pool), "
+                              f"got {self.global_pool!r}")
         if not 0 <= self.drop_path < 1 or not 0 <= self.label_smoothing < 1 or not 0 <= self.mixup_prob <= 1:
             raise ConfigError("finetune.drop_path / label_smoothing must be in [0, 1), mixup_prob in [0, 1]")
 
@@ -86,9 +95,29 @@ def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modalit
             at_data_size(backbone, data, source)
         check_inputs(backbone, data, source)
     ft = cfg.finetune
-    backbone = prepare_for_finetune(backbone, num_classes, pos_embed=ft.pos_embed, global_pool=ft.global_pool,
+    pool, why = finetune_pool(ft.global_pool, backbone, metadata, bool(cfg.model.checkpoint))
+    print(f"finetune.global_pool: {pool} ({why})")
+    backbone = prepare_for_finetune(backbone, num_classes, pos_embed=ft.pos_embed, global_pool=pool,
                                     drop_path_rate=ft.drop_path)
     return backbone, metadata
+
+
+def finetune_pool(chosen: str | None, backbone: Backbone, metadata: dict, from_checkpoint: bool) -> tuple[str, str]:
+    """The feature the head reads and why: ``finetune.global_pool`` when set; else the checkpoint's recorded
+    ``finetune_pool`` (its method's own fine-tuning protocol), the backbone's ``global_pool`` for checkpoints from
+    before it was recorded, and the class token (DeiT) from scratch."""
+    if chosen is not None:
+        return chosen, "set by finetune.global_pool"
+    if not from_checkpoint:
+        return "cls", "training from scratch: the class token, as DeiT"
+    method, pool = metadata.get("method", "?"), metadata.get("finetune_pool")
+    if pool is None:
+        pool = backbone.config.global_pool
+        return pool, f"the checkpoint records no finetune_pool: its backbone's global_pool ({method} checkpoint)"
+    if pool not in POOLS:
+        raise ConfigError(f"the checkpoint's finetune_pool must be one of {POOLS}, got {pool!r}: set "
+                          "finetune.global_pool")
+    return pool, f"the checkpoint's finetune_pool: {method} fine-tunes on {POOL_WORDS[pool]}"
 
 
 def at_data_size(backbone, data: Data, source: str) -> None:

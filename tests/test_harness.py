@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from patchplace.finetune import extract_features, probe_feature_of
+from patchplace.models import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
@@ -31,9 +32,13 @@ NO_DECAY = ("cls_token", "pos_table", "unknown_pos_embed", "mask_token", "mask_p
 # The tokens each objective adds and must exempt (beside the backbone's).
 OWN_TOKENS = {"mae": "mask_token", "ijepa": "mask_token", "droppos": "mask_pos_token",
               "mjp": "backbone.unknown_pos_embed"}
-# DESIGN §4: methods that never feed the class token are probed on the patch mean; the others on the class token.
-PROBE_FEATURE = {"mp3": "patch_mean", "mp3_speech": "patch_mean", "ijepa": "patch_mean", "stop": "patch_mean",
+# DESIGN §4: methods that never feed the class token are probed on the patch mean; MP3 (whose sequence holds the
+# class token, §3.1) on the mean of its patch outputs; the others on the class token.
+PROBE_FEATURE = {"mp3": "mean", "mp3_speech": "mean", "ijepa": "patch_mean", "stop": "patch_mean",
                  "randsac": "patch_mean", "droppos": "cls", "mae": "cls", "mjp": "cls", "supervised": "cls"}
+# The pooling each method's own fine-tuning protocol puts the head on (recorded as ``finetune_pool``).
+FINETUNE_POOL = {"mp3": "cls", "mp3_speech": "cls", "mjp": "cls", "supervised": "cls", "mae": "mean",
+                 "droppos": "mean", "ijepa": "mean", "stop": "mean", "randsac": "mean"}
 
 
 def method_args(shards: Path, method: str) -> list[str]:
@@ -142,8 +147,9 @@ def _batch(method: str, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("method", sorted(pretrain.METHODS))
 def test_probes_read_a_feature_that_pretraining_trained(shards, method):
-    """One training step of the pipeline's objective: a ``cls`` probe needs a class token that received gradient;
-    a ``patch_mean`` probe must not read or attend to the (untrained) class token at all."""
+    """One training step of the pipeline's objective: a ``cls`` or ``mean`` probe (a sequence holding the class
+    token) needs a class token that received gradient; a ``patch_mean`` probe must not read or attend to the
+    (untrained) class token at all."""
     cfg = pipeline_config.load(pretrain.PretrainConfig, None, method_args(shards, method))
     modality = "audio" if method == "mp3_speech" else "image"
     torch.manual_seed(0)
@@ -156,8 +162,8 @@ def test_probes_read_a_feature_that_pretraining_trained(shards, method):
     cls_trained = grad is not None and bool(grad.abs().sum() > 0)
     feature = probe_feature_of({"method": method, "probe_feature": objective.probe_feature}, backbone)
     assert backbone.blocks[-1].attn.qkv.weight.grad.abs().sum() > 0, "the patch tokens' path is trained"
-    if feature == "cls":
-        assert cls_trained, f"{method}: probes read the class token, which its pretraining never trained"
+    if feature in ("cls", "mean"):
+        assert cls_trained, f"{method}: probes run the class token, which its pretraining never trained"
         return
     assert not cls_trained, f"{method} trains its class token: probe it"
     batches = [(x, y)]
@@ -168,6 +174,51 @@ def test_probes_read_a_feature_that_pretraining_trained(shards, method):
     assert torch.equal(before[max(before)], after[max(after)])
     legacy = probe_feature_of({"method": method}, backbone)  # a checkpoint from before the metadata had it
     assert legacy == feature
+
+
+# ---------------------------------------------------------------------------------------------- fine-tuning pooling
+def test_every_method_declares_the_pooling_of_its_own_finetuning(shards):
+    """The class token for MP3 (§3.3), MJP and supervised (DeiT); average pooling for MAE (--global_pool), DropPos,
+    I-JEPA, StoP and RandSAC — on the backbones the pipeline builds (the checkpoint records it: test_pipelines)."""
+    for method in sorted(pretrain.METHODS):
+        cfg = pipeline_config.load(pretrain.PretrainConfig, None, method_args(shards, method))
+        modality = "audio" if method == "mp3_speech" else "image"
+        objective, _ = pretrain.build_objective(cfg, 12 if modality == "audio" else 3, 1, modality)
+        assert objective.finetune_pool == FINETUNE_POOL[method], method
+
+
+def test_finetune_pools_like_the_checkpoints_method_unless_told(shards, tmp_path, capsys):
+    """``finetune.global_pool: null`` (the shipped configs): the checkpoint's ``finetune_pool`` (MAE: mean, MP3: cls),
+    recorded in the fine-tuned checkpoint with the matching probe feature; set, it wins; older checkpoints fall back
+    to the backbone's ``global_pool``; from scratch, the class token."""
+    for method in ("mae", "mp3"):
+        args = [*method_args(shards, method), "optim.max_steps=1", f"run.output={tmp_path / method}"]
+        assert pretrain.main(args) == 0
+    mae = tmp_path / "mae" / "checkpoint"
+    capsys.readouterr()
+    out = tmp_path / "ft"
+    assert finetune.main(["--config", FT_CONFIG, *img(shards), *TINY, "optim.max_steps=1", "finetune.mixup=0",
+                          "finetune.cutmix=0", f"model.checkpoint={mae}", f"run.output={out}"]) == 0
+    assert ("finetune.global_pool: mean (the checkpoint's finetune_pool: mae fine-tunes on average-pooled patch "
+            "tokens)") in capsys.readouterr().out
+    written = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert written["backbone"]["global_pool"] == "mean"
+    assert written["metadata"]["finetune_pool"] == written["metadata"]["probe_feature"] == "mean"
+    assert written["metadata"]["pretrain_metadata"]["finetune_pool"] == "mean"
+    backbone, metadata = load_pretrained(out / "checkpoint")
+    assert probe_feature_of(metadata, backbone) == "mean", "evaluate's probes read the fine-tuned head's pooling"
+
+    def pool(*overrides: str) -> str:
+        cfg = pipeline_config.load(finetune.FinetuneConfig, FT_CONFIG, [*img(shards), *TINY, *overrides])
+        return finetune.build_backbone(cfg, 3, 1, "image")[0].config.global_pool
+
+    assert pool(f"model.checkpoint={tmp_path / 'mp3' / 'checkpoint'}") == "cls"
+    assert pool(f"model.checkpoint={mae}", "finetune.global_pool=cls") == "cls"
+    assert pool() == "cls"  # from scratch
+    legacy = load_pretrained(mae)[0]  # a checkpoint written before finetune_pool was recorded
+    assert finetune.finetune_pool(None, legacy, {"method": "mae"}, True)[0] == legacy.config.global_pool == "cls"
+    with pytest.raises(pipeline_config.ConfigError, match=r"finetune\.global_pool must be one of"):
+        pipeline_config.load(finetune.FinetuneConfig, FT_CONFIG, [*img(shards), "finetune.global_pool=avg"])
 
 
 # ---------------------------------------------------------------------------------------------- recipe knobs

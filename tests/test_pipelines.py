@@ -116,8 +116,11 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     assert [r["step"] for r in log] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in log)
     config = json.loads((out / "checkpoint" / "config.json").read_text())
     assert config["metadata"]["method"] == method and config["metadata"]["data"]["dataset"] in ("toy", "kws")
-    expected = "patch_mean" if method in ("mp3", "mp3_speech", "ijepa", "stop", "randsac") else "cls"
+    expected = {"mp3": "mean", "mp3_speech": "mean", "ijepa": "patch_mean", "stop": "patch_mean",
+                "randsac": "patch_mean"}.get(method, "cls")
     assert config["metadata"]["probe_feature"] == expected, "the checkpoint records the feature its training trained"
+    pool = "cls" if method in ("mp3", "mp3_speech", "mjp", "supervised") else "mean"
+    assert config["metadata"]["finetune_pool"] == pool, "and the pooling its method's own fine-tuning uses"
 
 
 def readme_snippet(name: str, **names) -> dict:
@@ -198,7 +201,7 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
                           f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "eval.probe_train_samples=32",
                           "eval.probe_epochs=2", "eval.max_eval_samples=16", "eval.label_fractions=[0.1,0.5]"]) == 0
     results = json.loads((tmp_path / "ev2" / "results.json").read_text())
-    assert results["probe_feature"] == "patch_mean"  # MP3 never trained the class token
+    assert results["probe_feature"] == "mean"  # the patch mean of MP3's sequence, which holds the class token
     assert results["plots"] == ["evaluation.png", "mp3_position_accuracy.png", "mp3_reassembled.png"], \
         "a pretrained (headless) checkpoint gets the summary plot too, beside its method's own"
     # label-efficiency probes: the balanced subsets of the whole train split (64 images, 3 classes) fine-tuning uses

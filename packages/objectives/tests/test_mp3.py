@@ -1,4 +1,5 @@
-"""MP3: context-only attention in every layer, no PE anywhere, anchors excluded, and it learns positions."""
+"""MP3: context-only attention in every layer, no PE anywhere, anchors excluded, the class token (no PE, no
+target) in every context, and it learns positions."""
 
 from __future__ import annotations
 
@@ -95,3 +96,86 @@ def test_mp3_learns_positions_on_structured_images(images):
     curve = position_accuracy_vs_eta(model, x, etas=(0.0, 0.5, 0.9))
     assert curve[0.0]["top1"] >= 0.9, curve
     assert curve[0.0]["top1"] > curve[0.5]["top1"] > curve[0.9]["top1"], "less context, lower accuracy (Fig. 3)"
+
+
+# ---------------------------------------------------------------------------------------------- the class token
+def _patch(x: torch.Tensor, i: int, scale: float = 3.0) -> torch.Tensor:
+    """``x`` (B, 1, 16, 16) with patch ``i`` of every sample (4 x 4 grid of 4 px patches) changed."""
+    changed = x.clone()
+    r, c = divmod(i, 4)
+    changed[:, 0, 4 * r: 4 * r + 4, 4 * c: 4 * c + 4] += torch.randn(4, 4) * scale
+    return changed
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.25, 0.5, 0.75, 0.9])
+def test_the_class_token_is_a_context_token_of_every_sample_and_is_trained(micro, eta):
+    """§3.1: the class token is always in the context (its change reaches every patch token's logits in every
+    sample), the context keeps M = round((1 - eta) N) patch tokens, and the token gets gradient (not frozen)."""
+    model = MP3(micro(pos_embed="none"), MP3Config(eta=eta)).eval()
+    cls = model.backbone.cls_token
+    assert cls is not None and cls.requires_grad
+    x = torch.randn(3, 1, 16, 16)
+    logits, _ = model.position_logits(x, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cls.add_(torch.randn_like(cls))
+    moved, _ = model.position_logits(x, generator=torch.Generator().manual_seed(5))
+    assert ((moved - logits).abs().amax(-1) > 1e-4).all(), "every patch token of every sample attends to it"
+    # The patch tokens whose change reaches another patch token's logits: exactly the M drawn patch contexts
+    # (the same generator draws the same context; anchors are off, so only the context is drawn).
+    m = round((1 - eta) * 16)
+    drawn = torch.rand(3, 16, generator=torch.Generator().manual_seed(5)).argsort(1)[:, :m]
+    influential: list[set[int]] = [set() for _ in range(3)]
+    for i in range(16):
+        changed, _ = model.position_logits(_patch(x, i), generator=torch.Generator().manual_seed(5))
+        others = [j for j in range(16) if j != i]
+        for b in range(3):
+            if (changed[b, others] - moved[b, others]).abs().amax() > 1e-4:
+                influential[b].add(i)
+    assert influential == [set(row.tolist()) for row in drawn]
+    model.train()
+    model(x, generator=torch.Generator().manual_seed(5))["loss"].backward()
+    assert cls.grad is not None and cls.grad.abs().sum() > 0
+
+
+def test_the_class_token_gets_no_pe_and_no_position_target(micro):
+    """The logits are the head on the patch outputs of [CLS (no PE); patch tokens (no PE)]: a PE table's class
+    row (``prepend_cls`` would add it) changes nothing, and the head classifies the N patch tokens only."""
+    model = MP3(micro(pos_embed="learned"), MP3Config(eta=0.0)).eval()
+    bb = model.backbone
+    with torch.no_grad():
+        bb.pos_table.normal_(0, 5.0)  # a large PE everywhere, the class row included: none of it may be added
+    x = torch.randn(2, 1, 16, 16)
+    logits, anchors = model.position_logits(x)
+    assert logits.shape == (2, 16, 16) and not anchors.any()
+    with torch.no_grad():
+        tokens = torch.cat([bb.cls_token.expand(2, -1, -1), bb.patch_embed(x)], dim=1)
+        expected = model.head(bb.forward_tokens(tokens)[:, 1:])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    out = model(x)  # the loss: cross-entropy of the N patch tokens to their own index, nothing for the class token
+    ce = torch.nn.functional.cross_entropy(expected.reshape(-1, 16), torch.arange(16).repeat(2))
+    torch.testing.assert_close(out["loss"], ce, atol=1e-5, rtol=0)
+
+
+def test_probe_and_finetune_features_follow_the_class_token(micro):
+    """Probes average the patch outputs of the sequence pretraining ran (with the class token: ``mean``);
+    fine-tuning reads the class token (§3.3). Without a class token: ``patch_mean`` and average pooling."""
+    with_cls = MP3(micro(pos_embed="none"))
+    assert (with_cls.probe_feature, with_cls.finetune_pool) == ("mean", "cls")
+    without = MP3(micro(pos_embed="none", class_token=False, global_pool="mean"), MP3Config(eta=0.5))
+    assert (without.probe_feature, without.finetune_pool) == ("patch_mean", "mean")
+    logits, _ = without.position_logits(torch.randn(2, 1, 16, 16))
+    assert logits.shape == (2, 16, 16)
+
+
+def test_speech_class_token_gets_no_pe_and_anchors_keep_theirs():
+    torch.manual_seed(0)
+    backbone = create_model("audio_mp3", drop_rate=0.0, attn_drop_rate=0.0)
+    model = MP3(backbone, MP3Config.speech()).eval()
+    assert backbone.cls_token is not None and model.finetune_pool == "cls" and model.probe_feature == "mean"
+    feats = torch.randn(2, 101, 40)
+    logits, anchors = model.position_logits(feats, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        patches = backbone.patch_embed(feats) + anchors.unsqueeze(-1) * backbone.pos_embed()
+        tokens = torch.cat([backbone.cls_token.expand(2, -1, -1), patches], dim=1)
+        expected = model.head(backbone.forward_tokens(tokens)[:, 1:])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

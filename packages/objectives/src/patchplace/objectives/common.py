@@ -105,6 +105,10 @@ class BackboneObjective(nn.Module):
     ``"cls"`` (the class token, in a sequence that contains it), ``"mean"`` (average of the patch outputs of a
     sequence that contains the class token) or ``"patch_mean"`` (average of the final-normed patch outputs of the
     patch tokens alone: methods that never feed the class token, whose probes must not read or attend to it).
+
+    ``finetune_pool`` says which feature the method's own fine-tuning protocol puts its classifier head on (recorded
+    in the checkpoint; ``finetune.global_pool: null`` reads it): ``"cls"`` (MP3 §3.3, MJP, DeiT) or ``"mean"``
+    (average-pooled patch tokens: MAE's ``--global_pool``, DropPos, I-JEPA, StoP, RandSAC).
     """
 
     backbone: Backbone
@@ -117,6 +121,12 @@ class BackboneObjective(nn.Module):
     def probe_feature(self) -> str:
         """Default: the feature the classifier head reads (``cls`` or ``mean`` of a sequence that holds the class
         token) — right for objectives that train through the head; the others set a class attribute."""
+        return self.backbone.config.global_pool
+
+    @property
+    def finetune_pool(self) -> str:
+        """Default: the pooling the classifier head reads (``cls`` or ``mean``), right for objectives that train
+        through the head; the others set a class attribute."""
         return self.backbone.config.global_pool
 
     def freeze_class_token(self) -> None:

@@ -109,6 +109,7 @@ class DropPos(BackboneObjective):
 
     no_weight_decay_tokens = ("mask_pos_token",)  # the [MASK] position token p_mask (Eq. 3)
     probe_feature = "cls"  # CLS keeps its PE and is encoded with the visible tokens (Eq. 3)
+    finetune_pool = "mean"  # DropPos fine-tunes with MAE's code and its --global_pool (average pooling)
 
     def __init__(self, backbone: Backbone | nn.Module, config: DropPosConfig | None = None) -> None:
         super().__init__()

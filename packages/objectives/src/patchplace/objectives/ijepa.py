@@ -120,6 +120,7 @@ class IJEPA(BackboneObjective):
     # The context encoder never sees a class token: probe the average of its final-normed patch outputs, as the
     # I-JEPA and StoP linear probes do (DESIGN §4).
     probe_feature = "patch_mean"
+    finetune_pool = "mean"  # I-JEPA and StoP fine-tune on average-pooled patch tokens (no class token trained)
 
     def __init__(self, backbone: Backbone | nn.Module, config: IJEPAConfig | None = None) -> None:
         super().__init__()

@@ -89,6 +89,7 @@ class MAE(BackboneObjective):
 
     no_weight_decay_tokens = ("mask_token",)
     probe_feature = "cls"  # the encoder runs [CLS; visible] (MAE's linear probe reads the class token)
+    finetune_pool = "mean"  # MAE's fine-tuning code: --global_pool, the average of the patch outputs
 
     def __init__(self, backbone: Backbone | nn.Module, config: MAEConfig | None = None) -> None:
         super().__init__()

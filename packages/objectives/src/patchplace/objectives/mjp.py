@@ -304,6 +304,11 @@ class MJP(BackboneObjective):
     # AdamW's momentum still turns into updates: a different trajectory.
     leaves_parameters_unused = True
 
+    @property
+    def finetune_pool(self) -> str:
+        """MJP trains and fine-tunes DeiT's classifier on the class token (average pooling without one)."""
+        return "cls" if self.backbone.cls_token is not None else "mean"
+
     def __init__(self, backbone: Backbone | nn.Module, config: MJPConfig | None = None) -> None:
         super().__init__()
         backbone = as_backbone(backbone, None)  # a timm VisionTransformer is adopted, its parameters shared

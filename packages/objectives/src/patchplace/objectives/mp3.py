@@ -1,12 +1,15 @@
-"""MP3 — Masked Patch Position Prediction (Zhai et al. 2022, ``mp3-position-prediction.txt``).
+"""MP3 — Masked Patch Position Prediction (Zhai et al. 2022, arXiv:2207.07611, ``mp3-position-prediction.txt``).
 
-Pretraining removes every position embedding, picks a random context of ``M = round((1 - eta) N)`` tokens per
-sample, and runs the backbone so that in *every* layer queries come from all N tokens while keys/values come
-only from the context tokens (§3, App. A pseudo-code ``masked_attention``); a linear head D -> N then classifies
-each token's position with cross-entropy over all tokens (App. A ``mp3_loss``).
+Pretraining removes every position embedding, picks a random context of ``M = round((1 - eta) N)`` patch tokens
+per sample, and runs the backbone so that in *every* layer queries come from all tokens while keys/values come only
+from the context tokens (§3, App. A pseudo-code ``masked_attention``); a linear head D -> N then classifies each
+patch token's position with cross-entropy over all patch tokens (App. A ``mp3_loss``). The class token is part of
+the input (§3.1: "we add a learnable cls token"): it has no PE, is always a context token and has no position
+target, so fine-tuning's "linear classifier head after the cls token" (§3.3) reads a trained token.
 
 Speech (§3.1, §4.3): same objective on MFCC frames, eta = 0 by default, and a random 5% of the frames get their
 true (sinusoidal) PE as anchors and are excluded from the loss; the others are predicted among all T positions.
+The class token gets no PE there either.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class MP3Config(ObjectiveConfig):
 
 
 class MP3(BackboneObjective):
-    """MP3 on any backbone of ``patchplace.models`` (ViT patches or audio frames).
+    """MP3 on any backbone of ``patchplace.models`` (ViT patches or audio frames), with or without a class token
+    (with one, it is fed without PE and kept in every sample's context; the head reads the patch tokens only).
 
     A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
 
@@ -73,9 +77,16 @@ class MP3(BackboneObjective):
     True
     """
 
-    # MP3 never feeds the class token (App. A runs the patch tokens alone): probe the average of the final-normed
-    # patch outputs, the representation App. C's kNN evaluates (average-pooled), with no class token in the sequence.
-    probe_feature = "patch_mean"
+    # Probes read the average of the final-normed patch outputs (App. C's kNN, average-pooled) of the sequence the
+    # pretraining ran: "mean" with the class token in it (§3.1), "patch_mean" on a backbone without one.
+    @property
+    def probe_feature(self) -> str:
+        return "mean" if self.backbone.cls_token is not None else "patch_mean"
+
+    @property
+    def finetune_pool(self) -> str:
+        """§3.3: "a linear classifier head after the cls token" (average pooling without a class token)."""
+        return "cls" if self.backbone.cls_token is not None else "mean"
 
     def __init__(self, backbone: Backbone | nn.Module, config: MP3Config | None = None) -> None:
         super().__init__()
@@ -89,7 +100,6 @@ class MP3(BackboneObjective):
             raise ObjectiveError("MP3 anchors need the backbone's true PE: create it with pos_embed='sincos1d' "
                                  "(speech) or 'sincos2d', or set anchor_ratio=0")
         self.backbone = backbone
-        self.freeze_class_token()  # never fed here (see probe_feature)
         self.num_positions = backbone.num_patches
         self.head = nn.Linear(backbone.embed_dim, self.num_positions)  # App. A: linear_head, D -> N
         nn.init.xavier_uniform_(self.head.weight)
@@ -97,7 +107,7 @@ class MP3(BackboneObjective):
 
     def position_logits(self, inputs: torch.Tensor, eta: float | None = None, anchor_ratio: float | None = None,
                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, N, N) position logits and the (B, N) bool anchor mask, at masking ratio ``eta``."""
+        """(B, N, N) position logits of the patch tokens and the (B, N) bool anchor mask, at masking ratio ``eta``."""
         eta = self.config.eta if eta is None else eta
         anchor_ratio = self.config.anchor_ratio if anchor_ratio is None else anchor_ratio
         tokens = self.backbone.patch_embed(inputs)  # (B, N, D), no PE (§3: positions are removed)
@@ -109,8 +119,14 @@ class MP3(BackboneObjective):
             tokens = tokens + anchors.unsqueeze(-1) * self.backbone.pos_embed()
         m = num_kept(n, eta)
         context = None if m == n else random_shuffle(b, n, tokens.device, generator)[:, :m]
+        cls = self.backbone.cls_token
+        if cls is not None:  # §3.1: the class token, without PE, in every sample's context
+            tokens = torch.cat([cls.to(tokens.dtype).expand(b, -1, -1), tokens], dim=1)
+            if context is not None:
+                context = torch.cat([context.new_zeros(b, 1), context + 1], dim=1)
         features = self.backbone.forward_tokens(tokens, context_index=context)
-        return self.head(features), anchors
+        patches = features[:, self.backbone.num_prefix_tokens:]  # the class token has no position target
+        return self.head(patches), anchors
 
     def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
         inputs, _ = split_batch(batch)

@@ -150,6 +150,7 @@ class RandSAC(BackboneObjective):
     # directly use the averaged pooled feature out of the encoder for both fine-tuning and linear probing") probes
     # the mean of the encoder's patch outputs.
     probe_feature = "patch_mean"
+    finetune_pool = "mean"  # the same averaged pooled feature (App. B.2) for fine-tuning
 
     def __init__(self, backbone: Backbone | nn.Module, config: RandSACConfig | None = None) -> None:
         super().__init__()

@@ -42,6 +42,12 @@ class Supervised(BackboneObjective):
     True
     """
 
+    @property
+    def finetune_pool(self) -> str:
+        """The pooling the head trains on: ``cls`` for the DeiT baseline (the default config); a fine-tune (this
+        objective on a prepared checkpoint) records the pooling it fine-tuned with, as ``probe_feature``."""
+        return self.backbone.config.global_pool
+
     def __init__(self, backbone: Backbone | nn.Module, config: SupervisedConfig | None = None) -> None:
         super().__init__()
         backbone = as_backbone(backbone, None)  # a timm VisionTransformer is adopted, its parameters shared
