@@ -10,10 +10,15 @@ one per seed). With ``--study``, every method's probe in that study's results is
 control: "learned" only where its mean beats the control's by more than the seed spread (the larger of the two
 standard deviations over seeds), else "not learned at this budget".
 
-Sets (``controls.*``): each class-balanced ``label_fractions`` subset of the whole train split (the subsets of the
-study's label-efficiency rows: ``balanced_subset`` with ``data.label_subset_seed``) and the first
-``probe_train_samples`` train images (the study's all-label probe set); tested on ``data.val`` (capped by
-``data.val_limit``, as the study's probes are). Writes ``controls.json`` and ``controls.md`` to ``run.output``.
+Sets (``controls.*``): each class-balanced ``label_fractions`` subset of the train split (the subsets of the
+study's label-efficiency rows: ``balanced_subset`` with ``data.label_subset_seed``, drawn from what ``data.holdout``
+leaves) and the first ``probe_train_samples`` train images (the study's all-label probe set; 0: none); tested on
+``data.val`` (capped by ``data.val_limit``, as the study's probes are; ``data.val=holdout``: the validation split).
+Writes ``controls.json`` and ``controls.md`` to ``run.output``.
+
+``controls.checkpoints``: checkpoints probed on the same sets and images beside the controls, each on the feature
+its training trained (``probe_feature``) — e.g. the snapshots of one pretraining (``run.keep_epochs``), which makes
+a learning curve ("does it learn here?") with its controls, the data decoded once for all of them.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from evaluate import first_images, probe
 from study_plan import RUNS
 
 from patchplace.data.memory import MemoryReader, balanced_subset
-from patchplace.finetune import extract_features, knn_classify
-from patchplace.models import create_model
+from patchplace.finetune import extract_features, knn_classify, probe_feature_of
+from patchplace.models import create_model, load_pretrained
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -48,11 +53,15 @@ class ControlsSection:
     probe_epochs: int = 100  # epochs of each linear probe (as the study's)
     knn_k: int = 20  # neighbours of the kNN (cosine, DINO's weighting)
     pool: str = "mean"  # random-init features: mean (of the patch tokens) | cls
+    random_init: bool = True  # the random-init controls (false: raw pixels and checkpoints only)
+    checkpoints: tuple[str, ...] = ()  # also probe these checkpoints (their probe_feature) on the same sets
 
     def validate(self) -> None:
-        if not self.seeds or any(not 0 < f < 1 for f in self.label_fractions) or self.probe_train_samples < 1:
+        if not self.seeds or any(not 0 < f < 1 for f in self.label_fractions) or self.probe_train_samples < 0:
             raise ConfigError("controls.seeds needs a seed, label_fractions must be in (0, 1), "
-                              "probe_train_samples >= 1")
+                              "probe_train_samples >= 0")
+        if not self.label_fractions and not self.probe_train_samples:
+            raise ConfigError("controls: no set to probe (label_fractions empty and probe_train_samples 0)")
         if self.pool not in ("mean", "cls"):
             raise ConfigError(f"controls.pool must be mean or cls, got {self.pool!r}")
 
@@ -82,8 +91,9 @@ def train_sets(data, cfg: ControlsConfig) -> dict[str, Batches]:
         subset = MemoryReader(split.subset(balanced_subset(split.labels, fraction, cfg.data.label_subset_seed)),
                               data.train.transform, shuffle=False, device=data.train.device)
         sets[f"{fraction:g}"] = list(subset.batches(bs, epoch=0))
-    x, y = first_images(data.train, c.probe_train_samples, bs)
-    sets["probe_set"] = list(zip(x.split(bs), y.split(bs), strict=True))
+    if c.probe_train_samples:
+        x, y = first_images(data.train, c.probe_train_samples, bs)
+        sets["probe_set"] = list(zip(x.split(bs), y.split(bs), strict=True))
     return sets
 
 
@@ -116,7 +126,7 @@ def measure(cfg: ControlsConfig, data, device) -> dict[str, Any]:
                                                 num_classes=classes, epochs=c.probe_epochs)["top1"]
                                           for s in c.seeds]
     channels = int(data.manifest.info.get("channels", 1))
-    for seed in c.seeds:
+    for seed in c.seeds if c.random_init else ():
         backbone = random_init(cfg, seed, channels).to(device)
         te, te_y = features(backbone, val, c.pool, device)
         for name, batches in sets.items():
@@ -126,9 +136,29 @@ def measure(cfg: ControlsConfig, data, device) -> dict[str, Any]:
             results["random_linear"].setdefault(name, []).append(
                 probe(f"random init seed {seed}, {name}", tr, tr_y, te, te_y, seed=seed, num_classes=classes,
                       epochs=c.probe_epochs)["top1"])
-    return {"controls": results, "sets": {name: sum(len(y) for _, y in b) for name, b in sets.items()},
+    checkpoints = {path: probe_checkpoint(path, sets, val, c, classes, device) for path in c.checkpoints}
+    return {"controls": results, "checkpoints": checkpoints,
+            "sets": {name: sum(len(y) for _, y in b) for name, b in sets.items()},
             "test_samples": len(test_y), "preset": cfg.model.preset, "pool": c.pool, "seeds": list(c.seeds),
             "label_subset_seed": cfg.data.label_subset_seed}
+
+
+def probe_checkpoint(path: str, sets: dict[str, Batches], val: Batches, c: ControlsSection, classes: int,
+                     device) -> dict[str, Any]:
+    """Linear probe (seed 0) and kNN of one checkpoint's features on every set, on the feature its training
+    trained; with the step / epoch its metadata records (a ``run.keep_epochs`` snapshot)."""
+    backbone, metadata = load_pretrained(path)
+    backbone = backbone.to(device).eval()
+    pool = probe_feature_of(metadata, backbone)
+    te, te_y = features(backbone, val, pool, device)
+    result: dict[str, Any] = {"method": metadata.get("method"), "step": metadata.get("step"),
+                              "epoch": metadata.get("epoch"), "pool": pool, "linear": {}, "knn": {}}
+    for name, batches in sets.items():
+        tr, tr_y = features(backbone, batches, pool, device)
+        result["knn"][name] = knn_classify(tr, tr_y, te, te_y, num_classes=classes, k=c.knn_k)["top1"]
+        result["linear"][name] = probe(f"{path}, {name}", tr, tr_y, te, te_y, seed=0, num_classes=classes,
+                                       epochs=c.probe_epochs)["top1"]
+    return result
 
 
 def mean_sd(values: list[float]) -> tuple[float, float]:
@@ -168,6 +198,14 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
               "random_linear": "random-init backbone, linear probe", "random_knn": "random-init backbone, kNN"}
     for key, label in labels.items():
         lines.append(f"| {label} | " + " | ".join(cell(controls[key].get(n)) for n in names) + " |")
+    if measured.get("checkpoints"):
+        lines += ["", "## Checkpoints on the same sets (linear / kNN)", "",
+                  "| checkpoint | method | epoch | feature | " + " | ".join(heads) + " |",
+                  "| --- | --- | --- | --- |" + " --- |" * len(names)]
+        for path, r in measured["checkpoints"].items():
+            cells = [f"{r['linear'][n] * 100:.1f} / {r['knn'][n] * 100:.1f}" for n in names]
+            lines.append(f"| {path} | {r['method']} | {r['epoch'] if r['epoch'] is not None else '-'} | "
+                         f"{r['pool']} | " + " | ".join(cells) + " |")
     if study:
         lines += ["", "## The study's probes against the controls", "",
                   "A method's probe is *learned* where its mean beats the random-init control's by more than the seed "

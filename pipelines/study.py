@@ -44,23 +44,38 @@ from study_runner import Study
 
 @dataclass(frozen=True)
 class Unit:
-    """Groups run together on one seed by one study process (mp3_pe rides with main: it fine-tunes main's MP3)."""
+    """Groups run together on one seed by one study process (mp3_pe rides with main: it fine-tunes main's MP3);
+    a learning curve is a unit of its own (``only``: its row)."""
 
     groups: tuple[str, ...]
     seed: int
+    only: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return f"{'+'.join(self.groups)} seed {self.seed}"
+        return f"{'+'.join(self.groups)}{' ' + ','.join(self.only) if self.only else ''} seed {self.seed}"
+
+    def overrides(self) -> list[str]:
+        return [f"groups=[{','.join(self.groups)}]", f"only_seeds=[{self.seed}]",
+                *([f"only=[{','.join(self.only)}]"] if self.only else [])]
 
 
 def study_units(cfg: StudyConfig) -> list[Unit]:
-    """Every (groups, seed) unit once, in the priority order of ``cfg.groups``, then by seed."""
+    """Every (groups, seed) unit once, in the priority order of ``cfg.groups``, then by seed; one unit per
+    learning curve."""
     units: dict[tuple[str, int], list[str]] = {}
+    curves = []
     for group in cfg.groups:
+        if group == "curves":
+            curves = [Unit(("curves",), cfg.curve_seed, (name,)) for name in cfg.curve_rows] if cfg.curve_epochs \
+                else []
+            continue
         for seed in group_seeds(cfg, group):
             host = ("main", seed) if group == "mp3_pe" and ("main", seed) in units else (group, seed)
             units.setdefault(host, []).append(group)
-    return [Unit(tuple(groups), seed) for (_, seed), groups in units.items()]
+    ordered = [Unit(tuple(groups), seed) for (_, seed), groups in units.items()]
+    at = cfg.groups.index("curves") if curves else 0  # the curves where the groups put them
+    before = sum(1 for u in ordered if cfg.groups.index(u.groups[0]) < at)
+    return ordered[:before] + curves + ordered[before:]
 
 
 def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int] | None = None) -> int:
@@ -87,8 +102,7 @@ def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int
                 unit = queue.pop(0)
             print(f"[study] job {i}: {unit}", flush=True)
             with log.open("a") as f:
-                code = call([*base, f"groups=[{','.join(unit.groups)}]", f"only_seeds=[{unit.seed}]",
-                             f"threads={threads}"], stdout=f, stderr=subprocess.STDOUT)
+                code = call([*base, *unit.overrides(), f"threads={threads}"], stdout=f, stderr=subprocess.STDOUT)
             if code != 0:
                 with lock:
                     failed.append(f"{log} ({unit})")

@@ -142,26 +142,57 @@ def on_par(ours: dict[int, float], other: dict[int, float], margin: float = 0.01
     return f"undecided ({text})"
 
 
-def claims(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Each paper's claim beside what this study measured, paired by seed (see :func:`verdict`), after a line
-    counting the decided ones."""
-    items = claim_items(rows)
-    lines = [decided_line([v for _, v in items]), "", "| claim (paper) | this study |", "| --- | --- |"]
-    return lines + [f"| {c} | {v} |" for c, v in items]
+# Rows trained with labels (no pretrained features to control): always "learned".
+SUPERVISED_ROWS = {r.name for r in RUNS if r.classifier_only}
+
+
+def learned_status(rows: dict[str, list[dict[str, Any]]], name: str, controls: dict[str, Any] | None) -> str | None:
+    """None when ``name``'s pretrained features count as learned (its all-label linear probe beats the random-init
+    control's by more than the seed spread, the larger std over seeds), else "not learned at this budget (...)".
+    Rows trained with labels, speech rows (no image control) and a study without controls are not gated."""
+    run = next((r for r in RUNS if r.name == name), None)
+    if controls is None or run is None or run.speech or name in SUPERVISED_ROWS:
+        return None
+    control = controls.get("controls", {}).get("random_linear", {}).get("probe_set")
+    values = list(per_seed(rows, run.pretrain_from or name, "linear_probe").values())
+    if not control or not values:
+        return None
+    mean, sd = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    c_mean, c_sd = statistics.mean(control), statistics.stdev(control) if len(control) > 1 else 0.0
+    spread = max(sd, c_sd)
+    if mean - c_mean > spread:
+        return None
+    return (f"not learned at this budget ({run.pretrain_from or name}: probe {mean * 100:.1f} vs random init "
+            f"{c_mean * 100:.1f}, spread {spread * 100:.1f})")
+
+
+def claims(rows: dict[str, list[dict[str, Any]]], controls: dict[str, Any] | None = None,
+           settings: dict[str, str] | None = None) -> list[str]:
+    """Each paper's claim, its setting in the paper vs here, and what this study measured, paired by seed (see
+    :func:`verdict`), after a line counting the decided ones. Claims on pretrained rows whose features are not
+    learned (:func:`learned_status`) are not read."""
+    items = claim_items(rows, controls)
+    settings = settings or {}
+    lines = [decided_line([v for _, _, v in items]), "",
+             "| claim (paper) | paper's setting -> this study's | this study |", "| --- | --- | --- |"]
+    return lines + [f"| {c} | {w.format(**settings) if settings else w} | {v} |" for c, w, v in items]
 
 
 def claims_versus(rows: dict[str, list[dict[str, Any]]], earlier: dict[str, list[dict[str, Any]]],
-                  earlier_name: str) -> list[str]:
-    """The claims table of an earlier study's rows (judged by the same rules) beside this one's."""
-    now, before = claim_items(rows), dict(claim_items(earlier))
+                  earlier_name: str, controls: dict[str, Any] | None = None) -> list[str]:
+    """The claims table of an earlier study's rows (judged by the same test, without its controls) beside this
+    one's."""
+    now, before = claim_items(rows, controls), {c: v for c, _, v in claim_items(earlier)}
     lines = [f"| claim (paper) | {earlier_name} | this study |", "| --- | --- | --- |"]
-    lines += [f"| {c} | {before[c]} | {v} |" for c, v in now]
+    lines += [f"| {c} | {before.get(c, 'not run')} | {v} |" for c, _, v in now]
     return [*lines, "", f"{earlier_name}: {decided_line(list(before.values()))}",
-            f"This study: {decided_line([v for _, v in now])}"]
+            f"This study: {decided_line([v for _, _, v in now])}"]
 
 
-def claim_items(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
-    """(claim, verdict) per paper claim."""
+def claim_items(rows: dict[str, list[dict[str, Any]]],
+                controls: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
+    """(claim, paper's setting -> this study's, verdict) per paper claim. The setting text has ``{pre}``,
+    ``{ft}``, ``{total}``, ``{seeds}`` fields the report fills in."""
     def m(name: str, key: Value | str) -> dict[int, float]:
         return per_seed(rows, name, key)
 
@@ -188,63 +219,96 @@ def claim_items(rows: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str]]:
     def psnr_verdict(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool) -> str:
         return verdict(ours, other, paper_says_higher, scale=1, unit="dB PSNR")
 
+    here = "Fashion-MNIST 32 px, `vit_cpu_narrow` (1.2M), {pre} PT"
     items = [
-        ("MP3 Table 3: MP3 pretraining + fine-tuning beats supervised training of the same ViT",
-         verdict(m("mp3", "top1"), m("supervised", "top1"), True)),
+        ("MP3 Table 4 / Fig. 5: MP3 pretraining + fine-tuning beats supervised training of the same ViT at the "
+         "same total epochs",
+         "ImageNet-1K ViT-B, eta 0.75: 100 PT + 150 FT epochs 83.0 vs 300 supervised 81.8 (Fig. 5: 100 + 60 "
+         "already above) -> " + here + " + {ft} FT vs {total} supervised epochs, eta 0.5",
+         ("mp3", "supervised"), verdict(m("mp3", "top1"), m("supervised", "top1"), True)),
         ("MP3 Table 3: with MP3 pretraining, 2D relative PE is on par with absolute (84.2 vs 84.0)",
-         on_par(m("mp3_ft_relbias2d", "top1"), m("mp3", "top1"))),
+         "CIFAR-100 ViT-S, 2K PT epochs -> " + here + " + {ft} FT; margin 1 pt",
+         ("mp3_ft_relbias2d", "mp3"), on_par(m("mp3_ft_relbias2d", "top1"), m("mp3", "top1"))),
         ("MP3 Table 3: MP3 without any PE stays far above supervised without PE (82.6 vs 64.6)",
-         verdict(m("mp3_ft_none", "top1"), m("supervised_nope", "top1"), True)),
+         "CIFAR-100 ViT-S, 2K PT epochs vs 400 supervised -> " + here + " + {ft} FT vs {total} supervised",
+         ("mp3_ft_none", "supervised_nope"), verdict(m("mp3_ft_none", "top1"), m("supervised_nope", "top1"), True)),
         ("MP3 Fig. 3: position accuracy falls as the evaluation eta grows (eval 0.9 vs 0, train eta 0.5)",
+         "ImageNet-1K ViT-B -> " + here + ", the pretraining's own head", ("mp3",),
          verdict(m("mp3", eta_curve("0.9")), m("mp3", eta_curve("0.0")), False)),
         ("MP3 Fig. 3: a model trained with eta 0.75 predicts positions better at eval eta 0.75 than one trained "
-         "with eta 0", verdict(m("mp3_eta0.75", eta_curve("0.75")), m("mp3_eta0", eta_curve("0.75")), True)),
+         "with eta 0", "ImageNet-1K ViT-B -> " + here, ("mp3_eta0.75", "mp3_eta0"),
+         verdict(m("mp3_eta0.75", eta_curve("0.75")), m("mp3_eta0", eta_curve("0.75")), True)),
         ("MP3 Fig. 6: an intermediate eta (0.5) fine-tunes better than eta 0 (here: fine-tuned top-1, or the linear "
-         "probe when the eta runs were probed only)", verdict(*comparable("mp3", "mp3_eta0"), True)),
+         "probe when the eta runs were probed only)", "CIFAR-100 ViT-S, 200 PT epochs, fine-tuned -> " + here,
+         ("mp3", "mp3_eta0"), verdict(*comparable("mp3", "mp3_eta0"), True)),
         ("DropPos Table 1: gamma 0.75 fine-tunes better than gamma 0.5 (here: fine-tuned top-1, or the linear probe "
-         "when the ablation was probed only)", verdict(*comparable("droppos", "droppos_gamma0.5"), True)),
+         "when the ablation was probed only)", "ImageNet-1K ViT-B, 200 PT epochs, fine-tuned -> " + here,
+         ("droppos", "droppos_gamma0.5"), verdict(*comparable("droppos", "droppos_gamma0.5"), True)),
         ("DropPos Table 3: sigma = 0 predicts positions better but fine-tunes worse than sigma 1 -> 0 (position)",
+         "ImageNet-1K ViT-B, 200 PT epochs -> " + here + ", mean of the 4 x 4 position grid",
+         ("droppos_sigma0", "droppos"),
          verdict(m("droppos_sigma0", "position_accuracy"), m("droppos", "position_accuracy"), True)),
-        ("DropPos Table 3: ... (fine-tune, or linear probe)",
-         verdict(*comparable("droppos_sigma0", "droppos"), False)),
+        ("DropPos Table 3: ... (fine-tune, or linear probe)", "as above, fine-tuned -> " + here + ", linear probe",
+         ("droppos_sigma0", "droppos"), verdict(*comparable("droppos_sigma0", "droppos"), False)),
         ("DropPos Table 4: tau = inf fine-tunes worse than tau 0.1 (fine-tune, or linear probe)",
-         verdict(*comparable("droppos_tau_inf", "droppos"), False)),
+         "ImageNet-1K ViT-B, 200 PT epochs, fine-tuned -> " + here + ", linear probe",
+         ("droppos_tau_inf", "droppos"), verdict(*comparable("droppos_tau_inf", "droppos"), False)),
         ("StoP Table 1: StoP beats I-JEPA in linear probing (100% of the labels)",
-         verdict(m("stop", "linear_probe"), m("ijepa", "linear_probe"), True)),
+         "ImageNet-1K ViT-B/L/H, 300-600 PT epochs -> " + here + ", probe on 5,000 train images",
+         ("stop", "ijepa"), verdict(m("stop", "linear_probe"), m("ijepa", "linear_probe"), True)),
         ("StoP Table 6: ... and with 1% of the labels (a class-balanced 1% of the train split)",
-         verdict(*one_pct("stop", "ijepa"), True)),
+         "ImageNet-1K 1% (~13 images per class) -> " + here + ", 1% = 55 images per class",
+         ("stop", "ijepa"), verdict(*one_pct("stop", "ijepa"), True)),
         ("MJP Table 1: MJP is more consistent under a gamma 0.15 jigsaw than the supervised ViT",
-         verdict(m("mjp", "consistency"), m("supervised", "consistency"), True)),
+         "ImageNet-1K DeiT-S, 300 epochs -> Fashion-MNIST, {total} epochs from scratch, both",
+         ("mjp", "supervised"), verdict(m("mjp", "consistency"), m("supervised", "consistency"), True)),
         ("MJP Table 3: larger training gamma -> higher consistency (0.27 vs 0.03)",
+         "ImageNet-1K DeiT-S -> Fashion-MNIST, {total} epochs", ("mjp_gamma0.27", "mjp_gamma0.03"),
          verdict(m("mjp_gamma0.27", "consistency"), m("mjp_gamma0.03", "consistency"), True)),
         ("MJP Table 3: top-1 stays flat across training gamma (0.27 vs 0.03, within 1 pt)",
+         "as above; margin 1 pt", ("mjp_gamma0.27", "mjp_gamma0.03"),
          on_par(m("mjp_gamma0.27", "top1"), m("mjp_gamma0.03", "top1"))),
         ("MJP Table 5: APRIL recovers less from MJP's update on x~ (b) than from the supervised ViT's on x (a)",
+         "ImageNet ViT-B updates -> one-image updates of the Fashion-MNIST classifiers", ("mjp_gamma0.27",),
          psnr_verdict(m("mjp_gamma0.27", psnr("analytic", "b")),
                       m("supervised", psnr("analytic", "a")), False)),
-        ("MJP Table 5: ... and MJP's reconstruction is further still from the original x (c vs b)",
-         psnr_verdict(m("mjp_gamma0.27", psnr("analytic", "c")),
-                      m("mjp_gamma0.27", psnr("analytic", "b")), False)),
+        ("MJP Table 5: ... and MJP's reconstruction is further still from the original x (c vs b)", "as above",
+         ("mjp_gamma0.27",), psnr_verdict(m("mjp_gamma0.27", psnr("analytic", "c")),
+                                          m("mjp_gamma0.27", psnr("analytic", "b")), False)),
         ("MJP Table 5: a ViT without PE leaks more than MJP (setting a; gradient matching, the attack that applies "
-         "to both)", psnr_verdict(m("supervised_nope", psnr("gradient_matching", "a")),
-                                  m("mjp_gamma0.27", psnr("gradient_matching", "a")), True)),
+         "to both)", "as above", ("supervised_nope", "mjp_gamma0.27"),
+         psnr_verdict(m("supervised_nope", psnr("gradient_matching", "a")),
+                      m("mjp_gamma0.27", psnr("gradient_matching", "a")), True)),
         ("RandSAC Table 2: random serialization beats raster order (linear probe)",
+         "CIFAR-10 ViT, 800 PT epochs -> " + here, ("randsac_patch_random", "randsac_raster"),
          verdict(m("randsac_patch_random", "linear_probe"), m("randsac_raster", "linear_probe"), True)),
-        ("RandSAC Table 5: segments (blob) beat patch-random (linear probe)",
+        ("RandSAC Table 5: segments (blob) beat patch-random (linear probe)", "CIFAR-10 ViT, 800 PT epochs -> " + here,
+         ("randsac_blob_flat", "randsac_patch_random"),
          verdict(m("randsac_blob_flat", "linear_probe"), m("randsac_patch_random", "linear_probe"), True)),
         ("RandSAC Table 7: hierarchical blobs (11 -> 5) beat flat blobs (linear probe)",
+         "CIFAR-10 ViT, 1600 PT epochs, normalized pixels -> " + here, ("randsac", "randsac_blob_flat"),
          verdict(m("randsac", "linear_probe"), m("randsac_blob_flat", "linear_probe"), True)),
         ("MP3 Table 5: MP3 pretraining improves the keyword-spotting Transformer",
-         verdict(m("speech_mp3", "top1"), m("speech_supervised", "top1"), True)),
+         "Speech Commands v1, 12 classes, 30K updates each (FT and supervised), early stopping on validation "
+         "-> this corpus, as many fine-tuning as supervised updates, early stopping on validation",
+         ("speech_mp3",), verdict(m("speech_mp3", "top1"), m("speech_supervised", "top1"), True)),
+        ("(control) the null pretraining (1 step) + the same fine-tune is on par with supervised training: the "
+         "fine-tuning path itself costs nothing", "not in the paper; margin 1 pt", ("speech_null",),
+         on_par(m("speech_null", "top1"), m("speech_supervised", "top1"))),
     ]
-    return items
+    gated = []
+    for claim, setting, names, judged in items:
+        status = next((st for n in names if (st := learned_status(rows, n, controls))), None)
+        gated.append((claim, setting, status if status and judged != "not run" else judged))
+    return gated
 
 
 def decided_line(verdicts: list[str]) -> str:
     """How many verdicts a paired test at alpha 0.05 decides (agree / contradict) and how many it does not."""
     count = {w: sum(v.startswith(p) for v in verdicts) for w, p in
              (("agree", "agrees"), ("contradict", "**contradicts**"), ("undecided", "undecided"),
-              ("not run", "not run"))}
+              ("not run", "not run"), ("not learned", "not learned"))}
     return (f"Decided {count['agree'] + count['contradict']} of {len(verdicts)} (two-sided paired t-test over seeds "
             f"at alpha = {ALPHA}; on-par claims by TOST): {count['agree']} agree, {count['contradict']} contradict; "
-            f"undecided: {count['undecided']}, not run at this budget: {count['not run']}.")
+            f"undecided: {count['undecided']}, not read (features not learned at this budget): "
+            f"{count['not learned']}, not run at this budget: {count['not run']}.")

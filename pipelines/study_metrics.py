@@ -31,13 +31,53 @@ def last_eval(log: Path) -> dict[str, Any] | None:
     return evals[-1] if evals else None
 
 
+def early_stop(log: Path) -> dict[str, Any] | None:
+    """The early-stop record of a finished training stage (``run.early_stop_patience``), or None."""
+    if not (log.parent / "DONE").is_file() or not log.is_file():
+        return None
+    stops = [row["early_stop"] for line in log.read_text().splitlines() if line.strip()
+             and "early_stop" in (row := json.loads(line))]
+    return stops[-1] if stops else None
+
+
+def controls_of(study: Study) -> dict[str, Any] | None:
+    """The probe controls measured for this study (``runs/controls/controls.json``), or None."""
+    return read_json(study.root / "controls" / "controls.json")
+
+
+def curves_of(study: Study) -> dict[str, Any]:
+    """{row: {"points": {epoch: 1% probe top-1 on validation}, "knn": {...}, "controls": {...}}} of every finished
+    learning curve."""
+    curves = {}
+    for name in study.cfg.curve_rows:
+        measured = read_json(study.curve_dir(name) / "probes" / "controls.json")
+        if not measured:
+            continue
+        points = {float(r["epoch"]): r["linear"]["0.01"] for r in measured["checkpoints"].values()
+                  if r.get("epoch") is not None}
+        knn = {float(r["epoch"]): r["knn"]["0.01"] for r in measured["checkpoints"].values()
+               if r.get("epoch") is not None}
+        curves[name] = {"points": dict(sorted(points.items())), "knn": dict(sorted(knn.items())),
+                        "controls": {k: v.get("0.01") for k, v in measured["controls"].items()},
+                        "val_samples": measured["test_samples"],
+                        "minutes": (stage_seconds(study.curve_dir(name) / "pretrain") or 0) / 60}
+    return curves
+
+
 def label_metrics(study: Study, run: Run, seed: int, probe: dict[str, Any]) -> dict[str, Any]:
     """Top-1 after fine-tuning (supervised: training from scratch) on each label fraction, and the linear probes
     of the pretrained backbone on the same subsets."""
     m: dict[str, Any] = {}
     for fraction in study.cfg.label_fractions if run.label_efficiency else ():
         d = study.dir(run, seed) / f"label{fraction:g}"
-        ev = last_eval(d / "log.jsonl")
+        if study.cfg.holdout:  # v3: the best (or last) checkpoint tested once on the test split
+            test = read_json(d / "test" / "results.json")
+            ev = test["classification"] if test and "classification" in test else None
+            stopped = early_stop(d / "log.jsonl")
+            if ev is not None and stopped:
+                m[fraction_key("best_step", fraction)] = stopped["best_step"]
+        else:  # v2: the closing evaluation of the training stage, on the test images
+            ev = last_eval(d / "log.jsonl")
         if ev is not None:
             m[fraction_key("top1", fraction)] = ev["top1"]
             m[fraction_key("minutes", fraction)] = (stage_seconds(d) or 0) / 60
@@ -65,10 +105,11 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
         m.update(pretrain_epochs=pre, finetune_epochs=0.0, minutes=(stage_seconds(d / "pretrain") or 0) / 60,
                  finetune_pe="(probes only)")
     elif run.classifier_only:
-        m.update(pretrain_epochs=0.0, finetune_epochs=pre + ft, minutes=(stage_seconds(d / "train") or 0) / 60,
+        m.update(pretrain_epochs=0.0, finetune_epochs=ft if run.speech else pre + ft,
+                 minutes=(stage_seconds(d / "train") or 0) / 60,
                  finetune_pe=run.scratch_pe if not run.speech else "sincos1d")
     else:
-        m.update(pretrain_epochs=pre, finetune_epochs=ft,
+        m.update(pretrain_epochs="1 step" if run.name == "speech_null" else pre, finetune_epochs=ft,
                  minutes=((stage_seconds(source / "pretrain") or 0) + (stage_seconds(d / "finetune") or 0)) / 60,
                  finetune_pe={"keep": "sincos1d" if run.speech else "sincos2d (kept)"}.get(run.finetune_pe,
                                                                                            run.finetune_pe))
@@ -118,7 +159,8 @@ def add_mce(rows: dict[str, list[dict[str, Any]]]) -> None:
 
 
 # Fields that change a run's numbers: an earlier results/study.json is reused only when all of them match.
-BUDGET_FIELDS = ("preset", "pretrain_epochs", "finetune_epochs", "probe_only", "batch_size", "finetune_overrides",
+BUDGET_FIELDS = ("preset", "holdout", "label_patience", "label_finetune", "pretrain_epochs", "finetune_epochs",
+                 "probe_only", "batch_size", "finetune_overrides",
                  "probe_train_samples", "probe_val_samples", "probe_epochs", "curve_samples",
                  "ort_consistency_samples", "robustness_samples", "speech_pretrain_epochs", "speech_finetune_epochs",
                  "test_samples", "overrides", "speech_overrides", "label_fractions", "label_finetune_epochs",
@@ -147,8 +189,10 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
 # Version of the training / evaluation harness behind the numbers: rows measured by another version are never
 # merged. 1: before issue 16 (layer decay ignored, weight decay on PEs / tokens, probes of an untrained class token,
 # Diff. Norm of token 0); 2: optimizer on the backbone's groups with layer decay applied, probes of the trained
-# feature, one Diff. Norm (the head's input); 3: the in-memory data path with batched augmentation (issue 19).
-HARNESS_VERSION = 3
+# feature, one Diff. Norm (the head's input); 3: the in-memory data path with batched augmentation (issue 19);
+# 4: study v3 — MP3 pretraining feeds the class token, fine-tuning pools as each method's protocol does, the lr
+# schedule set once per optimizer step (issue 29), validation held out of the train split.
+HARNESS_VERSION = 4
 
 
 def budget_changes(earlier: dict[str, Any], cfg: StudyConfig) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from config import ConfigError
 
 CONFIGS = Path(__file__).parent / "configs"
-GROUPS = ("main", "mp3_pe", "mp3_eta", "droppos", "mjp", "randsac", "speech")
+GROUPS = ("curves", "main", "mp3_pe", "mp3_eta", "droppos", "mjp", "randsac", "speech")
 
 
 @dataclass
@@ -20,6 +20,31 @@ class StudyConfig:
     pretrain_epochs: float = 0.25  # image pretraining epochs per method
     finetune_epochs: float = 0.25  # supervised / MJP train pretrain_epochs + finetune_epochs from scratch
     seeds: tuple[int, ...] = (0,)  # main table
+    # validation: this many class-balanced images held out of the train split (data.holdout); every training stage
+    # validates on them (training-time evaluation, early stopping), the test split is read once per final number;
+    # label subsets and probe sets are drawn from the rest. 0: validate on the test split (the v2 protocol)
+    holdout: int = 5000
+    # learning curves ("does it learn here?"): one pretraining per curve row (seed curve_seed) to max(curve_epochs)
+    # epochs, its snapshots after each of curve_epochs (0: the random init) probed with 1% of the labels on
+    # curve_val_samples validation images, beside the raw-pixel and random-init controls. () = no curves
+    curve_epochs: tuple[float, ...] = ()
+    curve_rows: tuple[str, ...] = ("mp3", "droppos", "mae", "ijepa", "stop", "randsac")
+    curve_seed: int = 0
+    curve_val_samples: int = 5000
+    controls: bool = True  # raw-pixel and random-init (per seed) probe controls on the study's sets and images
+    label_finetune: bool = True  # fine-tune the pretrained rows on each label fraction (false: linear probes only)
+    # label-fraction training (supervised from scratch, fine-tunes): evaluate on the validation split every
+    # label_eval_epochs epochs over the subset and stop after label_patience evaluations without a better top-1
+    # (label_finetune_epochs is then the cap); the best checkpoint is tested. 0: fixed epochs, the last one tested
+    label_patience: int = 0
+    label_eval_epochs: float = 1.0
+    ort: bool = True  # ONNX export + ONNX Runtime evaluation (top-1, consistency, corruptions) of the main rows
+    # speech (MP3 §4.3): fine-tuning gets as many updates as the supervised run, early stopping on validation;
+    # speech_null: the same fine-tune from a 1-step "pretraining" (separates "pretraining hurts" from "the
+    # fine-tuning path is broken")
+    speech_null: bool = True
+    speech_patience: int = 0  # evaluations (every speech_eval_epochs) without a better validation top-1; 0: off
+    speech_eval_epochs: float = 5.0
     # main rows fine-tuned with all labels on every seed (the rows a full-label claim reads); the other main rows
     # only on the first seed (their pretraining, probes and label-efficiency runs still take every seed).
     # () = every main row on every seed
@@ -47,7 +72,7 @@ class StudyConfig:
     ort_consistency_samples: int = 1000  # test images of the ONNX Runtime consistency check
     robustness_samples: int = 200  # test images x 13 corruptions x 5 severities (ONNX Runtime)
     speech_pretrain_epochs: float = 20.0  # MP3 speech pretraining epochs
-    speech_finetune_epochs: float = 30.0  # speech fine-tuning epochs (supervised: the sum, from scratch)
+    speech_finetune_epochs: float = 30.0  # speech fine-tuning epochs (supervised: as many, from scratch; §4.3)
     speech_seeds: tuple[int, ...] = (0, 1, 2)  # seeds of the speech rows
     privacy_images: int = 10  # MJP Table 5 gradient inversion: one test image per class (0: skip)
     privacy_steps: int = 200  # gradient-matching attack steps per client update (APRIL's analytic attack: exact)
@@ -87,6 +112,14 @@ class StudyConfig:
         if unknown:
             raise ConfigError(f"full_label_rows: {unknown} are not main rows; main: "
                               f"{[r.name for r in RUNS if r.group == 'main']}")
+        unknown = sorted(set(self.curve_rows) - {r.name for r in RUNS if r.group == "main" and r.config
+                                                   and not r.classifier_only})
+        if unknown:
+            raise ConfigError(f"curve_rows: {unknown} are not pretrained main rows")
+        if any(e < 0 for e in self.curve_epochs) or self.label_eval_epochs <= 0 or self.speech_eval_epochs <= 0:
+            raise ConfigError("curve_epochs must be >= 0, label_eval_epochs / speech_eval_epochs > 0")
+        if self.label_patience < 0 or self.speech_patience < 0 or self.holdout < 0:
+            raise ConfigError("label_patience, speech_patience and holdout must be >= 0")
         if not self.name or "/" in self.name:
             raise ConfigError(f"name must be a plain file stem (e.g. study_gpu), got {self.name!r}")
         if self.privacy_images < 0 or self.privacy_steps < 1:
@@ -159,15 +192,21 @@ RUNS: tuple[Run, ...] = (
     # MP3 Table 5: keyword spotting with the ~70K-parameter audio Transformer
     Run("speech_supervised", "speech", "supervised Transformer", None, finetune_pe=None, speech=True),
     Run("speech_mp3", "speech", "MP3-pretrained Transformer", "mp3_speech_spoken_keywords", speech=True),
+    # the null-pretraining control: the same fine-tune from a 1-step MP3 "pretraining" (speech_null)
+    Run("speech_null", "speech", "null pretraining (1 step) + fine-tune", "mp3_speech_spoken_keywords",
+        speech=True),
 )
 
 
 def group_seeds(cfg: StudyConfig, group: str) -> tuple[int, ...]:
-    """The seeds a group runs: ``seeds`` (main), ``speech_seeds`` (speech), else ``ablation_seeds``."""
-    return cfg.seeds if group == "main" else cfg.speech_seeds if group == "speech" else cfg.ablation_seeds
+    """The seeds a group runs: ``seeds`` (main), ``speech_seeds`` (speech), ``curve_seed`` (curves), else
+    ``ablation_seeds``."""
+    return {"main": cfg.seeds, "speech": cfg.speech_seeds, "curves": (cfg.curve_seed,)}.get(group,
+                                                                                          cfg.ablation_seeds)
 
 
 def runs_of(groups: tuple[str, ...], only: tuple[str, ...] = ()) -> list[Run]:
     """Runs in execution order: groups as given, rows in table order (fine-tunes of a shared pretraining last);
-    only the runs named in ``only`` when it is given."""
+    only the runs named in ``only`` when it is given. The curves group has no rows of its own (its units name a
+    main row each)."""
     return [r for g in groups for r in RUNS if r.group == g and (not only or r.name in only)]

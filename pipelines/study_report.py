@@ -24,7 +24,7 @@ from study_claims import (
     stat,
     verdict,
 )
-from study_metrics import HARNESS_VERSION, budget_changes, collect, fraction_key, read_json
+from study_metrics import HARNESS_VERSION, budget_changes, collect, controls_of, curves_of, fraction_key, read_json
 from study_plan import GROUPS, RUNS, StudyConfig
 from study_runner import Study
 
@@ -58,6 +58,27 @@ def privacy_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+TEXT_COLUMNS = ("finetune_pe", "pretrain_epochs", "finetune_epochs")  # shown as their distinct values, not a mean
+
+
+def cell(metrics: list[dict[str, Any]], key: str, pct: bool) -> str:
+    """A table cell: mean ± std over the seeds that measured ``key``, naming those seeds when they are fewer than
+    the row's; text columns (epochs, PE) as their distinct values with the seeds each applies to."""
+    if key in TEXT_COLUMNS:
+        values: dict[str, list[int]] = {}
+        for m in metrics:
+            v = m.get(key)
+            values.setdefault(f"{v:g}" if isinstance(v, float) else str(v), []).append(m["seed"])
+        if len(values) == 1:
+            return next(iter(values))
+        return ", ".join(f"{v} (seed {','.join(map(str, s))})" for v, s in values.items())
+    measured = [m for m in metrics if m.get(key) is not None]
+    text = stat(metrics, key, pct)
+    if measured and len(measured) < len(metrics):
+        text += f" (seed {seeds_of(measured)})"
+    return text
+
+
 def table(rows: dict[str, list[dict[str, Any]]], names: list[str], columns: list[tuple[str, str, bool]],
           first: str = "run") -> list[str]:
     """Markdown table: one row per run present, columns (header, metric key, as percent)."""
@@ -66,8 +87,7 @@ def table(rows: dict[str, list[dict[str, Any]]], names: list[str], columns: list
              "|" + " --- |" * (len(columns) + 2)]
     for name in names:
         if name in rows:
-            cells = [stat(rows[name], k, pct) if k not in ("finetune_pe",) else rows[name][0][k]
-                     for _, k, pct in columns]
+            cells = [cell(rows[name], k, pct) for _, k, pct in columns]
             lines.append("| " + " | ".join([labels[name], seeds_of(rows[name]), *cells]) + " |")
         elif any(r.name == name for r in RUNS):
             lines.append(f"| {labels[name]} | not run | " + " | ".join("-" for _ in columns) + " |")
@@ -231,6 +251,108 @@ def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]]) -> list
             + summary[0].lower() + summary[1:]]
 
 
+def _mean_sd(values: list[float] | None) -> tuple[float, float] | None:
+    if not values:
+        return None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _pct(values: list[float] | None) -> str:
+    ms = _mean_sd(values)
+    if ms is None:
+        return "-"
+    return f"{ms[0] * 100:.1f}" + (f" ± {ms[1] * 100:.1f}" if values and len(values) > 1 else "")
+
+
+def controls_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], controls: dict[str, Any]) -> list[str]:
+    """Every method's linear probe beside the controls on the same train sets and test images: raw pixels (linear,
+    kNN), the random-init backbone (per seed), and supervised training from scratch on the same labels; "learned"
+    where the method's all-label probe beats the random-init control by more than the seed spread."""
+    from study_claims import learned_status
+
+    sets, measured = controls["sets"], controls["controls"]
+    names = [n for n in (*(f"{f:g}" for f in cfg.label_fractions), "probe_set") if n in sets]
+    heads = [f"{float(n):.0%} of the train labels ({sets[n]} images)" if n != "probe_set"
+             else f"all-label probe set ({sets[n]} images)" for n in names]
+    lines = ["| features | " + " | ".join(heads) + " | learned? |", "|" + " --- |" * (len(names) + 2)]
+    labels = {"pixels_linear": "control: raw pixels, linear probe", "pixels_knn": "control: raw pixels, kNN (k 20)",
+              "random_linear": f"control: random-init `{controls['preset']}`, linear probe (per seed)",
+              "random_knn": "control: random-init, kNN (per seed)"}
+    for key, label in labels.items():
+        lines.append(f"| {label} | " + " | ".join(_pct(measured[key].get(n)) for n in names) + " | - |")
+    keys = {n: ("linear_probe" if n == "probe_set" else fraction_key("linear_probe", float(n))) for n in names}
+    for run in RUNS:
+        if run.name not in rows or run.speech or run.classifier_only or run.pretrain_from:
+            continue
+        cells = [_pct(list(per_seed(rows, run.name, keys[n]).values()) or None) for n in names]
+        if all(c == "-" for c in cells):
+            continue
+        status = learned_status(rows, run.name, controls)
+        lines.append(f"| {run.label} (linear probe) | " + " | ".join(cells) + f" | {status or 'learned'} |")
+    if "supervised" in rows:
+        cells = [_pct(list(per_seed(rows, "supervised", "top1" if n == "probe_set" else fraction_key("top1", float(n)))
+                           .values()) or None) for n in names]
+        lines.append("| supervised from scratch on the same labels (top-1; probe-set column: all labels) | "
+                     + " | ".join(cells) + " | - |")
+    return lines
+
+
+def crossing(points: dict[float, float], level: float) -> str:
+    """The first pretraining epoch > 0 whose probe exceeds ``level``, else "not within N epochs"."""
+    for epoch, value in points.items():
+        if epoch > 0 and value > level:
+            return f"{epoch:g}"
+    return f"not within {max(points):g}" if points else "-"
+
+
+def curves_section(curves: dict[str, Any], out: Path, stem: str) -> tuple[list[str], list[str]]:
+    """The learning curves: 1% linear probe on validation vs pretraining epochs per method, against the raw-pixel
+    and random-init controls; the crossing points; the figure ``<stem>_curves.png``."""
+    if not curves:
+        return [], []
+    labels = {r.name: r.label for r in RUNS}
+    first = next(iter(curves.values()))
+    pixels = _mean_sd(first["controls"].get("pixels_linear"))
+    knn = _mean_sd(first["controls"].get("pixels_knn"))
+    random = _mean_sd(first["controls"].get("random_linear"))
+    epochs = sorted({e for c in curves.values() for e in c["points"]})
+    lines = [f"1% linear probe (55 images per class, the label subset of the study) on {first['val_samples']} "
+             "validation images, after each number of pretraining epochs (snapshots of one run per method, seed "
+             "0; epoch 0 = its random init); controls on the same images: raw pixels "
+             f"{_pct(first['controls'].get('pixels_linear'))} (linear), {_pct(first['controls'].get('pixels_knn'))} "
+             f"(kNN), random-init backbone {_pct(first['controls'].get('random_linear'))} (linear, per seed).", "",
+             "| method | " + " | ".join(f"ep {e:g}" for e in epochs) + " | > random init (+ spread) from epoch | "
+             "> raw pixels from epoch | pretraining min |", "|" + " --- |" * (len(epochs) + 4)]
+    for name, c in curves.items():
+        level = random[0] + random[1] if random else float("inf")
+        lines.append(f"| {labels[name]} | " + " | ".join(f"{c['points'][e] * 100:.1f}" if e in c["points"] else "-"
+                                                         for e in epochs)
+                     + f" | {crossing(c['points'], level)} | "
+                     f"{crossing(c['points'], pixels[0]) if pixels else '-'} | {c['minutes']:.1f} |")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name, c in curves.items():
+        ax.plot(list(c["points"]), [v * 100 for v in c["points"].values()], marker="o", label=labels[name])
+    for ms, label, style in ((pixels, "raw pixels, linear", "--"), (knn, "raw pixels, kNN", ":")):
+        if ms:
+            ax.axhline(ms[0] * 100, color="black", linestyle=style, linewidth=1, label=label)
+    if random:
+        ax.axhspan((random[0] - random[1]) * 100, (random[0] + random[1]) * 100, color="grey", alpha=0.3,
+                   label="random init (± sd)")
+    ax.set_xscale("symlog", linthresh=0.25)
+    ax.set(xlabel="pretraining epochs (symlog)", ylabel="1% linear probe, validation top-1 %",
+           title="does it learn here? (seed 0)")
+    ax.legend(fontsize=6, loc="lower right", ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}_curves.png", dpi=120)
+    plt.close(fig)
+    return lines, [f"{stem}_curves.png"]
+
+
 STAGE_KINDS = (("pretraining", ("pretrain",)), ("all-label training", ("train", "finetune")),
                ("label efficiency", ("label",)), ("probes", ("probe",)),
                ("evaluation + ONNX", ("eval", "export", "ort")), ("privacy", ("privacy",)))
@@ -246,6 +368,10 @@ def wall_clock(study: Study) -> list[str]:
         kind = next((k for k, prefixes in STAGE_KINDS if stage_name.startswith(prefixes)), "other")
         per_group = minutes.setdefault(group.get(run, "other"), {})
         per_group[kind] = per_group.get(kind, 0.0) + (stage_seconds(done.parent) or 0.0) / 60
+    for done in sorted([*study.root.glob("curves/*/*/DONE"), *study.root.glob("controls/DONE")]):
+        kind = "pretraining" if done.parent.name == "pretrain" else "probes"
+        per_group = minutes.setdefault("curves" if "curves" in done.parts else "controls", {})
+        per_group[kind] = per_group.get(kind, 0.0) + (stage_seconds(done.parent) or 0.0) / 60
     if not minutes:
         return []
     kinds = [k for k, _ in STAGE_KINDS if any(k in m for m in minutes.values())]
@@ -258,19 +384,25 @@ def wall_clock(study: Study) -> list[str]:
 
 
 MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "finetune_epochs", False),
-                ("wall-clock min", "minutes", False), ("fine-tune PE", "finetune_pe", False),
+                ("stage min (wall-clock, incl. start-up, evaluation, sharing)", "minutes", False),
+                ("fine-tune PE", "finetune_pe", False),
                 ("top-1", "top1", True), ("top-1 ORT", "top1_ort", True), ("linear probe", "linear_probe", True),
-                ("linear 1%", "linear_probe_1pct", True), ("kNN (best layer)", "knn", True),
+                ("linear, 1% of the train labels", "linear_probe@0.01", True), ("kNN (best layer)", "knn", True),
                 ("consistency@0.15", "consistency", True), ("Diff. Norm@0.15", "diff_norm", False),
                 ("mCE", "mce", False), ("position acc.", "position_accuracy", True),
                 ("position probe", "position_probe", True)]
 
 
 def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: list[str], hardware: str,
-             study: Study) -> str:
+             study: Study, controls: dict[str, Any] | None = None, curve_lines: list[str] | None = None) -> str:
     names = [r.name for r in RUNS]
     group = {g: [r.name for r in RUNS if r.group == g] for g in GROUPS}
-    lines = ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "",
+    protocol = (f"Validation: {cfg.holdout} class-balanced images held out of the train split; every training stage "
+                "validates on them (training-time evaluation, early stopping), label subsets and probe sets are "
+                "drawn from the other train images, and the test split is read once per final number (an "
+                "evaluation of the final or best checkpoint)." if cfg.holdout else
+                "Validation: the test split (the v2 protocol: no held-out split).")
+    lines = ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "", protocol, "",
              f"Fashion-MNIST padded to 32 px, patch 4 (64 positions); backbone `{cfg.preset}` for every image run; "
              f"pretraining {cfg.pretrain_epochs} epoch(s) + fine-tuning {cfg.finetune_epochs} epoch(s) "
              f"(supervised and MJP: {cfg.pretrain_epochs + cfg.finetune_epochs} from scratch); fine-tuning recipe "
@@ -281,7 +413,13 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
              "(= 1.00). `mean ± std` where several seeds ran. Wall-clock: pretraining + fine-tuning minutes with "
              "the study's processes sharing the machine. Command and config: "
              f"`{cfg.name}.json`.", "",
-             "## Every method, all labels", ""]
+             ]
+    if curve_lines:
+        lines += ["## Does it learn here? Learning curves against the controls", "", *curve_lines, ""]
+    if controls:
+        lines += ["## Controls beside every method (same train subsets, same test images)", "",
+                  *controls_table(cfg, rows, controls), ""]
+    lines += ["## Every method, all labels", ""]
     lines += table(rows, group["main"], MAIN_COLUMNS, "method")
     if cfg.full_label_rows:
         lines += ["", f"All-label fine-tuning on every seed for {', '.join(cfg.full_label_rows)} (the rows a "
@@ -293,16 +431,22 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                   "Fine-tuning: the same recipe for "
                   + ", ".join(f"{e:g} epochs over the {f:.0%} subset" for f, e in
                               zip(cfg.label_fractions, cfg.label_finetune_epochs, strict=True))
-                  + "; supervised: trained from scratch on the subset for as long. Linear probes: on the same "
-                  "subsets, frozen pretrained backbones. Seed-paired differences to supervised as in the claims.", ""]
+                  + (f" at most, stopped after {cfg.label_patience} validation evaluations without a better top-1 "
+                     "(the best checkpoint tested)" if cfg.label_patience and cfg.holdout else "")
+                  + "; supervised: trained from scratch on the subset the same way. Linear probes: on the same "
+                  "subsets, frozen pretrained backbones. Seed-paired differences to supervised as in the claims."
+                  + ("" if cfg.label_finetune else " The pretrained rows are probed only here (no fine-tune on the "
+                     "subsets at this budget)."), ""]
         lines += label_table(cfg, rows)
     lines += ["", "position acc.: MP3 top-1 at the training eta, DropPos mean of its 4 x 4 grid; position probe: a "
               "linear probe of the patch tokens' positions (DropPos Table 7), for every backbone.", "",
-              "## What the papers claim, and what this study measured", "", *claims(rows)]
+              "## What the papers claim, and what this study measured", "",
+              *claims(rows, controls, {"pre": f"{cfg.pretrain_epochs:g}", "ft": f"{cfg.finetune_epochs:g}",
+                                       "total": f"{cfg.pretrain_epochs + cfg.finetune_epochs:g}"})]
     earlier = read_json(Path(cfg.compare_with)) if cfg.compare_with else None
     if earlier:
         lines += ["", f"### The same claims judged on the earlier study `{cfg.compare_with}`", "",
-                  *claims_versus(rows, earlier["results"], "earlier")]
+                  *claims_versus(rows, earlier["results"], "earlier", controls)]
     lines += ["", "## MP3: fine-tuning PE (Table 3) and masking ratio (Figs. 3, 6)", ""]
     lines += table(rows, ["mp3", *group["mp3_pe"], "supervised", "mp3_eta0", "mp3_eta0.75"],
                    [("fine-tune PE", "finetune_pe", False), ("top-1", "top1", True),
@@ -329,8 +473,9 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                   "|" + " --- |" * (len(gposes) + 1)]
         lines += [f"| {g} | " + " | ".join(f"{cells[(g, p)] * 100:.1f}" for p in gposes) + " |" for g in gammas]
     lines += ["", "## StoP vs I-JEPA (sigma = 0): linear probe with 100% and 1% of the labels (Tables 1, 6)", ""]
-    lines += table(rows, ["ijepa", "stop"], [("linear probe 100%", "linear_probe", True),
-                                             ("linear probe 1%", "linear_probe_1pct", True),
+    lines += table(rows, ["ijepa", "stop"], [("linear probe, all-label probe set", "linear_probe", True),
+                                             ("linear probe, 1% of the train labels", "linear_probe@0.01", True),
+                                             ("linear probe, 1% of the probe set", "linear_probe_1pct", True),
                                              ("kNN", "knn", True), ("fine-tuned top-1", "top1", True)])
     lines += ["", "## MJP: training gamma (Table 3) and consistency vs evaluation gamma (Fig. 3)", ""]
     lines += table(rows, ["supervised", "mjp_gamma0", "mjp_gamma0.03", "mjp", "mjp_gamma0.27"],
@@ -383,15 +528,17 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
     out = Path(cfg.results)
     out.mkdir(parents=True, exist_ok=True)
     rows = collect(study)
-    figures = plots(rows, out, cfg.name) + privacy_figure(study, out)
+    controls, curves = controls_of(study), curves_of(study)
+    curve_lines, curve_figure = curves_section(curves, out, cfg.name)
+    figures = curve_figure + plots(rows, out, cfg.name) + privacy_figure(study, out)
     hardware = hardware_line()
-    text = markdown(cfg, rows, figures, hardware, study)
+    text = markdown(cfg, rows, figures, hardware, study, controls, curve_lines)
     payload = {"harness": HARNESS_VERSION, "commands": commands_so_far(cfg, argv), "config": asdict(cfg),
                "hardware": hardware, "python": platform.python_version(), "torch": torch.__version__,
                "runs": {r.name: {"group": r.group, "label": r.label, "config": r.config,
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,
                                  "pretrain_from": r.pretrain_from} for r in RUNS},
-               "results": rows}
+               "results": rows, "controls": controls, "curves": curves}
     write_json_atomic(out / f"{cfg.name}.json", payload)  # two study processes may finish at once
     with atomic_file(out / f"{cfg.name}.md") as tmp:
         tmp.write_text(text)

@@ -1,17 +1,23 @@
-"""Runs the study's stages — pretraining, fine-tuning, probes, evaluation, ONNX export + ONNX Runtime, privacy —
-for each (run, seed) below ``runs/``; every stage is resumable (``stages.stage``)."""
+"""Runs the study's stages — learning curves, controls, pretraining, fine-tuning, probes, evaluation, ONNX export +
+ONNX Runtime, privacy — for each (run, seed) below ``runs/``; every stage is resumable (``stages.stage``).
+
+Protocol (study v3): every training stage validates on ``holdout`` images held out of the train split (training-time
+evaluation, early stopping); the test split is read once per final number, by an evaluation stage of the final (or
+best) checkpoint. Fine-tuning pools as each method's own protocol does (the checkpoint's ``finetune_pool``)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import controls
 import evaluate
 import finetune
 import pretrain
 from stages import stage
 from study_plan import CONFIGS, RUNS, Run, StudyConfig, group_seeds, runs_of
 
+from patchplace.data import Manifest
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
 
@@ -39,8 +45,11 @@ class Study:
             return [f"data.train={root / 'train'}", f"data.val={val}", *noise, f"data.num_workers={c.num_workers}",
                     *c.speech_overrides]
         root = Path(c.fashion_mnist)
-        return [f"data.train={root / 'train'}", f"data.val={root / 'test'}", f"data.num_workers={c.num_workers}",
-                *c.overrides]
+        # training validates on the held-out images, an evaluation reads the test split (with the same images held
+        # out of the train split, so its probe subsets are the ones training used)
+        val = [f"data.holdout={c.holdout}"] + ([f"data.val={root / 'test'}"] if evaluation else ["data.val=holdout"]) \
+            if c.holdout else [f"data.val={root / 'test'}"]
+        return [f"data.train={root / 'train'}", *val, f"data.num_workers={c.num_workers}", *c.overrides]
 
     def common(self, run: Run, seed: int) -> list[str]:
         c = self.cfg
@@ -49,6 +58,11 @@ class Study:
         # training-time validation only feeds the log (the eval stage measures the test set): 1,000 images
         return args if run.speech else [*args, f"model.preset={c.preset}", f"data.batch_size={c.batch_size}",
                                         f"data.val_limit={min(c.test_samples or 1000, 1000)}"]
+
+    def subset_steps(self, fraction: float, batch: int) -> float:
+        """Optimizer steps per epoch over a label fraction of the train split (what the holdout leaves)."""
+        n = Manifest.load(Path(self.cfg.fashion_mnist) / "train").num_samples - self.cfg.holdout
+        return max(1.0, fraction * n / batch)
 
     def epochs(self, run: Run) -> tuple[float, float]:
         c = self.cfg
@@ -76,6 +90,8 @@ class Study:
         common = [f"run.output={out}", f"optim.epochs={epochs}", *self.common(run, seed)]
         if run.config is None:
             pe = "sincos1d" if run.speech else run.scratch_pe
+            if run.speech:
+                extra = [*self.speech_stopping(), *extra]
             return stage(out, finetune.main, ["--config", str(self.finetune_config(run)), *common,
                                               "optim.layer_decay=null", f"finetune.pos_embed={pe}",
                                               *self.finetune_extra(run), *extra], label=f"{out} train")
@@ -86,6 +102,8 @@ class Study:
         """Fine-tune this run's pretrained backbone (the fine-tuning recipe + ``finetune_overrides``)."""
         pe = "null" if run.finetune_pe == "keep" else run.finetune_pe
         checkpoint = self.source(run, seed) / "pretrain" / "checkpoint"
+        if run.speech:
+            extra = [*self.speech_stopping(), *extra]
         return stage(out, finetune.main, [
             "--config", str(self.finetune_config(run)), f"run.output={out}", f"optim.epochs={epochs}",
             f"model.checkpoint={checkpoint}", f"finetune.pos_embed={pe}", *self.common(run, seed),
@@ -97,37 +115,74 @@ class Study:
     def finetune_extra(self, run: Run) -> list[str]:
         return [] if run.speech else list(self.cfg.finetune_overrides)
 
+    def speech_stopping(self) -> list[str]:
+        """Speech training (MP3 §4.3: "early stopping is done based on validation accuracy"): evaluate every
+        ``speech_eval_epochs`` and stop after ``speech_patience`` evaluations without a better top-1."""
+        c = self.cfg
+        if not c.speech_patience:
+            return []
+        train = Manifest.load(Path(c.spoken_keywords) / "train").num_samples
+        batch = next((int(o.split("=")[1]) for o in c.speech_overrides if o.startswith("data.batch_size=")), 64)
+        every = max(1, round(c.speech_eval_epochs * train / batch))
+        return [f"run.eval_every={every}", f"run.early_stop_patience={c.speech_patience}"]
+
+    @staticmethod
+    def final(out: Path) -> Path:
+        """The checkpoint a training stage's final number reads: ``best/`` when it stopped on validation, else its
+        last checkpoint."""
+        return out / "best" if (out / "best").is_dir() else out / "checkpoint"
+
     def train(self, run: Run, seed: int) -> tuple[Path, Path | None, dict[str, float]]:
         """-> (backbone checkpoint to probe, classifier checkpoint (None: probes only), stage seconds)."""
         d, (pre, ft) = self.dir(run, seed), self.epochs(run)
         seconds = {}
-        if run.classifier_only:  # supervised / MJP from scratch, the same total epochs
-            seconds["train"] = self.supervised(run, seed, d / "train", pre + ft, [])
-            return d / "train" / "checkpoint", d / "train" / "checkpoint", seconds
+        if run.classifier_only:  # images: supervised / MJP from scratch, the same total epochs; speech: as many
+            seconds["train"] = self.supervised(run, seed, d / "train", ft if run.speech else pre + ft, [])
+            return self.final(d / "train"), self.final(d / "train"), seconds
         source = self.source(run, seed)
+        null = run.name == "speech_null"  # the null-pretraining control: one step of pretraining
         seconds["pretrain"] = stage(source / "pretrain", pretrain.main, [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
-            f"optim.epochs={pre}", *run.objective, *self.common(run, seed)], label=f"{source} pretrain")
+            f"optim.epochs={pre}", *(["optim.max_steps=1"] if null else []), *run.objective,
+            *self.common(run, seed)], label=f"{source} pretrain")
         if self.probe_only(run) or not self.full_label(run, seed):
             return source / "pretrain" / "checkpoint", None, seconds
         seconds["finetune"] = self.finetune(run, seed, d / "finetune", ft, [])
-        return source / "pretrain" / "checkpoint", d / "finetune" / "checkpoint", seconds
+        return source / "pretrain" / "checkpoint", self.final(d / "finetune"), seconds
 
     def label_efficiency(self, run: Run, seed: int) -> dict[str, float]:
         """Fine-tune the pretrained backbone (supervised: train from scratch) on each class-balanced label fraction,
         for ``label_finetune_epochs`` over the subset; the stage's closing evaluation on the test images
         (``test_samples`` of them, else all) is its top-1."""
         c, seconds = self.cfg, {}
-        if not run.label_efficiency or not c.label_fractions:
+        if not run.label_efficiency or not c.label_fractions or not (run.classifier_only or c.label_finetune):
             return seconds
+        batch = c.label_batch_size or c.batch_size
         for fraction, epochs in zip(c.label_fractions, c.label_finetune_epochs, strict=True):
             out = self.dir(run, seed) / f"label{fraction:g}"
             extra = [f"data.label_fraction={fraction}", f"data.label_subset_seed={c.label_subset_seed}",
-                     f"data.val_limit={c.test_samples or 'null'}",
-                     *([f"data.batch_size={c.label_batch_size}"] if c.label_batch_size else [])]
+                     f"data.batch_size={batch}"]
+            if not c.holdout:  # v2: the closing evaluation on the test images is the number
+                extra.append(f"data.val_limit={c.test_samples or 'null'}")
+            elif c.label_patience:  # to convergence: early stopping on the validation split
+                every = max(1, round(c.label_eval_epochs * self.subset_steps(fraction, batch)))
+                extra += [f"run.eval_every={every}", f"run.early_stop_patience={c.label_patience}",
+                          f"data.val_limit={min(c.holdout, 2000)}"]
             train = self.supervised if run.classifier_only else self.finetune
             seconds[out.name] = train(run, seed, out, epochs, extra)
+            if c.holdout:  # the final number: the test split, read once
+                self.test(run, out / "test", self.final(out))
         return seconds
+
+    def test(self, run: Run, out: Path, checkpoint: Path) -> None:
+        """Top-1 of a classifier on the test split (``test_samples`` of it), nothing else."""
+        c = self.cfg
+        stage(out, evaluate.main, [
+            "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={out}",
+            f"model.checkpoint={checkpoint}", "eval.linear_probe=false", "eval.knn=false",
+            "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
+            *self.data(run, evaluation=True), *([f"data.val_limit={c.test_samples}"] if c.test_samples else [])],
+            label=f"{out} test")
 
     def evaluate(self, run: Run, seed: int, backbone: Path, classifier: Path | None) -> None:
         c, d = self.cfg, self.dir(run, seed)
@@ -156,7 +211,7 @@ class Study:
             f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
             "eval.position_probe=false", "eval.probe_train_samples=128", f"eval.max_eval_samples={c.curve_samples}",
             *data, *limit], label=f"{d} eval")
-        if run.ort:
+        if run.ort and c.ort:
             onnx = d / "export" / "model.onnx"
             stage(d / "export", export_main, [str(classifier), "--out", str(onnx)], label=f"{d} export")
             stage(d / "ort", ort_evaluate_main, [
@@ -173,8 +228,56 @@ class Study:
                 f"privacy.images={c.privacy_images}", f"privacy.steps={c.privacy_steps}", *data,
                 f"data.val_limit={min(c.test_samples or 1000, 1000)}"], label=f"{d} privacy")
 
+    # ------------------------------------------------------------------------------ controls and curves
+    def controls(self) -> None:
+        """Raw-pixel and random-init probe controls on the study's probe sets and test images (one random-init
+        backbone per main seed): ``runs/controls``."""
+        c = self.cfg
+        if not c.controls:
+            return
+        image = next(r for r in RUNS if r.name == "supervised")
+        stage(self.root / "controls", controls.main, [
+            "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={self.root / 'controls'}",
+            f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
+            f"controls.label_fractions=[{','.join(map(str, c.label_fractions))}]",
+            f"controls.probe_train_samples={c.probe_train_samples}", f"controls.probe_epochs={c.probe_epochs}",
+            f"data.label_subset_seed={c.label_subset_seed}", *self.data(image, evaluation=True),
+            f"data.val_limit={c.probe_val_samples}"], label=f"{self.root / 'controls'}")
+
+    def curve_dir(self, name: str) -> Path:
+        return self.root / "curves" / name
+
+    def curve(self, run: Run) -> None:
+        """One pretraining of ``run`` (seed ``curve_seed``) to max(curve_epochs) epochs keeping its snapshots, then
+        their 1% linear probes on the validation split beside the controls (raw pixels, random init per seed):
+        ``runs/curves/<run>/``."""
+        c, d = self.cfg, self.curve_dir(run.name)
+        stage(d / "pretrain", pretrain.main, [
+            "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'pretrain'}",
+            f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
+            *run.objective, *self.common(run, c.curve_seed)], label=f"{d} pretrain")
+        snapshots = [d / "pretrain" / "snapshots" / f"epoch-{e:g}" for e in c.curve_epochs]
+        stage(d / "probes", controls.main, [
+            "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'probes'}",
+            f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
+            "controls.label_fractions=[0.01]", "controls.probe_train_samples=0",
+            f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, snapshots))}]",
+            f"data.label_subset_seed={c.label_subset_seed}", *self.data(run),
+            f"data.val_limit={min(c.curve_val_samples, c.holdout) if c.holdout else c.curve_val_samples}"],
+            label=f"{d} probes")
+
     def run_all(self) -> None:
+        if "curves" in self.cfg.groups and self.cfg.curve_epochs:
+            for name in self.cfg.curve_rows:
+                if not self.cfg.only or name in self.cfg.only:
+                    self.curve(next(r for r in RUNS if r.name == name))
+        first = self.cfg.seeds[0]
+        if "main" in self.cfg.groups and not self.cfg.only and (not self.cfg.only_seeds or first in
+                                                                 self.cfg.only_seeds):
+            self.controls()  # once, by the process that runs the first seed of main
         for run in runs_of(self.cfg.groups, self.cfg.only):
+            if run.name == "speech_null" and not self.cfg.speech_null:
+                continue
             for seed in (s for s in self.seeds(run) if not self.cfg.only_seeds or s in self.cfg.only_seeds):
                 start = time.perf_counter()
                 backbone, classifier, _ = self.train(run, seed)

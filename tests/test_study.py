@@ -27,12 +27,15 @@ from study_runner import Study  # noqa: E402
 
 
 def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
-    """The main table, MP3 Table 3 (fine-tunes of the main pretraining), speech with two seeds and the RandSAC
-    ablations probed only, on tiny data."""
+    """The main table, MP3 Table 3 (fine-tunes of the main pretraining), speech with two seeds and its null control,
+    the RandSAC ablations probed only, learning curves and controls, under the v3 protocol (a validation split
+    held out of train, the test split read once per final number), on tiny data."""
     args = ["--config", str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"), f"runs={tmp_path / 'runs'}",
             f"results={tmp_path / 'results'}", "preset=vit_micro", "pretrain_epochs=0.25", "finetune_epochs=0.25",
             "batch_size=8", "num_workers=0", f"fashion_mnist={shards / 'img'}", f"spoken_keywords={shards / 'audio'}",
-            "groups=[main,mp3_pe,speech,randsac]", "probe_only=[randsac]", "probe_train_samples=32",
+            "groups=[curves,main,mp3_pe,speech,randsac]", "probe_only=[randsac]", "probe_train_samples=32",
+            "holdout=12", "curve_epochs=[0,0.5]", "curve_rows=[mp3,stop]", "curve_val_samples=12", "ort=true",
+            "label_finetune=true", "label_patience=2", "label_eval_epochs=1", "speech_patience=0",
             "probe_val_samples=32", "probe_epochs=2",
             "curve_samples=16", "ort_consistency_samples=8", "robustness_samples=2", "test_samples=32",
             "speech_pretrain_epochs=1",
@@ -58,10 +61,24 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     runs = tmp_path / "runs" / "seed0"
     for name in ("supervised", "mp3", "stop"):  # label efficiency: fine-tuned (supervised: from scratch) per fraction
         assert {"top1@0.1", "top1@0.5"} <= set(rows[name][0]), name
-        used = pipeline_config.yaml.safe_load((runs / name / "label0.1" / "config.yaml").read_text())["data"]
-        assert used["label_fraction"] == 0.1 and used["val_limit"] == 32, "the subset; top-1 on the test images"
-        assert used["batch_size"] == 4, "label_batch_size"
+        used = pipeline_config.yaml.safe_load((runs / name / "label0.1" / "config.yaml").read_text())
+        assert used["data"]["label_fraction"] == 0.1 and used["data"]["val"] == "holdout", "validated on holdout"
+        assert used["data"]["holdout"] == 12 and used["run"]["early_stop_patience"] == 2
+        assert used["data"]["batch_size"] == 4, "label_batch_size"
+        tested = json.loads((runs / name / "label0.1" / "test" / "results.json").read_text())
+        assert tested["classification"]["count"] == 32, "the final number: the test split, read once"
+        assert rows[name][0]["top1@0.1"] == tested["classification"]["top1"]
     assert (runs / "supervised" / "label0.5" / "checkpoint").is_dir() and not (runs / "mjp" / "label0.1").exists()
+    pre = pipeline_config.yaml.safe_load((runs / "mp3" / "pretrain" / "config.yaml").read_text())["data"]
+    assert pre["val"] == "holdout" and pre["holdout"] == 12, "pretraining never reads the validation images"
+    curve = result["curves"]["mp3"]  # the learning curve: snapshots at 0 and 0.5 epoch, probed on validation
+    assert set(curve["points"]) == {"0.0", "0.5"} and curve["val_samples"] == 12
+    assert set(result["controls"]["controls"]) >= {"pixels_linear", "random_linear"}
+    assert result["controls"]["test_samples"] == 32 and len(result["controls"]["controls"]["random_linear"]
+                                                            ["probe_set"]) == 1, "one random init per seed"
+    assert [m["seed"] for m in rows["speech_null"]] == [0, 1] and rows["speech_null"][0]["pretrain_epochs"] == \
+        "1 step"
+    assert rows["speech_supervised"][0]["finetune_epochs"] == 1, "speech: as many updates as the fine-tune"
     assert {"linear_probe@0.1", "linear_probe@0.5"} <= set(rows["mp3"][0]), "probes on the same subsets"
     assert "linear_probe@0.1" not in rows["supervised"][0], "a supervised backbone saw every label"
     assert not (runs / "mp3_ft_none" / "pretrain").exists(), "MP3 Table 3 rows fine-tune the main MP3 pretraining"
@@ -71,11 +88,14 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert "Hardware: " in text and "| MP3 | 0 |" in text and " ± " in text  # two speech seeds: mean ± std
     assert "## Label efficiency" in text and "| MP3 | 0 |" in text.split("## Label efficiency")[1]
     assert "Decided " in text and "pretraining beats supervised" in text.lower()
+    assert "## Does it learn here?" in text and "## Controls beside every method" in text
+    assert "control: raw pixels, linear probe" in text and "> raw pixels from epoch" in text
     assert "### The same claims judged on the earlier study" in text  # the shipped config compares with v1
     spent = text.split("## Wall-clock per part")[1]
     assert "| main |" in spent and "| speech |" in spent and "label efficiency" in spent
-    claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 3: MP3 pretraining"))
-    assert any(word in claim for word in ("agrees", "contradicts", "undecided")), claim
+    claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 4 / Fig. 5: MP3 pretraining"))
+    assert any(word in claim for word in ("agrees", "contradicts", "undecided", "not learned")), claim
+    assert "ImageNet-1K ViT-B" in claim and "0.25 PT + 0.25 FT vs 0.5 supervised" in claim, "paper vs here"
     assert "| DropPos gamma 0.5 | not run |" in text
     privacy = rows["supervised"][0]["privacy"]  # MJP Table 5 on the 3 toy classes, one image each
     assert rows["supervised"][0]["privacy_setup"]["images"] == 3 and set(privacy["analytic"]) == {"a", "b", "c"}
@@ -83,7 +103,7 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert "## MJP: gradient inversion" in text and "| supervised, no PE | 0 | gradient matching | (a) |" in text
     assert "| MJP gamma 0.27 | not run |" in text
     for figure in ("study_main.png", "study_label_efficiency.png", "study_mp3_eta.png", "study_mjp_consistency.png",
-                   "study_privacy.png"):
+                   "study_privacy.png", "study_curves.png"):
         assert (tmp_path / "results" / figure).is_file(), figure
     capsys.readouterr()
     assert study.main(args) == 0  # resumes: every stage is skipped
@@ -122,12 +142,16 @@ def test_study_jobs_pull_units_from_one_queue_and_stages_refuse_a_busy_directory
                                                    "full_label_rows=[supervised]", f"runs={tmp_path / 'runs'}"])
     units = study.study_units(cfg)
     pairs = [(g, u.seed) for u in units for g in u.groups]
-    expected = [(g, s) for g in GROUPS for s in ((0, 1) if g == "speech" else (0, 1, 2))]
+    expected = [(g, s) for g in GROUPS if g != "curves" for s in ((0, 1) if g == "speech" else (0, 1, 2))]
     assert sorted(pairs) == sorted(expected) and len(pairs) == len(set(pairs)), "every (group, seed) exactly once"
     assert all(("mp3_pe" in u.groups) == ("main" in u.groups) for u in units), \
         "mp3_pe rides with main of the same seed (it fine-tunes main's MP3 pretraining)"
     keys = [(cfg.groups.index(u.groups[0]), u.seed) for u in units]
     assert keys == sorted(keys), "the queue keeps the priority order of groups, then the seed order"
+    curved = study.study_units(dataclasses.replace(cfg, curve_epochs=(0.0, 1.0), curve_rows=("mp3", "mae")))
+    assert [u.only for u in curved[:2]] == [("mp3",), ("mae",)] and curved[2:] == units, \
+        "one unit per learning curve, first (the curves group leads the groups)"
+    assert curved[0].overrides() == ["groups=[curves]", "only_seeds=[0]", "only=[mp3]"]
 
     # Dynamic balance: job 0 is held on its first unit until job 1 has run every other unit (a static split
     # would have given job 0 about half of them and this would time out).
