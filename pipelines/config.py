@@ -67,7 +67,8 @@ class DataSection:
     verify_shards: bool = True  # check each shard's size + sha256 against its manifest when read (~1% of a load)
     val_limit: int | None = None  # evaluate on the first N samples of data.val (None: all)
     # a validation split held out of data.train: N class-balanced samples (data.holdout_seed) that training never
-    # reads; data.val=holdout evaluates on them (recipe choices read validation, the test split is read once)
+    # reads; data.val=holdout evaluates on them (recipe choices read validation, the test split is read once);
+    # with data.val=<test split> they are still kept out of data.train (a final evaluation on the same train images)
     holdout: int = 0
     holdout_seed: int = 0  # which samples are held out (the same for every method and run)
 
@@ -84,9 +85,11 @@ class DataSection:
             raise ConfigError(f"data.memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
         if self.num_workers < 0 or self.shuffle_buffer < 0:
             raise ConfigError("data.num_workers and data.shuffle_buffer must be >= 0")
-        if (self.val == HOLDOUT) != (self.holdout > 0):
-            raise ConfigError(f"data.val=holdout and data.holdout > 0 go together (got data.val={self.val}, "
-                              f"data.holdout={self.holdout}): hold samples out to validate on them")
+        if self.val == HOLDOUT and self.holdout <= 0:
+            raise ConfigError(f"data.val=holdout needs data.holdout > 0 (got {self.holdout}): hold samples out of "
+                              "data.train to validate on them")
+        if self.holdout < 0:
+            raise ConfigError(f"data.holdout must be >= 0, got {self.holdout}")
         for name in ("train", "val") if self.val != HOLDOUT else ("train",):
             path = Path(getattr(self, name))
             if not (path / "manifest.json").is_file():
@@ -149,7 +152,7 @@ class OptimSection:
 
 @dataclass
 class RunSection:
-    """Output, seeds, precision, logging and checkpoint cadence."""
+    """Output, seeds, precision, logging, checkpoint cadence, learning-curve snapshots and early stopping."""
 
     output: str = "runs/default"  # run directory (log.jsonl, checkpoints, tensorboard/)
     seed: int = 0  # weights, data order, augmentation; masks / noise / drop path: a stream per (seed, rank)
@@ -165,6 +168,14 @@ class RunSection:
     # DDP's find_unused_parameters; null = only for objectives whose steps may leave a trainable parameter without
     # gradient (MJP's E_unk). True costs a graph traversal per step (results/benchmark.md, ddp suite).
     find_unused_parameters: bool | None = None
+    # learning curves: the backbone after each of these epochs is kept in output/snapshots/epoch-<e>/ (0: the
+    # initial weights, the random-init control), e.g. [0, 0.5, 1, 2]; each is also a regular checkpoint step
+    keep_epochs: tuple[float, ...] = ()
+    # stop after this many evaluations (run.eval_every) without a better run.early_stop_metric (0: off; needs a
+    # pipeline that evaluates: finetune.py). output/best/ holds the best evaluation's backbone: evaluate that one.
+    # The cosine lr schedule still spans optim.epochs: an early stop cuts it short
+    early_stop_patience: int = 0
+    early_stop_metric: str = "top1"  # what early stopping follows: higher is better, lower if its name has "loss"
 
     def validate(self) -> None:
         if self.mixed_precision not in ("no", "fp16", "bf16"):
@@ -173,6 +184,15 @@ class RunSection:
             raise ConfigError("run.grad_accum and run.log_every must be >= 1, checkpoint/eval cadences >= 0")
         if not 0 <= self.seed < MAX_SEED:
             raise ConfigError(f"run.seed must be in [0, 2**31), got {self.seed}")
+        bad = [e for e in self.keep_epochs if not (math.isfinite(e) and e >= 0)]
+        if bad:
+            raise ConfigError(f"run.keep_epochs holds {', '.join(f'{e:g}' for e in bad)}: epochs must be finite and "
+                              ">= 0, e.g. [0, 0.5, 1, 2]")
+        if self.early_stop_patience < 0:
+            raise ConfigError(f"run.early_stop_patience must be >= 0 (0: off), got {self.early_stop_patience}")
+        if self.early_stop_patience and not self.eval_every:
+            raise ConfigError(f"run.early_stop_patience={self.early_stop_patience} counts evaluations, and "
+                              "run.eval_every=0 evaluates only at the end: set run.eval_every (steps) too")
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

@@ -18,6 +18,10 @@ Run directory (``run.output``; one run at a time, see ``rundir.py``)::
     checkpoints/step-N/  the last complete checkpoint: checkpoint/ (backbone ``save_pretrained`` + objective
                        extras), state/ (Accelerate state + trainer.json, for ``run.resume=true``), COMPLETE
     checkpoint         -> checkpoints/step-N/checkpoint (what fine-tuning, evaluation and export load)
+    snapshots/epoch-E/ run.keep_epochs: the backbone folder (as checkpoint/ holds it) after E epochs, metadata with
+                       step and epoch (epoch-0: the initial weights)
+    best/              run.early_stop_patience: the backbone folder of the best evaluation (metadata: step,
+                       best_metric, best_value, metrics); the one to evaluate
     tensorboard/       TensorBoard event files
     .lock              held while a process runs the directory
 
@@ -70,6 +74,8 @@ from rundir import (
     partial_dir,
     point_checkpoint_link,
     prepare_directory,
+    publish_folder,
+    tidy_folders,
     unsealed_steps,
     verify,
 )
@@ -271,20 +277,20 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                                       ("data.val", val_manifest, cfg.val_urls, False, eval_options)):
         augmented = augment and train
         why = None if holdout and not train else memory_choice(cfg, m, budget, key, augment)
-        if why is not None and train and holdout:
-            raise ConfigError(f"data.val=holdout needs data.train in memory, but it streams ({why}); set "
+        if why is not None and train and cfg.holdout:
+            raise ConfigError(f"data.holdout={cfg.holdout} needs data.train in memory, but it streams ({why}); set "
                               "data.in_memory=auto and enough data.memory_budget_mb")
         if why is not None and train and cfg.label_fraction is not None:
             raise ConfigError(f"data.label_fraction={cfg.label_fraction} needs data.train in memory, but it streams "
                               f"({why}); set data.in_memory=auto and enough data.memory_budget_mb")
         if why is None:
-            if held is not None and not train:
+            if holdout and not train:
                 split = held  # data.val=holdout: the samples held out of data.train
             else:
                 split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt,
                                            num_workers=cfg.num_workers, verify=cfg.verify_shards)  # in parallel
                 budget -= decoded_bytes(m)
-            if train and holdout:
+            if train and cfg.holdout:  # kept out of data.train whichever split validates (the same train images)
                 split, held = hold_out(split, cfg, accelerator)
             if train and cfg.label_fraction is not None:  # the label-efficiency protocol: a fixed balanced subset
                 split = split.subset(balanced_subset(split.labels, cfg.label_fraction, cfg.label_subset_seed))
@@ -334,8 +340,9 @@ def hold_out(split: InMemorySplit, cfg: DataSection, accelerator: Accelerator) -
     held = balanced_subset(split.labels, cfg.holdout / len(split), cfg.holdout_seed)
     keep = torch.ones(len(split), dtype=torch.bool)
     keep[held] = False
-    accelerator.print(f"data.val=holdout: {len(held)} class-balanced samples of data.train held out for validation "
-                      f"(data.holdout_seed={cfg.holdout_seed}); training reads the other {int(keep.sum())}")
+    use = "for validation" if cfg.val == HOLDOUT else f"(unused here: data.val={cfg.val})"
+    accelerator.print(f"data.holdout: {len(held)} class-balanced samples of data.train held out {use} "
+                      f"(data.holdout_seed={cfg.holdout_seed}); data.train reads the other {int(keep.sum())}")
     return split.subset(keep.nonzero().flatten()), split.subset(held)
 
 
@@ -384,6 +391,74 @@ def classify(backbone: Backbone, dataset: ShardDataset | MemoryReader, batch_siz
         accuracy.update(logits, y)
     backbone.train(was_training)
     return accuracy.compute()
+
+
+def snapshot_steps(keep_epochs: tuple[float, ...], per_epoch: int, total: int) -> dict[int, float]:
+    """``{step: epoch}`` of ``run.keep_epochs``: epoch e is step ``round(e x per_epoch)`` (0: the initial weights).
+    Epochs beyond the run's ``total`` steps, or two epochs on one step, are a :class:`ConfigError` naming them."""
+    beyond = [e for e in keep_epochs if round(e * per_epoch) > total]
+    if beyond:
+        raise ConfigError(f"run.keep_epochs: epoch(s) {', '.join(f'{e:g}' for e in beyond)} lie beyond this run's "
+                          f"budget of {total} steps ({total / per_epoch:g} epochs of {per_epoch} steps): drop them, "
+                          "or train longer (optim.epochs / optim.max_steps)")
+    steps: dict[int, float] = {}
+    for e in sorted(keep_epochs):
+        step = min(max(round(e * per_epoch), 0), total)
+        if step in steps:
+            raise ConfigError(f"run.keep_epochs: epochs {steps[step]:g} and {e:g} are both step {step} ({per_epoch} "
+                              "steps per epoch): keep one of them")
+        steps[step] = e
+    return steps
+
+
+def snapshot_name(epoch: float) -> str:
+    return f"snapshots/epoch-{epoch:g}"
+
+
+def folder_step(folder: Path) -> int | None:
+    """The step in the metadata of a backbone folder (``best/``), or None when there is none to read."""
+    try:
+        return json.loads((folder / "config.json").read_text())["metadata"]["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class BestTracker:
+    """Early stopping's state: the best value of ``metric`` so far, its step and evaluation, and the evaluations
+    since it. Rebuilt on resume by :meth:`replay` of the log's evaluations (each one counted as when it ran)."""
+
+    def __init__(self, metric: str, patience: int) -> None:
+        self.metric, self.patience = metric, patience
+        self.lower = "loss" in metric  # a loss: lower is better
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.best_eval: dict[str, Any] = {}
+        self.since = 0
+
+    def update(self, step: int, result: dict[str, Any]) -> bool:
+        """Count the evaluation ``result`` of ``step``; True when it is a new best."""
+        value = result.get(self.metric)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            numbers = sorted(k for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool))
+            raise ConfigError(f"run.early_stop_metric={self.metric}: the evaluation at step {step} gives "
+                              f"{value!r} for it; it reports {', '.join(numbers) or 'no number'}")
+        if self.best is None or (value < self.best if self.lower else value > self.best):
+            self.best, self.best_step, self.best_eval, self.since = value, step, result, 0
+            return True
+        self.since += 1
+        return False
+
+    @property
+    def exhausted(self) -> bool:
+        return self.since >= self.patience
+
+    def replay(self, records: list[dict[str, Any]]) -> None:
+        for record in records:
+            if isinstance(record.get("eval"), dict):
+                self.update(record["step"], record["eval"])
+
+    def summary(self) -> dict[str, Any]:
+        return {"best_step": self.best_step, "metric": self.metric, "best": self.best, "patience": self.patience}
 
 
 class StepSchedule:
@@ -521,7 +596,9 @@ class Trainer:
         self.lr_base_batch = optim.lr_base_batch or per_process
         self.peak_lr = optim.scaled_lr(self.global_batch, default_base=per_process)
         # DESIGN §4: the checkpoint records which pooled feature this training trained, so probes read that one.
+        # ... and the pooling its method's own fine-tuning protocol uses (finetune.global_pool=null reads it)
         self.metadata = {**metadata, "probe_feature": getattr(objective, "probe_feature", backbone.config.global_pool),
+                         "finetune_pool": getattr(objective, "finetune_pool", backbone.config.global_pool),
                          "recipe": {**recipe(config, accelerator.num_processes), "global_batch": self.global_batch,
                                     "peak_lr": self.peak_lr}}
         self.batch_transform, self.evaluate = batch_transform, evaluate
@@ -535,6 +612,15 @@ class Trainer:
                               f"{self.lr_base_batch} -> {self.peak_lr:.4g} at global batch "
                               f"{self.global_batch} ({accelerator.num_processes} process(es))")
         self.command = command or "the same command"
+        # run.keep_epochs / run.early_stop_patience, checked before the directory is touched
+        self.snapshots = snapshot_steps(run.keep_epochs, *self.budget(config.data.batch_size))
+        self.tracker = BestTracker(run.early_stop_metric, run.early_stop_patience) if run.early_stop_patience \
+            else None
+        if self.tracker is not None and evaluate is None:
+            raise ConfigError(f"run.early_stop_patience={run.early_stop_patience}: this pipeline does not evaluate "
+                              "during training (pretrain.py has no validation metric to follow); early stopping "
+                              "follows finetune.py's evaluations: set run.early_stop_patience=0 here")
+        self.stopped_early: dict[str, Any] | None = None  # the early stop a resumed checkpoint records
         # One run per directory: the main process holds run.output's lock until fit() ends, and checks what the
         # directory holds against run.resume / run.overwrite before anything is written.
         self.lock = RunLock(self.out) if accelerator.is_main_process else None
@@ -554,12 +640,14 @@ class Trainer:
         return per_epoch, total
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step: int, metrics: dict[str, Any] | None = None) -> None:
+    def save_checkpoint(self, step: int, metrics: dict[str, Any] | None = None,
+                        stopped_early: dict[str, Any] | None = None) -> None:
         """Crash-consistent (``rundir.py``): write ``checkpoints/.partial-step-N`` (backbone + objective extras,
         Accelerate state with every rank's RNG), seal it with ``COMPLETE``, rename it to ``step-N``, point the
         ``checkpoint`` link at it, then remove the previous step. ``metrics`` (the end-of-run evaluation) go into
-        the model card and config.json *before* the seal: nothing rewrites a sealed checkpoint. Weights that are
-        not finite are never saved (:class:`Diverged`); a full disk is a one-line error."""
+        the model card and config.json *before* the seal: nothing rewrites a sealed checkpoint; ``stopped_early``
+        (the early stop's summary) goes into ``state/trainer.json``. Weights that are not finite are never saved
+        (:class:`Diverged`); a full disk is a one-line error."""
         acc, out = self.acc, self.out
         self._check_finite_weights(step)
         partial = partial_dir(out, step)
@@ -572,16 +660,13 @@ class Trainer:
                 partial.mkdir(parents=True)
             acc.wait_for_everyone()
             if acc.is_main_process:
-                save_pretrained(self.backbone, partial / "checkpoint", metadata=metadata)
-                extras = {k: v.detach().contiguous().cpu() for k, v in acc.unwrap_model(self.objective)
-                          .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
-                if extras:
-                    save_file(extras, str(partial / "checkpoint" / "objective.safetensors"))
+                self._save_backbone(partial / "checkpoint", metadata)
             acc.save_state(str(partial / "state"))  # every process writes its own random_states_<rank>.pkl
             acc.wait_for_everyone()  # ... before the main process seals the directory
             if acc.is_main_process:
                 (partial / "state" / "trainer.json").write_text(json.dumps({
-                    "step": step, "world_size": acc.num_processes, "global_batch": self.global_batch}))
+                    "step": step, "world_size": acc.num_processes, "global_batch": self.global_batch,
+                    **({"stopped_early": stopped_early} if stopped_early else {})}))
                 final = commit(partial, step)
                 point_checkpoint_link(out, final / "checkpoint")
                 clean(out, keep=final)
@@ -591,6 +676,82 @@ class Trainer:
             shutil.rmtree(partial, ignore_errors=True)
             raise CheckpointError(disk_message(out, step, exc)) from None
         acc.wait_for_everyone()
+
+    def _save_backbone(self, folder: Path, metadata: dict[str, Any]) -> None:
+        """The backbone checkpoint folder (``save_pretrained`` + the objective's extra parameters in
+        ``objective.safetensors``): what ``checkpoint/``, ``snapshots/*`` and ``best/`` hold. Main process."""
+        save_pretrained(self.backbone, folder, metadata=metadata)
+        extras = {k: v.detach().contiguous().cpu() for k, v in self.acc.unwrap_model(self.objective)
+                  .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
+        if extras:
+            save_file(extras, str(folder / "objective.safetensors"))
+
+    def _snapshot(self, step: int, missing_only: bool = False) -> None:
+        """Keep the backbone of ``step`` (a run.keep_epochs step) in ``snapshots/epoch-E/`` (every rank calls
+        this; the main process writes). ``missing_only``: unless it is there already (the step a run starts at)."""
+        self._check_finite_weights(step)
+        epoch = self.snapshots[step]
+        name = snapshot_name(epoch)
+        if not self.acc.is_main_process or (missing_only and (self.out / name).is_dir()):
+            return
+        publish_folder(self.out / name, lambda folder: self._save_backbone(
+            folder, {**self.metadata, "step": step, "epoch": epoch}))
+        self.log.write({"step": step, "snapshot": name})
+        self._print(f"snapshot: epoch {epoch:g} (step {step}) in {self.out / name}")
+
+    def _save_best(self, step: int) -> None:
+        """Write ``best/``: the backbone of ``step``, the best evaluation so far (every rank calls this; the main
+        process writes). Called after the checkpoint of that step, so a run resumed from it can rewrite it."""
+        self._check_finite_weights(step)
+        tracker = self.tracker
+        if not self.acc.is_main_process or tracker is None:
+            return
+        metrics = {k: v for k, v in tracker.best_eval.items() if isinstance(v, int | float | str)}
+        publish_folder(self.out / "best", lambda folder: self._save_backbone(folder, {
+            **self.metadata, "step": step, "best_metric": tracker.metric, "best_value": tracker.best,
+            "metrics": metrics}))
+
+    def _catch_up(self, step: int) -> None:
+        """What a kill may have left unwritten of the step this run starts at (its weights are loaded): its
+        snapshot (step 0: the initial weights) and ``best/`` when that step is the best. Older ones are on disk
+        (a snapshot step is a checkpoint step, written before its checkpoint; best/ right after its checkpoint)."""
+        if step in self.snapshots:
+            self._snapshot(step, missing_only=True)
+        tracker = self.tracker
+        if not self.acc.is_main_process or tracker is None or tracker.best_step is None:
+            return
+        if folder_step(self.out / "best") != tracker.best_step:
+            if tracker.best_step == step:
+                self._save_best(step)
+            else:
+                print(f"warning: {self.out / 'best'} does not hold the best step ({tracker.best_step}) of the log, "
+                      "whose weights are gone (was it changed by hand?); it is rewritten at the next better "
+                      "evaluation", file=sys.stderr)
+
+    def _follow(self, step: int, result: dict[str, Any]) -> tuple[bool, bool]:
+        """Early stopping after the evaluation of ``step``: (a new best, stop now), the main process's decision
+        given to every rank (only it evaluates)."""
+        if self.tracker is None:
+            return False, False
+        flags = [0, 0]
+        if self.acc.is_main_process:
+            flags = [int(self.tracker.update(step, result)), int(self.tracker.exhausted)]
+        if self.acc.num_processes > 1:
+            shared = torch.tensor(flags, device=self.acc.device)
+            torch.distributed.broadcast(shared, src=0)
+            flags = shared.tolist()
+        return bool(flags[0]), bool(flags[1])
+
+    def _print(self, text: str) -> None:
+        """A line of the main process, clear of the progress bar."""
+        if self.acc.is_main_process:
+            (self.bar.write if getattr(self, "bar", None) is not None else print)(text)
+
+    def _report_best(self) -> None:
+        tracker = self.tracker
+        if tracker is not None and tracker.best_step is not None:
+            self._print(f"best: {self.out / 'best'} (step {tracker.best_step}, {tracker.metric} {tracker.best:.4g}): "
+                        "the checkpoint to evaluate")
 
     def resume_step(self) -> int:
         """``run.resume=true``: load the newest complete checkpoint after verifying every file (0: none yet).
@@ -621,6 +782,7 @@ class Trainer:
             acc.print(f"run.resume=true: {self.out} holds no checkpoint yet; starting at step 0")
             return 0
         trainer = json.loads((state / "trainer.json").read_text())
+        self.stopped_early = trainer.get("stopped_early")
         saved = trainer.get("world_size") or len(list(state.glob("random_states_*.pkl")))
         if saved != acc.num_processes:
             launch = "python" if saved == 1 else f"accelerate launch --num_processes {saved} <the same options>"
@@ -666,8 +828,9 @@ class Trainer:
         return x, y
 
     def fit(self, batch_size: int) -> dict[str, Any]:
-        """Train for the configured budget; returns the last evaluation. Raises :class:`Interrupted` (after a
-        checkpoint) on SIGTERM / SIGINT. The directory's lock is released however it ends."""
+        """Train for the configured budget (or until early stopping); returns the last evaluation. Raises
+        :class:`Interrupted` (after a checkpoint) on SIGTERM / SIGINT. The directory's lock is released however it
+        ends."""
         self.bar: tqdm | None = None
         try:
             with _StopSignals() as signals:
@@ -746,14 +909,23 @@ class Trainer:
         # order has its own (seed, epoch, rank) seeds.
         set_seed(rank_seed(run.seed, acc.process_index))
         step = first_step = self.resume_step()
-        if acc.is_main_process and run.resume:
-            truncate_log(self.out / "log.jsonl", step)  # the steps after the checkpoint are logged again
-        if run.resume and step >= total:  # a finished run: nothing to train, nothing to rewrite
+        if acc.is_main_process:
+            for parent in (self.out, self.out / "snapshots"):  # what a kill in a snapshot / best/ write left
+                tidy_folders(parent)
+            if run.resume:
+                truncate_log(self.out / "log.jsonl", step)  # the steps after the checkpoint are logged again
+                log = self.out / "log.jsonl"
+                if self.tracker is not None and log.is_file():  # early stopping: the evaluations up to the checkpoint
+                    self.tracker.replay(read_log(log)[0])
+        self._catch_up(step)
+        if run.resume and (step >= total or self.stopped_early):  # finished: nothing to train, nothing to rewrite
             if acc.is_main_process:  # ... but what a kill in its last save left undone (the link, the old step)
                 final = complete_steps(self.out)[-1][1]
                 point_checkpoint_link(self.out, final / "checkpoint")
                 clean(self.out, keep=final)
-            acc.print(f"run.resume=true: {self.out} is complete (step {step} of {total}); nothing to do")
+            how = f"stopped early at step {step} of {total}" if self.stopped_early else f"step {step} of {total}"
+            acc.print(f"run.resume=true: {self.out} is complete ({how}); nothing to do")
+            self._report_best()
             return self._finished_result()
         # which processes really run this job (world size and the distinct ranks, gathered from every process)
         ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
@@ -765,6 +937,7 @@ class Trainer:
         start, steady_step, startup = time.perf_counter(), step, 0.0
         waited = 0.0  # seconds spent waiting for the data (its share of step time is logged)
         epoch, skip = divmod(step, per_epoch)
+        stopped = False  # by early stopping
         while step < total:
             fetch = time.perf_counter()
             batches = 0
@@ -810,10 +983,21 @@ class Trainer:
                     if run.tensorboard:  # namespaced as TensorBoard groups them: train/loss, train/lr, ...
                         acc.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
                     bar.set_postfix(loss=f"{scalars['loss']:.4f}")
-                if run.checkpoint_every and step % run.checkpoint_every == 0 and step < total:
-                    self.save_checkpoint(step)
+                if step in self.snapshots:  # before the step's checkpoint: a resumed run finds it on disk
+                    self._snapshot(step)
+                new_best = False
+                # evaluation before the step's checkpoint: a run resumed from it has its evaluation in the log
                 if self.evaluate is not None and run.eval_every and step % run.eval_every == 0 and step < total:
                     last_eval = self._evaluate(objective, step)
+                    new_best, stopped = self._follow(step, last_eval)
+                    if stopped:
+                        break
+                # a snapshot or best step is a checkpoint step: a resumed run can rewrite what a kill left undone
+                if step < total and ((run.checkpoint_every and step % run.checkpoint_every == 0)
+                                     or step in self.snapshots or new_best):
+                    self.save_checkpoint(step)
+                if new_best:
+                    self._save_best(step)
                 stop = self._stop_signal(signals)
                 if stop and step < total:
                     bar.close()
@@ -822,6 +1006,8 @@ class Trainer:
                 if step >= total or (run.stop_after and step >= run.stop_after):
                     break
                 fetch = time.perf_counter()  # logging, checkpoints and evaluation are not data time
+            if stopped:
+                break
             if run.stop_after and step >= run.stop_after and step < total:
                 bar.close()
                 self.save_checkpoint(step)  # as a periodic checkpoint would have been
@@ -833,11 +1019,23 @@ class Trainer:
             # the next epoch (an epoch shortened by data.skip_corrupt ends early: its steps are not made up)
             epoch, skip = epoch + 1, 0
         bar.close()
-        metrics = None
-        if self.evaluate is not None:  # measured first, so the final checkpoint is sealed with its metrics
+        new_best, summary = False, None
+        if stopped:  # logged before the final checkpoint: a run killed in between stops again at this step
+            if acc.is_main_process:
+                summary = self.tracker.summary()
+                self.log.write({"step": step, "early_stop": summary})
+                later = [f"{e:g}" for s, e in self.snapshots.items() if s > step]
+                self._print(f"early stop at step {step} of {total}: no better {summary['metric']} than "
+                            f"{summary['best']:.4g} (step {summary['best_step']}) in {summary['patience']} "
+                            "evaluation(s)" + (f"; run.keep_epochs {', '.join(later)} not reached" if later else ""))
+        elif self.evaluate is not None:  # measured first, so the final checkpoint is sealed with its metrics
             last_eval = self._evaluate(objective, step)
-            metrics = {k: v for k, v in last_eval.items() if isinstance(v, int | float | str)} or None
-        self.save_checkpoint(step, metrics=metrics)
+            new_best, _ = self._follow(step, last_eval)  # the closing evaluation competes for best/ too
+        metrics = {k: v for k, v in last_eval.items() if isinstance(v, int | float | str)} or None
+        self.save_checkpoint(step, metrics=metrics, stopped_early=summary)
+        if new_best:
+            self._save_best(step)
+        self._report_best()
         if run.tensorboard:
             acc.end_training()
         return last_eval

@@ -8,6 +8,8 @@ Layout of ``run.output`` (the parts this module owns)::
         state/                   Accelerate state (model, optimizer, scheduler, each rank's RNG) + trainer.json
         COMPLETE                 step, and size + sha256 of every file above: written last
     checkpoint -> checkpoints/step-00000158/checkpoint   (a relative symlink, swapped atomically)
+    snapshots/epoch-1/, best/    backbone folders kept beside the checkpoints (run.keep_epochs, early stopping),
+                                 each written by :func:`publish_folder`
 
 A save writes ``checkpoints/.partial-step-N``, fsyncs it, writes ``COMPLETE``, renames the directory to
 ``step-N`` (atomic), swaps the ``checkpoint`` link (atomic), and only then removes the older step (renamed to
@@ -28,6 +30,7 @@ import shutil
 import socket
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,8 @@ CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 LOCK = ".lock"
 # What a training run leaves in its directory (run.overwrite=true removes exactly these).
-RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "checkpoint", "state", "tensorboard")
+RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "checkpoint", "state", "tensorboard",
+               "snapshots", "best")
 # Leftovers of the layout before checkpoints/ (issue 18), removed once a save succeeds.
 LEGACY_LEFTOVERS = (".state.tmp", ".state.old")
 # Config fields a resumed run may change: they do not change what is trained (run.output: the same directory
@@ -159,8 +163,10 @@ def _same(a: Any, b: Any) -> bool:
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``field (old -> new)`` for every field of both configs that differs and is not in RESUMABLE_CHANGES."""
     old, new = _flatten(saved), _flatten(current)
+    # early stopping counts evaluations: their cadence changes where it stops
+    fixed = {"run.eval_every"} if new.get("run.early_stop_patience") else set()
     return [f"{k} ({old[k]!r} -> {new[k]!r})" for k in sorted(old.keys() & new.keys())
-            if k not in RESUMABLE_CHANGES and not _same(old[k], new[k])]
+            if (k not in RESUMABLE_CHANGES or k in fixed) and not _same(old[k], new[k])]
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -293,6 +299,39 @@ def commit(partial: Path, step: int) -> Path:
     os.replace(partial, final)
     _fsync(final.parent)
     return final
+
+
+def publish_folder(final: Path, write: Callable[[Path], None]) -> Path:
+    """Put the folder ``final`` in place atomically (temp dir + rename): ``write(folder)`` fills
+    ``<parent>/.partial-<name>/<name>``, every file is fsynced, then the folder is renamed to ``final``; a previous
+    ``final`` is moved to ``.replaced-<name>`` for the instant of the swap, then removed. A kill leaves ``final``
+    whole (old or new) or, within the swap, missing; :func:`tidy_folders` removes the leftovers."""
+    final = Path(final)
+    partial, old = final.parent / f".partial-{final.name}", final.parent / f".replaced-{final.name}"
+    for path in (partial, old):
+        shutil.rmtree(path, ignore_errors=True)
+    partial.mkdir(parents=True)
+    folder = partial / final.name
+    write(folder)
+    mode = 0o666 & ~umask()  # safetensors writes 0600: the mode the user's umask asks for, as commit() does
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        os.chmod(path, mode)
+        _fsync(path)
+    _fsync(folder)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(folder, final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(partial, ignore_errors=True)
+    return final
+
+
+def tidy_folders(parent: Path) -> None:
+    """Remove what a kill inside :func:`publish_folder` left in ``parent`` (``.partial-*``, ``.replaced-*``)."""
+    for path in list(Path(parent).iterdir()) if Path(parent).is_dir() else []:
+        if path.name.startswith((".partial-", ".replaced-")):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def point_checkpoint_link(directory: Path, target: Path) -> None:

@@ -28,23 +28,23 @@ class StudyConfig:
     # epochs, its snapshots after each of curve_epochs (0: the random init) probed with 1% of the labels on
     # curve_val_samples validation images, beside the raw-pixel and random-init controls. () = no curves
     curve_epochs: tuple[float, ...] = ()
-    curve_rows: tuple[str, ...] = ("mp3", "droppos", "mae", "ijepa", "stop", "randsac")
-    curve_seed: int = 0
-    curve_val_samples: int = 5000
+    curve_rows: tuple[str, ...] = ("mp3", "droppos", "mae", "ijepa", "stop", "randsac")  # a curve per main row
+    curve_seed: int = 0  # the seed of the learning-curve pretrainings
+    curve_val_samples: int = 5000  # validation images the curve probes are scored on
     controls: bool = True  # raw-pixel and random-init (per seed) probe controls on the study's sets and images
     label_finetune: bool = True  # fine-tune the pretrained rows on each label fraction (false: linear probes only)
     # label-fraction training (supervised from scratch, fine-tunes): evaluate on the validation split every
     # label_eval_epochs epochs over the subset and stop after label_patience evaluations without a better top-1
     # (label_finetune_epochs is then the cap); the best checkpoint is tested. 0: fixed epochs, the last one tested
     label_patience: int = 0
-    label_eval_epochs: float = 1.0
+    label_eval_epochs: float = 1.0  # epochs over the subset between validation evaluations
     ort: bool = True  # ONNX export + ONNX Runtime evaluation (top-1, consistency, corruptions) of the main rows
     # speech (MP3 §4.3): fine-tuning gets as many updates as the supervised run, early stopping on validation;
     # speech_null: the same fine-tune from a 1-step "pretraining" (separates "pretraining hurts" from "the
     # fine-tuning path is broken")
     speech_null: bool = True
     speech_patience: int = 0  # evaluations (every speech_eval_epochs) without a better validation top-1; 0: off
-    speech_eval_epochs: float = 5.0
+    speech_eval_epochs: float = 5.0  # speech epochs between validation evaluations
     # main rows fine-tuned with all labels on every seed (the rows a full-label claim reads); the other main rows
     # only on the first seed (their pretraining, probes and label-efficiency runs still take every seed).
     # () = every main row on every seed

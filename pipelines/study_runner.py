@@ -56,8 +56,9 @@ class Study:
         args = [f"run.seed={seed}", "run.tensorboard=false", "run.resume=true", "run.checkpoint_every=50",
                 *self.data(run)]
         # training-time validation only feeds the log (the eval stage measures the test set): 1,000 images
+        val = min(c.holdout or c.test_samples or 1000, 1000)
         return args if run.speech else [*args, f"model.preset={c.preset}", f"data.batch_size={c.batch_size}",
-                                        f"data.val_limit={min(c.test_samples or 1000, 1000)}"]
+                                        f"data.val_limit={val}"]
 
     def subset_steps(self, fraction: float, batch: int) -> float:
         """Optimizer steps per epoch over a label fraction of the train split (what the holdout leaves)."""

@@ -145,8 +145,12 @@ def test_a_validation_split_held_out_of_train_is_balanced_fixed_and_never_traine
     assert split(holdout_seed=1)[1].keys != held.keys
     few, _ = split(label_fraction=0.25)
     assert set(few.keys) <= set(kept.keys), "label subsets come from what remains"
-    with pytest.raises(ConfigError, match=r"data\.val=holdout and data\.holdout > 0 go together"):
+    with pytest.raises(ConfigError, match=r"data\.val=holdout needs data\.holdout > 0"):
         DataSection(train=train, val="holdout").validate()
+    test = engine.build_data(DataSection(train=train, val=str(shards / "img" / "test"), holdout=12, num_workers=0),
+                             accelerator, seed=0, augment=False, split_train=False)
+    assert test.train.split.keys == kept.keys and len(test.val.split) == 32, \
+        "a final evaluation on the test split keeps the same samples out of data.train"
     import finetune
 
     out = tmp_path / "ft"

@@ -119,7 +119,8 @@ def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seed
             f"fashion_mnist={shards / 'img'}", "groups=[main]", "only=[supervised,mae]", "seeds=[0,1]",
             "full_label_rows=[supervised]", "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1",
             "curve_samples=8", "ort_consistency_samples=4", "robustness_samples=1", "test_samples=16",
-            "privacy_images=0", "label_fractions=[0.5]", "label_finetune_epochs=[1]", "probe_extras=false"]
+            "privacy_images=0", "label_fractions=[0.5]", "label_finetune_epochs=[1]", "probe_extras=false",
+            "holdout=12"]
     assert study.main([*args, "only_seeds=[1]"]) == 0  # as one --jobs process: seed 1 alone, still not the first
     assert not (tmp_path / "runs" / "seed0").exists() and (tmp_path / "runs" / "seed1" / "mae" / "probe").is_dir()
     assert not (tmp_path / "runs" / "seed1" / "mae" / "finetune").exists()
