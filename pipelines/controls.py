@@ -37,7 +37,7 @@ from evaluate import first_images, probe
 from study_plan import RUNS
 
 from patchplace.data.memory import MemoryReader, balanced_subset
-from patchplace.finetune import extract_features, knn_classify, probe_feature_of
+from patchplace.finetune import PROBE_FEATURES, extract_features, knn_classify, probe_feature_of
 from patchplace.models import create_model, load_pretrained
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -52,7 +52,10 @@ class ControlsSection:
     probe_train_samples: int = 5000  # the all-label probe set: the first N train images (as evaluate.py)
     probe_epochs: int = 100  # epochs of each linear probe (as the study's)
     knn_k: int = 20  # neighbours of the kNN (cosine, DINO's weighting)
-    pool: str = "mean"  # random-init features: mean (of the patch tokens) | cls
+    # random-init features, one control per pool (a method's features are read against the random init of the
+    # same feature: its probe_feature): mean (all tokens) | cls | patch_mean (patch tokens only); the first is the
+    # default control (random_linear / random_knn)
+    pools: tuple[str, ...] = ("mean",)
     random_init: bool = True  # the random-init controls (false: raw pixels and checkpoints only)
     checkpoints: tuple[str, ...] = ()  # also probe these checkpoints (their probe_feature) on the same sets
 
@@ -62,8 +65,8 @@ class ControlsSection:
                               "probe_train_samples >= 0")
         if not self.label_fractions and not self.probe_train_samples:
             raise ConfigError("controls: no set to probe (label_fractions empty and probe_train_samples 0)")
-        if self.pool not in ("mean", "cls"):
-            raise ConfigError(f"controls.pool must be mean or cls, got {self.pool!r}")
+        if not self.pools or set(self.pools) - set(PROBE_FEATURES):
+            raise ConfigError(f"controls.pools must be a non-empty list of {PROBE_FEATURES}, got {list(self.pools)}")
 
 
 @dataclass
@@ -113,7 +116,8 @@ def features(backbone: torch.nn.Module, batches: Batches, pool: str, device) -> 
 
 
 def measure(cfg: ControlsConfig, data, device) -> dict[str, Any]:
-    """{control: {set: [top-1 per seed]}} for raw pixels and random-init features, linear probe and kNN."""
+    """{control: {set: [top-1 per seed]}} for raw pixels and random-init features, linear probe and kNN; the
+    random init per pool as ``random_linear@<pool>`` / ``random_knn@<pool>`` (the first pool also without suffix)."""
     c, classes = cfg.controls, data.manifest.num_classes
     sets, val = train_sets(data, cfg), list(data.val.batches(cfg.data.batch_size, epoch=0))
     results: dict[str, dict[str, list[float]]] = {k: {} for k in ("pixels_linear", "pixels_knn", "random_linear",
@@ -128,18 +132,23 @@ def measure(cfg: ControlsConfig, data, device) -> dict[str, Any]:
     channels = int(data.manifest.info.get("channels", 1))
     for seed in c.seeds if c.random_init else ():
         backbone = random_init(cfg, seed, channels).to(device)
-        te, te_y = features(backbone, val, c.pool, device)
-        for name, batches in sets.items():
-            tr, tr_y = features(backbone, batches, c.pool, device)
-            results["random_knn"].setdefault(name, []).append(
-                knn_classify(tr, tr_y, te, te_y, num_classes=classes, k=c.knn_k)["top1"])
-            results["random_linear"].setdefault(name, []).append(
-                probe(f"random init seed {seed}, {name}", tr, tr_y, te, te_y, seed=seed, num_classes=classes,
-                      epochs=c.probe_epochs)["top1"])
+        for pool in c.pools:
+            te, te_y = features(backbone, val, pool, device)
+            for name, batches in sets.items():
+                tr, tr_y = features(backbone, batches, pool, device)
+                results.setdefault(f"random_knn@{pool}", {}).setdefault(name, []).append(
+                    knn_classify(tr, tr_y, te, te_y, num_classes=classes, k=c.knn_k)["top1"])
+                results.setdefault(f"random_linear@{pool}", {}).setdefault(name, []).append(
+                    probe(f"random init seed {seed} ({pool}), {name}", tr, tr_y, te, te_y, seed=seed,
+                          num_classes=classes, epochs=c.probe_epochs)["top1"])
+    if c.random_init:
+        results["random_linear"], results["random_knn"] = (results[f"random_linear@{c.pools[0]}"],
+                                                           results[f"random_knn@{c.pools[0]}"])
     checkpoints = {path: probe_checkpoint(path, sets, val, c, classes, device) for path in c.checkpoints}
     return {"controls": results, "checkpoints": checkpoints,
             "sets": {name: sum(len(y) for _, y in b) for name, b in sets.items()},
-            "test_samples": len(test_y), "preset": cfg.model.preset, "pool": c.pool, "seeds": list(c.seeds),
+            "test_samples": len(test_y), "test_split": str(cfg.data.val), "preset": cfg.model.preset,
+            "pool": c.pools[0], "pools": list(c.pools), "seeds": list(c.seeds),
             "label_subset_seed": cfg.data.label_subset_seed}
 
 
@@ -191,11 +200,16 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
              for n in names]
     lines = ["# Probe controls", "",
              f"Linear probe (BatchNorm + linear, {measured.get('probe_epochs', '')} AdamW epochs) and kNN (k = 20, "
-             f"cosine) top-1 % on {measured['test_samples']} test images; mean ± std over seeds "
-             f"{measured['seeds']}; random init: `{measured['preset']}`, `{measured['pool']}` pooled.", "",
+             f"cosine) top-1 % on {measured['test_samples']} images of the `{measured.get('test_split', 'test')}` "
+             "split; mean ± std over seeds "
+             f"{measured['seeds']}; random init: `{measured['preset']}`, pooled as each row says (a method is read "
+             "against the random init of the feature it probes).", "",
              "| control | " + " | ".join(heads) + " |", "| --- |" + " --- |" * len(names)]
-    labels = {"pixels_linear": "raw pixels, linear probe", "pixels_knn": "raw pixels, kNN",
-              "random_linear": "random-init backbone, linear probe", "random_knn": "random-init backbone, kNN"}
+    labels = {"pixels_linear": "raw pixels, linear probe", "pixels_knn": "raw pixels, kNN"}
+    for pool in measured.get("pools", [measured.get("pool", "mean")]):
+        suffix = f"@{pool}" if f"random_linear@{pool}" in controls else ""
+        labels |= {f"random_linear{suffix}": f"random-init backbone ({pool}), linear probe",
+                   f"random_knn{suffix}": f"random-init backbone ({pool}), kNN"}
     for key, label in labels.items():
         lines.append(f"| {label} | " + " | ".join(cell(controls[key].get(n)) for n in names) + " |")
     if measured.get("checkpoints"):
@@ -211,7 +225,7 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
                   "A method's probe is *learned* where its mean beats the random-init control's by more than the seed "
                   "spread (the larger std over seeds), else *not learned at this budget*; the raw-pixel probe is "
                   "shown beside it.", "",
-                  "| method | set | method probe | random init | raw pixels | verdict |",
+                  "| method | set | method probe | random init (same feature) | raw pixels | verdict |",
                   "| --- | --- | --- | --- | --- | --- |"]
         speech = {r.name for r in RUNS if r.speech}  # other data: no image control applies
         for method, rows in study.items():
@@ -220,7 +234,9 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
                 values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
                 if not values:
                     continue
-                control = controls["random_linear"][name]
+                pools = {r.get("probe_feature") for r in rows} - {None}
+                pool = pools.pop() if len(pools) == 1 else None
+                control = controls.get(f"random_linear@{pool}", controls["random_linear"])[name]
                 lines.append(f"| {method} | {name} | {cell(values)} ({len(values)} seeds) | {cell(control)} | "
                              f"{cell(controls['pixels_linear'][name])} | {learned(values, control)} |")
     return "\n".join(lines) + "\n"

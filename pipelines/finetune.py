@@ -190,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     if code:
         return code
     if accelerator.is_main_process:
-        print(json.dumps({"final": final, "checkpoint": f"{cfg.run.output}/checkpoint"}))
+        # with early stopping, best/ is the folder to evaluate (the validation's best step), checkpoint/ the last step
+        best = Path(cfg.run.output) / "best"
+        print(json.dumps({"final": final, "checkpoint": f"{cfg.run.output}/checkpoint",
+                          **({"best": str(best)} if best.is_dir() else {})}))
     return 0
 
 

@@ -275,9 +275,12 @@ def controls_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], cont
     heads = [f"{float(n):.0%} of the train labels ({sets[n]} images)" if n != "probe_set"
              else f"all-label probe set ({sets[n]} images)" for n in names]
     lines = ["| features | " + " | ".join(heads) + " | learned? |", "|" + " --- |" * (len(names) + 2)]
-    labels = {"pixels_linear": "control: raw pixels, linear probe", "pixels_knn": "control: raw pixels, kNN (k 20)",
-              "random_linear": f"control: random-init `{controls['preset']}`, linear probe (per seed)",
-              "random_knn": "control: random-init, kNN (per seed)"}
+    labels = {"pixels_linear": "control: raw pixels, linear probe", "pixels_knn": "control: raw pixels, kNN (k 20)"}
+    for pool in controls.get("pools", [controls.get("pool", "mean")]):  # one random-init control per feature
+        suffix = f"@{pool}" if f"random_linear@{pool}" in measured else ""
+        labels |= {f"random_linear{suffix}": f"control: random-init `{controls['preset']}` ({pool}), linear probe "
+                                             "(per seed)",
+                   f"random_knn{suffix}": f"control: random-init ({pool}), kNN (per seed)"}
     for key, label in labels.items():
         lines.append(f"| {label} | " + " | ".join(_pct(measured[key].get(n)) for n in names) + " | - |")
     keys = {n: ("linear_probe" if n == "probe_set" else fraction_key("linear_probe", float(n))) for n in names}
@@ -288,7 +291,9 @@ def controls_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], cont
         if all(c == "-" for c in cells):
             continue
         status = learned_status(rows, run.name, controls)
-        lines.append(f"| {run.label} (linear probe) | " + " | ".join(cells) + f" | {status or 'learned'} |")
+        features = {r.get("probe_feature") for r in rows[run.name]} - {None}
+        feature = f", {features.pop()}" if len(features) == 1 else ""
+        lines.append(f"| {run.label} (linear probe{feature}) | " + " | ".join(cells) + f" | {status or 'learned'} |")
     if "supervised" in rows:
         cells = [_pct(list(per_seed(rows, "supervised", "top1" if n == "probe_set" else fraction_key("top1", float(n)))
                            .values()) or None) for n in names]
@@ -314,20 +319,22 @@ def curves_section(curves: dict[str, Any], out: Path, stem: str) -> tuple[list[s
     first = next(iter(curves.values()))
     pixels = _mean_sd(first["controls"].get("pixels_linear"))
     knn = _mean_sd(first["controls"].get("pixels_knn"))
-    random = _mean_sd(first["controls"].get("random_linear"))
     epochs = sorted({e for c in curves.values() for e in c["points"]})
     lines = [f"1% linear probe (55 images per class, the label subset of the study) on {first['val_samples']} "
              "validation images, after each number of pretraining epochs (snapshots of one run per method, seed "
              "0; epoch 0 = its random init); controls on the same images: raw pixels "
              f"{_pct(first['controls'].get('pixels_linear'))} (linear), {_pct(first['controls'].get('pixels_knn'))} "
-             f"(kNN), random-init backbone {_pct(first['controls'].get('random_linear'))} (linear, per seed).", "",
-             "| method | " + " | ".join(f"ep {e:g}" for e in epochs) + " | > random init (+ spread) from epoch | "
-             "> raw pixels from epoch | pretraining min |", "|" + " --- |" * (len(epochs) + 4)]
+             "(kNN), and per method the random-init backbone on the feature that method probes (linear, one "
+             "backbone per seed).", "",
+             "| method (feature) | " + " | ".join(f"ep {e:g}" for e in epochs) + " | random init, same feature | "
+             "> random init (+ spread) from epoch | > raw pixels from epoch | pretraining min |",
+             "|" + " --- |" * (len(epochs) + 5)]
     for name, c in curves.items():
+        random = _mean_sd(c["controls"].get("random_linear"))
         level = random[0] + random[1] if random else float("inf")
-        lines.append(f"| {labels[name]} | " + " | ".join(f"{c['points'][e] * 100:.1f}" if e in c["points"] else "-"
-                                                         for e in epochs)
-                     + f" | {crossing(c['points'], level)} | "
+        lines.append(f"| {labels[name]} ({c.get('feature') or '-'}) | "
+                     + " | ".join(f"{c['points'][e] * 100:.1f}" if e in c["points"] else "-" for e in epochs)
+                     + f" | {_pct(c['controls'].get('random_linear'))} | {crossing(c['points'], level)} | "
                      f"{crossing(c['points'], pixels[0]) if pixels else '-'} | {c['minutes']:.1f} |")
     import matplotlib
 
@@ -340,12 +347,15 @@ def curves_section(curves: dict[str, Any], out: Path, stem: str) -> tuple[list[s
     for ms, label, style in ((pixels, "raw pixels, linear", "--"), (knn, "raw pixels, kNN", ":")):
         if ms:
             ax.axhline(ms[0] * 100, color="black", linestyle=style, linewidth=1, label=label)
-    if random:
-        ax.axhspan((random[0] - random[1]) * 100, (random[0] + random[1]) * 100, color="grey", alpha=0.3,
-                   label="random init (± sd)")
+    for name, c in curves.items():  # each method's random init on its own feature (± sd), in its colour
+        random = _mean_sd(c["controls"].get("random_linear"))
+        line = next(ln for ln in ax.get_lines() if ln.get_label() == labels[name])
+        if random:
+            ax.axhspan((random[0] - random[1]) * 100, (random[0] + random[1]) * 100, color=line.get_color(),
+                       alpha=0.12)
     ax.set_xscale("symlog", linthresh=0.25)
     ax.set(xlabel="pretraining epochs (symlog)", ylabel="1% linear probe, validation top-1 %",
-           title="does it learn here? (seed 0)")
+           title="does it learn here? (seed 0; bands: random init per feature, ± sd)")
     ax.legend(fontsize=6, loc="lower right", ncol=2)
     fig.tight_layout()
     fig.savefig(out / f"{stem}_curves.png", dpi=120)

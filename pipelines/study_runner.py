@@ -7,6 +7,7 @@ best) checkpoint. Fine-tuning pools as each method's own protocol does (the chec
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -258,9 +259,12 @@ class Study:
             f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
             *run.objective, *self.common(run, c.curve_seed)], label=f"{d} pretrain")
         snapshots = [d / "pretrain" / "snapshots" / f"epoch-{e:g}" for e in c.curve_epochs]
+        # the random-init control on the feature this method probes (its snapshots' recorded probe_feature)
+        feature = json.loads((snapshots[0] / "config.json").read_text())["metadata"].get("probe_feature", "mean")
         stage(d / "probes", controls.main, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'probes'}",
             f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
+            f"controls.pools=[{feature}]",
             "controls.label_fractions=[0.01]", "controls.probe_train_samples=0",
             f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, snapshots))}]",
             f"data.label_subset_seed={c.label_subset_seed}", *self.data(run),

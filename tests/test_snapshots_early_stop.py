@@ -201,9 +201,11 @@ def test_two_processes_snapshot_and_stop_early_at_the_same_step(shards, tmp_path
     from tests.test_ddp import run as launch
 
     out = tmp_path / "ddp"
-    launch([str(ROOT / "pipelines" / "finetune.py"), *img(shards), *TINY, "finetune.mixup=0", "finetune.cutmix=0",
-            "optim.epochs=2", "run.keep_epochs=[0,0.5,1]", "run.eval_every=2", "run.early_stop_patience=1",
-            "run.early_stop_metric=count", f"run.output={out}"], timeout=120)
+    result = launch([str(ROOT / "pipelines" / "finetune.py"), *img(shards), *TINY, "finetune.mixup=0",
+                     "finetune.cutmix=0", "optim.epochs=2", "run.keep_epochs=[0,0.5,1]", "run.eval_every=2",
+                     "run.early_stop_patience=1", "run.early_stop_metric=count", f"run.output={out}"], timeout=120)
+    closing = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"final"')]
+    assert [(c["checkpoint"], c["best"]) for c in closing] == [(f"{out}/checkpoint", str(out / "best"))]
     records = ddp_log(out)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and {r["world_size"] for r in steps} == {2}

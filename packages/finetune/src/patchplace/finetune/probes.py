@@ -21,9 +21,11 @@ Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 # Which pooled feature a checkpoint's training trained (DESIGN §4); objectives declare it as ``probe_feature`` and
 # the pipelines record it in the checkpoint metadata. "patch_mean" runs the patch tokens alone, without the class
-# token (methods that never feed it: its value is untrained), "mean" / "cls" the full sequence with it.
+# token (methods that never feed it: its value is untrained; I-JEPA, StoP, RandSAC), "mean" / "cls" the full sequence
+# with it (MP3 feeds the class token since it follows §3.1: its checkpoints record "mean").
 PROBE_FEATURES = ("cls", "mean", "patch_mean")
-# Checkpoints written before the metadata recorded it: the methods whose pretraining never feeds the class token.
+# Checkpoints written before the metadata recorded it: the methods whose pretraining then never fed the class token
+# (MP3 included: its class token entered pretraining with harness v4).
 _PATCH_MEAN_METHODS = ("mp3", "mp3_speech", "ijepa", "stop", "randsac")
 
 
@@ -49,7 +51,7 @@ def check_feature(feature: str, backbone: Backbone) -> None:
 
 def embed_tokens(backbone: Backbone, x: torch.Tensor, feature: str) -> torch.Tensor:
     """The token sequence a probe runs: patch tokens + PE, with the class token unless ``feature`` is
-    ``patch_mean`` (then exactly what MP3 / I-JEPA / RandSAC pretraining fed the blocks)."""
+    ``patch_mean`` (then exactly what I-JEPA / StoP / RandSAC pretraining fed the blocks)."""
     if feature == "patch_mean":
         return backbone.pos_drop(backbone.patch_embed(x) + backbone.pos_embed())
     return backbone.embed(x)
