@@ -52,10 +52,11 @@ class ControlsSection:
     probe_train_samples: int = 5000  # the all-label probe set: the first N train images (as evaluate.py)
     probe_epochs: int = 100  # epochs of each linear probe (as the study's)
     knn_k: int = 20  # neighbours of the kNN (cosine, DINO's weighting)
-    # random-init features, one control per pool (a method's features are read against the random init of the
-    # same feature: its probe_feature): mean (all tokens) | cls | patch_mean (patch tokens only); the first is the
-    # default control (random_linear / random_knn)
-    pools: tuple[str, ...] = ("mean",)
+    # the random-init controls, each "[pos_embed/]feature": a random-init model.preset with that PE (default: the
+    # preset's) probed on that feature — mean (all tokens) | cls | patch_mean (patch tokens only). A method's probe
+    # is read against the random init of its own architecture and feature (e.g. DropPos: sincos2d/cls). The first
+    # is also written as the default control (random_linear / random_knn).
+    random_inits: tuple[str, ...] = ("mean",)
     random_init: bool = True  # the random-init controls (false: raw pixels and checkpoints only)
     checkpoints: tuple[str, ...] = ()  # also probe these checkpoints (their probe_feature) on the same sets
 
@@ -65,8 +66,10 @@ class ControlsSection:
                               "probe_train_samples >= 0")
         if not self.label_fractions and not self.probe_train_samples:
             raise ConfigError("controls: no set to probe (label_fractions empty and probe_train_samples 0)")
-        if not self.pools or set(self.pools) - set(PROBE_FEATURES):
-            raise ConfigError(f"controls.pools must be a non-empty list of {PROBE_FEATURES}, got {list(self.pools)}")
+        bad = [v for v in self.random_inits if v.rpartition("/")[2] not in PROBE_FEATURES]
+        if not self.random_inits or bad:
+            raise ConfigError(f"controls.random_inits: each entry is [pos_embed/]feature with feature one of "
+                              f"{PROBE_FEATURES}, e.g. sincos2d/cls; got {list(self.random_inits)}")
 
 
 @dataclass
@@ -105,9 +108,11 @@ def pixels(batches: Batches) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([x.flatten(1).float().cpu() for x, _ in batches]), torch.cat([y.cpu() for _, y in batches])
 
 
-def random_init(cfg: ControlsConfig, seed: int, in_chans: int) -> torch.nn.Module:
+def random_init(cfg: ControlsConfig, seed: int, in_chans: int, pos_embed: str = "") -> torch.nn.Module:
+    """``model.preset`` at its initialisation for ``seed`` (with ``pos_embed`` when given)."""
     torch.manual_seed(seed)
-    return create_model(cfg.model.preset, in_chans=in_chans, num_classes=0, **cfg.model.overrides).eval()
+    overrides = {**cfg.model.overrides, **({"pos_embed": pos_embed} if pos_embed else {})}
+    return create_model(cfg.model.preset, in_chans=in_chans, num_classes=0, **overrides).eval()
 
 
 def features(backbone: torch.nn.Module, batches: Batches, pool: str, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +122,8 @@ def features(backbone: torch.nn.Module, batches: Batches, pool: str, device) -> 
 
 def measure(cfg: ControlsConfig, data, device) -> dict[str, Any]:
     """{control: {set: [top-1 per seed]}} for raw pixels and random-init features, linear probe and kNN; the
-    random init per pool as ``random_linear@<pool>`` / ``random_knn@<pool>`` (the first pool also without suffix)."""
+    random init per ``random_inits`` entry as ``random_linear@<entry>`` / ``random_knn@<entry>`` (the first also
+    without suffix)."""
     c, classes = cfg.controls, data.manifest.num_classes
     sets, val = train_sets(data, cfg), list(data.val.batches(cfg.data.batch_size, epoch=0))
     results: dict[str, dict[str, list[float]]] = {k: {} for k in ("pixels_linear", "pixels_knn", "random_linear",
@@ -131,24 +137,26 @@ def measure(cfg: ControlsConfig, data, device) -> dict[str, Any]:
                                           for s in c.seeds]
     channels = int(data.manifest.info.get("channels", 1))
     for seed in c.seeds if c.random_init else ():
-        backbone = random_init(cfg, seed, channels).to(device)
-        for pool in c.pools:
+        for variant in c.random_inits:
+            pos_embed, _, pool = variant.rpartition("/")
+            backbone = random_init(cfg, seed, channels, pos_embed).to(device)
             te, te_y = features(backbone, val, pool, device)
             for name, batches in sets.items():
                 tr, tr_y = features(backbone, batches, pool, device)
-                results.setdefault(f"random_knn@{pool}", {}).setdefault(name, []).append(
+                results.setdefault(f"random_knn@{variant}", {}).setdefault(name, []).append(
                     knn_classify(tr, tr_y, te, te_y, num_classes=classes, k=c.knn_k)["top1"])
-                results.setdefault(f"random_linear@{pool}", {}).setdefault(name, []).append(
-                    probe(f"random init seed {seed} ({pool}), {name}", tr, tr_y, te, te_y, seed=seed,
+                results.setdefault(f"random_linear@{variant}", {}).setdefault(name, []).append(
+                    probe(f"random init seed {seed} ({variant}), {name}", tr, tr_y, te, te_y, seed=seed,
                           num_classes=classes, epochs=c.probe_epochs)["top1"])
     if c.random_init:
-        results["random_linear"], results["random_knn"] = (results[f"random_linear@{c.pools[0]}"],
-                                                           results[f"random_knn@{c.pools[0]}"])
+        first = c.random_inits[0]
+        results["random_linear"], results["random_knn"] = (results[f"random_linear@{first}"],
+                                                           results[f"random_knn@{first}"])
     checkpoints = {path: probe_checkpoint(path, sets, val, c, classes, device) for path in c.checkpoints}
     return {"controls": results, "checkpoints": checkpoints,
             "sets": {name: sum(len(y) for _, y in b) for name, b in sets.items()},
             "test_samples": len(test_y), "test_split": str(cfg.data.val), "preset": cfg.model.preset,
-            "pool": c.pools[0], "pools": list(c.pools), "seeds": list(c.seeds),
+            "pool": c.random_inits[0], "random_inits": list(c.random_inits), "seeds": list(c.seeds),
             "label_subset_seed": cfg.data.label_subset_seed}
 
 
@@ -181,6 +189,17 @@ def cell(values: list[float] | None) -> str:
     return f"{mean * 100:.1f}" + (f" ± {sd * 100:.1f}" if len(values) > 1 else "")
 
 
+def random_key(controls: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The random-init control a method's rows are read against: the one of their architecture and feature
+    (``probe_pos_embed`` / ``probe_feature``, recorded by the probes), else of their feature, else the default."""
+    pairs = {(r.get("probe_pos_embed"), r.get("probe_feature")) for r in rows}
+    pos_embed, feature = pairs.pop() if len(pairs) == 1 else (None, None)
+    for key in (f"random_linear@{pos_embed}/{feature}", f"random_linear@{feature}"):
+        if feature and key in controls:
+            return key
+    return "random_linear"
+
+
 # the study's probe keys for each set
 STUDY_KEYS = {"probe_set": "linear_probe"}
 
@@ -206,10 +225,10 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
              "against the random init of the feature it probes).", "",
              "| control | " + " | ".join(heads) + " |", "| --- |" + " --- |" * len(names)]
     labels = {"pixels_linear": "raw pixels, linear probe", "pixels_knn": "raw pixels, kNN"}
-    for pool in measured.get("pools", [measured.get("pool", "mean")]):
-        suffix = f"@{pool}" if f"random_linear@{pool}" in controls else ""
-        labels |= {f"random_linear{suffix}": f"random-init backbone ({pool}), linear probe",
-                   f"random_knn{suffix}": f"random-init backbone ({pool}), kNN"}
+    for variant in measured.get("random_inits", [measured.get("pool", "mean")]):
+        suffix = f"@{variant}" if f"random_linear@{variant}" in controls else ""
+        labels |= {f"random_linear{suffix}": f"random-init backbone ({variant}), linear probe",
+                   f"random_knn{suffix}": f"random-init backbone ({variant}), kNN"}
     for key, label in labels.items():
         lines.append(f"| {label} | " + " | ".join(cell(controls[key].get(n)) for n in names) + " |")
     if measured.get("checkpoints"):
@@ -234,9 +253,7 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
                 values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
                 if not values:
                     continue
-                pools = {r.get("probe_feature") for r in rows} - {None}
-                pool = pools.pop() if len(pools) == 1 else None
-                control = controls.get(f"random_linear@{pool}", controls["random_linear"])[name]
+                control = controls[random_key(controls, rows)][name]
                 lines.append(f"| {method} | {name} | {cell(values)} ({len(values)} seeds) | {cell(control)} | "
                              f"{cell(controls['pixels_linear'][name])} | {learned(values, control)} |")
     return "\n".join(lines) + "\n"

@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cfg.model.checkpoint}: {exc}", file=sys.stderr)
         return 2
     results["probe_feature"] = pool
+    results["probe_pos_embed"] = backbone.config.pos_embed  # with the feature: the random-init control it reads
     if ev.linear_probe:
         tr, tr_y = extract_features(backbone, train, pool=pool, device=device)
         te, te_y = extract_features(backbone, val, pool=pool, device=device)

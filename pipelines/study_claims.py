@@ -148,17 +148,17 @@ SUPERVISED_ROWS = {r.name for r in RUNS if r.classifier_only}
 
 def learned_status(rows: dict[str, list[dict[str, Any]]], name: str, controls: dict[str, Any] | None) -> str | None:
     """None when ``name``'s pretrained features count as learned (its all-label linear probe beats the random-init
-    control's on the same feature — the row's ``probe_feature`` — by more than the seed spread, the larger std over
-    seeds), else "not learned at this budget (...)".
+    control's of the same architecture and feature — the row's ``probe_pos_embed`` / ``probe_feature`` — by more
+    than the seed spread, the larger std over seeds), else "not learned at this budget (...)".
     Rows trained with labels, speech rows (no image control) and a study without controls are not gated."""
     run = next((r for r in RUNS if r.name == name), None)
     if controls is None or run is None or run.speech or name in SUPERVISED_ROWS:
         return None
+    from controls import random_key
+
     source = run.pretrain_from or name
-    features = {r.get("probe_feature") for r in rows.get(source, [])} - {None}
-    measured = controls.get("controls", {})  # the random init of the feature the row probes, where measured
-    key = f"random_linear@{features.pop()}" if len(features) == 1 else "random_linear"
-    control = measured.get(key, measured.get("random_linear", {})).get("probe_set")
+    measured = controls.get("controls", {})  # the random init of the row's architecture and feature, if measured
+    control = measured.get(random_key(measured, rows.get(source, [])), {}).get("probe_set")
     values = list(per_seed(rows, source, "linear_probe").values())
     if not control or not values:
         return None

@@ -57,7 +57,7 @@ def curves_of(study: Study) -> dict[str, Any]:
                   if r.get("epoch") is not None}
         knn = {float(r["epoch"]): r["knn"]["0.01"] for r in measured["checkpoints"].values()
                if r.get("epoch") is not None}
-        features = {r.get("pool") for r in measured["checkpoints"].values()} - {None}
+        features = {r.get("pool") for r in measured["checkpoints"].values()} - {None}  # one run: one feature
         curves[name] = {"points": dict(sorted(points.items())), "knn": dict(sorted(knn.items())),
                         "feature": features.pop() if len(features) == 1 else None,
                         "controls": {k: v.get("0.01") for k, v in measured["controls"].items()},
@@ -123,7 +123,8 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     if "linear_probe" in probe:
         m["linear_probe"] = probe["linear_probe"]["top1"]
         m["linear_probe_1pct"] = probe["linear_probe_low_label"]["top1"]
-        m["probe_feature"] = probe.get("probe_feature")  # the random-init control it is read against
+        # the random-init control it is read against: the same architecture (PE) and feature
+        m["probe_feature"], m["probe_pos_embed"] = probe.get("probe_feature"), probe.get("probe_pos_embed")
     if "knn_per_layer" in probe:
         layer, value = max(probe["knn_per_layer"].items(), key=lambda kv: kv[1])
         m.update(knn=value, knn_layer=layer, knn_last=list(probe["knn_per_layer"].values())[-1])

@@ -58,6 +58,7 @@ class StudyConfig:
     ablation_seeds: tuple[int, ...] = (0,)  # seeds of the ablation groups
     groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
     only: tuple[str, ...] = ()  # run names to restrict the groups to (e.g. add seeds to some rows); () = all
+    skip: tuple[str, ...] = ()  # run names left out of their groups (e.g. rows no claim reads at this budget)
     only_seeds: tuple[int, ...] = ()  # seeds this process runs (study.py --jobs gives each process its own); () = all
     probe_only: tuple[str, ...] = ()  # ablation groups evaluated by probes only (no fine-tuning; not main)
     batch_size: int = 128  # image stages, per process
@@ -100,9 +101,13 @@ class StudyConfig:
             raise ConfigError("seeds, ablation_seeds and speech_seeds need at least one seed each")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
-        unknown = sorted(set(self.only) - {r.name for r in RUNS})
-        if unknown:
-            raise ConfigError(f"only: unknown run(s) {unknown}; known: {[r.name for r in RUNS]}")
+        for knob, names in (("only", self.only), ("skip", self.skip)):
+            unknown = sorted(set(names) - {r.name for r in RUNS})
+            if unknown:
+                raise ConfigError(f"{knob}: unknown run(s) {unknown}; known: {[r.name for r in RUNS]}")
+        if set(self.skip) & {r.name for r in RUNS if r.group == "main"}:
+            raise ConfigError(f"skip: main rows are the study's table; drop their groups or seeds instead, got "
+                              f"{sorted(self.skip)}")
         if len(self.label_fractions) != len(self.label_finetune_epochs):
             raise ConfigError(f"label_finetune_epochs needs one entry per label fraction: {list(self.label_fractions)} "
                               f"vs {list(self.label_finetune_epochs)}")
@@ -205,8 +210,9 @@ def group_seeds(cfg: StudyConfig, group: str) -> tuple[int, ...]:
                                                                                           cfg.ablation_seeds)
 
 
-def runs_of(groups: tuple[str, ...], only: tuple[str, ...] = ()) -> list[Run]:
+def runs_of(groups: tuple[str, ...], only: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> list[Run]:
     """Runs in execution order: groups as given, rows in table order (fine-tunes of a shared pretraining last);
-    only the runs named in ``only`` when it is given. The curves group has no rows of its own (its units name a
-    main row each)."""
-    return [r for g in groups for r in RUNS if r.group == g and (not only or r.name in only)]
+    only the runs named in ``only`` when it is given, none named in ``skip``. The curves group has no rows of its
+    own (its units name a main row each)."""
+    return [r for g in groups for r in RUNS
+            if r.group == g and (not only or r.name in only) and r.name not in skip]

@@ -276,11 +276,11 @@ def controls_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], cont
              else f"all-label probe set ({sets[n]} images)" for n in names]
     lines = ["| features | " + " | ".join(heads) + " | learned? |", "|" + " --- |" * (len(names) + 2)]
     labels = {"pixels_linear": "control: raw pixels, linear probe", "pixels_knn": "control: raw pixels, kNN (k 20)"}
-    for pool in controls.get("pools", [controls.get("pool", "mean")]):  # one random-init control per feature
-        suffix = f"@{pool}" if f"random_linear@{pool}" in measured else ""
-        labels |= {f"random_linear{suffix}": f"control: random-init `{controls['preset']}` ({pool}), linear probe "
-                                             "(per seed)",
-                   f"random_knn{suffix}": f"control: random-init ({pool}), kNN (per seed)"}
+    for variant in controls.get("random_inits", [controls.get("pool", "mean")]):  # per architecture and feature
+        suffix = f"@{variant}" if f"random_linear@{variant}" in measured else ""
+        labels |= {f"random_linear{suffix}": f"control: random-init `{controls['preset']}` ({variant}), linear "
+                                             "probe (per seed)",
+                   f"random_knn{suffix}": f"control: random-init ({variant}), kNN (per seed)"}
     for key, label in labels.items():
         lines.append(f"| {label} | " + " | ".join(_pct(measured[key].get(n)) for n in names) + " | - |")
     keys = {n: ("linear_probe" if n == "probe_set" else fraction_key("linear_probe", float(n))) for n in names}
@@ -291,7 +291,8 @@ def controls_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], cont
         if all(c == "-" for c in cells):
             continue
         status = learned_status(rows, run.name, controls)
-        features = {r.get("probe_feature") for r in rows[run.name]} - {None}
+        features = {f"{r.get('probe_pos_embed')}/{r.get('probe_feature')}" for r in rows[run.name]
+                    if r.get("probe_feature")}
         feature = f", {features.pop()}" if len(features) == 1 else ""
         lines.append(f"| {run.label} (linear probe{feature}) | " + " | ".join(cells) + f" | {status or 'learned'} |")
     if "supervised" in rows:

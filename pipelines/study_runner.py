@@ -259,12 +259,14 @@ class Study:
             f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
             *run.objective, *self.common(run, c.curve_seed)], label=f"{d} pretrain")
         snapshots = [d / "pretrain" / "snapshots" / f"epoch-{e:g}" for e in c.curve_epochs]
-        # the random-init control on the feature this method probes (its snapshots' recorded probe_feature)
-        feature = json.loads((snapshots[0] / "config.json").read_text())["metadata"].get("probe_feature", "mean")
+        # the random-init control of this method's architecture and feature (its epoch-0 snapshot's PE and
+        # recorded probe_feature)
+        saved = json.loads((snapshots[0] / "config.json").read_text())
+        feature = f"{saved['backbone']['pos_embed']}/{saved['metadata'].get('probe_feature', 'mean')}"
         stage(d / "probes", controls.main, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'probes'}",
             f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
-            f"controls.pools=[{feature}]",
+            f"controls.random_inits=[{feature}]",
             "controls.label_fractions=[0.01]", "controls.probe_train_samples=0",
             f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, snapshots))}]",
             f"data.label_subset_seed={c.label_subset_seed}", *self.data(run),
@@ -280,7 +282,7 @@ class Study:
         if "main" in self.cfg.groups and not self.cfg.only and (not self.cfg.only_seeds or first in
                                                                  self.cfg.only_seeds):
             self.controls()  # once, by the process that runs the first seed of main
-        for run in runs_of(self.cfg.groups, self.cfg.only):
+        for run in runs_of(self.cfg.groups, self.cfg.only, self.cfg.skip):
             if run.name == "speech_null" and not self.cfg.speech_null:
                 continue
             for seed in (s for s in self.seeds(run) if not self.cfg.only_seeds or s in self.cfg.only_seeds):

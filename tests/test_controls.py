@@ -36,14 +36,15 @@ def separable(tmp_path_factory) -> Path:
 def test_controls_measure_pixels_and_random_init_on_the_studys_sets(separable, tmp_path):
     study = tmp_path / "study.json"
     study.write_text(json.dumps({"results": {
-        "good": [{"seed": s, "linear_probe@0.1": 0.99, "linear_probe": 0.99, "probe_feature": "cls"}
+        "good": [{"seed": s, "linear_probe@0.1": 0.99, "linear_probe": 0.99, "probe_feature": "cls",
+                  "probe_pos_embed": "sincos2d"}
                  for s in range(3)],
         "bad": [{"seed": s, "linear_probe@0.1": 0.2 + 0.01 * s} for s in range(3)]}}))
     out = tmp_path / "controls"
     assert controls.main([f"data.train={separable / 'train'}", f"data.val={separable / 'test'}", "data.batch_size=32",
                           "data.num_workers=0", "model.preset=vit_micro", "controls.label_fractions=[0.1]",
                           "controls.probe_train_samples=120", "controls.probe_epochs=20", "controls.seeds=[0,1]",
-                          "controls.pools=[mean,cls]",
+                          "controls.random_inits=[mean,sincos2d/cls]",
                           f"run.output={out}", "--study", str(study)]) == 0
     measured = json.loads((out / "controls.json").read_text())
     assert measured["sets"] == {"0.1": 30, "probe_set": 120} and measured["test_samples"] == 60
@@ -52,14 +53,16 @@ def test_controls_measure_pixels_and_random_init_on_the_studys_sets(separable, t
     assert len(found["random_linear"]["0.1"]) == 2 and len(found["random_knn"]["probe_set"]) == 2
     assert found["random_linear"]["probe_set"][0] != found["random_linear"]["probe_set"][1] or \
         found["random_knn"]["probe_set"][0] != found["random_knn"]["probe_set"][1], "one backbone per seed"
-    assert found["random_linear"] == found["random_linear@mean"] != found["random_linear@cls"], "one per pool"
+    assert found["random_linear"] == found["random_linear@mean"] != found["random_linear@sincos2d/cls"], \
+        "one control per architecture and feature"
     text = (out / "controls.md").read_text()
-    assert "| raw pixels, linear probe |" in text and "| random-init backbone (cls), kNN |" in text
+    assert "| raw pixels, linear probe |" in text and "| random-init backbone (sincos2d/cls), kNN |" in text
     bad = next(line for line in text.splitlines() if line.startswith("| bad | 0.1 |"))
     assert "not learned at this budget" in bad, bad
     good = next(line for line in text.splitlines() if line.startswith("| good | 0.1 |"))
     assert "| learned (+" in good or "not learned" in good  # decided by the measured control
-    assert f"| {controls.cell(found['random_linear@cls']['0.1'])} |" in good, "read against its own feature (cls)"
-    assert f"| {controls.cell(found['random_linear@mean']['0.1'])} |" in bad, "no probe_feature: the first pool"
+    own = controls.cell(found["random_linear@sincos2d/cls"]["0.1"])
+    assert f"| {own} |" in good, "read against the random init of its own architecture and feature"
+    assert f"| {controls.cell(found['random_linear@mean']['0.1'])} |" in bad, "no probe_feature: the first control"
     assert controls.learned([0.9, 0.91, 0.92], [0.5, 0.52, 0.48]).startswith("learned (+41.0 pt > 2.0)")
     assert controls.learned([0.54, 0.49, 0.59], [0.5, 0.52, 0.48]).startswith("not learned at this budget (+4.0 pt")

@@ -268,3 +268,15 @@ def test_on_par_claims_need_an_equivalence_test_with_their_margin():
     noisy = {s: v + 0.04 * (-1) ** s for s, v in base.items()}
     assert on_par(noisy, base).startswith("undecided (")
     assert on_par({0: 0.80}, {0: 0.80}).startswith("undecided (+0.0 pt, 1 seed: no test")
+
+
+def test_skip_leaves_rows_out_of_their_groups_and_refuses_main_rows():
+    from study_plan import runs_of
+
+    cfg = pipeline_config.load(StudyConfig, None, ["skip=[droppos_gamma0.9,randsac_square]"])
+    names = [r.name for r in runs_of(("droppos", "randsac"), cfg.only, cfg.skip)]
+    assert names == ["droppos_gamma0.5", "droppos_sigma0", "droppos_tau_inf", "randsac_patch_random",
+                     "randsac_raster", "randsac_blob_flat"]
+    for bad, message in (("skip=[mp3]", "main rows are the study's table"), ("skip=[nope]", "unknown run")):
+        with pytest.raises(pipeline_config.ConfigError, match=message):
+            pipeline_config.load(StudyConfig, None, [bad])
