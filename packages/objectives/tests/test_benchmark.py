@@ -57,7 +57,8 @@ def test_flop_model_on_the_study_vit():
     base = train_flops(built["supervised"], 128)
     ratio = {name: train_flops(obj, 128) / base for name, obj in built.items()}
     # Only K/V and attention shrink under MP3, so its ratio falls with eta but stays above the MLP + Q/out share.
-    assert 0.75 < ratio["mp3_eta0.75"] < ratio["mp3_eta0.5"] < ratio["mp3_eta0"] < 1.0
+    assert 0.75 < ratio["mp3_eta0.75"] < ratio["mp3_eta0.5"] < ratio["mp3_eta0"]
+    assert ratio["mp3_eta0"] == pytest.approx(1.0, abs=0.01)  # the same tokens; a D -> N head for the classifier
     assert ratio["mae"] < ratio["droppos"] < 1.0  # DropPos adds the no-grad full-image reference forward
     assert ratio["mjp"] > 1.0  # + the DAL regressor
     assert ratio["stop"] == ratio["ijepa"] and ratio["randsac"] > 1.0

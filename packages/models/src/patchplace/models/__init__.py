@@ -5,7 +5,14 @@ context-only keys/values (MP3); safetensors checkpoints; timm interop. See :mod:
 the protocol objectives build on.
 """
 
-from .attention import Attention, gather_tokens
+from .attention import (
+    ATTENTION_KERNELS,
+    Attention,
+    attention_kernel,
+    gather_tokens,
+    get_attention_kernel,
+    set_attention_kernel,
+)
 from .backbone import AudioTransformer, Backbone, VisionTransformer, build_backbone
 from .config import POS_EMBED_MODES, BackboneConfig
 from .errors import ModelError
@@ -15,8 +22,31 @@ from .registry import PRESETS, create_model, list_models
 from .timm_interop import adopt_timm, from_timm, is_timm_vit, timm_kwargs, to_timm_state_dict
 
 __all__ = [
-    "POS_EMBED_MODES", "PRESETS", "Attention", "AudioTransformer", "Backbone", "BackboneConfig", "ModelError",
-    "RelativePositionBias2d", "VisionTransformer", "adopt_timm", "build_backbone", "create_model", "from_timm",
-    "gather_tokens", "is_timm_vit", "list_models", "load_pretrained", "read_config", "save_pretrained", "sincos_1d",
-    "sincos_2d", "timm_kwargs", "to_timm_state_dict",
+    "ATTENTION_KERNELS",
+    "POS_EMBED_MODES",
+    "PRESETS",
+    "Attention",
+    "AudioTransformer",
+    "Backbone",
+    "BackboneConfig",
+    "ModelError",
+    "RelativePositionBias2d",
+    "VisionTransformer",
+    "adopt_timm",
+    "attention_kernel",
+    "build_backbone",
+    "create_model",
+    "from_timm",
+    "gather_tokens",
+    "get_attention_kernel",
+    "is_timm_vit",
+    "list_models",
+    "load_pretrained",
+    "read_config",
+    "save_pretrained",
+    "set_attention_kernel",
+    "sincos_1d",
+    "sincos_2d",
+    "timm_kwargs",
+    "to_timm_state_dict",
 ]

@@ -1,24 +1,84 @@
-"""Multi-head self-attention with the three paths the methods need, all through ``F.scaled_dot_product_attention``.
+"""Multi-head self-attention with the paths the methods need.
 
 * full attention (fine-tuning, export);
 * ``attn_mask``: a boolean mask (``True`` = may attend, SDPA's convention) or an additive float mask, per sample
   or shared, e.g. RandSAC's segment-causal masks;
-* ``context_index`` (B, M): keys and values are projected **only** for the gathered context tokens while queries
-  are projected for all N tokens — MP3's masked attention (paper §3, App. A pseudo-code), where the saving comes
-  from (K/V projections and the attention matrix shrink from N to M columns);
+* ``context_len`` M: keys and values come from the **first** M tokens only, a slice of the queries' input (no
+  copy), while queries are projected for all N tokens — MP3's masked attention (paper §3, App. A pseudo-code
+  ``masked_attention``) once MP3 has put each sample's context first (it can: pretraining has no PE, so the model
+  is equivariant to the token order); the saving comes from the K/V projections and the attention matrix
+  shrinking from N to M columns, with nothing N x D saved beyond what full attention saves;
+* ``context_index`` (B, M): the same with the context gathered per sample (a copy of M tokens; the general form);
 * ``memory`` (B, S, D): cross-attention — keys and values come from ``memory`` (e.g. RandSAC's decoder attending
   to the encoder).
 
-The fused ``qkv`` Linear keeps timm's parameter names; the context path slices its weight rows.
+Two kernels (:func:`set_attention_kernel`, :func:`attention_kernel`): ``sdpa`` (``F.scaled_dot_product_attention``,
+fused where the device has it; the default) and ``math``, the materialised softmax of the papers' time
+(``softmax(q k^T / sqrt(d)) v`` with the softmax in fp32, as GPU autocast runs it), so a paper's cost table can be
+measured in its setting and today's. The fused ``qkv`` Linear keeps timm's parameter names; the context paths use
+its row blocks, on one low-precision copy of the input under autocast.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import ModelError
+
+ATTENTION_KERNELS = ("sdpa", "math")
+_kernel = "sdpa"
+
+
+def set_attention_kernel(name: str) -> str:
+    """Select the attention kernel of every :class:`Attention` (``sdpa`` | ``math``); returns the previous one."""
+    global _kernel
+    if name not in ATTENTION_KERNELS:
+        raise ModelError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {name!r}")
+    previous, _kernel = _kernel, name
+    return previous
+
+
+def get_attention_kernel() -> str:
+    return _kernel
+
+
+@contextlib.contextmanager
+def attention_kernel(name: str) -> Iterator[None]:
+    """``with attention_kernel("math"): ...`` — the kernel for the block, restored after."""
+    previous = set_attention_kernel(name)
+    try:
+        yield
+    finally:
+        set_attention_kernel(previous)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v for (B, H, N, d) queries and (B, H, K, d) keys / values, by the selected
+    kernel; ``mask`` bool (True = attend) or additive, broadcastable to (B, H, N, K)."""
+    if _kernel == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = scores.float().softmax(dim=-1)  # fp32 softmax: what GPU autocast does (and what it saves)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return probs.to(v.dtype) @ v
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on (else unchanged): cast once, so the Q and K/V projections of
+    the context paths save one copy of their input instead of casting (and saving) it twice."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -53,17 +113,23 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                 context_index: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                memory: torch.Tensor | None = None) -> torch.Tensor:
+                memory: torch.Tensor | None = None, context_len: int | None = None) -> torch.Tensor:
         """x (B, N, D); attn_mask broadcastable to (B, heads, N, K); bias (heads or B x heads, N, K) additive,
-        K = N, M under ``context_index`` (mask / bias columns then refer to the context tokens), or S for
-        ``memory`` (B, S, D)."""
+        K = N, M under ``context_len`` / ``context_index`` (mask / bias columns then refer to the context tokens),
+        or S for ``memory`` (B, S, D). At most one of ``context_len``, ``context_index``, ``memory``."""
         b, n, d = x.shape
-        if context_index is None and memory is None:
+        if sum(t is not None for t in (context_len, context_index, memory)) > 1:
+            raise ValueError("pass one of context_len, context_index, memory")
+        if context_index is None and memory is None and context_len is None:
             q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         else:
-            if context_index is not None and memory is not None:
-                raise ValueError("pass context_index or memory, not both")
-            source = memory if memory is not None else gather_tokens(x, context_index)
+            x = autocast_input(x)  # one copy for Q and K/V: the K/V source is a slice or gather of it
+            if memory is not None:
+                source = memory
+            elif context_len is not None:
+                source = x[:, :context_len]  # a view: saves nothing beyond what Q saves
+            else:
+                source = gather_tokens(x, context_index)
             w, bqkv = self.qkv.weight, self.qkv.bias
             q = self._heads(F.linear(x, w[:d], None if bqkv is None else bqkv[:d]))
             kv = F.linear(source, w[d:], None if bqkv is None else bqkv[d:])
@@ -71,6 +137,5 @@ class Attention(nn.Module):
         mask = attn_mask
         if bias is not None:
             mask = bias if mask is None else as_additive_mask(mask, q.dtype) + bias
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             dropout_p=self.attn_drop if self.training else 0.0)
+        out = attend(q, k, v, mask, self.attn_drop if self.training else 0.0)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, d)))

@@ -86,15 +86,17 @@ class Block(nn.Module):
         self.rel_pos_bias: RelativePositionBias2d | None = None
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                context_index: torch.Tensor | None = None) -> torch.Tensor:
+                context_index: torch.Tensor | None = None, context_len: int | None = None) -> torch.Tensor:
         bias = None
         if self.rel_pos_bias is not None:
             bias = self.rel_pos_bias()  # (heads, T, T)
             if context_index is not None:  # keep the columns of the context tokens, per sample
                 bias = torch.gather(bias.unsqueeze(0).expand(x.shape[0], -1, -1, -1), 3,
                                     context_index[:, None, None, :].expand(-1, bias.shape[0], bias.shape[1], -1))
+            elif context_len is not None:
+                bias = bias[..., :context_len]
         x = x + self.drop_path1(self.attn(self.norm1(x), attn_mask=attn_mask, context_index=context_index,
-                                          bias=bias))
+                                          bias=bias, context_len=context_len))
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
@@ -244,7 +246,7 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
 
     # ------------------------------------------------------------------ trunk
     def _check_tokens(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None,
-                      context_index: torch.Tensor | None) -> torch.Tensor | None:
+                      context_index: torch.Tensor | None, context_len: int | None = None) -> torch.Tensor | None:
         if tokens.dim() != 3 or tokens.shape[-1] != self.embed_dim:
             raise ModelError(f"tokens must be (B, T, {self.embed_dim}), got {tuple(tokens.shape)}")
         b, t, _ = tokens.shape
@@ -257,6 +259,11 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
                 raise ModelError(f"context_index values must lie in [0, {t}) (the token positions), got "
                                  f"[{int(context_index.min())}, {int(context_index.max())}]")
             keys = context_index.shape[1]
+        if context_len is not None:
+            if context_index is not None or not 0 < context_len <= t:
+                raise ModelError(f"context_len must lie in [1, {t}] (the first tokens are the context) and not "
+                                 f"come with context_index, got {context_len}")
+            keys = context_len
         if self.config.pos_embed == "relbias2d" and t != self.num_prefix_tokens + self.num_patches:
             raise ModelError(f"relbias2d needs the full token sequence ({self.num_prefix_tokens + self.num_patches}"
                              f" tokens), got {t}")
@@ -274,16 +281,17 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
         return attn_mask.unsqueeze(1) if attn_mask.dim() == 3 else attn_mask  # per sample -> broadcast over heads
 
     def forward_tokens(self, tokens: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
-                       context_index: torch.Tensor | None = None) -> torch.Tensor:
+                       context_index: torch.Tensor | None = None, context_len: int | None = None) -> torch.Tensor:
         """Run every block and the final norm on ``tokens`` (B, T, D) that already carry their PEs.
 
-        ``context_index`` (B, M): every layer takes keys/values only from those tokens (MP3).
+        ``context_len`` M: every layer takes keys/values only from the first M tokens (MP3, context first: no copy).
+        ``context_index`` (B, M): every layer takes keys/values only from those tokens (a gathered copy).
         ``attn_mask``: bool (True = attend) or additive, (T, K), (B, T, K) or (B, 1|heads, T, K) with K = T or M.
         """
-        mask = self._check_tokens(tokens, attn_mask, context_index)
+        mask = self._check_tokens(tokens, attn_mask, context_index, context_len)
         x = tokens
         for block in self.blocks:
-            x = block(x, attn_mask=mask, context_index=context_index)
+            x = block(x, attn_mask=mask, context_index=context_index, context_len=context_len)
         return self.norm(x)
 
     # ------------------------------------------------------------------ classifier path (fine-tuning, export)

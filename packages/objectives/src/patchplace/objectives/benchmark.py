@@ -78,9 +78,9 @@ def train_flops(objective: nn.Module, batch: int = 64) -> int:
         if isinstance(objective, MJP):  # + the DAL regressor on the N PE-table rows (mlp: D -> D -> D -> 2)
             flops += 3 * 2 * n * (2 * d * d + 2 * d)
         return flops
-    if isinstance(objective, MP3):
-        m = num_kept(n, objective.config.eta)
-        return 3 * (_encoder_flops(bb, n, m) + 2 * n * d * n)
+    if isinstance(objective, MP3):  # the class token (if any) is a query and always a key (§3.1), no target
+        m, prefix = num_kept(n, objective.config.eta), bb.num_prefix_tokens
+        return 3 * (_encoder_flops(bb, n + prefix, m + prefix) + 2 * n * d * n)
     if isinstance(objective, MAE):
         c, k = objective.config, num_kept(n, objective.config.mask_ratio)
         out = bb.config.patch_size**2 * bb.config.in_chans

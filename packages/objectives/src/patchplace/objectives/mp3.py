@@ -105,34 +105,53 @@ class MP3(BackboneObjective):
         nn.init.xavier_uniform_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def position_logits(self, inputs: torch.Tensor, eta: float | None = None, anchor_ratio: float | None = None,
-                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, N, N) position logits of the patch tokens and the (B, N) bool anchor mask, at masking ratio ``eta``."""
+    def context_first_logits(self, inputs: torch.Tensor, eta: float | None = None,
+                             anchor_ratio: float | None = None, generator: torch.Generator | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Position logits with each sample's tokens reordered so that its context comes first: (B, N, N) logits,
+        the (B, N) original index of each row (the targets) and the (B, N) bool anchor mask in the same order.
+
+        The context is a random ``M = round((1 - eta) N)`` of the patch tokens (App. A). Pretraining has no PE
+        (§3; speech anchors carry theirs with them), so the model is equivariant to the order of its tokens:
+        putting the context first changes no output, and every layer's keys / values are then a slice of its
+        input — nothing beyond what full attention saves for backward (``Attention``'s ``context_len``)."""
         eta = self.config.eta if eta is None else eta
         anchor_ratio = self.config.anchor_ratio if anchor_ratio is None else anchor_ratio
         tokens = self.backbone.patch_embed(inputs)  # (B, N, D), no PE (§3: positions are removed)
-        b, n, _ = tokens.shape
+        b, n, d = tokens.shape
         anchors = torch.zeros(b, n, dtype=torch.bool, device=tokens.device)
         if anchor_ratio > 0:  # §4.3: a random 5% of frames keep their true PE
             picked = random_shuffle(b, n, tokens.device, generator)[:, : max(1, round(anchor_ratio * n))]
             anchors.scatter_(1, picked, True)
             tokens = tokens + anchors.unsqueeze(-1) * self.backbone.pos_embed()
         m = num_kept(n, eta)
-        context = None if m == n else random_shuffle(b, n, tokens.device, generator)[:, :m]
+        if m == n:  # eta 0: every token is context, no reordering
+            order = torch.arange(n, device=tokens.device).expand(b, n)
+        else:  # the context (a random M) first, then the rest in random order
+            order = random_shuffle(b, n, tokens.device, generator)
+            tokens = torch.gather(tokens, 1, order.unsqueeze(-1).expand(-1, -1, d))
+            anchors = torch.gather(anchors, 1, order)
         cls = self.backbone.cls_token
         if cls is not None:  # §3.1: the class token, without PE, in every sample's context
             tokens = torch.cat([cls.to(tokens.dtype).expand(b, -1, -1), tokens], dim=1)
-            if context is not None:
-                context = torch.cat([context.new_zeros(b, 1), context + 1], dim=1)
-        features = self.backbone.forward_tokens(tokens, context_index=context)
-        patches = features[:, self.backbone.num_prefix_tokens:]  # the class token has no position target
-        return self.head(patches), anchors
+        prefix = self.backbone.num_prefix_tokens
+        features = self.backbone.forward_tokens(tokens, context_len=None if m == n else prefix + m)
+        patches = features[:, prefix:]  # the class token has no position target
+        return self.head(patches), order, anchors
+
+    def position_logits(self, inputs: torch.Tensor, eta: float | None = None, anchor_ratio: float | None = None,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N, N) position logits of the patch tokens in their original order and the (B, N) bool anchor mask,
+        at masking ratio ``eta``."""
+        logits, order, anchors = self.context_first_logits(inputs, eta, anchor_ratio, generator)
+        inverse = torch.argsort(order, dim=1)  # row of each original token
+        logits = torch.gather(logits, 1, inverse.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        return logits, torch.gather(anchors, 1, inverse)
 
     def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
         inputs, _ = split_batch(batch)
-        logits, anchors = self.position_logits(inputs, generator=generator)
-        b, n, _ = logits.shape
-        targets = torch.arange(n, device=logits.device).expand(b, n)  # each token's original index
+        logits, targets, anchors = self.context_first_logits(inputs, generator=generator)
+        b, n, _ = logits.shape  # targets: each row's original index
         # fp32 loss whatever the autocast (bf16 / fp16 logits over N positions)
         ce = F.cross_entropy(logits.reshape(b * n, n).float(), targets.reshape(-1), reduction="none").view(b, n)
         predicted = (~anchors).float()  # anchors are given, not predicted: excluded from the loss
