@@ -38,6 +38,10 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               step: time and peak CUDA memory as ratios to supervised beside the FLOP ratio and the paper's
               ratios (one A100). Writes <out>/benchmark_mp3_table2.{json,md} and splices its tables into
               <out>/benchmark.md as the "GPU" section (kept when --suite all rewrites that file).
+  saved_bytes MP3 Table 2's memory column on any machine: activation bytes saved for backward per sample
+              (saved-tensor hooks, GPU autocast dtypes) of MP3 at --mp3-etas vs the supervised step, ViT-B/16 at
+              224 px (--preset), with each attention kernel (--kernels sdpa math). Writes
+              <out>/benchmark_saved_bytes.{json,md}. About a minute on a CPU.
   ddp         pretrain.py on 1 process vs 2 (gloo, the README's accelerate command, global batch 128 split
               between them, cores split too) for --methods (supervised mp3 mjp), and the step-time cost of DDP's
               find_unused_parameters (2 processes, off vs on; MJP with its jigsaw on every step so that it can run
@@ -75,7 +79,7 @@ from config import load
 from stages import hardware_line
 
 from patchplace.data.benchmark import augment_throughput, mfcc_throughput, shard_read_throughput
-from patchplace.models import PRESETS
+from patchplace.models import ATTENTION_KERNELS, PRESETS, set_attention_kernel
 from patchplace.models.benchmark import context_attention, matmul_peak
 from patchplace.objectives.benchmark import MP3_ETAS, default_objectives, isolated_step_memory, mask_times, step_times
 
@@ -191,6 +195,25 @@ def mp3_table2_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[di
             paper = MP3_TABLE2[method][ratio]
             row["paper_time_ratio"] = round(paper[0] / vit_b["time"], 2) if paper else "OOM"
             row["paper_memory_ratio"] = round(paper[1] / vit_b["memory"], 2) if paper else "OOM"
+    return rows
+
+
+def saved_bytes_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """MP3 Table 2's memory column without a GPU: activation bytes saved for backward per sample (saved-tensor
+    hooks, GPU autocast dtypes under --amp bf16) of MP3 at --mp3-etas vs the supervised step, ViT-B/16 at 224 px
+    (--preset to change), with each attention kernel (--kernels)."""
+    from patchplace.objectives.benchmark import saved_bytes_table
+
+    preset = args.preset if args.preset != STUDY["preset"] else "vit_base"
+    rows = saved_bytes_table(preset, tuple(args.mp3_etas), kernels=tuple(args.kernels), amp=args.amp or "bf16",
+                             in_chans=args.in_chans or (1 if preset.startswith("vit_cpu") else 3),
+                             num_classes=1000, device=args.device or "cpu")
+    for row in rows:
+        paper = MP3_TABLE2["mp3"].get(row["eta"]) if row["eta"] is not None else None
+        row.update(suite="saved_bytes", preset=preset, amp=args.amp or "bf16",
+                   paper_memory_ratio=round(paper[1] / MP3_TABLE2["vit_b"]["memory"], 2) if paper else
+                   (1.0 if row["eta"] is None else "-"), eta=row["eta"] if row["eta"] is not None else "-")
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -654,7 +677,7 @@ def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
 
 SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks_suite, "data": data_suite,
           "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "mp3_table2": mp3_table2_suite,
-          "ddp": ddp_suite, "anchor": anchor_suite, "all": all_suite}
+          "ddp": ddp_suite, "anchor": anchor_suite, "saved_bytes": saved_bytes_suite, "all": all_suite}
 
 
 # ---------------------------------------------------------------------------------------------- markdown + figure
@@ -695,6 +718,10 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("CUDA peak MB", "cuda_peak_mb"), ("memory ratio", "memory_vs_supervised"),
         ("paper memory ratio", "paper_memory_ratio"), ("FLOP ratio", "flop_ratio"),
         ("samples/s", "samples_per_s"), ("achieved GFLOP/s", "achieved_gflops"), ("device", "device")]),
+    "saved_bytes": ("MP3 Table 2's memory, device-independent: activation bytes saved for backward per sample", [
+        ("objective", "name"), ("attention kernel", "kernel"), ("eta", "eta"), ("MiB / sample", "mib_per_sample"),
+        ("vs supervised", "vs_supervised"), ("paper memory ratio", "paper_memory_ratio"), ("preset", "preset"),
+        ("autocast", "amp")]),
     "ddp": ("pretrain.py on one process vs two (gloo, same global batch), and DDP's find_unused_parameters", [
         ("method", "name"), ("setting", "ddp_setting"), ("samples/s (median)", "samples_per_s"), ("runs", "runs"),
         ("vs 1 process", "vs_one_process"), ("vs find_unused off", "vs_find_unused_off"),
@@ -767,6 +794,14 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                           "so 2 vs 1 process measures DDP's overhead, not a speed-up. 'vs find_unused off': what "
                           "DDP's find_unused_parameters costs (MJP needs it; here MJP shuffles every step so that "
                           "it can run without). Differences smaller than the spread of the runs are noise.", ""]
+            if suite == "saved_bytes":
+                lines += ["Bytes of the distinct storages autograd saves for backward in one training forward "
+                          "(torch.autograd.graph.saved_tensors_hooks; parameters excluded), batch 2 minus batch 1: "
+                          "the activations a step keeps, whatever the device and its allocator. Autocast dtypes "
+                          "are GPU autocast's for these ops (LayerNorm fp32, projections bf16, the math kernel's "
+                          "softmax fp32). sdpa: the fused kernel (saves q, k, v, output, log-sum-exp); math: the "
+                          "materialised softmax of the paper's time (also saves the N x K probabilities). Paper: "
+                          "MP3 Table 2's GB per batch over the ViT-B baseline's (A100, batch not stated).", ""]
             if suite == "mp3_table2":
                 lines += ["Time / memory ratio: this objective's median step time / peak CUDA memory (a fresh "
                           "process per objective: weights, AdamW state, activations) over the supervised ViT's, "
@@ -839,6 +874,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: results for --suite all, else runs/benchmark)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--attention", choices=list(ATTENTION_KERNELS), default="sdpa",
+                        help="attention kernel of every model: sdpa (fused, default) or math (the materialised "
+                             "softmax of the papers' time), e.g. for MP3 Table 2 in its setting")
     parser.add_argument("--update", action="store_true",
                         help="replace this suite's rows in <out>/benchmark.json, keep the other suites' rows")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -871,6 +909,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mp3_table2: MP3 masking ratios (default: %(default)s)")
     g.add_argument("--mae-ratios", type=float, nargs="*", default=[0.5, 0.75, 0.9],
                    help="mp3_table2: MAE masking ratios (default: %(default)s)")
+    g.add_argument("--kernels", nargs="+", choices=list(ATTENTION_KERNELS), default=list(ATTENTION_KERNELS),
+                   help="saved_bytes: attention kernels to measure (default: both)")
     g.add_argument("--table2-compile", action="store_true",
                    help="mp3_table2: also time torch.compile'd copies (ratios to the compiled supervised step)")
     g = parser.add_argument_group("masks")
@@ -912,6 +952,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    set_attention_kernel(args.attention)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.max_samples == 0:
@@ -928,6 +969,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"suite": args.suite, "hardware": hardware_line(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
             "python": platform.python_version(), "matmul_peak": state.get("matmul_peak"),
+            "attention": args.attention,
             "seconds": {**state.get("seconds", {}), "total": round(time.perf_counter() - start, 1)},
             "argv": argv if argv is not None else sys.argv[1:]}
     try:
@@ -937,7 +979,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out.mkdir(parents=True, exist_ok=True)
-    if args.update and (out / "benchmark.json").is_file() and args.suite not in ("all", "mp3_table2", "ddp"):
+    if args.update and (out / "benchmark.json").is_file() and args.suite not in ("all", "mp3_table2", "ddp",
+                                                                                   "saved_bytes"):
         old = json.loads((out / "benchmark.json").read_text())
         rows = [r for r in old["results"] if r.get("suite") != args.suite] + rows
         seconds = {k: v for k, v in {**old["meta"].get("seconds", {}), args.suite: meta["seconds"]["total"]}.items()
@@ -945,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {**old["meta"], "seconds": {**seconds, "total": round(sum(seconds.values()), 1)},
                 "updated": {args.suite: meta}}
     markdown = to_markdown(rows, meta)
-    stem = f"benchmark_{args.suite}" if args.suite in ("mp3_table2", "ddp") else "benchmark"
+    stem = f"benchmark_{args.suite}" if args.suite in ("mp3_table2", "ddp", "saved_bytes") else "benchmark"
     files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}
     existing = (out / "benchmark.md").read_text() if (out / "benchmark.md").is_file() else ""
     if args.suite == "mp3_table2":  # also the GPU section of benchmark.md

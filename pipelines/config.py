@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from patchplace.data.manifest import dataset_dir_hint
+from patchplace.models import ATTENTION_KERNELS
 
 LR_SCALING = ("none", "linear", "sqrt")
 HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.train
@@ -107,6 +108,13 @@ class ModelSection:
     preset: str = "vit_cpu"  # patchplace.models preset (vit_cpu, vit_cpu_narrow, vit_tiny, ..., audio_mp3)
     overrides: dict[str, Any] = field(default_factory=dict)  # BackboneConfig fields, e.g. {embed_dim: 128}
     checkpoint: str | None = None  # save_pretrained() directory to start from
+    # attention kernel: sdpa (fused where the device has it) | math (the materialised softmax of the papers' time,
+    # e.g. to measure MP3 Table 2 in its setting); the same numbers either way
+    attention: str = "sdpa"
+
+    def validate(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ConfigError(f"model.attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
 
 
 @dataclass

@@ -89,7 +89,7 @@ from patchplace.data.batched import build_batched_transform
 from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset, decoded_bytes
 from patchplace.data.mfcc import MFCC
 from patchplace.finetune import build_optimizer, parameter_groups
-from patchplace.models import Backbone, ModelError, save_pretrained
+from patchplace.models import Backbone, ModelError, save_pretrained, set_attention_kernel
 from patchplace.objectives import ObjectiveError
 
 
@@ -144,6 +144,8 @@ def start(config_cls: type, description: str, argv: list[str] | None, augment: b
     cfg = load(config_cls, args.config, args.overrides)
     accelerator = make_accelerator(cfg.run)
     set_seed(cfg.run.seed)
+    if hasattr(cfg, "model"):
+        set_attention_kernel(cfg.model.attention)
     return cfg, accelerator, build_data(cfg.data, accelerator, cfg.run.seed, augment=augment, split_train=split_train)
 
 

@@ -96,6 +96,22 @@ def test_stages_in_one_process_may_each_ask_for_their_own_mixed_precision(shards
         assert f"mixed_precision: {precision if precision != 'no' else repr('no')}" in config
 
 
+def test_the_attention_kernel_is_a_setting_that_changes_no_number(shards, tmp_path):
+    """``model.attention=math`` (the materialised softmax) trains MP3 to the losses of the fused kernel; each
+    stage of a process sets its own kernel (the math stage's choice does not stay for the next)."""
+    from patchplace.models import get_attention_kernel
+
+    losses = {}
+    for kernel in ("math", "sdpa"):
+        out = tmp_path / kernel
+        assert pretrain.main(["method=mp3", *img(shards), *TINY, "optim.max_steps=3", f"model.attention={kernel}",
+                              f"run.output={out}"]) == 0
+        assert get_attention_kernel() == kernel
+        losses[kernel] = [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()
+                          if '"loss"' in line]
+    assert len(losses["math"]) == 3 and losses["math"] == pytest.approx(losses["sdpa"], rel=1e-4)
+
+
 def test_help_lists_every_field_with_its_default(capsys):
     with pytest.raises(SystemExit):
         pretrain.main(["--help"])

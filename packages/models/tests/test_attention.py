@@ -75,7 +75,59 @@ def test_per_sample_and_additive_masks(micro):
                                out[1, :12], atol=1e-6, rtol=0)
 
 
+def test_context_first_slice_equals_the_gathered_context_values_and_gradients(micro):
+    """``context_len`` M (keys / values = the first M tokens, a slice) on tokens reordered context-first gives the
+    outputs of ``context_index`` on the original order, reordered the same way, and the same weight gradients."""
+    model = micro(pos_embed="none")
+    params = [p for name, p in model.named_parameters() if name.startswith(("blocks.", "norm."))]
+    tokens = torch.randn(3, 17, 32)
+    ctx = _context(3, 17, 6, seed=2)
+    rest = torch.stack([torch.tensor([i for i in range(17) if i not in row.tolist()]) for row in ctx])
+    order = torch.cat([ctx, rest], dim=1)
+    gathered = model.forward_tokens(tokens, context_index=ctx)
+    grads = torch.autograd.grad(gathered.square().sum(), params)
+    first = torch.gather(tokens, 1, order[..., None].expand(-1, -1, 32))
+    sliced = model.forward_tokens(first, context_len=6)
+    torch.testing.assert_close(sliced, torch.gather(gathered, 1, order[..., None].expand(-1, -1, 32)),
+                               atol=1e-6, rtol=0)
+    for g, h in zip(grads, torch.autograd.grad(sliced.square().sum(), params), strict=True):
+        torch.testing.assert_close(h, g, atol=1e-5, rtol=1e-4)
+
+
+def test_slice_linear_gradients_match_autograd():
+    from patchplace.models.attention import SliceLinear
+
+    base = torch.randn(3, 7, 5, dtype=torch.double, requires_grad=True)
+    weight = torch.randn(4, 5, dtype=torch.double, requires_grad=True)
+    bias = torch.randn(4, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: SliceLinear.apply(x[:, :3], w, b), (base, weight, bias))
+    assert torch.autograd.gradcheck(lambda x, w: SliceLinear.apply(x[:, :3], w, None), (base, weight))
+
+
+@pytest.mark.parametrize("mask", ["none", "bool", "additive", "context"])
+def test_math_kernel_equals_the_fused_kernel(micro, mask):
+    """The materialised softmax (``math``) and SDPA compute the same attention, with every mask kind and with
+    context-only keys; the kernel is restored after the block."""
+    from patchplace.models import attention_kernel, get_attention_kernel
+
+    model = micro(pos_embed="none")
+    tokens = torch.randn(2, 17, 32)
+    kwargs = {"none": {}, "context": {"context_len": 5},
+              "bool": {"attn_mask": (torch.rand(2, 17, 17) > 0.3) | torch.eye(17, dtype=torch.bool)},
+              "additive": {"attn_mask": torch.randn(17, 17)}}[mask]
+    fused = model.forward_tokens(tokens, **kwargs)
+    with attention_kernel("math"):
+        assert get_attention_kernel() == "math"
+        materialised = model.forward_tokens(tokens, **kwargs)
+    assert get_attention_kernel() == "sdpa"
+    torch.testing.assert_close(materialised, fused, atol=2e-5, rtol=0)
+    with pytest.raises(ModelError, match="attention kernel must be one of"), attention_kernel("flash3"):
+        pass
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
+    ({"context_len": 0}, r"context_len must lie in \[1, 17\]"),
+    ({"context_len": 18}, r"context_len must lie in \[1, 17\]"),
     ({"context_index": torch.tensor([[0, 17]])}, r"context_index values must lie in \[0, 17\)"),
     ({"context_index": torch.tensor([[0, 1]], dtype=torch.int32)}, "must be a long tensor"),
     ({"context_index": torch.tensor([0, 1])}, "must be a long tensor"),

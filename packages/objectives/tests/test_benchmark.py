@@ -82,3 +82,29 @@ def test_memory_probe_and_mask_timer_return_positive_numbers():
     rows = mask_times((8, 8), 4, repeats=1)
     assert [r["name"].split("/")[1] for r in rows] == ["ijepa_multiblock", "mjp_blockwise_0.15"]
     assert all(r["ms"] > 0 for r in rows)
+
+
+def test_saved_bytes_count_what_backward_keeps(micro):
+    """The measure sees precision and kernels: fp32 saves more than bf16 autocast, the materialised softmax more
+    than the fused kernel (its N x N probabilities), and a batch of 2 saves twice the activations of 1."""
+    from patchplace.objectives import Supervised
+    from patchplace.objectives.benchmark import saved_bytes, saved_bytes_per_sample
+
+    model = Supervised(micro(num_classes=10))
+    bf16 = saved_bytes_per_sample(model)
+    assert saved_bytes_per_sample(model, amp="no") > 1.5 * bf16 > 0
+    assert saved_bytes_per_sample(model, kernel="math") > bf16
+    one, two, three = (saved_bytes(model, b) for b in (1, 2, 3))
+    assert two - one == three - two > 0, "activations grow linearly with the batch"
+
+
+def test_mp3_saves_less_than_supervised_at_vit_b_on_both_kernels():
+    """MP3 Table 2's memory claim, device-independent (bytes saved for backward per sample, ViT-B/16 at 224 px,
+    GPU autocast dtypes): at eta 0.75 MP3 keeps <= 0.95x the supervised step's activations with the fused kernel
+    and <= 0.72x (the paper's ratio) with the materialised softmax of the paper's time; less the higher eta."""
+    from patchplace.objectives.benchmark import saved_bytes_table
+
+    rows = saved_bytes_table("vit_base", etas=(0.5, 0.75))
+    ratio = {(r["kernel"], r["eta"]): r["vs_supervised"] for r in rows}
+    assert ratio[("sdpa", 0.75)] <= 0.95 and ratio[("math", 0.75)] <= 0.72, ratio
+    assert ratio[("sdpa", 0.75)] < ratio[("sdpa", 0.5)] < 1.0 and ratio[("math", 0.75)] < ratio[("math", 0.5)]

@@ -81,6 +81,28 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class SliceLinear(torch.autograd.Function):
+    """``x @ weight.T + bias`` for a strided view ``x`` (B, M, D) that saves the view itself for backward — no
+    storage beyond its base, which the caller saves anyway — where ``F.linear`` would save a contiguous copy. The
+    copies its matmuls need are transient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = x @ weight.t()
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] \
+            else None
+        grad_b = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[b, index[b]]`` for (B, N, D) tokens and (B, M) indices -> (B, M, D)."""
     return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
@@ -132,7 +154,11 @@ class Attention(nn.Module):
                 source = gather_tokens(x, context_index)
             w, bqkv = self.qkv.weight, self.qkv.bias
             q = self._heads(F.linear(x, w[:d], None if bqkv is None else bqkv[:d]))
-            kv = F.linear(source, w[d:], None if bqkv is None else bqkv[d:])
+            if context_len is not None:  # the slice is strided: F.linear would save a contiguous copy of it
+                kv = SliceLinear.apply(source, w[d:].to(source.dtype),
+                                       None if bqkv is None else bqkv[d:].to(source.dtype))
+            else:
+                kv = F.linear(source, w[d:], None if bqkv is None else bqkv[d:])
             k, v = (self._heads(t) for t in kv.chunk(2, dim=-1))
         mask = attn_mask
         if bias is not None:

@@ -327,6 +327,76 @@ def isolated_step_memory(name: str, **kwargs: Any) -> dict[str, Any]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from patchplace.models import get_attention_kernel
+
     kwargs.setdefault("threads", torch.get_num_threads())
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(step_memory, name, **kwargs).result()
+        return pool.submit(_with_kernel, get_attention_kernel(), step_memory, name, **kwargs).result()
+
+
+def _with_kernel(kernel: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn`` under the attention kernel of the parent process (a spawned process starts at the default)."""
+    from patchplace.models import attention_kernel
+
+    with attention_kernel(kernel):
+        return fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- saved bytes
+def saved_bytes(objective: nn.Module, batch: int, *, amp: str = "bf16", kernel: str = "sdpa", seed: int = 0,
+                device: str | torch.device = "cpu") -> int:
+    """Bytes of the activations autograd saves for backward in one training forward of ``objective`` on
+    ``batch`` samples: the distinct storages packed by ``torch.autograd.graph.saved_tensors_hooks`` (a view of
+    a saved tensor costs nothing more), parameters excluded. Under ``amp="bf16"`` the autocast dtypes are those
+    of GPU autocast for the ops of these models (LayerNorm in fp32, projections in bf16; the ``math`` kernel's
+    softmax in fp32), so the count does not depend on the device it runs on."""
+    from patchplace.models import attention_kernel
+
+    device = torch.device(device)
+    obj = _unwrap(objective).to(device).train()
+    params = {p.untyped_storage().data_ptr() for p in obj.parameters()}
+    c, h, w = _input_shape(obj)
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, c, h, w, generator=g).to(device)
+    labels = torch.randint(0, 10, (batch,), generator=g).to(device)
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    kwargs = {"generator": torch.Generator().manual_seed(seed)} if _takes_generator(obj) else {}
+    with attention_kernel(kernel), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            _autocast(device, amp):
+        loss = obj((images, labels), progress=0.5, **kwargs)["loss"]
+    del loss
+    return sum(storages.values())
+
+
+def saved_bytes_per_sample(objective: nn.Module, **kwargs: Any) -> float:
+    """Activation bytes saved for backward per sample: :func:`saved_bytes` at batch 2 minus batch 1 (what does not
+    grow with the batch, e.g. low-precision copies of the weights, cancels)."""
+    return float(saved_bytes(objective, 2, **kwargs) - saved_bytes(objective, 1, **kwargs))
+
+
+def saved_bytes_table(preset: str = "vit_base", etas: tuple[float, ...] = (0.3, 0.5, 0.75, 0.9), *,
+                      kernels: tuple[str, ...] = ("sdpa", "math"), amp: str = "bf16", in_chans: int = 3,
+                      num_classes: int = 1000, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
+    """MP3 Table 2's memory column, device-independent: saved bytes per sample of MP3 at each eta and of the
+    supervised step (``preset``: ViT-B/16 at 224 px by default), per attention kernel, with their ratios."""
+    rows = []
+    for kernel in kernels:
+        torch.manual_seed(0)
+        base = saved_bytes_per_sample(Supervised(create_model(preset, in_chans=in_chans, num_classes=num_classes)),
+                                      amp=amp, kernel=kernel, device=device)
+        rows.append({"name": "supervised", "kernel": kernel, "eta": None, "mib_per_sample": round(base / 2**20, 2),
+                     "vs_supervised": 1.0})
+        for eta in etas:
+            torch.manual_seed(0)
+            mp3 = MP3(create_model(preset, in_chans=in_chans, pos_embed="none"), MP3Config(eta=eta))
+            got = saved_bytes_per_sample(mp3, amp=amp, kernel=kernel, device=device)
+            rows.append({"name": f"mp3_eta{eta:g}", "kernel": kernel, "eta": eta,
+                         "mib_per_sample": round(got / 2**20, 2), "vs_supervised": round(got / base, 3)})
+    return rows
