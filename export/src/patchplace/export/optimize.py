@@ -55,8 +55,8 @@ class FusableAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                 context_index: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                memory: torch.Tensor | None = None) -> torch.Tensor:
-        if attn_mask is not None or context_index is not None or memory is not None:
+                memory: torch.Tensor | None = None, context_len: int | None = None) -> torch.Tensor:
+        if attn_mask is not None or context_index is not None or memory is not None or context_len is not None:
             raise ModelError("FusableAttention is the export path: full self-attention only")
         b, n, d = x.shape
         q = self._heads(self.q(x)).transpose(1, 2)
