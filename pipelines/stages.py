@@ -91,6 +91,16 @@ def stage_seconds(directory: Path) -> float | None:
     return float(json.loads(done.read_text())["seconds"]) if done.is_file() else None
 
 
+def stage_resumed(directory: Path) -> bool:
+    """Whether a finished training stage took more than one attempt (its ``log.jsonl`` has the start-ups of several
+    processes): its recorded seconds are then the last attempt's only."""
+    log = directory / "log.jsonl"
+    if not (directory / "DONE").is_file() or not log.is_file():
+        return False
+    startups = {json.loads(line).get("startup_s") for line in log.read_text().splitlines() if '"startup_s"' in line}
+    return len(startups) > 1
+
+
 def hardware_line() -> str:
     """'<CPU model>, <n> cores, torch <v> (<threads> threads), <GPU or no GPU>' for the head of result tables."""
     cpu = platform.processor() or platform.machine()

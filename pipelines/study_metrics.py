@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from stages import stage_seconds
+from stages import stage_resumed, stage_seconds
 from study_plan import RUNS, Run, StudyConfig
 from study_runner import Study
 
@@ -62,7 +62,8 @@ def curves_of(study: Study) -> dict[str, Any]:
                         "feature": features.pop() if len(features) == 1 else None,
                         "controls": {k: v.get("0.01") for k, v in measured["controls"].items()},
                         "val_samples": measured["test_samples"],
-                        "minutes": (stage_seconds(study.curve_dir(name) / "pretrain") or 0) / 60}
+                        "minutes": (stage_seconds(study.curve_dir(name) / "pretrain") or 0) / 60,
+                        "resumed": stage_resumed(study.curve_dir(name) / "pretrain")}
     return curves
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import evaluate
 import torch
-from stages import hardware_line, stage_seconds
+from stages import hardware_line, stage_resumed, stage_seconds
 from study_claims import (
     PRIVACY_METRICS,
     PRIVACY_RUNS,
@@ -336,7 +336,10 @@ def curves_section(curves: dict[str, Any], out: Path, stem: str) -> tuple[list[s
         lines.append(f"| {labels[name]} ({c.get('feature') or '-'}) | "
                      + " | ".join(f"{c['points'][e] * 100:.1f}" if e in c["points"] else "-" for e in epochs)
                      + f" | {_pct(c['controls'].get('random_linear'))} | {crossing(c['points'], level)} | "
-                     f"{crossing(c['points'], pixels[0]) if pixels else '-'} | {c['minutes']:.1f} |")
+                     f"{crossing(c['points'], pixels[0]) if pixels else '-'} | {c['minutes']:.1f}"
+                     f"{'*' if c.get('resumed') else ''} |")
+    if any(c.get("resumed") for c in curves.values()):
+        lines += ["", "\\* resumed after a stop: the minutes of its last attempt only."]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -390,8 +393,13 @@ def wall_clock(study: Study) -> list[str]:
     for g, m in minutes.items():
         lines.append(f"| {g} | " + " | ".join(f"{m.get(k, 0):.1f}" for k in kinds) + f" | {sum(m.values()):.1f} |")
     total = sum(sum(m.values()) for m in minutes.values())
+    dones = [*study.root.glob("seed*/*/*/DONE"), *study.root.glob("curves/*/*/DONE"),
+             *study.root.glob("controls/DONE")]
+    resumed = sum(stage_resumed(d.parent) for d in dones)
     return [*lines, "", f"Process-minutes in all: {total:.1f} (divide by the number of study processes for the "
-            "elapsed time when they ran side by side)."]
+            "elapsed time when they ran side by side)." + (
+                f" {resumed} stage(s) finished in a resumed attempt: they count that attempt's minutes only, so "
+                "the total is a lower bound." if resumed else "")]
 
 
 MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "finetune_epochs", False),

@@ -280,3 +280,17 @@ def test_skip_leaves_rows_out_of_their_groups_and_refuses_main_rows():
     for bad, message in (("skip=[mp3]", "main rows are the study's table"), ("skip=[nope]", "unknown run")):
         with pytest.raises(pipeline_config.ConfigError, match=message):
             pipeline_config.load(StudyConfig, None, [bad])
+
+
+def test_a_stage_finished_in_a_resumed_attempt_is_flagged(tmp_path):
+    """Its DONE records the last attempt's seconds only; the report marks it (two start-ups in its log)."""
+    from stages import stage_resumed
+
+    for name, startups in (("once", [3.0, 3.0]), ("twice", [3.0, 2.5]), ("unfinished", [3.0, 2.5])):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "log.jsonl").write_text("".join(json.dumps({"step": i, "loss": 1.0, "startup_s": s}) + "\n"
+                                             for i, s in enumerate(startups)))
+        if name != "unfinished":
+            (d / "DONE").write_text(json.dumps({"seconds": 1.0, "argv": []}))
+    assert [stage_resumed(tmp_path / n) for n in ("once", "twice", "unfinished")] == [False, True, False]
