@@ -9,6 +9,9 @@ PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip --disable-pip-version-check
 APT_PKGS := dataset-fashion-mnist espeak-ng
 PACKAGES := packages/data packages/models packages/objectives packages/finetune export
+# ONNX Runtime flavour of patchplace-export: cpu (onnxruntime) or gpu (onnxruntime-gpu: CUDA + CPU providers);
+# one of them, never both (`make setup ORT=gpu` on a CUDA machine switches an existing .venv over)
+ORT      ?= cpu
 SHARDS   := shards
 CORPORA  := corpora
 
@@ -17,7 +20,7 @@ CORPORA  := corpora
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
-	@echo "make study  the reproduction study v2 (results/study.md; ~4.5 h on 2 CPU cores, resumable)"
+	@echo "make study  the reproduction study v3 (results/study.md; ~3.5 h on 2 CPU cores, resumable)"
 	@echo "make study-gpu  the same study at a GPU budget, every ablation (results/study_gpu.md)"
 	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
@@ -32,13 +35,18 @@ apt:
 	else echo "error: missing Debian packages:$$missing; run: sudo apt-get update && sudo apt-get install -y$$missing" >&2; exit 1; fi; \
 	$$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed-$(ORT)
 
-$(VENV)/.installed: pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
+$(VENV)/.installed-$(ORT): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q --config-settings editable_mode=compat -e '.[dev,pipelines]' $(foreach p,$(PACKAGES),-e '$(p)[test]')
-	@touch $@
+	@other=$$([ "$(ORT)" = gpu ] && echo onnxruntime || echo onnxruntime-gpu); \
+	if $(PIP) show "$$other" >/dev/null 2>&1; then echo "ORT=$(ORT): removing $$other (one runtime only)"; \
+	$(PIP) uninstall -y -q "$$other" && $(PIP) install -q --force-reinstall --no-deps \
+	"$$([ "$(ORT)" = gpu ] && echo onnxruntime-gpu || echo onnxruntime)"; fi
+	$(PIP) install -q --config-settings editable_mode=compat -e '.[dev,pipelines]' \
+	  $(foreach p,$(filter-out export,$(PACKAGES)),-e '$(p)[test]') -e 'export[test,$(ORT)]'
+	@rm -f $(VENV)/.installed $(VENV)/.installed-*; touch $@
 
 # ---------------------------------------------------------------------------------------------- demo
 # Each split appears atomically; the recipes write these splits last, so they mark a finished run.

@@ -10,22 +10,27 @@ recipe (jigsaw + unknown PE + DAL, with labels); it runs here, from scratch, lik
 
 from __future__ import annotations
 
+import inspect
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection, describe
 from engine import (
     USER_ERRORS,
     Data,
+    NonFiniteOutput,
     Trainer,
     check_inputs,
     command_line,
     data_metadata,
     start,
 )
+from torch import nn
 
 from patchplace.models import create_model, load_pretrained
 from patchplace.objectives import (
@@ -109,13 +114,57 @@ def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modali
     return objective_cls(backbone, config_cls.from_dict({**defaults, **cfg.objective})), backbone
 
 
+@torch.no_grad()
+def validate_objective(objective: nn.Module, data: Data, batch_size: int, device: torch.device,
+                       seed: int = 0) -> dict[str, Any]:
+    """The objective's own metrics on ``data.val`` (eval mode): the sample-weighted mean of every scalar its forward
+    returns — the loss, and e.g. MP3 / DropPos position accuracy, I-JEPA's context size; supervised and MJP's
+    classification accuracy as ``top1``. Masks come from a generator seeded with ``seed`` (the same draws at every
+    evaluation) and the global RNG is restored after, so evaluating changes nothing of the training run."""
+    was_training = objective.training
+    objective.eval()
+    sums: dict[str, float] = {}
+    count = 0
+    takes_generator = "generator" in inspect.signature(objective.forward).parameters
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for x, y in data.val.batches(batch_size, epoch=0):
+                x, y = x.to(device), y.to(device)
+                if data.frontend is not None:
+                    x = data.frontend(x)
+                out = objective((x, y), **({"generator": generator} if takes_generator else {}))
+                n = len(y)
+                for key, value in out.items():
+                    if torch.is_tensor(value) and value.numel() == 1:
+                        sums[key] = sums.get(key, 0.0) + float(value) * n
+                count += n
+    finally:
+        objective.train(was_training)
+    if not count:
+        return {"count": 0}
+    result = {("top1" if key == "acc" else key): value / count for key, value in sums.items()}
+    if not math.isfinite(result.get("loss", 0.0)):
+        raise NonFiniteOutput("the objective's validation loss is not finite (NaN / inf) on data.val: its weights "
+                              "hold NaN / inf; use an earlier checkpoint or a lower optim.lr")
+    return {**result, "count": count}
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, accelerator, data = start(PretrainConfig, __doc__, argv)
         m = data.manifest
         objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality, data)
         metadata = {"method": cfg.method, "objective": cfg.objective, **data_metadata(data, cfg.data)}
+
+        def evaluate(model: nn.Module, step: int) -> dict[str, Any]:  # run.eval_every and the end of training
+            result = validate_objective(model, data, cfg.data.batch_size, accelerator.device, cfg.run.seed)
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "count")
+            print(f"step {step}: val {shown} ({result['count']} samples)", flush=True)
+            return result
+
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
+                          evaluate=evaluate if data.val is not None else None,
                           command=command_line(__file__, argv))
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -112,6 +112,25 @@ def test_the_attention_kernel_is_a_setting_that_changes_no_number(shards, tmp_pa
     assert len(losses["math"]) == 3 and losses["math"] == pytest.approx(losses["sdpa"], rel=1e-4)
 
 
+@pytest.mark.parametrize(("method", "metric"), [("supervised", "top1"), ("mp3", "pos_acc"), ("mae", "loss")])
+def test_pretraining_validates_on_eval_every_and_changes_nothing_of_the_run(shards, tmp_path, method, metric):
+    """``run.eval_every`` evaluates the objective's own metrics on data.val (supervised / MJP: top-1) and logs
+    them; the weights trained are bit-identical to a run that evaluates only at its end."""
+    from safetensors.torch import load_file
+
+    args = [f"method={method}", *img(shards), *TINY, *SMALL_HEADS.get(method, []), "optim.max_steps=4"]
+    for every in (1, 0):
+        assert pretrain.main([*args, f"run.eval_every={every}", f"run.output={tmp_path / str(every)}"]) == 0
+    evals = [r for r in map(json.loads, (tmp_path / "1" / "log.jsonl").read_text().splitlines()) if "eval" in r]
+    assert [r["step"] for r in evals] == [1, 2, 3, 4] and all(metric in r["eval"] and "loss" in r["eval"]
+                                                              for r in evals)
+    assert evals[0]["eval"]["count"] > 0 and evals[0]["eval"] != evals[-1]["eval"], "it measures the weights"
+    final = [r for r in map(json.loads, (tmp_path / "0" / "log.jsonl").read_text().splitlines()) if "eval" in r]
+    assert [r["step"] for r in final] == [4] and final[0]["eval"] == evals[-1]["eval"], "the same draws each time"
+    weights = [load_file(str(tmp_path / d / "checkpoint" / "model.safetensors")) for d in ("1", "0")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_help_lists_every_field_with_its_default(capsys):
     with pytest.raises(SystemExit):
         pretrain.main(["--help"])

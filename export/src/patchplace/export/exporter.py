@@ -42,7 +42,11 @@ from typing import Any
 
 import numpy as np
 import onnx
-import onnxruntime as ort
+try:
+    import onnxruntime as ort
+except ImportError as exc:  # an extra, so that one runtime is installed, never both
+    raise ImportError("patchplace.export needs ONNX Runtime: pip install 'patchplace-export[cpu]' (onnxruntime) or "
+                      "'patchplace-export[gpu]' (onnxruntime-gpu), not both") from exc
 import onnxscript  # noqa: F401 - torch.onnx.export(dynamo=True) builds the graph with it: a runtime requirement
 import torch
 from torch import nn
