@@ -90,7 +90,7 @@ MP3_TABLE2 = {"vit_b": {"time": 0.67, "memory": 33.5},
               "mp3": {0.3: (0.52, 30.0), 0.5: (0.51, 27.4), 0.75: (0.46, 24.2), 0.9: (0.44, 22.3)},
               "mae": {0.3: None, 0.5: (0.57, 35.1), 0.75: (0.47, 28.0), 0.9: (0.41, 24.4)}}
 MP3_PAPER = {"eta": 0.75, "time_ratio": round(MP3_TABLE2["mp3"][0.75][0] / MP3_TABLE2["vit_b"]["time"], 2),
-             "flop_bound": 0.84}  # the headline of Table 2, and DESIGN.md §3's FLOP bound
+             "flop_bound": 0.84}  # the headline of Table 2, and docs/design.md's FLOP bound
 GPU_SECTION = ("<!-- gpu section: written by benchmark.py --suite mp3_table2 -->", "<!-- end of gpu section -->")
 
 

@@ -25,14 +25,14 @@ import pretrain  # noqa: E402
 from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
 
 FT_CONFIG = str(ROOT / "pipelines" / "configs" / "finetune_fashion_mnist.yaml")
-# What must never be weight-decayed (DESIGN §2): PE tables, class / mask / unknown tokens, relative bias tables;
+# What must never be weight-decayed (docs/design.md): PE tables, class / mask / unknown tokens, relative bias tables;
 # timm adds every 1-D tensor (norms, biases).
 NO_DECAY = ("cls_token", "pos_table", "unknown_pos_embed", "mask_token", "mask_pos_token",
             "relative_position_bias_table")
 # The tokens each objective adds and must exempt (beside the backbone's).
 OWN_TOKENS = {"mae": "mask_token", "ijepa": "mask_token", "droppos": "mask_pos_token",
               "mjp": "backbone.unknown_pos_embed"}
-# DESIGN §4: methods that never feed the class token are probed on the patch mean; MP3 (whose sequence holds the
+# docs/design.md: methods that never feed the class token are probed on the patch mean; MP3 (whose sequence holds the
 # class token, §3.1) on the mean of its patch outputs; the others on the class token.
 PROBE_FEATURE = {"mp3": "mean", "mp3_speech": "mean", "ijepa": "patch_mean", "stop": "patch_mean",
                  "randsac": "patch_mean", "droppos": "cls", "mae": "cls", "mjp": "cls", "supervised": "cls"}

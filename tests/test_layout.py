@@ -1,4 +1,4 @@
-"""Repository contracts of DESIGN.md §1: layout, PEP 420 namespace, honest dependency declarations."""
+"""Repository contracts of docs/design.md: layout, PEP 420 namespace, honest dependency declarations."""
 
 from __future__ import annotations
 

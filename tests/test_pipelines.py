@@ -159,11 +159,12 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
 
 
 def readme_snippet(name: str, **names) -> dict:
-    """Run the README's ``<!-- snippet: name -->`` python block with ``names`` defined; -> its globals."""
-    text = (ROOT / "README.md").read_text()
+    """Run docs/interop.md's ``<!-- snippet: name -->`` python block (the routes the README links to) with
+    ``names`` defined; -> its globals."""
+    text = (ROOT / "docs" / "interop.md").read_text()
     code = text.split(f"<!-- snippet: {name} -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     scope = dict(names)
-    exec(compile(code, f"README.md snippet {name}", "exec"), scope)
+    exec(compile(code, f"docs/interop.md snippet {name}", "exec"), scope)
     return scope
 
 

@@ -29,7 +29,7 @@ MEL_KW = dict(sr=SR, n_fft=512, hop_length=160, win_length=480, window="hann", c
 LIBROSA_ATOL = 6e-4
 # Measured max |ORT - torch| on these clips + uniform noise, batch sizes 1-8: 4.6e-4; max |torch batched - torch
 # alone| for the same clip: 3.5e-4 (oneDNN and ORT accumulate the conv in different orders). That is a few float32
-# ulps of coefficients of magnitude 300-600: DESIGN's 1e-4 for exports is not reachable on waveform input at
+# ulps of coefficients of magnitude 300-600: docs/design.md's 1e-4 for exports is not reachable on waveform input at
 # this feature scale; 1e-3 is.
 ORT_ATOL = 1e-3
 

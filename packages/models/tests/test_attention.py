@@ -143,7 +143,7 @@ def test_bad_masks_and_indices_are_refused_before_compute(micro, kwargs, message
 def test_block_flop_count_gives_the_design_bound_and_the_benchmark_runs():
     from patchplace.models.benchmark import block_flops, context_attention
 
-    # DESIGN.md §3: only K/V and attention shrink, so eta = 0.75 at N = 64, D = 192 bounds the ratio at ~0.84.
+    # docs/design.md: only K/V and attention shrink, so eta = 0.75 at N = 64, D = 192 bounds the ratio at ~0.84.
     assert block_flops(64, 16, 192) / block_flops(64, 64, 192) == pytest.approx(0.842, abs=1e-3)
     row = context_attention(batch=2, num_tokens=16, dim=32, num_heads=2, repeats=1, warmup=0)
     assert row["context_tokens"] == 4 and row["full_ms"] > 0 and row["context_ms"] > 0

@@ -1,4 +1,5 @@
-"""DropPos (DESIGN.md §3): masking + [MASK] PE, smoothed targets (Eq. 5-7), attentive weights (Eq. 8-9), the loss
+"""DropPos (docs/methods/droppos.md): masking + [MASK] PE, smoothed targets (Eq. 5-7), attentive weights
+(Eq. 8-9), the loss
 ignoring anchors and masked patches, the evaluation grid, and a tiny learning check. CPU, seconds."""
 
 from __future__ import annotations

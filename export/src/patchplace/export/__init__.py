@@ -1,4 +1,4 @@
-"""patchplace.export — ONNX export with a PyTorch-vs-ONNX-Runtime parity check (DESIGN.md §2).
+"""patchplace.export — ONNX export with a PyTorch-vs-ONNX-Runtime parity check (docs/design.md).
 
 ``python -m patchplace.export CHECKPOINT --out model.onnx`` or :func:`export_checkpoint`. The ONNX Runtime evaluator
 (accuracy, consistency, robustness, latency) is the rest of issue 7.

@@ -1,4 +1,4 @@
-"""Export a checkpoint to ONNX (DESIGN.md §2 ONNX contract) and check it against PyTorch with ONNX Runtime.
+"""Export a checkpoint to ONNX (docs/design.md ONNX contract) and check it against PyTorch with ONNX Runtime.
 
 Kinds:
 
@@ -11,11 +11,11 @@ Kinds:
 The graph written is ONNX Runtime's fused one (:mod:`.optimize`: Attention, BiasGelu) unless the optimizer fails or
 its graph misses the tolerance — then the plain one, and the sidecar's ``graph`` says why. Every export is run on
 random and (optionally) real inputs through PyTorch and ONNX Runtime; if the max abs difference exceeds the tolerance
-(1e-4 fp32, DESIGN §2) — or is NaN: non-finite weights, outputs or differences fail every gate — the export fails and
-leaves no file behind. A sidecar ``model.json`` records inputs, outputs, normalization, class names and provenance
-(checkpoint sha256); the ``.onnx`` file itself carries the same in its ``metadata_props`` (classes, preprocessing
-steps with their constants, inputs, outputs, backbone, method, checkpoint sha256), so onnxruntime + numpy alone
-preprocess correctly.
+(1e-4 fp32, docs/design.md) - or is NaN: non-finite weights, outputs or differences fail every gate — the export
+fails and leaves no file behind. A sidecar ``model.json`` records inputs, outputs, normalization, class names and
+provenance (checkpoint sha256); the ``.onnx`` file itself carries the same in its ``metadata_props`` (classes,
+preprocessing steps with their constants, inputs, outputs, backbone, method, checkpoint sha256), so onnxruntime +
+numpy alone preprocess correctly.
 
 The pair is bound: both carry one ``export_id`` and the sidecar records the ``.onnx`` file's sha256, so
 :func:`load_export` refuses a model.onnx beside another export's model.json (or changed since). The commit
@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 try:
     import onnxruntime as ort
 except ImportError as exc:  # an extra, so that one runtime is installed, never both

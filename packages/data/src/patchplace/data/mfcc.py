@@ -7,7 +7,7 @@ frames of a 1 s clip is one 1-D patch.
 
 The numbers are librosa's (``librosa.feature.mfcc`` with the arguments listed in :class:`MFCC`), so features can be
 checked against a reference implementation; the computation is plain torch ops (a strided conv1d with a precomputed
-windowed-DFT basis, matmuls, log10, max) so the frontend can live inside an exported ONNX graph (DESIGN.md §2:
+windowed-DFT basis, matmuls, log10, max) so the frontend can live inside an exported ONNX graph (docs/design.md:
 speech models take ``waveform (B, samples)``).
 """
 

@@ -1,4 +1,4 @@
-"""MJP's patch-shuffle consistency and Diff. Norm (``mjp-masked-jigsaw-puzzle.txt`` Eq. 6-7, Table 1, Fig. 3) —
+"""MJP's patch-shuffle consistency and Diff. Norm (Masked Jigsaw Puzzle, arXiv:2205.12551, Eq. 6-7, Table 1, Fig. 3) —
 one implementation for the PyTorch evaluator (``pipelines/evaluate.py``) and the ONNX Runtime one
 (``patchplace.export.evaluate``), so both report the same numbers for the same model.
 

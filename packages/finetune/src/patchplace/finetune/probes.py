@@ -19,7 +19,7 @@ from .metrics import topk_correct
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
-# Which pooled feature a checkpoint's training trained (DESIGN §4); objectives declare it as ``probe_feature`` and
+# Which pooled feature a checkpoint's training trained (docs/design.md); objectives declare it as ``probe_feature`` and
 # the pipelines record it in the checkpoint metadata. "patch_mean" runs the patch tokens alone, without the class
 # token (methods that never feed it: its value is untrained; I-JEPA, StoP, RandSAC), "mean" / "cls" the full sequence
 # with it (MP3 feeds the class token since it follows §3.1: its checkpoints record "mean").

@@ -95,13 +95,14 @@ class BackboneObjective(nn.Module):
     """Base of every objective: an ``nn.Module`` holding ``self.backbone`` plus its own heads / decoders.
 
     It gives the wrapper timm's optimizer interface, so ``create_optimizer_v2(objective, layer_decay=...)`` builds
-    the same groups as on the bare backbone (DESIGN §2): ``group_matcher`` maps the backbone's embeddings to layer 0
+    the same groups as on the bare backbone (docs/design.md): ``group_matcher``
+    maps the backbone's embeddings to layer 0
     and block i to layer i + 1; the final norm, the classifier head and the objective's own modules are the top
     layer (lr scale 1). ``no_weight_decay`` = the backbone's (PE tables, CLS, unknown PE, relative bias tables) +
     the objective's learned tokens named in ``no_weight_decay_tokens`` (mask tokens, the DropPos [MASK] position
     token); timm exempts every 1-D tensor (norms, biases) on top of that.
 
-    ``probe_feature`` says which pooled feature the pretraining trained (DESIGN §4, recorded in the checkpoint):
+    ``probe_feature`` says which pooled feature the pretraining trained (docs/design.md, recorded in the checkpoint):
     ``"cls"`` (the class token, in a sequence that contains it), ``"mean"`` (average of the patch outputs of a
     sequence that contains the class token) or ``"patch_mean"`` (average of the final-normed patch outputs of the
     patch tokens alone: methods that never feed the class token, whose probes must not read or attend to it).

@@ -3,7 +3,7 @@
 Mask a large random subset of patches, drop the PEs of most visible patches (replacing them by one learnable
 [MASK] position token), and let a light decoder classify the true position of every visible patch whose PE was
 dropped — with position smoothing (Eq. 5-7) and attentive reconstruction (Eq. 8-9). Where the paper and the official
-code differ, DESIGN.md §3 ("DropPos") decides; the comments below say where that is.
+code differ, docs/methods/droppos.md ("DropPos") decides; the comments below say where that is.
 
 Usage::
 
@@ -115,7 +115,7 @@ class DropPos(BackboneObjective):
         super().__init__()
         backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
         self.config = (config or DropPosConfig()).validate().for_backbone(backbone)
-        require_pos_mode(backbone, ("sincos2d",), "DropPos")  # fixed 2D sin-cos PE, not learned (§3 DESIGN)
+        require_pos_mode(backbone, ("sincos2d",), "DropPos")  # fixed 2D sin-cos PE (docs/methods/droppos.md)
         if backbone.cls_token is None:
             raise ObjectiveError("DropPos needs a backbone with a class token (class_token=True): the [CLS] token "
                                  "keeps its PE and drives attentive reconstruction (Eq. 9)")
@@ -133,7 +133,8 @@ class DropPos(BackboneObjective):
         self.head = nn.Linear(c.decoder_dim, self.num_patches)  # logits over ALL N positions
         nn.init.xavier_uniform_(self.head.weight)
         nn.init.zeros_(self.head.bias)
-        # d2(i, j) on the model's own grid: squared distance, as the official code (DESIGN §3), though Eq. 5 says
+        # d2(i, j) on the model's own grid: squared distance, as the official code (docs/methods/droppos.md),
+        # though Eq. 5 says
         # "Euclidean distance".
         self.register_buffer("grid_sq_dist", squared_grid_distance(backbone.grid), persistent=False)
 
@@ -192,7 +193,7 @@ class DropPos(BackboneObjective):
         """w*(y, j) (Eq. 5-6): (N, N), row y = smoothed target of true position y, each ROW summing to 1.
 
         The official code divides by the column sums through a broadcasting slip; we normalize rows as Eq. 6 says
-        (DESIGN §3). sigma = 0 is exactly one-hot (the limit of Eq. 5), built directly to avoid 0 / 0.
+        (docs/methods/droppos.md). sigma = 0 is exactly one-hot (the limit of Eq. 5), built directly to avoid 0 / 0.
         """
         d2 = self.grid_sq_dist
         if sigma == 0:
@@ -232,7 +233,8 @@ class DropPos(BackboneObjective):
 
         logits (B, V, N); labels (B, V) true positions; dropped (B, V) bool; weights (B, V). Anchors (kept PEs)
         get weight exactly 0, masked patches never reach the decoder. The log-softmax runs over all N positions
-        (Eq. 4-6 print a sum over the (1 - gamma) N visible ones; the official code, and DESIGN §3, use all N).
+        (Eq. 4-6 print a sum over the (1 - gamma) N visible ones; the official code, and
+        docs/methods/droppos.md, use all N).
         """
         targets = self.smoothed_targets(labels, sigma)  # (B, V, N)
         ce = -(targets * F.log_softmax(logits.float(), dim=-1)).sum(dim=-1)  # (B, V)

@@ -1,12 +1,12 @@
-"""I-JEPA (Assran et al. 2023) with Stochastic Positional Embeddings — StoP (Bar et al. 2024,
-``stop-stochastic-positions.txt``).
+"""I-JEPA (Assran et al. 2023, arXiv:2301.08243) with Stochastic Positional Embeddings — StoP (Bar et al. 2024,
+"Stochastic positional embeddings improve masked image modeling", arXiv:2308.00566).
 
 A context encoder sees one large context block minus 4 target blocks (I-JEPA multi-block masks); a target encoder,
 the EMA of the context encoder, sees the full image; its final-normed features at the target blocks, passed through a
 LayerNorm without affine, are the targets. A narrow predictor ViT receives the context tokens and one masked token per
 target position and regresses the targets with smooth-L1 (beta 1), as both official codes do.
 
-Predictor inputs (DESIGN.md §3, with A, b the predictor's input Linear and psi its fixed sin-cos PE):
+Predictor inputs (docs/methods/stop.md, with A, b the predictor's input Linear and psi its fixed sin-cos PE):
 
 * I-JEPA: ``c_i = A s_i + b + psi_i``, ``m_j = m~ + psi_j`` (m~ a learned mask token);
 * StoP (Eq. 3, Alg. 1 lines 9-11): ``m_j = A n_j + b + psi_j`` with ``n_j ~ N(0, sigma^2 I)`` in encoder width —
@@ -118,7 +118,7 @@ class IJEPA(BackboneObjective):
 
     no_weight_decay_tokens = ("mask_token",)
     # The context encoder never sees a class token: probe the average of its final-normed patch outputs, as the
-    # I-JEPA and StoP linear probes do (DESIGN §4).
+    # I-JEPA and StoP linear probes do (docs/design.md).
     probe_feature = "patch_mean"
     finetune_pool = "mean"  # I-JEPA and StoP fine-tune on average-pooled patch tokens (no class token trained)
 

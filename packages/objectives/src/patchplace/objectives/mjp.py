@@ -1,9 +1,10 @@
-"""MJP: Masked Jigsaw Puzzle position embedding (Ren et al., CVPR 2023, ``mjp-masked-jigsaw-puzzle.txt``).
+"""MJP: Masked Jigsaw Puzzle position embedding (Ren et al., CVPR 2023, "Masked Jigsaw Puzzle: A Versatile Position
+Embedding for Vision Transformers", arXiv:2205.12551).
 
 Supervised training in which, per sample, a block-wise selected subset of patches is shuffled among itself (Alg. 1),
 the shuffled positions get one shared learnable *unknown* PE ``E_unk`` instead of their own (Eq. 4-5; CLS keeps its
 PE), and a dense absolute localization (DAL) regressor maps the PE rows of the unshuffled positions back to their
-(row, col) grid coordinates (Eq. 1-2): ``L_all = L_CE + lambda L_DAL`` (§4.2). DESIGN.md §3 ("MJP") is the precise
+(row, col) grid coordinates (Eq. 1-2): ``L_all = L_CE + lambda L_DAL`` (§4.2). docs/methods/mjp.md is the precise
 spec; the comments below say where we deviate from the official code (github.com/yhlleo/MJP).
 
 Usage::
@@ -149,7 +150,8 @@ def jigsaw(images: torch.Tensor, patch_size: int, ratio: float, *, min_block: in
     """Block-wise random jigsaw puzzle shuffle (MJP Alg. 1) of a batch of images.
 
     Per sample, BEiT's block-wise generator selects ~round(``ratio`` N) patches (Alg. 1 line 3; per sample, where
-    the official code draws one mask for the whole batch — DESIGN §3), and the selected patches are permuted among
+    the official code draws one mask for the whole batch: docs/methods/mjp.md), and the selected patches are permuted
+    among
     themselves (line 4; see :func:`permute_selected` for ``derange``); all other patches stay bit-identical.
 
     ``images`` (B, C, H, W) with H, W multiples of ``patch_size`` -> ``(shuffled, unknown_pos)``: the shuffled
@@ -186,7 +188,8 @@ class DALRegressor(nn.Module):
       between steps.
     * ``linear``: one Linear(D, 2) (LN).
     * ``mlp``: Linear(D, D) - ReLU - Linear(D, D) - ReLU - Linear(D, 2), the paper's "3-layers MLP" (§5.3; the
-      official ``nonlinear`` has 2 layers, DESIGN §3 follows the paper). Hidden width D and ReLU as the official code;
+      official ``nonlinear`` has 2 layers, docs/methods/mjp.md follows the paper). Hidden width D and ReLU as the
+      official code;
       Linear weights trunc-normal(.02), zero biases (the official model's ``_init_vit_weights`` reaches them too).
 
     ``forward(pe_rows)``: (M, D) -> (M, 2) predicted (row, col).

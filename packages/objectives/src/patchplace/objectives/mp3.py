@@ -1,4 +1,5 @@
-"""MP3 — Masked Patch Position Prediction (Zhai et al. 2022, arXiv:2207.07611, ``mp3-position-prediction.txt``).
+"""MP3 — Masked Patch Position Prediction (Zhai et al. 2022, "Position Prediction as an Effective Pretraining
+Strategy", arXiv:2207.07611).
 
 Pretraining removes every position embedding, picks a random context of ``M = round((1 - eta) N)`` patch tokens
 per sample, and runs the backbone so that in *every* layer queries come from all tokens while keys/values come only

@@ -1,4 +1,5 @@
-"""RandSAC — Random Segments with Autoregressive Coding (Hua et al. 2022, ``randsac.txt``).
+"""RandSAC — Random Segments with Autoregressive Coding (Hua et al. 2022, "Self-supervision through Random
+Segments with Autoregressive Coding", arXiv:2203.12054).
 
 Tokens are grouped into segments (blobs or squares, §3.2), the segments are serialized in a random, optionally
 hierarchical order (§3.3), and a masked encoder-decoder predicts the pixels of each segment from the segments before

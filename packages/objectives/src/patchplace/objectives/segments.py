@@ -1,4 +1,4 @@
-"""RandSAC segments and serializations (Hua et al. 2022, ``randsac.txt`` §3.1-§3.3), as pure functions on an
+"""RandSAC segments and serializations (Hua et al. 2022, RandSAC, arXiv:2203.12054, §3.1-§3.3), as pure functions on an
 (h, w) token grid, deterministic given a ``torch.Generator``.
 
 Segment generators map every token (raster order) to a segment id 0..K-1 without gaps:
