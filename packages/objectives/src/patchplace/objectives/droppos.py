@@ -61,7 +61,7 @@ class DropPosConfig(ObjectiveConfig):
     PAPER: ClassVar[dict[str, Any]] = {"decoder_dim": 512, "decoder_depth": 2, "decoder_heads": 16}
 
     mask_ratio: float = 0.75  # gamma: patches dropped from the encoder (Eq. 1)
-    pos_mask_ratio: float = 0.75  # gamma_pos: visible patches that keep their PE as anchors (Eq. 2)
+    pos_mask_ratio: float = 0.75  # gamma_pos: share of the visible patches whose PE is dropped (Eq. 2); the rest anchor
     decoder_dim: int | None = None  # position decoder width, no PE (None: the backbone's; paper(): 512)
     decoder_depth: int = 2  # position decoder blocks
     decoder_heads: int | None = None  # position decoder heads (None: the backbone's; paper(): 16)
