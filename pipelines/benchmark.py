@@ -75,7 +75,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # pretrain.py / engine.py / config.py
 
-from config import load
+from config import HelpFormatter, load
 from stages import hardware_line
 
 from patchplace.data.benchmark import augment_throughput, mfcc_throughput, shard_read_throughput
@@ -869,8 +869,9 @@ def plot_objectives(rows: list[dict[str, Any]], path: Path) -> bool:
 
 # ---------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=list(SUITES), default="data", help="what to measure (default: data)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--suite", choices=list(SUITES), default="data", metavar="SUITE",
+                        help=f"what to measure: {', '.join(SUITES)} (default: data)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: results for --suite all, else runs/benchmark)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

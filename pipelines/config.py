@@ -1,5 +1,10 @@
 """Pipeline configs: YAML files in ``pipelines/configs/`` + ``section.field=value`` overrides on the command line,
-loaded into validated dataclasses. Unknown keys, bad ranges and missing datasets fail up front with one line."""
+loaded into validated dataclasses. Unknown keys, bad ranges and missing datasets fail up front with one line.
+
+``--help`` (:func:`parser`) lists the fields with the values that command line would run with (``--config`` and
+overrides applied, each such value marked) in at most :data:`HELP_WIDTH` columns. A command's config class may
+declare ``unused_fields: ClassVar[tuple[str, ...]]``: fields (``section.field``) or whole sections it accepts but
+never reads (a config shared with training still loads), left out of its --help."""
 
 from __future__ import annotations
 
@@ -10,8 +15,11 @@ import inspect
 import io
 import math
 import re
+import shutil
+import textwrap
 import tokenize
 import typing
+from collections.abc import Collection
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +32,8 @@ from patchplace.models import ATTENTION_KERNELS
 LR_SCALING = ("none", "linear", "sqrt")
 HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.train
 MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
+HELP_WIDTH = 100  # --help fits this many columns
+HELP_COLUMN = 44  # where a field's meaning starts in --help ("  section.field = value" before it)
 
 
 class ConfigError(ValueError):
@@ -364,30 +374,191 @@ def field_docs(cls: type) -> dict[str, str]:
     return {k: v for k, v in docs.items() if v}
 
 
-def describe(config: Any, prefix: str = "") -> list[str]:
-    """One line per field with its default and what it means (for --help); ``config`` is a dataclass type or
-    instance."""
+def describe(config: Any, prefix: str = "", sources: dict[str, str] | None = None,
+             skip: Collection[str] = ()) -> list[str]:
+    """One entry per field with its value and what it means (for --help); ``config`` is a dataclass type or
+    instance. An entry fits :data:`HELP_WIDTH` columns and may span lines: the meaning wraps under itself (from
+    :data:`HELP_COLUMN`, below the value when the value is too wide to leave room beside it). ``sources``:
+    {dotted key: where its value comes from} (:func:`help_values`), shown after the value; ``skip``: fields
+    (``section.field``) or whole sections left out (a command's ``unused_fields``)."""
     instance = config() if isinstance(config, type) else config
     docs, lines = field_docs(type(instance)), []
     for f in fields(instance):
+        name = prefix + f.name
+        if name in skip:
+            continue
         value = getattr(instance, f.name)
         if is_dataclass(value):
-            lines += describe(value, f"{prefix}{f.name}.")
+            lines += describe(value, f"{name}.", sources, skip)
         else:
-            line = f"  {prefix}{f.name} = {value!r}"
-            lines.append(f"{line:<44} # {docs[f.name]}" if f.name in docs else line)
+            lines.append(field_entry(name, value, docs.get(f.name), source_of(sources or {}, name)))
     return lines
 
 
+def field_entry(name: str, value: Any, doc: str | None, source: str | None = None) -> str:
+    """``  name = value  (source)`` and ``# doc`` beside it from :data:`HELP_COLUMN`, wrapped to
+    :data:`HELP_WIDTH` columns (the doc's continuation lines aligned under its first)."""
+    left = f"  {name} = {value!r}" + (f"  ({source})" if source else "")
+    head = textwrap.wrap(left, HELP_WIDTH, subsequent_indent=" " * 6, break_on_hyphens=False) \
+        if len(left) > HELP_WIDTH else [left]
+    if not doc:
+        return "\n".join(head)
+    text = textwrap.wrap(doc, HELP_WIDTH - HELP_COLUMN - 3, break_on_hyphens=False)
+    if len(head) == 1 and len(left) <= HELP_COLUMN:  # the meaning beside the value
+        lines = [f"{left:<{HELP_COLUMN}} # {text[0]}"]
+        text = text[1:]
+    else:
+        lines = head
+    return "\n".join([*lines, *(f"{'':<{HELP_COLUMN}} # {t}" for t in text)])
+
+
+def source_of(sources: dict[str, str], name: str) -> str | None:
+    """Where the value of field ``name`` comes from: its own key, or (a mapping field such as ``model.overrides``)
+    a key inside it."""
+    if name in sources:
+        return sources[name]
+    return next((where for key, where in sources.items() if key.startswith(name + ".")), None)
+
+
+def help_values(cls: type, argv: list[str]) -> tuple[Any, dict[str, str], str]:
+    """What --help shows for this command line: (the ``cls`` instance its ``--config`` file and overrides give, not
+    validated; {dotted key: "from file" (the ``--config`` file) or "override"} for every value they set; the
+    header naming them). A file or override that does not load leaves the code defaults, and the header says why."""
+    path, overrides, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif not arg.startswith("-") and "=" in arg:
+            overrides.append(arg)
+        i += 1
+    header = "config fields (override with section.field=value)"
+    if not path and not overrides:
+        return cls(), {}, header + ":"
+    sources: dict[str, str] = {}
+    try:
+        raw = parse_yaml(Path(path).read_text()) if path else {}
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping")
+        sources.update(dict.fromkeys(_keys(raw), "from file"))
+        given: dict[str, Any] = {}
+        for assignment in overrides:
+            set_dotted(raw, assignment)
+            set_dotted(given, assignment)
+        sources.update(dict.fromkeys(_keys(given), "override"))
+        config = build(cls, raw)
+    except (OSError, yaml.YAMLError, ValueError, TypeError) as exc:
+        what = " and ".join([*([f"--config {path}"] if path else []), *(["the overrides"] if overrides else [])])
+        return cls(), {}, f"{header}; the code defaults ({what} not applied: {one_line(exc)}):"
+    marks = [*([f'"(from file)" by --config {path}'] if path else []), *(['"(override)" by the command line']
+                                                                          if overrides else [])]
+    return config, sources, f"{header} with the values in force: the code defaults, changed where marked " \
+                            f"{' and '.join(marks)}:"
+
+
+def _keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of the leaves of a nested mapping (``{a: {b: 1}}`` -> ``["a.b"]``)."""
+    keys = []
+    for key, value in raw.items():
+        if isinstance(value, dict) and value:
+            keys += _keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def help_epilog(cls: type, argv: list[str]) -> str:
+    """The config part of --help: every field a command reads (``cls.unused_fields`` are left out, named at the
+    end) with its value in force (:func:`help_values`) and meaning, then what the class adds for this command line
+    (``help_fields(argv)``, e.g. the chosen objective's fields; ``help_fields(argv, config, sources)`` when it takes
+    the values in force too)."""
+    config, sources, header = help_values(cls, argv)
+    unused = tuple(getattr(cls, "unused_fields", ()))
+    lines = [header, *describe(config, sources=sources, skip=unused)]
+    if unused:
+        lines += ["", *textwrap.wrap("not read by this command (accepted, so that a shared config loads): "
+                               + ", ".join(unused), HELP_WIDTH, break_on_hyphens=False)]
+    if hasattr(cls, "help_fields"):
+        takes = len(inspect.signature(cls.help_fields).parameters)
+        lines += cls.help_fields(argv, config, sources) if takes >= 3 else cls.help_fields(argv)
+    return "\n".join(lines)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of the description and epilog (a module docstring, the field list) and fits them to
+    :data:`HELP_WIDTH` columns: a paragraph with a longer line is filled again, a longer command example (an
+    indented ``python`` / ``accelerate`` line) continues on the next line after a backslash."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        if width is None:
+            width = min(shutil.get_terminal_size().columns - 2, HELP_WIDTH)
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(indent + line for line in fit_lines(text.splitlines(), HELP_WIDTH - len(indent)))
+
+
+def fit_lines(lines: list[str], width: int = HELP_WIDTH) -> list[str]:
+    """``lines`` fitted to ``width`` columns (see :class:`HelpFormatter`); lines that fit are kept as they are."""
+    out: list[str] = []
+    paragraph: list[str] = []
+
+    def flush() -> None:
+        if any(len(line) > width for line in paragraph):
+            out.extend(textwrap.wrap(" ".join(paragraph), width, break_on_hyphens=False))
+        else:
+            out.extend(paragraph)
+        paragraph.clear()
+
+    for line in lines:
+        if line.strip() and not line[0].isspace():  # prose: gathered into its paragraph
+            paragraph.append(line)
+            continue
+        flush()
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        if re.match(r"\s+(python|accelerate|torchrun)\b", line):  # a command: still one after copy and paste
+            command, _, comment = line.strip().partition("  #")
+            if comment.strip():  # its comment above it: a backslash would not continue a comment
+                out.append(f"{indent}# {comment.strip()}")
+            parts = textwrap.wrap(command.strip(), width - 2, initial_indent=indent, subsequent_indent=indent + "    ",
+                                  break_long_words=False, break_on_hyphens=False)
+            out.extend([f"{part} \\" for part in parts[:-1]] + parts[-1:])
+        else:
+            out.extend(textwrap.wrap(line.strip(), width, initial_indent=indent, subsequent_indent=indent,
+                                     break_on_hyphens=False))
+    flush()
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose epilog is written when help is asked for (it reads the --config file)."""
+
+    def __init__(self, *args: Any, epilog_of: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epilog_of = epilog_of
+
+    def format_help(self) -> str:
+        if self.epilog is None and self.epilog_of is not None:
+            self.epilog = self.epilog_of()
+        return super().format_help()
+
+
 def parser(cls: type, description: str, argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """``--config`` + overrides; ``--help`` lists every field with its default and meaning, plus what the config
-    class adds for this command line (``help_fields(argv)``, e.g. the chosen objective's fields)."""
-    extra = cls.help_fields(list(argv or [])) if hasattr(cls, "help_fields") else []
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="config fields (override with section.field=value):\n"
-                                       + "\n".join([*describe(cls), *extra]))
+    """``--config`` + overrides; ``--help`` lists every field the command reads with the value in force for this
+    command line (the code default, or its ``--config`` file's / an override's, marked so) and its meaning, plus
+    what the config class adds (:func:`help_epilog`), in at most :data:`HELP_WIDTH` columns."""
+    argv = list(argv or [])
+    p = _Parser(description=description, formatter_class=HelpFormatter, epilog_of=lambda: help_epilog(cls, argv))
     p.add_argument("--config", help="YAML file (pipelines/configs/*.yaml)")
-    p.add_argument("overrides", nargs="*", help="section.field=value, e.g. optim.lr=3e-4 run.output=runs/x")
+    p.add_argument("overrides", nargs="*", help="section.field=value, e.g. data.batch_size=64 run.output=runs/x")
     return p
 
 

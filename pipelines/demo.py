@@ -24,6 +24,7 @@ from pathlib import Path
 import evaluate
 import finetune
 import pretrain
+from config import HelpFormatter
 from stages import StageError
 from stages import stage as run_stage
 
@@ -136,7 +137,7 @@ def report(out: Path, seconds: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory (default: %(default)s)")
     parser.add_argument("--pretrain-epochs", type=float, default=PRETRAIN_EPOCHS,
                         help="MP3 epochs (default: %(default)s)")

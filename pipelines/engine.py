@@ -5,8 +5,8 @@ split by ``accelerator.process_index`` / ``num_processes``, AdamW through timm's
 lr decay when asked), linear warm-up + cosine schedule, grad clipping, EMA hooks (``update_target``), ``progress``
 fed to objectives, tqdm on the main process, periodic evaluation, and atomic checkpoints with exact resume.
 
-Under P processes (``accelerate launch``; README "Scale-out"): the same initial weights on every rank, then each
-rank's own random stream (``seed + rank``: masks, noise, drop path); DDP with ``find_unused_parameters`` only for
+Under P processes (``accelerate launch``; docs/scale-out.md): the same initial weights on every rank, then each
+rank's own random stream (:func:`rank_seed`: masks, noise, drop path); DDP with ``find_unused_parameters`` only for
 objectives that declare ``leaves_parameters_unused`` (MJP) unless ``run.find_unused_parameters`` says otherwise;
 logged scalars are means over ranks; evaluation and every file write happen on the main process, except each rank's
 own random state in ``state/``.
@@ -133,6 +133,15 @@ def rank_seed(seed: int, rank: int) -> int:
     return MAX_SEED + (seed * 4096 + rank) % MAX_SEED
 
 
+def say(text: str, file: Any = None) -> None:
+    """Print a line clear of the progress bars (``tqdm.write``: the Trainer's bar is cleared, the line printed,
+    the bar drawn again below it), flushed; ``file``: default stdout. For what prints while a bar runs, e.g. the
+    ``evaluate`` callbacks a pipeline hands the :class:`Trainer`."""
+    stream = sys.stdout if file is None else file
+    tqdm.write(text, file=stream)
+    stream.flush()
+
+
 def start(config_cls: type, description: str, argv: list[str] | None, augment: bool = True,
           split_train: bool = True) -> tuple[Any, Accelerator, Data]:
     """Parse ``--config`` + overrides, validate, seed, create the Accelerator and the readers.
@@ -173,8 +182,19 @@ def recipe(config: Any, processes: int) -> dict[str, Any]:
 def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
     """What a checkpoint records about its data (classes, normalization, manifest fingerprint, input layout)."""
     m = data.manifest
+    # native_size: the images' size before pad_to (timm's pretrained_cfg reproduces the padding from it)
     return {"classes": m.classes, "normalization": m.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
-            "img_size": cfg.img_size, "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()}}
+            "img_size": cfg.img_size, "native_size": m.info.get("image_size") if m.modality == "image" else None,
+            "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()}}
+
+
+def metrics_split(cfg: DataSection) -> str:
+    """The split a run's evaluations measure (a checkpoint's ``metrics_split``, named in its model card):
+    ``holdout`` (held out of data.train) or data.val's last path component (``shards/fashion_mnist/test`` ->
+    ``test``), with ``[:N]`` under data.val_limit (Hugging Face's slice notation)."""
+    name = HOLDOUT if cfg.val == HOLDOUT else Path(str(cfg.val)).name
+    limit = getattr(cfg, "val_limit", None)
+    return f"{name}[:{limit}]" if limit else name
 
 
 def check_inputs(backbone: Backbone, data: Data, source: str) -> None:
@@ -597,7 +617,7 @@ class Trainer:
         self.global_batch = per_process * accelerator.num_processes
         self.lr_base_batch = optim.lr_base_batch or per_process
         self.peak_lr = optim.scaled_lr(self.global_batch, default_base=per_process)
-        # DESIGN §4: the checkpoint records which pooled feature this training trained, so probes read that one.
+        # docs/design.md: the checkpoint records which pooled feature this training trained, so probes read that one.
         # ... and the pooling its method's own fine-tuning protocol uses (finetune.global_pool=null reads it)
         self.metadata = {**metadata, "probe_feature": getattr(objective, "probe_feature", backbone.config.global_pool),
                          "finetune_pool": getattr(objective, "finetune_pool", backbone.config.global_pool),
@@ -654,7 +674,8 @@ class Trainer:
         self._check_finite_weights(step)
         partial = partial_dir(out, step)
         acc.wait_for_everyone()
-        metadata = {**self.metadata, "step": step, **({"metrics": metrics} if metrics else {})}
+        metadata = {**self.metadata, "step": step, **({"metrics": metrics, "metrics_split": metrics_split(
+            self.config.data)} if metrics else {})}
         try:
             if acc.is_main_process:
                 if partial.exists():
@@ -711,7 +732,7 @@ class Trainer:
         metrics = {k: v for k, v in tracker.best_eval.items() if isinstance(v, int | float | str)}
         publish_folder(self.out / "best", lambda folder: self._save_backbone(folder, {
             **self.metadata, "step": step, "best_metric": tracker.metric, "best_value": tracker.best,
-            "metrics": metrics}))
+            "metrics": metrics, "metrics_split": metrics_split(self.config.data)}))
 
     def _catch_up(self, step: int) -> None:
         """What a kill may have left unwritten of the step this run starts at (its weights are loaded): its

@@ -1,9 +1,10 @@
 """Evaluate a checkpoint with PyTorch: classification, frozen-feature probes and each method's own curves.
 
-    python pipelines/evaluate.py --config pipelines/configs/evaluate_fashion_mnist.yaml \
+    python pipelines/evaluate.py --config pipelines/configs/evaluate_fashion_mnist.yaml \\
         model.checkpoint=runs/x/checkpoint
-    python pipelines/evaluate.py --privacy --config pipelines/configs/evaluate_fashion_mnist.yaml \
-        model.checkpoint=runs/x/checkpoint privacy.images=10 privacy.steps=200      # + gradient inversion
+    # + MJP's gradient inversion (--privacy):
+    python pipelines/evaluate.py --privacy --config pipelines/configs/evaluate_fashion_mnist.yaml \\
+        model.checkpoint=runs/x/checkpoint privacy.images=10 privacy.steps=200
 
 Reports (``results.json`` + ``report.md`` + PNGs in ``run.output``): top-1 / top-5 / confusion matrix when the
 checkpoint has a head; linear probe and layer-wise kNN probe (MP3 App. C) on frozen features; position probe
@@ -20,7 +21,7 @@ import json
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -111,6 +112,13 @@ class EvaluateConfig:
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/evaluate", tensorboard=False))
+    # what evaluation never reads (the checkpoint brings its model, nothing trains or augments): left out of --help,
+    # accepted so that a config shared with training loads
+    unused_fields: ClassVar[tuple[str, ...]] = (
+        "data.scale", "data.hflip", "data.auto_augment", "data.re_prob", "data.noise_split", "model.preset",
+        "model.overrides", "run.mixed_precision", "run.grad_accum", "run.log_every", "run.checkpoint_every",
+        "run.eval_every", "run.resume", "run.overwrite", "run.stop_after", "run.tensorboard",
+        "run.find_unused_parameters", "run.keep_epochs", "run.early_stop_patience", "run.early_stop_metric")
 
     def validate(self) -> None:
         if not self.model.checkpoint:
@@ -403,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         train = [(data.frontend(x.to(device)).cpu(), y) for x, y in train]
         val = [(data.frontend(x.to(device)).cpu(), y) for x, y in val]
     try:
-        pool = probe_feature_of(metadata, backbone)  # the feature the checkpoint's training trained (DESIGN §4)
+        pool = probe_feature_of(metadata, backbone)  # the feature the checkpoint's training trained (docs/design.md)
     except ValueError as exc:
         print(f"error: {cfg.model.checkpoint}: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from engine import (
     classify,
     command_line,
     data_metadata,
+    say,
     start,
 )
 
@@ -78,6 +79,15 @@ def weights_sha256(checkpoint: str | None) -> str | None:
     import hashlib
 
     return "sha256:" + hashlib.sha256((Path(checkpoint) / "model.safetensors").read_bytes()).hexdigest()
+
+
+def checkpoint_path(checkpoint: str | None) -> str | None:
+    """The path fine-tuning started from, for the model card's base model: relative to the working directory when
+    it lies below it (save_pretrained keeps only the last component of an absolute path: checkpoints are shared)."""
+    if checkpoint is None:
+        return None
+    path = Path(checkpoint).absolute()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else checkpoint
 
 
 def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):
@@ -174,13 +184,13 @@ def main(argv: list[str] | None = None) -> int:
 
         def evaluate(_, step):
             result = classify(backbone, data.val, cfg.data.batch_size, accelerator.device, data.frontend)
-            print(f"step {step}: val top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} ({result['count']} "
-                  "samples)")
+            say(f"step {step}: val top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} ({result['count']} "
+                "samples)")
             return {k: v for k, v in result.items() if k != "confusion"}
 
         metadata = {"method": f"finetune:{pretrained.get('method', '?')}",
                     "pretrained": weights_sha256(cfg.model.checkpoint), "pretrain_metadata": pretrained,
-                    **data_metadata(data, cfg.data)}
+                    "pretrained_from": checkpoint_path(cfg.model.checkpoint), **data_metadata(data, cfg.data)}
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
                           batch_transform=batch_transform, evaluate=evaluate, command=command_line(__file__, argv))
     except USER_ERRORS as exc:

@@ -28,6 +28,7 @@ from engine import (
     check_inputs,
     command_line,
     data_metadata,
+    say,
     start,
 )
 from torch import nn
@@ -76,10 +77,13 @@ class PretrainConfig:
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/pretrain"))
 
     @staticmethod
-    def help_fields(argv: list[str]) -> list[str]:
-        """--help: the objective fields of the method this command line picks (``method=``, else its
-        ``--config``'s, else mp3), with the method's defaults and what each field means."""
-        method = next((a.split("=", 1)[1] for a in argv if a.startswith("method=")), None)
+    def help_fields(argv: list[str], config: PretrainConfig | None = None,
+                    sources: dict[str, str] | None = None) -> list[str]:
+        """--help: the objective fields of the method in force (``config``: the command line's --config and
+        overrides; else ``method=`` / the --config file's; else mp3), with their values and what each means."""
+        method = config.method if config is not None else None
+        if method is None:
+            method = next((a.split("=", 1)[1] for a in argv if a.startswith("method=")), None)
         if method is None and "--config" in argv[:-1]:
             try:
                 method = (yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}).get("method")
@@ -87,8 +91,12 @@ class PretrainConfig:
                 method = None
         method = method if method in METHODS else "mp3"
         _, config_cls, defaults, _, _ = METHODS[method]
+        try:  # the values in force: the method's defaults under the config's objective section
+            objective = config_cls.from_dict({**defaults, **(config.objective if config is not None else {})})
+        except (ConfigError, TypeError, ValueError):
+            objective = config_cls.from_dict(defaults)
         return [f"objective fields of method={method} (objective.field=value; another method: method=<name> "
-                "--help):", *describe(config_cls.from_dict(defaults), "objective.")]
+                "--help):", *describe(objective, "objective.", sources)]
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         def evaluate(model: nn.Module, step: int) -> dict[str, Any]:  # run.eval_every and the end of training
             result = validate_objective(model, data, cfg.data.batch_size, accelerator.device, cfg.run.seed)
             shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "count")
-            print(f"step {step}: val {shown} ({result['count']} samples)", flush=True)
+            say(f"step {step}: val {shown} ({result['count']} samples)")
             return result
 
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from config import ConfigError, describe, load
+from config import ConfigError, HelpFormatter, describe, load
 from stages import StageError
 from study_plan import StudyConfig, group_seeds
 from study_report import report
@@ -122,7 +122,7 @@ def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
                                      epilog="config fields (override with field=value):\n" + "\n".join(
                                          describe(StudyConfig)))
     parser.add_argument("--config", help="YAML file (pipelines/configs/study_fashion_mnist.yaml)")

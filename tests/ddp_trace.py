@@ -70,7 +70,8 @@ def _install() -> None:
 
     def traced_shuffle(*args, **kwargs):
         order = shuffle(*args, **kwargs)
-        TRACE["masks"].append(order.cpu().clone())
+        if torch.is_grad_enabled():  # training draws (pretrain.py's validation runs under no_grad)
+            TRACE["masks"].append(order.cpu().clone())
         return order
 
     mp3.random_shuffle = traced_shuffle
@@ -79,7 +80,8 @@ def _install() -> None:
 
     def traced_apply_jigsaw(self, *args, **kwargs):
         images, unknown_pos = apply_jigsaw(self, *args, **kwargs)
-        TRACE["jigsaw"].append(unknown_pos is not None)
+        if torch.is_grad_enabled():  # training steps only (pretrain.py's validation runs under no_grad)
+            TRACE["jigsaw"].append(unknown_pos is not None)
         return images, unknown_pos
 
     mjp.MJP.apply_jigsaw = traced_apply_jigsaw

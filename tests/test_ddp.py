@@ -51,8 +51,10 @@ def traces(out: Path) -> list[dict]:
     return [torch.load(p, weights_only=False) for p in found]
 
 
-def log(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+def log(out: Path, everything: bool = False) -> list[dict]:
+    """A run's log: its training-step records (``everything``: also evaluations, snapshots, early stops)."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return records if everything else [r for r in records if "loss" in r]
 
 
 def mp3_args(shards: Path, out: Path, steps: int = 3) -> list[str]:
@@ -213,7 +215,7 @@ def test_finetune_and_evaluate_under_two_processes(shards, tmp_path):
     rank0, rank1 = traces(tmp_path / "ft")
     assert (rank0["world_size"], rank1["rank"]) == (2, 1) and same_weights(rank0["final"], rank1["final"])
     assert torch.equal(rank0["final"]["backbone.unknown_pos_embed"], rank0["initial"]["backbone.unknown_pos_embed"])
-    records = log(tmp_path / "ft")
+    records = log(tmp_path / "ft", everything=True)
     assert [r["step"] for r in records if "eval" in r] == [2, 3], "one evaluation per cadence, main process only"
     assert all(r["eval"]["count"] == 32 for r in records if "eval" in r), "the main process evaluates all of val"
     ev = [*img(shards), "data.batch_size=8", "data.num_workers=0", f"model.checkpoint={tmp_path / 'ft' / 'checkpoint'}",

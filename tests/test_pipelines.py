@@ -107,8 +107,8 @@ def test_the_attention_kernel_is_a_setting_that_changes_no_number(shards, tmp_pa
         assert pretrain.main(["method=mp3", *img(shards), *TINY, "optim.max_steps=3", f"model.attention={kernel}",
                               f"run.output={out}"]) == 0
         assert get_attention_kernel() == kernel
-        losses[kernel] = [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()
-                          if '"loss"' in line]
+        losses[kernel] = [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
+                          if "loss" in r]
     assert len(losses["math"]) == 3 and losses["math"] == pytest.approx(losses["sdpa"], rel=1e-4)
 
 
@@ -147,8 +147,12 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     out = tmp_path / method
     assert pretrain.main([f"method={method}", *data, *TINY, *model, *SMALL_HEADS.get(method, []),
                           "optim.max_steps=3", f"run.mixed_precision={precision}", f"run.output={out}"]) == 0
-    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    log = [r for r in records if "loss" in r]
     assert [r["step"] for r in log] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in log)
+    closing = [r for r in records if "eval" in r]  # the objective's own metrics on data.val at the end
+    assert [r["step"] for r in closing] == [3] and np.isfinite(closing[0]["eval"]["loss"])
+    assert config_metrics(out) == {k: v for k, v in closing[0]["eval"].items() if isinstance(v, int | float)}
     config = json.loads((out / "checkpoint" / "config.json").read_text())
     assert config["metadata"]["method"] == method and config["metadata"]["data"]["dataset"] in ("toy", "kws")
     expected = {"mp3": "mean", "mp3_speech": "mean", "ijepa": "patch_mean", "stop": "patch_mean",
@@ -156,6 +160,10 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     assert config["metadata"]["probe_feature"] == expected, "the checkpoint records the feature its training trained"
     pool = "cls" if method in ("mp3", "mp3_speech", "mjp", "supervised") else "mean"
     assert config["metadata"]["finetune_pool"] == pool, "and the pooling its method's own fine-tuning uses"
+
+
+def config_metrics(out: Path) -> dict:
+    return json.loads((out / "checkpoint" / "config.json").read_text())["metadata"].get("metrics")
 
 
 def readme_snippet(name: str, **names) -> dict:
@@ -375,3 +383,68 @@ def test_finetune_and_export_at_another_resolution_resample_the_pe(shards, tmp_p
     assert export_main([str(tmp_path / "pre" / "checkpoint"), "--kind", "features", "--img-size", "50", "--out",
                         str(tmp_path / "bad.onnx")]) == 2
     assert "not divisible by patch_size" in capsys.readouterr().err and not (tmp_path / "bad.onnx").exists()
+
+
+def help_text(main, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def test_help_shows_the_values_of_the_config_file_and_overrides(capsys):
+    """--help with --config (and overrides) shows the values the command would run with, each marked with where
+    it comes from; the others are the code defaults, unmarked."""
+    mp3 = ROOT / "pipelines" / "configs" / "mp3_fashion_mnist.yaml"
+    out = help_text(pretrain.main, ["--config", str(mp3), "optim.lr=3e-4"], capsys)
+    assert f'changed where marked "(from file)" by --config {mp3}' in " ".join(out.split()), out[:1500]
+    assert "  run.checkpoint_every = 200  (from file)" in out and "  optim.betas = (0.9, 0.95)  (from file)" in out
+    assert "  optim.lr = 0.0003  (override) " in out and "  run.log_every = 10 " in out
+    assert "run.output = 'runs/mp3_fashion_mnist'  (from file)" in out
+    out = help_text(evaluate.main, ["--config", str(ROOT / "pipelines" / "configs" / "evaluate_fashion_mnist.yaml")],
+                    capsys)
+    assert "  data.batch_size = 256  (from file) " in out and "  eval.probe_epochs = 100  (from file) " in out
+    out = help_text(pretrain.main, ["--config", "nowhere.yaml"], capsys)  # still help, with the defaults
+    assert "(--config nowhere.yaml not applied: " in " ".join(out.split()) and "  optim.lr = 0.0015 " in out
+
+
+@pytest.mark.parametrize("columns", ["80", "250"])
+def test_every_help_line_fits_100_columns(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", columns)
+    configs = ROOT / "pipelines" / "configs"
+    for main, argv in ((pretrain.main, []), (pretrain.main, ["--config", str(configs / "mp3_fashion_mnist.yaml"),
+                                                              "model.overrides={embed_dim: 64, depth: 2}"]),
+                       (pretrain.main, ["method=droppos"]), (finetune.main, []),
+                       (finetune.main, ["--config", str(configs / "finetune_fashion_mnist.yaml")]),
+                       (evaluate.main, []), (evaluate.main, ["--privacy"])):
+        out = help_text(main, argv, capsys)
+        long = [line for line in out.splitlines() if len(line) > 100]
+        assert not long, f"{main.__module__} {argv}: {long}"
+        # a wrapped meaning continues under its first line
+        assert "  data.holdout = 0" in out and f"{'':44} # training never reads; data.val=holdout" in out
+
+
+def test_evaluate_help_lists_only_what_evaluation_reads_and_its_usage_intact(capsys):
+    out = help_text(evaluate.main, [], capsys)
+    for unused in ("run.early_stop_patience", "run.log_every", "run.resume", "data.hflip", "model.preset", "optim."):
+        assert f"  {unused} =" not in out and f"  {unused}." not in out, unused
+    assert "run.early_stop_patience" in out.split("not read by this command")[1], "named as ignored"
+    assert "  run.output = 'runs/evaluate' " in out and "  data.batch_size = 128 " in out
+    assert "  privacy.steps = 200 " in out and "  eval.knn = True " in out
+    assert ("    python pipelines/evaluate.py --config pipelines/configs/evaluate_fashion_mnist.yaml \\\n"
+            "        model.checkpoint=runs/x/checkpoint\n") in out, out[:800]
+    assert not set(evaluate.EvaluateConfig.unused_fields) - {
+        f"{section}.{f.name}" for section in ("data", "model", "run")
+        for f in __import__("dataclasses").fields(getattr(evaluate.EvaluateConfig(), section))}, "real fields"
+
+
+def test_say_prints_clear_of_the_progress_bar(capsys):
+    """engine.say: what the evaluate callbacks print while the Trainer's bar runs goes on its own line."""
+    import engine
+    from tqdm.auto import tqdm
+
+    with tqdm(total=10, desc="mp3") as bar:
+        bar.update(3)
+        engine.say("step 3: val loss 0.5000 (8 samples)")
+        bar.update(1)
+    out, err = capsys.readouterr()
+    assert out == "step 3: val loss 0.5000 (8 samples)\n" and "mp3" in err

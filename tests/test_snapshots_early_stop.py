@@ -206,7 +206,7 @@ def test_two_processes_snapshot_and_stop_early_at_the_same_step(shards, tmp_path
                      "run.early_stop_patience=1", "run.early_stop_metric=count", f"run.output={out}"], timeout=120)
     closing = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"final"')]
     assert [(c["checkpoint"], c["best"]) for c in closing] == [(f"{out}/checkpoint", str(out / "best"))]
-    records = ddp_log(out)
+    records = ddp_log(out, everything=True)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and {r["world_size"] for r in steps} == {2}
     assert [r for r in records if "early_stop" in r] == [

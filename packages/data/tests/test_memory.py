@@ -79,3 +79,43 @@ def test_balanced_subsets_are_fixed_per_class_and_nested_by_seed_only():
     assert torch.bincount(skewed[balanced_subset(skewed, 0.01)]).tolist() == [3, 1], "at least one per class"
     with pytest.raises(DataError, match="label fraction"):
         balanced_subset(labels, 0.0)
+
+
+def test_a_load_shows_its_progress_on_the_main_process(toy_split, capsys, monkeypatch):
+    """A large split decodes for a minute: a start and an end line when stderr is no terminal (a log), a tqdm bar
+    over the samples on stderr when it is one; nothing from the other ranks of a launch or with progress=False."""
+    import io
+    import sys
+
+    split_dir, _ = toy_split  # 23 samples in 5 shards
+    monkeypatch.delenv("RANK", raising=False)
+    InMemorySplit.load(split_dir, num_workers=2)
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == ("toy/train: decoding 23 samples from 5 shard(s) into memory (2 worker "
+                                   "process(es)) ...")
+    assert out.splitlines()[1].startswith("toy/train: decoded 23 samples in ") and len(out.splitlines()) == 2, out
+    assert err == ""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    InMemorySplit.load(split_dir)
+    shown = terminal.getvalue()
+    assert "toy/train: decoding into memory" in shown and "23/23" in shown and "100%" in shown, shown
+    assert capsys.readouterr().out == ""
+    terminal.truncate(0)
+
+    InMemorySplit.load(split_dir, progress=False)
+    monkeypatch.setenv("RANK", "1")  # another rank of `accelerate launch` / torchrun: rank 0 reports
+    InMemorySplit.load(split_dir)
+    assert capsys.readouterr().out == "" and terminal.getvalue() == ""
+    corrupt = sorted(split_dir.glob("*.tar"))[2]
+    corrupt.write_bytes(corrupt.read_bytes()[:3000])
+    monkeypatch.delenv("RANK")
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with pytest.raises(DataError, match="corrupt shard"):
+        InMemorySplit.load(split_dir)
+    assert "decoded" not in capsys.readouterr().out, "no end line after an error"

@@ -46,7 +46,7 @@ def test_update_metadata_adds_metrics_to_config_and_card_and_keeps_the_weights(m
     assert raw["metadata"] == {"method": "mp3", "metrics": {"top1": 0.875}}
     card = (tmp_path / "ckpt" / "README.md").read_text()
     params = sum(p.numel() for p in model.parameters())
-    assert "| top1 | 0.875 |" in card and f"{params / 1e6:.2f}M parameters" in card, card
+    assert "| top1 | 0.875 | not recorded |" in card and f"{params / 1e6:.2f}M parameters" in card, card
     assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() == weights
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["README.md", "config.json", "model.safetensors"]
     loaded, metadata = load_pretrained(tmp_path / "ckpt")

@@ -15,12 +15,16 @@ by every rank, each rank taking its own contiguous slice (disjoint, equal length
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from tqdm import tqdm
 
 from .errors import DataError
 from .manifest import Manifest
@@ -67,12 +71,14 @@ class InMemorySplit:
     @classmethod
     def load(cls, manifest: str | os.PathLike | Manifest, budget_bytes: int | None = None, *,
              urls: str | list[str] | None = None, skip_corrupt: bool = False, num_workers: int = 0,
-             verify: bool = True) -> InMemorySplit:
+             verify: bool = True, progress: bool | None = None) -> InMemorySplit:
         """Read every shard once into manifest order. ``budget_bytes``: refuse (DataError) a split that does not
         fit. ``urls``: the same shards elsewhere (as :class:`ShardDataset`); ``skip_corrupt``: leave out unreadable
         or altered shards (warned, listed in ``skipped``) instead of failing on the first one; ``num_workers``:
         decode that many shards at once in worker processes; ``verify``: check each shard's size and sha256 against
-        the manifest before decoding it (``False`` trusts the bytes)."""
+        the manifest before decoding it (``False`` trusts the bytes). ``progress`` (None: on the main process only,
+        rank 0 of a distributed run): a tqdm bar over the samples on stderr when it is a terminal, else a line on
+        stdout when the decoding starts and one when it ends (a large split takes a minute)."""
         m = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
         need = decoded_bytes(m)
         if need is None:
@@ -82,7 +88,8 @@ class InMemorySplit:
             raise DataError(f"{m.dataset}/{m.split} takes {need / 2**20:.0f} MiB decoded, more than the memory "
                             f"budget of {budget_bytes / 2**20:.0f} MiB; stream it from its shards or raise the budget")
         reader = ShardDataset(m, urls=urls, return_key=True, skip_corrupt=skip_corrupt, verify=verify)
-        decoded = _decode_shards(reader, min(num_workers, len(reader.urls)))
+        decoded = _decode_shards(reader, min(num_workers, len(reader.urls)),
+                                 _main_process() if progress is None else progress)
         shards = [decoded[i] for i in sorted(decoded) if decoded[i].keys]
         skipped = [url for i in sorted(decoded) for url in decoded[i].skipped]
         keys = [k for shard in shards for k in shard.keys]
@@ -109,17 +116,48 @@ class _Shard:
     error: str | None = None  # the DataError that stopped the decoding (the worker stops there)
 
 
-def _decode_shards(reader: ShardDataset, workers: int) -> dict[int, _Shard]:
-    """Every shard of ``reader``, decoded (in ``workers`` processes). Workers hand a DataError back as a shard's
-    ``error`` rather than raising it, so the loader ends normally and shuts its workers down at once (an exception
-    from a worker left them to the garbage collector, which stalled for 5 s)."""
+def _decode_shards(reader: ShardDataset, workers: int, progress: bool = False) -> dict[int, _Shard]:
+    """Every shard of ``reader``, decoded (in ``workers`` processes), its progress shown (:func:`_progress`) when
+    ``progress``. Workers hand a DataError back as a shard's ``error`` rather than raising it, so the loader ends
+    normally and shuts its workers down at once (an exception from a worker left them to the garbage collector,
+    which stalled for 5 s)."""
     decoded: dict[int, _Shard] = {}
-    for shard in DataLoader(_ShardDecoder(reader), batch_size=None, num_workers=workers):
-        decoded[shard.index] = shard
-    errors = [decoded[i].error for i in sorted(decoded) if decoded[i].error is not None]
-    if errors:
-        raise DataError(errors[0])
+    with _progress(reader.manifest, len(reader.urls), workers, progress) as advance:
+        for shard in DataLoader(_ShardDecoder(reader), batch_size=None, num_workers=workers):
+            decoded[shard.index] = shard
+            advance(len(shard.keys))
+        errors = [decoded[i].error for i in sorted(decoded) if decoded[i].error is not None]
+        if errors:  # (before the progress ends: no "decoded" line)
+            raise DataError(errors[0])
     return decoded
+
+
+def _main_process() -> bool:
+    """Whether this process is the one that reports: rank 0 of a distributed run (torch.distributed, else the
+    ``RANK`` a launcher sets), or a process on its own."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+@contextmanager
+def _progress(manifest: Manifest, shards: int, workers: int, show: bool) -> Iterator[Callable[[int], None]]:
+    """``advance(samples)`` for each decoded shard: a tqdm bar over the split's samples on stderr when it is a
+    terminal; else a line on stdout as the decoding starts and one as it ends (none after an error)."""
+    if not show:
+        yield lambda samples: None
+        return
+    name = f"{manifest.dataset}/{manifest.split}"
+    if getattr(sys.stderr, "isatty", lambda: False)():
+        with tqdm(total=manifest.num_samples, desc=f"{name}: decoding into memory", unit="sample",
+                  file=sys.stderr) as bar:
+            yield bar.update
+        return
+    done, started = [0], time.perf_counter()
+    print(f"{name}: decoding {manifest.num_samples} samples from {shards} shard(s) into memory "
+          f"({workers or 'no'} worker process(es)) ...", flush=True)
+    yield lambda samples: done.__setitem__(0, done[0] + samples)
+    print(f"{name}: decoded {done[0]} samples in {time.perf_counter() - started:.1f} s", flush=True)
 
 
 class _ShardDecoder(IterableDataset):

@@ -1,4 +1,4 @@
-"""ViT and audio Transformer backbones sharing one protocol (DESIGN.md §2).
+"""ViT and audio Transformer backbones sharing one protocol (docs/design.md).
 
 Protocol used by every objective (none of them copies the backbone):
 
@@ -13,6 +13,10 @@ Protocol used by every objective (none of them copies the backbone):
 
 Parameter names follow timm's ``VisionTransformer`` (``patch_embed.proj``, ``blocks.i.attn.qkv``, ``mlp.fc1``,
 ``norm``, ``head``) except the learned PE table, which is ``pos_table`` (``pos_embed`` is the protocol method).
+
+The functions that build a backbone out of something else live here, above the checkpoint files (:mod:`.hub`) and
+timm's names (:mod:`.timm_interop`), which know no model class: :func:`load_pretrained` (a checkpoint directory),
+:func:`from_timm` / :func:`adopt_timm` (a timm ViT).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from torch import nn
 from .attention import Attention
 from .config import BackboneConfig
 from .errors import ModelError
+from .hub import WEIGHTS_NAME, check_finite, load_state, save_pretrained
 from .pos_embed import RelativePositionBias2d, sincos_1d, sincos_2d
+from .timm_interop import from_timm_state_dict, timm_config
 
 
 def _checking() -> bool:
@@ -127,7 +133,7 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head: nn.Module = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
         self.pos_table: torch.Tensor | None = None
-        # MJP (mjp-masked-jigsaw-puzzle.txt §4.2): one shared learnable "unknown" PE for shuffled positions.
+        # MJP (Masked Jigsaw Puzzle, arXiv:2205.12551, §4.2): one shared learnable "unknown" PE for shuffled positions.
         self.unknown_pos_embed = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.unknown_pos else None
         self.apply(_init_weights)
         if self.unknown_pos_embed is not None:
@@ -373,16 +379,12 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
         return url or Path(save_directory)
 
     def _save_pretrained(self, save_directory: Path) -> None:
-        from .hub import save_pretrained
-
         save_pretrained(self, save_directory, self.pretrained_metadata)
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, revision: str | None, cache_dir: str | Path | None,
                          force_download: bool, local_files_only: bool, token: str | bool | None,
                          map_location: str = "cpu", **_: Any) -> Backbone:
-        from .hub import load_pretrained
-
         directory = Path(model_id)
         if not directory.is_dir():
             from huggingface_hub import snapshot_download
@@ -430,3 +432,65 @@ class AudioTransformer(Backbone):
 def build_backbone(config: BackboneConfig) -> Backbone:
     """The backbone class for ``config.modality``."""
     return (AudioTransformer if config.modality == "audio" else VisionTransformer)(config)
+
+
+def load_pretrained(directory: str | os.PathLike, map_location: str | torch.device = "cpu"
+                    ) -> tuple[Backbone, dict[str, Any]]:
+    """Rebuild the backbone of a ``save_pretrained`` directory (``config.json`` or, without it, the weights'
+    header); returns (model, metadata). Reads both layouts: timm-keyed and the older patchplace-keyed files."""
+    config, state, metadata = load_state(directory, map_location)
+    weights = Path(directory) / WEIGHTS_NAME
+    model = build_backbone(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelError(f"{weights} does not match its config.json: missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}")
+    check_finite(state, weights)
+    return model.to(map_location), metadata
+
+
+def from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
+    """A :class:`VisionTransformer` with the architecture and weights of a timm ``VisionTransformer``.
+
+    >>> t = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=10)
+    >>> model = from_timm(t)            # same outputs as t (tested at 1e-5)
+    """
+    config = timm_config(timm_model)  # refuses what the backbone cannot express, by name
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = VisionTransformer(config)
+    missing, unexpected = model.load_state_dict(from_timm_state_dict(timm_model.state_dict(), config), strict=False)
+    if missing or unexpected:
+        raise ModelError(f"timm weights do not map onto the backbone: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    return model
+
+
+def adopt_timm(timm_model: nn.Module, pos_embed: str | None = None) -> VisionTransformer:
+    """A patchplace backbone that **shares** the parameters of a timm ``VisionTransformer``: an objective trains
+    the timm model in place (its ``state_dict`` after training is the trained one). What the backbone cannot
+    express is refused as in :func:`from_timm`.
+
+    ``pos_embed``: the PE the objective needs. ``None`` keeps timm's learned table (shared). ``"sincos2d"``
+    (MAE, DropPos, I-JEPA / StoP, RandSAC) writes the fixed 2-D sin-cos table into timm's ``pos_embed`` and freezes
+    it — timm can hold it only as a (frozen) learned table, the backbone holds it as fixed. ``"none"`` (MP3) runs
+    without PE: timm's ``pos_embed`` is left out of the forward and untouched (MP3 fine-tunes with a fresh PE).
+    """
+    from dataclasses import replace
+
+    model = from_timm(timm_model)
+    shared = dict(timm_model.named_parameters())
+    for name, _ in list(model.named_parameters()):
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._parameters[attr] = shared["pos_embed" if name == "pos_table" else name]  # the same Parameter
+    if pos_embed is not None and pos_embed != model.config.pos_embed:
+        if pos_embed not in ("sincos2d", "none"):
+            raise ModelError(f"adopt_timm: pos_embed must be None, 'sincos2d' or 'none', got {pos_embed!r}")
+        model.config = replace(model.config, pos_embed=pos_embed).validate()
+        model._build_pos_embed(pos_embed)
+        if pos_embed == "sincos2d" and timm_model.pos_embed is not None:
+            with torch.no_grad():
+                timm_model.pos_embed.copy_(model.pos_table.to(timm_model.pos_embed.dtype))
+            timm_model.pos_embed.requires_grad_(False)
+    return model

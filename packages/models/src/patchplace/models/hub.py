@@ -11,6 +11,14 @@ the MJP unknown PE, which timm has no slot for, goes to ``extras.safetensors``. 
 backbone config and the layout, enough to rebuild the model without ``config.json``. Backbones without a timm
 equivalent (audio, relbias2d without a class token) keep our names and an ``architecture`` that timm refuses by
 name. ``README.md`` is a model card (:mod:`patchplace.models.card`).
+
+``pretrained_cfg`` makes timm's eval transform (``timm.data.create_transform(**timm.data.resolve_data_config({},
+model=model))``) give exactly the tensor patchplace evaluated on where timm can express it — zero padding (e.g.
+Fashion-MNIST 28 -> 32 px) is encoded as ``crop_pct = input / native`` (:func:`~patchplace.models.timm_interop.
+timm_preprocessing`) — and says in ``notes`` where it cannot; :func:`timm_transform` is that transform in any case.
+
+This module knows checkpoint files, not model classes: it works on a model's ``config`` / ``state_dict`` and
+returns state dicts (:func:`load_state`); :func:`~patchplace.models.backbone.load_pretrained` builds the backbone.
 """
 
 from __future__ import annotations
@@ -25,17 +33,20 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
 
-from .backbone import Backbone, build_backbone
-from .card import model_card
+from .card import card_license, model_card
 from .config import BackboneConfig
 from .errors import ModelError
 from .timm_interop import (
     TIMM_ARCHITECTURES,
+    describe_preprocessing,
+    eval_preprocessing,
     from_timm_state_dict,
     split_extras,
     timm_layout,
     timm_model_args,
+    timm_preprocessing,
     to_timm_state_dict,
 )
 
@@ -51,9 +62,10 @@ def _umask() -> int:
     return mask
 
 
-def save_pretrained(model: Backbone, directory: str | os.PathLike, metadata: dict[str, Any] | None = None) -> Path:
-    """Write ``directory/{config.json, model.safetensors, README.md}`` (+ ``extras.safetensors``) through a temp
-    dir + rename. Absolute paths in ``metadata`` are reduced to their last component (a checkpoint is shared)."""
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``directory/{config.json, model.safetensors, README.md}`` (+ ``extras.safetensors``) of a patchplace
+    backbone through a temp dir + rename. Absolute paths in ``metadata`` are reduced to their last component (a
+    checkpoint is shared)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     metadata = _without_local_paths(metadata or {})
@@ -72,7 +84,8 @@ def save_pretrained(model: Backbone, directory: str | os.PathLike, metadata: dic
         config = {"format": FORMAT, "backbone": model.config.to_dict(), "metadata": metadata,
                   **hub_fields(model.config, metadata, layout)}
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / CARD_NAME).write_text(model_card(model, metadata, layout))
+        num_params = sum(p.numel() for p in model.parameters())
+        (tmp / CARD_NAME).write_text(model_card(model.config, metadata, layout, num_params))
         for file in tmp.iterdir():
             os.chmod(file, 0o666 & ~_umask())  # safetensors creates its files 0600
         old = None
@@ -99,15 +112,16 @@ def hub_fields(config: BackboneConfig, metadata: dict[str, Any], layout: str) ->
     if layout == "patchplace":  # timm refuses this name with "Unknown model (...)": never a silently wrong model
         fields["architecture"] = f"patchplace_{config.modality}_{config.pos_embed}_has_no_timm_equivalent"
         return fields
-    norm = metadata.get("normalization") or {}
-    channels = config.in_chans
-    h, w = config.image_hw
+    data, gap = timm_preprocessing(config, metadata)
+    note = (f"patchplace eval preprocessing: {describe_preprocessing(config, metadata)}; "
+            + ("timm.data.create_transform(**timm.data.resolve_data_config({}, model=model)) reproduces it exactly"
+               + (" (crop_pct > 1: timm's resize keeps the image, torchvision's center crop zero-pads it)"
+                  if data["crop_pct"] > 1 else "") if gap is None else
+               f"timm's eval transform does NOT reproduce it ({gap}): use "
+               "patchplace.models.timm_transform(<this directory>)"))
     fields.update(architecture=TIMM_ARCHITECTURES[layout], model_args=timm_model_args(config), pretrained_cfg={
-        "input_size": [channels, h, w], "fixed_input_size": True, "num_classes": config.num_classes,
-        "interpolation": "bicubic", "crop_pct": 1.0, "crop_mode": "center",
-        "mean": list(norm.get("mean", [0.5] * channels)), "std": list(norm.get("std", [0.5] * channels)),
-        "first_conv": "patch_embed.proj", "classifier": "head"})
-    # (padding, e.g. Fashion-MNIST 28 -> 32 px, is ours: metadata.pad_to; timm's PretrainedCfg has no field for it)
+        **data, "fixed_input_size": True, "num_classes": config.num_classes, "first_conv": "patch_embed.proj",
+        "classifier": "head", "license": card_license(metadata), "notes": [note]})
     return fields
 
 
@@ -122,17 +136,19 @@ def _without_local_paths(value: Any) -> Any:
 
 
 def update_metadata(directory: str | os.PathLike, **fields: Any) -> None:
-    """Add ``fields`` (e.g. the metrics measured after the checkpoint was written) to a checkpoint's metadata and
-    rewrite its model card; each file is replaced atomically."""
+    """Add ``fields`` (e.g. the metrics measured after the checkpoint was written, or ``base_model`` once the
+    pretraining checkpoint is on the Hub) to a checkpoint's metadata and rewrite its model card and timm fields; each
+    file is replaced atomically, the weights are not rewritten."""
     directory = Path(directory)
-    config, metadata = read_config(directory)
-    model = build_backbone(config)  # the card needs the config and parameter count, not the weights
+    config, state, metadata = load_state(directory)  # the card counts the parameters
     metadata = _without_local_paths({**metadata, **fields})
     raw = json.loads((directory / CONFIG_NAME).read_text())
     raw["metadata"] = metadata
-    raw.update(hub_fields(model.config, metadata, timm_layout(model.config)))
+    layout = timm_layout(config)
+    raw.update(hub_fields(config, metadata, layout))
+    num_params = sum(v.numel() for v in state.values())
     for name, text in ((CONFIG_NAME, json.dumps(raw, indent=2) + "\n"),
-                       (CARD_NAME, model_card(model, metadata, timm_layout(model.config)))):
+                       (CARD_NAME, model_card(config, metadata, layout, num_params))):
         part = directory / f".{name}.partial"
         part.write_text(text)
         os.replace(part, directory / name)
@@ -185,26 +201,22 @@ def _config_from_header(weights: Path) -> BackboneConfig:
     return BackboneConfig.from_dict(json.loads(header["backbone"]))
 
 
-def load_pretrained(directory: str | os.PathLike, map_location: str | torch.device = "cpu"
-                    ) -> tuple[Backbone, dict[str, Any]]:
-    """Rebuild the backbone of a ``save_pretrained`` directory (``config.json`` or, without it, the weights'
-    header); returns (model, metadata). Reads both layouts: timm-keyed and the older patchplace-keyed files."""
+def load_state(directory: str | os.PathLike, map_location: str | torch.device = "cpu"
+               ) -> tuple[BackboneConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(backbone config, state dict under patchplace's names with the extras, metadata) of a ``save_pretrained``
+    directory; reads both layouts (timm-keyed and the older patchplace-keyed files). Every entry is a parameter
+    (the backbones' buffers are not persistent). :func:`~patchplace.models.backbone.load_pretrained` builds the
+    model from it."""
     config, metadata = read_config(directory)
     weights = Path(directory) / WEIGHTS_NAME
     if not weights.is_file():
         raise ModelError(f"no {WEIGHTS_NAME} in {directory}: the checkpoint is incomplete")
-    model = build_backbone(config)
     header, state = _read_weights(weights, str(map_location))
     if header.get("layout", "patchplace") != "patchplace":
         state = from_timm_state_dict(state, config)
     if (Path(directory) / EXTRAS_NAME).is_file():
         state.update(load_file(str(Path(directory) / EXTRAS_NAME), device=str(map_location)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelError(f"{weights} does not match its config.json: missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}")
-    check_finite(state, weights)
-    return model.to(map_location), metadata
+    return config, state, metadata
 
 
 def check_finite(state: dict[str, torch.Tensor], source: str | os.PathLike) -> None:
@@ -215,3 +227,67 @@ def check_finite(state: dict[str, torch.Tensor], source: str | os.PathLike) -> N
         raise ModelError(f"{source} holds non-finite weights (NaN / inf in {len(bad)} tensor(s), e.g. {bad[0]}): the "
                          "training that wrote it diverged; use an earlier checkpoint, or train again with a lower "
                          "optim.lr")
+
+
+def timm_data_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The data config with which ``timm.data.create_transform(**config)`` gives exactly the tensor the checkpoint
+    was evaluated on (what ``resolve_data_config({}, model=model)`` returns for the ``local-dir:`` model). Raises
+    :class:`ModelError` where timm's transform cannot (e.g. zero padding followed by a resize): use
+    :func:`timm_transform` there."""
+    config, metadata = read_config(directory)
+    data, gap = timm_preprocessing(config, metadata)
+    if gap is not None:
+        raise ModelError(f"timm's eval transform cannot reproduce the preprocessing of {directory} "
+                         f"({describe_preprocessing(config, metadata)}): {gap}; use "
+                         "patchplace.models.timm_transform(directory), which does")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def timm_transform(directory: str | os.PathLike) -> EvalTransform:
+    """The eval transform of an image checkpoint: PIL image (or uint8 ``(C, H, W)`` tensor) -> the float tensor
+    the checkpoint was evaluated on, exactly as ``patchplace.data`` made it (zero-pad to ``pad_to``, resize + center
+    crop to the model's input, /255, normalize). Works whether or not timm's own transform can reproduce it."""
+    config, metadata = read_config(directory)
+    prep = eval_preprocessing(config, metadata)
+    if not prep["normalized"]:
+        raise ModelError(f"{directory} records no normalization statistics (metadata.normalization): the inputs it "
+                         "was trained on cannot be reproduced; pass mean / std to timm.data.create_transform yourself")
+    return EvalTransform(prep, describe_preprocessing(config, metadata))
+
+
+class EvalTransform:
+    """``patchplace.data``'s eval image transform rebuilt from a checkpoint's metadata (:func:`timm_transform`):
+    zero padding (centered) in uint8, then timm's eval transform with ``crop_pct=1`` (bicubic), as the reader does.
+    Images of another size than the training data's are refused, as the reader refuses them."""
+
+    def __init__(self, prep: dict[str, Any], description: str) -> None:
+        from timm.data import create_transform
+
+        self.channels, self.native, self.pad_to = prep["channels"], prep["native"], prep["pad_to"]
+        self.description = description
+        h, w = prep["size"]
+        self.timm = create_transform(input_size=(self.channels, h, w), is_training=False, interpolation="bicubic",
+                                     crop_pct=1.0, mean=tuple(prep["mean"]), std=tuple(prep["std"]))
+
+    def __repr__(self) -> str:
+        return f"EvalTransform({self.description})"
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        from torchvision.transforms.functional import pil_to_tensor, to_pil_image
+
+        if not isinstance(image, torch.Tensor):  # a PIL image
+            mode = "L" if self.channels == 1 else "RGB"
+            image = pil_to_tensor(image if image.mode == mode else image.convert(mode))
+        if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != self.channels:
+            raise ModelError(f"expected a PIL image or a uint8 ({self.channels}, H, W) tensor, got {image.dtype} "
+                             f"{tuple(image.shape)}")
+        h, w = image.shape[-2:]
+        if self.native is not None and (h, w) != self.native:
+            raise ModelError(f"a {h}x{w} image, but this checkpoint was trained on {self.native[0]}x{self.native[1]} "
+                             "images: resize it to that size first")
+        if self.pad_to is not None:
+            if h > self.pad_to or w > self.pad_to:
+                raise ModelError(f"cannot pad a {h}x{w} image to {self.pad_to}: it is larger")
+            top, left = (self.pad_to - h) // 2, (self.pad_to - w) // 2
+            image = torch.nn.functional.pad(image, (left, self.pad_to - w - left, top, self.pad_to - h - top))
+        return self.timm(to_pil_image(image))

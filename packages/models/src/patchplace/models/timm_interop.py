@@ -8,20 +8,27 @@ A ``sincos2d`` table exports as timm's (learned) ``pos_embed`` with identical va
 :func:`from_timm` as ``sincos2d`` while its values are still the fixed table. ``relbias2d`` (BEiT's per-layer
 relative position bias, with a class token) maps onto timm's ``Beit`` (``use_rel_pos_bias=True``, no absolute PE,
 no LayerScale); BEiT has no key bias, which is exact: a key bias adds ``q . b_k`` to every logit of a query, which
-the softmax cancels (and its gradient is zero), so it is dropped. :func:`adopt_timm` lets the objectives train a
-timm ViT in place. Checkpoint layouts (:func:`timm_layout`) say which timm model a checkpoint directory loads into.
+the softmax cancels (and its gradient is zero), so it is dropped. Checkpoint layouts (:func:`timm_layout`) say
+which timm model a checkpoint directory loads into; :func:`timm_preprocessing` says which ``pretrained_cfg`` makes
+timm's eval transform reproduce ours.
+
+This module works on configs, state dicts and timm models only: it imports no backbone class, so that
+:mod:`~patchplace.models.hub` (checkpoint files) can use it and :mod:`~patchplace.models.backbone` can use both.
+The functions that build a backbone from a timm model (``from_timm``, ``adopt_timm``) live in ``backbone.py``.
+Imports go one way: errors, config, pos_embed -> timm_interop -> card -> hub -> backbone -> registry.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from .backbone import Backbone, VisionTransformer
 from .config import BackboneConfig
 from .errors import ModelError
+from .pos_embed import sincos_2d
 
 
 def timm_kwargs(config: BackboneConfig) -> dict[str, Any]:
@@ -69,9 +76,76 @@ def timm_model_args(config: BackboneConfig) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
 
 
-def to_timm_state_dict(model: Backbone) -> dict[str, torch.Tensor]:
-    """State dict loadable (strictly) by ``VisionTransformer(**timm_kwargs(model.config))`` or, for ``relbias2d``,
-    ``Beit(**beit_kwargs(model.config))``. The MJP unknown PE is not a timm parameter: see :func:`split_extras`."""
+def eval_preprocessing(config: BackboneConfig, metadata: dict[str, Any]) -> dict[str, Any]:
+    """What patchplace's eval transform (``patchplace.data.ImageTransform``, ``train=False``) does for a checkpoint:
+    uint8 images of ``native`` size -> zero-pad (centered) to ``pad_to`` -> bicubic resize of the short side to
+    ``size`` + center crop (a no-op when the padded side is ``size``) -> /255 -> normalize with ``mean`` / ``std``.
+    ``native`` is ``metadata["native_size"]`` (None where the checkpoint does not record it), ``normalized`` says
+    whether the statistics are recorded (else 0.5 / 0.5 stand in)."""
+    if config.modality != "image":
+        raise ModelError(f"an {config.modality} backbone: its inputs come from patchplace.data's front end (MFCC "
+                         "frames), not an image transform")
+    norm = metadata.get("normalization") or {}
+    native = metadata.get("native_size")
+    channels = config.in_chans
+    return {"channels": channels, "native": tuple(int(v) for v in native) if native else None,
+            "pad_to": int(metadata["pad_to"]) if metadata.get("pad_to") else None, "size": tuple(config.image_hw),
+            "mean": [float(v) for v in norm.get("mean", [0.5] * channels)],
+            "std": [float(v) for v in norm.get("std", [0.5] * channels)], "normalized": bool(norm)}
+
+
+def describe_preprocessing(config: BackboneConfig, metadata: dict[str, Any]) -> str:
+    """One line for the model card and ``pretrained_cfg.notes``: the eval preprocessing, step by step."""
+    p = eval_preprocessing(config, metadata)
+    h, w = p["size"]
+    native = "x".join(map(str, p["native"])) + " px images" if p["native"] else "images"
+    steps = [f"zero-pad {native} to {p['pad_to']}x{p['pad_to']} (centered)" if p["pad_to"] else None,
+             f"bicubic resize + center crop to {h}x{w}" if (p["pad_to"] and (p["pad_to"], p["pad_to"]) != (h, w))
+             or (not p["pad_to"] and p["native"] not in (None, (h, w))) else None,
+             "scale to [0, 1]", f"normalize mean {p['mean']} std {p['std']}"
+             + ("" if p["normalized"] else " (not recorded in the checkpoint: assumed)")]
+    return ", ".join(step for step in steps if step)
+
+
+def timm_preprocessing(config: BackboneConfig, metadata: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(the data fields of timm's ``pretrained_cfg``, why timm's eval transform cannot reproduce ours or None).
+
+    timm's eval transform (``create_transform(**resolve_data_config({}, model=model))``, ``crop_mode="center"``)
+    resizes the short side to ``floor(input / crop_pct)`` and center-crops to ``input``, and torchvision's center
+    crop **zero-pads** an image smaller than the crop. So ``crop_pct = input / native`` (> 1) makes the resize a
+    no-op on native-size images and the crop our centered zero padding: the same tensor, exactly (pixel 0 padded
+    before /255 and normalize, as ours). What it cannot express: padding followed by a resize (``img_size`` other
+    than ``pad_to``), padding to a non-square input, padding of images whose size the checkpoint does not record
+    (``native_size``), and statistics the checkpoint does not record."""
+    p = eval_preprocessing(config, metadata)
+    h, w = p["size"]
+    fields: dict[str, Any] = {"input_size": [p["channels"], h, w], "interpolation": "bicubic", "crop_pct": 1.0,
+                              "crop_mode": "center", "mean": p["mean"], "std": p["std"]}
+    pad, native = p["pad_to"], p["native"]
+    if not p["normalized"]:
+        return fields, "the checkpoint records no normalization statistics (mean / std 0.5 assumed)"
+    if not pad or (native is not None and native == (h, w)):
+        return fields, None
+    if h != w or pad != h:
+        return fields, (f"it zero-pads to {pad}x{pad} and then resizes to {h}x{w}; timm's transform resizes first "
+                        "and pads after")
+    if native is None:
+        return fields, (f"it zero-pads to {pad}x{pad} images whose size the checkpoint does not record "
+                        "(metadata.native_size, written since)")
+    if max(native) > pad:
+        return fields, f"its {native[0]}x{native[1]} images are larger than pad_to={pad}"
+    short = min(native)
+    crop_pct = h / short
+    if math.floor(h / crop_pct) != short:  # timm's own arithmetic: floor(input / crop_pct) must be the short side
+        crop_pct = h / (short + 0.5)
+    fields["crop_pct"] = crop_pct
+    return fields, None
+
+
+def to_timm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State dict of a patchplace backbone loadable (strictly) by ``VisionTransformer(**timm_kwargs(model.config))``
+    or, for ``relbias2d``, ``Beit(**beit_kwargs(model.config))``. The MJP unknown PE is not a timm parameter: see
+    :func:`split_extras`."""
     layout = timm_layout(model.config)
     if layout == "patchplace":
         timm_kwargs(model.config)  # the refusal, by name
@@ -138,15 +212,12 @@ def _refuse(timm_model: nn.Module) -> None:
         raise ModelError(f"this timm VisionTransformer uses {', '.join(bad)}, which patchplace backbones do not")
 
 
-def from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
-    """A :class:`VisionTransformer` with the architecture and weights of a timm ``VisionTransformer``.
-
-    >>> t = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=10)
-    >>> model = from_timm(t)            # same outputs as t (tested at 1e-5)
-    """
+def timm_config(timm_model: nn.Module) -> BackboneConfig:
+    """The :class:`BackboneConfig` of a timm ``VisionTransformer``; what the backbone cannot express is refused by
+    name (``ModelError``). :func:`~patchplace.models.backbone.from_timm` builds the backbone with its weights."""
     _refuse(timm_model)
     blocks = timm_model.blocks
-    config = BackboneConfig(
+    return BackboneConfig(
         modality="image", img_size=tuple(timm_model.patch_embed.img_size),
         patch_size=timm_model.patch_embed.patch_size[0], in_chans=timm_model.patch_embed.proj.in_channels,
         embed_dim=timm_model.embed_dim, depth=len(blocks), num_heads=blocks[0].attn.num_heads,
@@ -156,21 +227,11 @@ def from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
         class_token=timm_model.cls_token is not None,
         global_pool="cls" if timm_model.global_pool == "token" else "mean",
         num_classes=timm_model.num_classes, norm_eps=timm_model.norm.eps)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    model = VisionTransformer(config)
-    missing, unexpected = model.load_state_dict(from_timm_state_dict(timm_model.state_dict(), config), strict=False)
-    if missing or unexpected:
-        raise ModelError(f"timm weights do not map onto the backbone: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    return model
 
 
 def _pos_embed_mode(timm_model: nn.Module) -> str:
     """``none``, or ``sincos2d`` when timm's table still holds the fixed 2-D sin-cos values (a patchplace
     ``sincos2d`` checkpoint loaded into timm), else ``learned``."""
-    from .pos_embed import sincos_2d
-
     table = timm_model.pos_embed
     if table is None:
         return "none"
@@ -187,33 +248,3 @@ def is_timm_vit(model: nn.Module) -> bool:
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
     return isinstance(model, TimmViT)
-
-
-def adopt_timm(timm_model: nn.Module, pos_embed: str | None = None) -> VisionTransformer:
-    """A patchplace backbone that **shares** the parameters of a timm ``VisionTransformer``: an objective trains
-    the timm model in place (its ``state_dict`` after training is the trained one). What the backbone cannot
-    express is refused as in :func:`from_timm`.
-
-    ``pos_embed``: the PE the objective needs. ``None`` keeps timm's learned table (shared). ``"sincos2d"``
-    (MAE, DropPos, I-JEPA / StoP, RandSAC) writes the fixed 2-D sin-cos table into timm's ``pos_embed`` and freezes
-    it — timm can hold it only as a (frozen) learned table, the backbone holds it as fixed. ``"none"`` (MP3) runs
-    without PE: timm's ``pos_embed`` is left out of the forward and untouched (MP3 fine-tunes with a fresh PE).
-    """
-    from dataclasses import replace
-
-    model = from_timm(timm_model)
-    shared = dict(timm_model.named_parameters())
-    for name, _ in list(model.named_parameters()):
-        owner, _, attr = name.rpartition(".")
-        module = model.get_submodule(owner) if owner else model
-        module._parameters[attr] = shared["pos_embed" if name == "pos_table" else name]  # the same Parameter
-    if pos_embed is not None and pos_embed != model.config.pos_embed:
-        if pos_embed not in ("sincos2d", "none"):
-            raise ModelError(f"adopt_timm: pos_embed must be None, 'sincos2d' or 'none', got {pos_embed!r}")
-        model.config = replace(model.config, pos_embed=pos_embed).validate()
-        model._build_pos_embed(pos_embed)
-        if pos_embed == "sincos2d" and timm_model.pos_embed is not None:
-            with torch.no_grad():
-                timm_model.pos_embed.copy_(model.pos_table.to(timm_model.pos_embed.dtype))
-            timm_model.pos_embed.requires_grad_(False)
-    return model
