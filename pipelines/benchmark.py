@@ -428,8 +428,8 @@ def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dic
                                               f"run.output={tmp}", *overrides])
                         if code != 0:
                             raise SystemExit(f"pipelines: {method} ({path}) failed")
-                        last = [json.loads(line) for line in (Path(tmp) / "log.jsonl").read_text().splitlines()
-                                if "loss" in line][-1]
+                        last = [r for r in map(json.loads, (Path(tmp) / "log.jsonl").read_text().splitlines())
+                                if "loss" in r][-1]  # the last training step (pretraining then logs its validation)
                 finally:
                     engine.build_data = build_data
                 assert last["data"]["train"] == path, last["data"]
@@ -611,7 +611,8 @@ def ddp_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
                                            *overrides], env=env, capture_output=True, text=True)
                     if done.returncode != 0:
                         raise SystemExit(f"ddp: {method} ({label}) failed:\n{done.stderr[-3000:]}")
-                    last = json.loads((Path(tmp) / "log.jsonl").read_text().splitlines()[-1])
+                    last = [r for r in map(json.loads, (Path(tmp) / "log.jsonl").read_text().splitlines())
+                            if "loss" in r][-1]  # the last training step
                 assert last["world_size"] == processes
                 rates.setdefault((method, label), []).append(last["samples_per_s"])
                 print(json.dumps({"method": method, "setting": label, "samples_per_s": last["samples_per_s"]}),
