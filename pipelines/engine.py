@@ -640,8 +640,8 @@ class Trainer:
             else None
         if self.tracker is not None and evaluate is None:
             raise ConfigError(f"run.early_stop_patience={run.early_stop_patience}: this pipeline does not evaluate "
-                              "during training (pretrain.py has no validation metric to follow); early stopping "
-                              "follows finetune.py's evaluations: set run.early_stop_patience=0 here")
+                              "during training (no evaluate callback; pretrain.py and finetune.py have theirs), so "
+                              "there is nothing to stop on: set run.early_stop_patience=0 here")
         self.stopped_early: dict[str, Any] | None = None  # the early stop a resumed checkpoint records
         # One run per directory: the main process holds run.output's lock until fit() ends, and checks what the
         # directory holds against run.resume / run.overwrite before anything is written.

@@ -94,9 +94,7 @@ def test_snapshots_keep_the_backbone_after_each_epoch(shards, tmp_path, monkeypa
                                   "epochs of 8 steps): drop them, or train longer"),
     (["run.keep_epochs=[-1]"], "run.keep_epochs holds -1: epochs must be finite and >= 0"),
     (["run.early_stop_patience=2"], "run.early_stop_patience=2 counts evaluations, and run.eval_every=0"),
-    (["run.early_stop_patience=2", "run.eval_every=2"], "run.early_stop_patience=2: this pipeline does not "
-                                                        "evaluate during training (pretrain.py has no validation"),
-], ids=["same-step", "beyond-budget", "negative", "patience-without-eval_every", "pipeline-without-evaluation"])
+], ids=["same-step", "beyond-budget", "negative", "patience-without-eval_every"])
 def test_bad_settings_are_refused_in_one_line_before_anything_is_written(shards, tmp_path, capsys, extra, message):
     out = tmp_path / "run"
     assert pretrain.main(["method=supervised", *img(shards), *TINY, "optim.epochs=2", *extra,
@@ -104,6 +102,16 @@ def test_bad_settings_are_refused_in_one_line_before_anything_is_written(shards,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert not (out / "log.jsonl").exists() and not (out / "snapshots").exists()
+
+
+def test_early_stopping_is_refused_where_the_pipeline_has_no_evaluation(shards, tmp_path, capsys):
+    """A script that hands the Trainer no ``evaluate`` callback has nothing to stop on: one line, nothing written."""
+    out = tmp_path / "run"
+    assert scripted_main(["method=supervised", *img(shards), *TINY, "optim.epochs=2", "run.early_stop_patience=2",
+                          "run.eval_every=2", f"run.output={out}"], None) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run.early_stop_patience=2: this pipeline does not evaluate" in err, err
+    assert not (out / "log.jsonl").exists()
 
 
 def test_the_best_tracker_follows_the_metric_and_replays_exactly():
