@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 TINY = ["model.preset=vit_micro", "data.batch_size=8", "data.num_workers=0", "run.tensorboard=false",
@@ -33,3 +34,10 @@ def state_dir(run: Path) -> Path:
     steps = sorted((run / "checkpoints").glob("step-*"))
     assert len(steps) == 1, f"one complete checkpoint in {run}, found {steps}"
     return steps[0] / "state"
+
+
+def run_log(out: Path, everything: bool = False) -> list[dict]:
+    """A run's ``log.jsonl``: its training-step records (``everything``: also evaluations, snapshots, early
+    stops; pretraining logs its closing validation after the last step)."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return records if everything else [r for r in records if "loss" in r]

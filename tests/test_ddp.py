@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "pipelines"))
 
 import pretrain  # noqa: E402
 
-from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
+from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, run_log, state_dir  # noqa: E402
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TRACE = str(ROOT / "tests" / "ddp_trace.py")
@@ -51,10 +51,7 @@ def traces(out: Path) -> list[dict]:
     return [torch.load(p, weights_only=False) for p in found]
 
 
-def log(out: Path, everything: bool = False) -> list[dict]:
-    """A run's log: its training-step records (``everything``: also evaluations, snapshots, early stops)."""
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    return records if everything else [r for r in records if "loss" in r]
+log = run_log  # a run's training-step records (everything=True: all of them)
 
 
 def mp3_args(shards: Path, out: Path, steps: int = 3) -> list[str]:

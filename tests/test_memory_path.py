@@ -22,12 +22,9 @@ from config import ConfigError, DataSection  # noqa: E402
 
 from patchplace.data import ShardDataset  # noqa: E402
 from patchplace.data.memory import MemoryReader  # noqa: E402
-from tests.pipeline_args import TINY, img  # noqa: E402
+from tests.pipeline_args import TINY, img, run_log  # noqa: E402
 
-
-def log(out: Path) -> list[dict]:
-    """The training-step records of a run's log (pretraining also logs its closing evaluation)."""
-    return [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+log = run_log  # a run's training-step records
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:

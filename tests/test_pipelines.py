@@ -28,7 +28,7 @@ import finetune  # noqa: E402
 import pretrain  # noqa: E402
 import study_plan  # noqa: E402
 
-from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
+from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, run_log, state_dir  # noqa: E402
 
 
 def test_every_shipped_config_loads_and_validates(shards):
@@ -107,8 +107,7 @@ def test_the_attention_kernel_is_a_setting_that_changes_no_number(shards, tmp_pa
         assert pretrain.main(["method=mp3", *img(shards), *TINY, "optim.max_steps=3", f"model.attention={kernel}",
                               f"run.output={out}"]) == 0
         assert get_attention_kernel() == kernel
-        losses[kernel] = [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
-                          if "loss" in r]
+        losses[kernel] = [r["loss"] for r in run_log(out)]
     assert len(losses["math"]) == 3 and losses["math"] == pytest.approx(losses["sdpa"], rel=1e-4)
 
 
@@ -147,8 +146,7 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     out = tmp_path / method
     assert pretrain.main([f"method={method}", *data, *TINY, *model, *SMALL_HEADS.get(method, []),
                           "optim.max_steps=3", f"run.mixed_precision={precision}", f"run.output={out}"]) == 0
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    log = [r for r in records if "loss" in r]
+    records, log = run_log(out, everything=True), run_log(out)
     assert [r["step"] for r in log] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in log)
     closing = [r for r in records if "eval" in r]  # the objective's own metrics on data.val at the end
     assert [r["step"] for r in closing] == [3] and np.isfinite(closing[0]["eval"]["loss"])
