@@ -31,14 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from config import ConfigError, DataSection, ModelSection, RunSection
-from engine import USER_ERRORS, start
-from evaluate import first_images, probe
-from study_plan import RUNS
 
+from core.config import ConfigError, DataSection, ModelSection, RunSection
+from core.engine import USER_ERRORS, start
+from core.evaluation import first_images, probe
 from patchplace.data.memory import MemoryReader, balanced_subset
 from patchplace.finetune import PROBE_FEATURES, extract_features, knn_classify, probe_feature_of
 from patchplace.models import create_model, load_pretrained
+from reproduction.claims import random_key
+from reproduction.plan import RUNS
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -187,17 +188,6 @@ def cell(values: list[float] | None) -> str:
         return "-"
     mean, sd = mean_sd(values)
     return f"{mean * 100:.1f}" + (f" ± {sd * 100:.1f}" if len(values) > 1 else "")
-
-
-def random_key(controls: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """The random-init control a method's rows are read against: the one of their architecture and feature
-    (``probe_pos_embed`` / ``probe_feature``, recorded by the probes), else of their feature, else the default."""
-    pairs = {(r.get("probe_pos_embed"), r.get("probe_feature")) for r in rows}
-    pos_embed, feature = pairs.pop() if len(pairs) == 1 else (None, None)
-    for key in (f"random_linear@{pos_embed}/{feature}", f"random_linear@{feature}"):
-        if feature and key in controls:
-            return key
-    return "random_linear"
 
 
 # the study's probe keys for each set

@@ -24,10 +24,10 @@ from pathlib import Path
 import evaluate
 import finetune
 import pretrain
-from config import HelpFormatter
-from stages import StageError
-from stages import stage as run_stage
 
+from core.config import HelpFormatter
+from core.stages import StageError
+from core.stages import stage as run_stage
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
 
@@ -39,7 +39,7 @@ SHORT_RECIPE = ["finetune.mixup=0.0", "finetune.cutmix=0.0", "optim.layer_decay=
 
 
 def stage(out: Path, name: str, run, argv: list[str]) -> float:
-    """One demo stage (``<out>/<name>/DONE`` when finished; see stages.stage)."""
+    """One demo stage (``<out>/<name>/DONE`` when finished; see core.stages.stage)."""
     try:
         return run_stage(out / name, run, argv, label=f"demo {name}")
     except StageError as exc:

@@ -25,10 +25,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from config import ConfigError, DataSection, ModelSection, RunSection
-from engine import USER_ERRORS, classify, start
 from safetensors.torch import load_file
 
+from core.config import ConfigError, DataSection, ModelSection, RunSection
+from core.engine import USER_ERRORS, classify, start
+from core.evaluation import first_images, plot_privacy_grid, probe
 from patchplace.data.atomic import atomic_file
 from patchplace.data.memory import MemoryReader, balanced_subset
 from patchplace.finetune import (
@@ -37,7 +38,6 @@ from patchplace.finetune import (
     consistency_curve,
     extract_features,
     knn_probe_per_layer,
-    linear_probe,
     position_probe,
     privacy_settings,
     probe_feature_of,
@@ -123,17 +123,6 @@ class EvaluateConfig:
     def validate(self) -> None:
         if not self.model.checkpoint:
             raise ConfigError("model.checkpoint is required: the checkpoint/ directory of a pretrain or finetune run")
-
-
-def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    xs, ys, seen = [], [], 0
-    for x, y in dataset.batches(batch_size, epoch=0):
-        xs.append(x)
-        ys.append(y)
-        seen += len(x)
-        if seen >= n:
-            break
-    return torch.cat(xs)[:n], torch.cat(ys)[:n]
 
 
 def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tensor, out_dir: Path) -> dict:
@@ -240,32 +229,6 @@ def plot_privacy(result, path: Path) -> None:
                       "gradient inversion: originals vs reconstructions (MJP Fig. 5)")
 
 
-def plot_privacy_grid(originals: np.ndarray, shuffled: np.ndarray, recs_a: dict[str, np.ndarray],
-                      recs_b: dict[str, np.ndarray], path: Path, title: str) -> None:
-    """MJP Fig. 5 style grid, one column per image (N, C, H, W in [0, 1]): the originals x, each reconstruction of
-    the update on x (setting (a)), the jigsaw x~, each reconstruction of the update on x~ (setting (b))."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [("x", originals), *((f"(a) {k}", v) for k, v in recs_a.items()), ("x~ (jigsaw)", shuffled),
-            *((f"(b) {k}", v) for k, v in recs_b.items())]
-    n = len(originals)
-    fig, axes = plt.subplots(len(rows), n, figsize=(0.9 * n + 1.6, 0.95 * len(rows)), squeeze=False)
-    for r, (name, images) in enumerate(rows):
-        for i in range(n):
-            axes[r, i].imshow(images[i].transpose(1, 2, 0).squeeze(-1), cmap="gray", vmin=0, vmax=1)
-            axes[r, i].set_xticks([])
-            axes[r, i].set_yticks([])
-        axes[r, 0].set_ylabel(name, fontsize=6, rotation=0, ha="right", va="center")
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def plot_evaluation(results: dict[str, Any], classes: list[str], out_dir: Path) -> list[str]:
     """``evaluation.png`` for any checkpoint kind: one panel per result it has — confusion matrix (classifiers),
     linear probe top-1 per label fraction, kNN top-1 per layer, MJP consistency / Diff. Norm per gamma."""
@@ -329,9 +292,9 @@ def to_markdown(results: dict[str, Any]) -> str:
     for key in ("linear_probe", "linear_probe_low_label", "position_probe"):
         if key in results:
             lines += [f"- {key.replace('_', ' ')}: top-1 {results[key]['top1']:.4f}"]
-    for fraction, probe in results.get("linear_probe_label_fraction", {}).items():
-        lines += [f"- linear probe on {float(fraction):.0%} of the train labels ({probe['train_samples']} samples): "
-                  f"top-1 {probe['top1']:.4f}"]
+    for fraction, result in results.get("linear_probe_label_fraction", {}).items():
+        lines += [f"- linear probe on {float(fraction):.0%} of the train labels ({result['train_samples']} samples): "
+                  f"top-1 {result['top1']:.4f}"]
     if "knn_per_layer" in results:
         lines += ["- kNN top-1 per layer: " + ", ".join(f"{k}: {v:.3f}" for k, v in results["knn_per_layer"].items())]
     if "consistency" in results:
@@ -352,14 +315,6 @@ def to_markdown(results: dict[str, Any]) -> str:
         lines += [f"| {a} | {s} | {v['mse']:.4f} | {v['psnr']:.2f} | {v['ssim']:.3f} | {v['fft2d']:.3f} |"
                   for a, settings in p["metrics"].items() for s, v in settings.items()]
     return "\n".join(lines) + "\n"
-
-
-def probe(desc: str, *args: Any, epochs: int, **kwargs: Any) -> dict[str, float]:
-    """:func:`linear_probe` with a progress bar over its epochs."""
-    from tqdm import tqdm
-
-    with tqdm(total=epochs, desc=desc, unit="epoch", leave=False) as bar:
-        return linear_probe(*args, epochs=epochs, progress=bar.update, **kwargs)
 
 
 def label_fraction_probes(backbone, data, fractions: tuple[float, ...], subset_seed: int, test_features,

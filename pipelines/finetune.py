@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
-from engine import (
+from core.config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
+from core.engine import (
     USER_ERRORS,
     Data,
     Trainer,
@@ -32,7 +32,6 @@ from engine import (
     say,
     start,
 )
-
 from patchplace.finetune import build_mixup, prepare_for_finetune
 from patchplace.models import Backbone, ModelError, create_model, load_pretrained
 from patchplace.objectives import Supervised, SupervisedConfig

@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 import yaml
-from config import ConfigError, DataSection, ModelSection, OptimSection, RunSection, describe
-from engine import (
+from torch import nn
+
+from core.config import ConfigError, DataSection, ModelSection, OptimSection, RunSection, describe
+from core.engine import (
     USER_ERRORS,
     Data,
     NonFiniteOutput,
@@ -31,8 +33,6 @@ from engine import (
     say,
     start,
 )
-from torch import nn
-
 from patchplace.models import create_model, load_pretrained
 from patchplace.objectives import (
     IJEPA,

@@ -32,14 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from config import ConfigError, HelpFormatter, describe, load
-from stages import StageError
-from study_plan import StudyConfig, group_seeds
-from study_report import report
-from study_runner import Study
 
-# The study in modules: study_plan (budget knobs, groups, runs), study_runner (the stages), study_metrics (the
-# numbers), study_claims (the verdicts), study_report (tables, figures, results files); this file: the command line.
+from core.config import ConfigError, HelpFormatter, describe, load
+from core.stages import StageError
+from reproduction.plan import StudyConfig, group_seeds
+from reproduction.report import report
+from reproduction.runner import Study
+
+# The study in modules (reproduction/): plan (budget knobs, groups, runs), runner (the stages), metrics (the
+# numbers), claims (the verdicts), report (tables, figures, results files); this file: the command line.
 
 
 @dataclass(frozen=True)

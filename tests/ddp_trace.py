@@ -23,13 +23,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
-import engine  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import patchplace.objectives.mjp as mjp  # noqa: E402
 import patchplace.objectives.mp3 as mp3  # noqa: E402
+from core import engine  # noqa: E402
 
 TRACE: dict = {"keys": [], "masks": [], "allreduce_calls": 0, "jigsaw": [], "unknown_grad": []}
 

@@ -34,11 +34,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
-import engine  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
-import rundir  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+
+from core import engine, rundir  # noqa: E402
 
 RUNDIR_FILE = str(Path(rundir.__file__).resolve())
 

@@ -13,6 +13,9 @@ sys.path.insert(0, str(ROOT / "pipelines"))
 
 import benchmark  # noqa: E402
 
+from benchmarks.data import data_vs_training  # noqa: E402
+from benchmarks.report import GPU_SECTION, anchor_summary  # noqa: E402
+
 
 def test_help_documents_every_suite(capsys):
     with contextlib.suppress(SystemExit):
@@ -49,7 +52,7 @@ def test_masks_suite_and_data_vs_training(tmp_path):
             {"suite": "objectives", "preset": study, "name": "pretrain_step/supervised", "samples_per_s": 100.0},
             {"suite": "objectives", "preset": study, "name": "pretrain_step/mae", "samples_per_s": 150.0},
             {"suite": "objectives", "preset": study, "name": "pretrain_step/ijepa_before", "samples_per_s": 900.0}]
-    [row] = benchmark.data_vs_training(fake)
+    [row] = data_vs_training(fake)
     assert row["headroom_supervised"] == 3.0 and row["fastest_objective"] == "mae" and row["headroom_fastest"] == 2.0
 
 
@@ -96,14 +99,14 @@ def test_mp3_table2_suite_reports_ratios_beside_the_paper_and_keeps_its_gpu_sect
     assert all(r["amp"] == "bf16" and r["memory_basis"] == "step_rss_mb" for r in rows.values())
     assert data["meta"]["matmul_peak"]["name"].startswith("matmul_peak/bfloat16/")
     markdown = (tmp_path / "benchmark.md").read_text()
-    assert "earlier tables" in markdown and markdown.count(benchmark.GPU_SECTION[0]) == 1
+    assert "earlier tables" in markdown and markdown.count(GPU_SECTION[0]) == 1
     assert "| mp3_eta0.75 | 0.75 |" in markdown
     assert benchmark.main(args) == 0  # replaced, not appended
-    assert (tmp_path / "benchmark.md").read_text().count(benchmark.GPU_SECTION[0]) == 1
+    assert (tmp_path / "benchmark.md").read_text().count(GPU_SECTION[0]) == 1
     assert benchmark.main(["--suite", "masks", "--mask-repeats", "1", "--vits-batch", "2", "--out", str(tmp_path)]) == 0
     markdown = (tmp_path / "benchmark.md").read_text()
     assert "Mask generation" in markdown and "earlier tables" not in markdown  # rewritten by the masks suite ...
-    assert markdown.count(benchmark.GPU_SECTION[0]) == 1 and "| mp3_eta0.75 | 0.75 |" in markdown  # ... GPU kept
+    assert markdown.count(GPU_SECTION[0]) == 1 and "| mp3_eta0.75 | 0.75 |" in markdown  # ... GPU kept
 
 
 def test_pipelines_suite_measures_each_data_path_against_the_pure_step(shards, tmp_path):
@@ -142,6 +145,6 @@ def test_anchor_summary_pairs_the_seeds_both_loops_ran():
     rows = [{"name": "anchor/patchplace supervised (finetune.py)", "seed": s, "top1": t}
             for s, t in ((0, 0.80), (1, 0.82), (2, 0.90))]
     rows += [{"name": "anchor/plain timm loop", "seed": s, "top1": t} for s, t in ((0, 0.78), (1, 0.83))]
-    text = benchmark.anchor_summary(rows)
+    text = anchor_summary(rows)
     assert text.startswith("Seeds 0, 1: ours 81.00%, plain timm loop 80.50%; ours - plain +0.50 ± 2.1 pt"), text
-    assert benchmark.anchor_summary(rows[:3]) == "No seed has both loops."
+    assert anchor_summary(rows[:3]) == "No seed has both loops."

@@ -263,7 +263,7 @@ def test_two_processes_follow_the_lr_schedule_of_one_at_the_same_global_batch(sh
 def test_lr_scaling_follows_the_global_batch_and_is_recorded(shards, tmp_path):
     """``optim.lr_scaling=linear``: the lr tuned at one process's batch (8) doubles on 2 processes (global 16); the
     peak lr, the rule and the global batch are in optimizer.json and the model card. (``sqrt``: sqrt(2)x.)"""
-    from config import OptimSection
+    from core.config import OptimSection
 
     assert OptimSection(lr=1e-3, lr_scaling="sqrt").scaled_lr(16, default_base=8) == pytest.approx(1e-3 * 2**0.5)
     assert OptimSection(lr=1e-3, lr_scaling="linear", lr_base_batch=256).scaled_lr(2048, 8) == pytest.approx(8e-3)
@@ -311,7 +311,7 @@ def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_pat
 def test_rank_streams_never_coincide_across_seeds_and_ranks(shards, tmp_path, mp3_two_process):
     """Rank 0 of seed 1 drew exactly rank 1 of seed 0's masks (seed + rank); now every (seed, rank) pair of a study
     has its own stream, and one process keeps the seed itself."""
-    import engine
+    from core import engine
 
     seed1 = tmp_path / "seed1"
     run([*mp3_args(shards, seed1), "run.seed=1"])

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
 import pretrain  # noqa: E402
-import rundir  # noqa: E402
 
+from core import rundir  # noqa: E402
 from tests.fault_driver import same, strays, weights  # noqa: E402
 from tests.pipeline_args import SMALL_HEADS, TINY, img  # noqa: E402
 

@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-import config as pipeline_config  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
 
+from core import config as pipeline_config  # noqa: E402
 from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
 
 FT_CONFIG = str(ROOT / "pipelines" / "configs" / "finetune_fashion_mnist.yaml")

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
-import engine  # noqa: E402
 import pretrain  # noqa: E402
-from config import ConfigError, DataSection  # noqa: E402
 
+from core import engine  # noqa: E402
+from core.config import ConfigError, DataSection  # noqa: E402
 from patchplace.data import ShardDataset  # noqa: E402
 from patchplace.data.memory import MemoryReader  # noqa: E402
 from tests.pipeline_args import TINY, img, run_log  # noqa: E402

@@ -21,13 +21,13 @@ from patchplace.models import load_pretrained
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
-import config as pipeline_config  # noqa: E402
 import demo  # noqa: E402
 import evaluate  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
-import study_plan  # noqa: E402
 
+from core import config as pipeline_config  # noqa: E402
+from reproduction import plan as study_plan  # noqa: E402
 from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, run_log, state_dir  # noqa: E402
 
 
@@ -339,7 +339,7 @@ def test_tensorboard_scalars_are_namespaced_in_one_folder(shards, tmp_path):
 def test_help_describes_every_field_and_the_chosen_objectives_fields(capsys):
     """--help: each config field with its default and meaning (the comments of the config classes), and the
     objective fields of the method the command line picks (method=..., else the --config's, else mp3)."""
-    from config import describe
+    from core.config import describe
 
     for cls in (pretrain.PretrainConfig, finetune.FinetuneConfig, evaluate.EvaluateConfig, study_plan.StudyConfig):
         bare = [line for line in describe(cls) if " # " not in line]
@@ -437,8 +437,9 @@ def test_evaluate_help_lists_only_what_evaluation_reads_and_its_usage_intact(cap
 
 def test_say_prints_clear_of_the_progress_bar(capsys):
     """engine.say: what the evaluate callbacks print while the Trainer's bar runs goes on its own line."""
-    import engine
     from tqdm.auto import tqdm
+
+    from core import engine
 
     with tqdm(total=10, desc="mp3") as bar:
         bar.update(3)

@@ -17,9 +17,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
-import engine  # noqa: E402
 import pretrain  # noqa: E402
 
+from core import engine  # noqa: E402
 from tests.curve_driver import SCRIPT, folder_files, scripted_main, tensors  # noqa: E402
 from tests.pipeline_args import SMALL_HEADS, TINY, img  # noqa: E402
 

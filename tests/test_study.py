@@ -16,14 +16,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
-import config as pipeline_config  # noqa: E402
-import stages  # noqa: E402
 import study  # noqa: E402
-from study_claims import on_par, stat, verdict  # noqa: E402
-from study_metrics import HARNESS_VERSION, collect  # noqa: E402
-from study_plan import GROUPS, RUNS, StudyConfig  # noqa: E402
-from study_report import commands_so_far  # noqa: E402
-from study_runner import Study  # noqa: E402
+
+from core import config as pipeline_config  # noqa: E402
+from core import stages  # noqa: E402
+from reproduction.claims import on_par, stat, verdict  # noqa: E402
+from reproduction.metrics import HARNESS_VERSION, collect  # noqa: E402
+from reproduction.plan import GROUPS, RUNS, StudyConfig  # noqa: E402
+from reproduction.report import commands_so_far  # noqa: E402
+from reproduction.runner import Study  # noqa: E402
 
 
 def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
@@ -273,7 +274,7 @@ def test_on_par_claims_need_an_equivalence_test_with_their_margin():
 
 
 def test_skip_leaves_rows_out_of_their_groups_and_refuses_main_rows():
-    from study_plan import runs_of
+    from reproduction.plan import runs_of
 
     cfg = pipeline_config.load(StudyConfig, None, ["skip=[droppos_gamma0.9,randsac_square]"])
     names = [r.name for r in runs_of(("droppos", "randsac"), cfg.only, cfg.skip)]
@@ -286,7 +287,7 @@ def test_skip_leaves_rows_out_of_their_groups_and_refuses_main_rows():
 
 def test_a_stage_finished_in_a_resumed_attempt_is_flagged(tmp_path):
     """Its DONE records the last attempt's seconds only; the report marks it (two start-ups in its log)."""
-    from stages import stage_resumed
+    from core.stages import stage_resumed
 
     for name, startups in (("once", [3.0, 3.0]), ("twice", [3.0, 2.5]), ("unfinished", [3.0, 2.5])):
         d = tmp_path / name

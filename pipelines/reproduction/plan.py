@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import ConfigError
+from core.config import ConfigError
 
-CONFIGS = Path(__file__).parent / "configs"
+# pipelines/configs, unresolved (as the pipelines directory was imported): the stages record these paths in their
+# DONE files, so a resumed study must build the very same strings
+CONFIGS = Path(__file__).parents[1] / "configs"
 GROUPS = ("curves", "main", "mp3_pe", "mp3_eta", "droppos", "mjp", "randsac", "speech")
 
 

@@ -49,7 +49,11 @@ import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
-from config import (
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from core.config import (
     HOLDOUT,
     MAX_SEED,
     ConfigError,
@@ -61,7 +65,7 @@ from config import (
     parser,
     to_dict,
 )
-from rundir import (
+from core.rundir import (
     CheckpointError,
     RunLock,
     clean,
@@ -79,10 +83,6 @@ from rundir import (
     unsealed_steps,
     verify,
 )
-from safetensors.torch import save_file
-from torch import nn
-from tqdm.auto import tqdm
-
 from patchplace.data import DataError, Manifest, ShardDataset, build_transform
 from patchplace.data.atomic import atomic_file, write_json_atomic
 from patchplace.data.batched import build_batched_transform

@@ -1,7 +1,7 @@
 """The papers' claims against the study's numbers: seed-paired differences decided by a two-sided paired t-test
 over seeds at alpha = 0.05 (on-par claims by an equivalence test, TOST, with the margin stated), reported with the
 95% CI and p (agrees / **contradicts** / undecided / not run), plus the small statistics helpers the tables
-share."""
+share and :func:`random_key` (the random-init control a row is read against; controls.py's report uses it too)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from study_plan import RUNS
+from reproduction.plan import RUNS
 
 
 def stat(metrics: list[dict[str, Any]], key: str, pct: bool = True) -> str:
@@ -28,6 +28,17 @@ def stat(metrics: list[dict[str, Any]], key: str, pct: bool = True) -> str:
 def mean_of(rows: dict[str, list[dict[str, Any]]], name: str, key: str) -> float | None:
     values = [m[key] for m in rows.get(name, []) if m.get(key) is not None]
     return statistics.mean(values) if values else None
+
+
+def random_key(controls: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The random-init control a method's rows are read against: the one of their architecture and feature
+    (``probe_pos_embed`` / ``probe_feature``, recorded by the probes), else of their feature, else the default."""
+    pairs = {(r.get("probe_pos_embed"), r.get("probe_feature")) for r in rows}
+    pos_embed, feature = pairs.pop() if len(pairs) == 1 else (None, None)
+    for key in (f"random_linear@{pos_embed}/{feature}", f"random_linear@{feature}"):
+        if feature and key in controls:
+            return key
+    return "random_linear"
 
 
 def seeds_of(metrics: list[dict[str, Any]]) -> str:
@@ -154,8 +165,6 @@ def learned_status(rows: dict[str, list[dict[str, Any]]], name: str, controls: d
     run = next((r for r in RUNS if r.name == name), None)
     if controls is None or run is None or run.speech or name in SUPERVISED_ROWS:
         return None
-    from controls import random_key
-
     source = run.pretrain_from or name
     measured = controls.get("controls", {})  # the random init of the row's architecture and feature, if measured
     control = measured.get(random_key(measured, rows.get(source, [])), {}).get("probe_set")

@@ -1,5 +1,5 @@
 """Runs the study's stages — learning curves, controls, pretraining, fine-tuning, probes, evaluation, ONNX export +
-ONNX Runtime, privacy — for each (run, seed) below ``runs/``; every stage is resumable (``stages.stage``).
+ONNX Runtime, privacy — for each (run, seed) below ``runs/``; every stage is resumable (``core.stages.stage``).
 
 Protocol (study v3): every training stage validates on ``holdout`` images held out of the train split (training-time
 evaluation, early stopping); the test split is read once per final number, by an evaluation stage of the final (or
@@ -15,16 +15,16 @@ import controls
 import evaluate
 import finetune
 import pretrain
-from stages import stage
-from study_plan import CONFIGS, RUNS, Run, StudyConfig, group_seeds, runs_of
 
+from core.stages import stage
 from patchplace.data import Manifest
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
+from reproduction.plan import CONFIGS, RUNS, Run, StudyConfig, group_seeds, runs_of
 
 
 class Study:
-    """Runs the stages of each (run, seed) below ``cfg.runs``; every stage is resumable (stages.stage)."""
+    """Runs the stages of each (run, seed) below ``cfg.runs``; every stage is resumable (core.stages.stage)."""
 
     def __init__(self, cfg: StudyConfig):
         self.cfg = cfg

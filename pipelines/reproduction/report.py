@@ -8,10 +8,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import evaluate
 import torch
-from stages import hardware_line, stage_resumed, stage_seconds
-from study_claims import (
+
+from core.evaluation import plot_privacy_grid
+from core.stages import hardware_line, stage_resumed, stage_seconds
+from patchplace.data.atomic import atomic_file, write_json_atomic
+from reproduction.claims import (
     PRIVACY_METRICS,
     PRIVACY_RUNS,
     claims,
@@ -24,11 +26,17 @@ from study_claims import (
     stat,
     verdict,
 )
-from study_metrics import HARNESS_VERSION, budget_changes, collect, controls_of, curves_of, fraction_key, read_json
-from study_plan import GROUPS, RUNS, StudyConfig
-from study_runner import Study
-
-from patchplace.data.atomic import atomic_file, write_json_atomic
+from reproduction.metrics import (
+    HARNESS_VERSION,
+    budget_changes,
+    collect,
+    controls_of,
+    curves_of,
+    fraction_key,
+    read_json,
+)
+from reproduction.plan import GROUPS, RUNS, StudyConfig
+from reproduction.runner import Study
 
 
 def privacy_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -215,9 +223,8 @@ def privacy_figure(study: Study, out: Path) -> list[str]:
         return recs
 
     first = next(iter(found.values()))
-    evaluate.plot_privacy_grid(first["originals"], first["shuffled"], reconstructions("a"), reconstructions("b"),
-                               out / picture,
-                               "gradient inversion of one-image updates (MJP Table 5 settings (a), (b); Fig. 5)")
+    plot_privacy_grid(first["originals"], first["shuffled"], reconstructions("a"), reconstructions("b"), out / picture,
+                      "gradient inversion of one-image updates (MJP Table 5 settings (a), (b); Fig. 5)")
     return [picture]
 
 
@@ -268,7 +275,7 @@ def controls_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], cont
     """Every method's linear probe beside the controls on the same train sets and test images: raw pixels (linear,
     kNN), the random-init backbone (per seed), and supervised training from scratch on the same labels; "learned"
     where the method's all-label probe beats the random-init control by more than the seed spread."""
-    from study_claims import learned_status
+    from reproduction.claims import learned_status
 
     sets, measured = controls["sets"], controls["controls"]
     names = [n for n in (*(f"{f:g}" for f in cfg.label_fractions), "probe_set") if n in sets]

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from config import ConfigError, one_line
 
+from core.config import ConfigError, one_line
 from patchplace.data.atomic import umask
 
 CHECKPOINTS = "checkpoints"

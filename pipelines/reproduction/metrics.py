@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from stages import stage_resumed, stage_seconds
-from study_plan import RUNS, Run, StudyConfig
-from study_runner import Study
+from core.stages import stage_resumed, stage_seconds
+from reproduction.plan import RUNS, Run, StudyConfig
+from reproduction.runner import Study
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -1,0 +1,13 @@
+"""The suites of ``pipelines/benchmark.py`` (its docstring documents each; that file is the command line).
+
+    common.py     what the suites share: the study's model and loader sizes (``STUDY``), the device, a preset's
+                  image setting
+    compute.py    matmul (the peak), objectives (every pretraining step vs supervised), masks, models
+    data.py       data (shard reads, batched augmentation, MFCC) and the loader vs training consumption
+    onnx.py       onnx: PyTorch eager vs ONNX Runtime inference
+    pipelines.py  pipelines (end-to-end pretrain.py per data path), ddp (1 vs 2 processes), anchor (finetune.py vs a
+                  plain timm loop): the suites that run the entry points
+    mp3.py        mp3_table2 (MP3 Table 2 on a GPU) and saved_bytes (its memory column on any machine)
+    report.py     benchmark.md: one table per suite with its hardware line and note, the GPU section, the figure
+    suites.py     the registry (``SUITES``: name -> function(args, state) -> rows) and ``all``
+"""

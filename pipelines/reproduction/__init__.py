@@ -1,0 +1,12 @@
+"""The reproduction study; ``pipelines/study.py`` is its command line.
+
+    plan.py     the budget knobs (``StudyConfig``), the groups, one ``Run`` per table row, ``CONFIGS``
+    runner.py   the stages of each (run, seed) below ``runs/``: pretrain.py, finetune.py, evaluate.py and
+                controls.py run in-process (their ``main``), ONNX export + ONNX Runtime; each stage resumable
+    metrics.py  the numbers the stages left (results.json, logs), merged with an earlier study.json
+    claims.py   the papers' claims decided by seed-paired tests, the statistics helpers of the tables, the
+                random-init control a row is read against
+    report.py   markdown tables, the claims table, PNG figures and ``results/<name>.{json,md}``
+
+Only runner.py imports entry points, to run their ``main`` (tests/test_layout.py checks it).
+"""
