@@ -297,3 +297,40 @@ def test_a_stage_finished_in_a_resumed_attempt_is_flagged(tmp_path):
         if name != "unfinished":
             (d / "DONE").write_text(json.dumps({"seconds": 1.0, "argv": []}))
     assert [stage_resumed(tmp_path / n) for n in ("once", "twice", "unfinished")] == [False, True, False]
+
+
+def test_label_claims_read_the_probe_of_learned_rows_and_say_where_training_hit_its_cap(tmp_path):
+    """Without fine-tunes on the label subsets, "pretraining beats supervised on the same labels" compares the frozen
+    linear probe with the supervised ViT trained on the subset (marked "linear probe"); a row whose features do not
+    beat its random-init control is not read; a label-subset training that ran to its epoch cap while its best
+    validation top-1 was still its last evaluation is reported as a lower bound."""
+    from reproduction.metrics import still_improving
+    from reproduction.report import label_table
+
+    cfg = pipeline_config.load(StudyConfig, None, ["label_fractions=[0.01]", "label_finetune_epochs=[100]",
+                                                    "label_patience=5", "label_finetune=false"])
+    seeds = range(3)
+    rows = {
+        "supervised": [{"seed": s, "top1@0.01": 0.60 + 0.01 * s, "stopped@0.01": "cap, improving"} for s in seeds],
+        # probes 10 pt above supervised on every seed (not a constant difference): decided
+        "mp3": [{"seed": s, "linear_probe@0.01": 0.70 + 0.012 * s, "linear_probe": 0.72 + 0.01 * s,
+                 "probe_pos_embed": "none", "probe_feature": "mean"} for s in seeds],
+        # all-label probe no better than its random init: not read however far its 1% probe is from supervised
+        "mae": [{"seed": s, "linear_probe@0.01": 0.30, "linear_probe": 0.55 + 0.001 * s,
+                 "probe_pos_embed": "sincos2d", "probe_feature": "cls"} for s in seeds],
+    }
+    controls = {"controls": {"random_linear@none/mean": {"probe_set": [0.58, 0.585, 0.58]},
+                             "random_linear@sincos2d/cls": {"probe_set": [0.55, 0.56, 0.555]}}}
+    text = "\n".join(label_table(cfg, rows, controls))
+    mp3 = next(line for line in text.splitlines() if line.startswith("| MP3 |"))
+    assert "agrees (+10.2 pt, 95% CI [" in mp3 and "(linear probe)" in mp3
+    mae = next(line for line in text.splitlines() if line.startswith("| MAE |"))
+    assert "not learned at this budget" in mae and "contradicts" not in mae
+    assert "decided 1 of 2" in text and "not read (features not learned at this budget): 1" in text
+    assert ("supervised 1%: stopped early on 0 of 3 seed(s), ran to the 100-epoch cap on 3 (3 still improving at "
+            "the cap") in text
+    # the log reading behind "still improving": best at the last evaluation, or not
+    log = tmp_path / "log.jsonl"
+    for tops, expected in (([0.5, 0.6, 0.7], True), ([0.5, 0.7, 0.6], False)):
+        log.write_text("".join(json.dumps({"step": i, "eval": {"top1": t}}) + "\n" for i, t in enumerate(tops)))
+        assert still_improving(log) is expected

@@ -40,6 +40,14 @@ def early_stop(log: Path) -> dict[str, Any] | None:
     return stops[-1] if stops else None
 
 
+def still_improving(log: Path) -> bool:
+    """Whether a training stage's best validation top-1 is its last evaluation (it ran to its epoch cap while still
+    improving: its number is a lower bound of training to convergence)."""
+    tops = [row["eval"]["top1"] for line in log.read_text().splitlines() if line.strip()
+            and "top1" in (row := json.loads(line)).get("eval", {})] if log.is_file() else []
+    return bool(tops) and tops[-1] >= max(tops)
+
+
 def controls_of(study: Study) -> dict[str, Any] | None:
     """The probe controls measured for this study (``runs/controls/controls.json``), or None."""
     return read_json(study.root / "controls" / "controls.json")
@@ -79,6 +87,9 @@ def label_metrics(study: Study, run: Run, seed: int, probe: dict[str, Any]) -> d
             stopped = early_stop(d / "log.jsonl")
             if ev is not None and stopped:
                 m[fraction_key("best_step", fraction)] = stopped["best_step"]
+            if ev is not None and study.cfg.label_patience:  # how the training stopped: early, or at the cap
+                m[fraction_key("stopped", fraction)] = "early" if stopped else (
+                    "cap, improving" if still_improving(d / "log.jsonl") else "cap")
         else:  # v2: the closing evaluation of the training stage, on the test images
             ev = last_eval(d / "log.jsonl")
         if ev is not None:

@@ -19,6 +19,7 @@ from reproduction.claims import (
     claims,
     claims_versus,
     decided_line,
+    learned_status,
     mean_of,
     per_seed,
     privacy_metric,
@@ -228,34 +229,63 @@ def privacy_figure(study: Study, out: Path) -> list[str]:
     return [picture]
 
 
-def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]],
+                controls: dict[str, Any] | None = None) -> list[str]:
     """Label efficiency: per label fraction, fine-tuned top-1 (supervised: trained from scratch on the subset), its
-    seed-paired difference to supervised with the verdict "pretraining helps", and the linear probe on the same
-    subset; then the full-label top-1 for reference. Ends with how many (method, fraction) pairs are decided."""
+    seed-paired difference to supervised with the verdict "pretraining helps" — read from the linear probe on the
+    same subset where the pretrained rows were not fine-tuned on it (a frozen probe is a lower bound of a fine-tune)
+    and only for rows whose features are learned (:func:`learned_status`) — and the linear probe; then the
+    full-label top-1 for reference. Ends with how many (method, fraction) pairs are decided and how the
+    label-subset trainings stopped (early on validation, or at their epoch cap)."""
     labels = {r.name: r.label for r in RUNS}
     names = [r.name for r in RUNS if r.label_efficiency]
     header = ["method", "seeds"]
     for f in cfg.label_fractions:
         header += [f"fine-tuned {f:.0%}", f"vs supervised {f:.0%}", f"linear probe {f:.0%}"]
     lines = ["| " + " | ".join([*header, "all labels"]) + " |", "|" + " --- |" * (len(header) + 1)]
-    verdicts = []
+    verdicts, probed = [], False
     for name in names:
         if name not in rows:
             lines.append(f"| {labels[name]} | not run |" + " - |" * (len(header) - 1))
             continue
         cells = [labels[name], seeds_of(rows[name])]
+        unlearned = learned_status(rows, name, controls)
         for f in cfg.label_fractions:
-            top1 = fraction_key("top1", f)
+            top1, probe = fraction_key("top1", f), fraction_key("linear_probe", f)
+            ours = per_seed(rows, name, top1)
             if name == "supervised":
                 judged = "(baseline)"
-            else:
-                judged = verdict(per_seed(rows, name, top1), per_seed(rows, "supervised", top1), True)
+            elif unlearned:
+                judged = unlearned
                 verdicts.append(judged)
-            cells += [stat(rows[name], top1), judged, stat(rows[name], fraction_key("linear_probe", f))]
+            else:
+                by_probe = not ours
+                probed |= by_probe and bool(per_seed(rows, name, probe))
+                judged = verdict(per_seed(rows, name, probe) if by_probe else ours,
+                                 per_seed(rows, "supervised", top1), True)
+                judged += " (linear probe)" if by_probe and judged != "not run" else ""
+                verdicts.append(judged)
+            cells += [stat(rows[name], top1), judged, stat(rows[name], probe)]
         lines.append("| " + " | ".join([*cells, stat(rows[name], "top1")]) + " |")
     summary = decided_line(verdicts)
-    return [*lines, "", "Pretraining beats supervised training from scratch on the same labels: "
-            + summary[0].lower() + summary[1:]]
+    lines += ["", "Pretraining beats supervised training from scratch on the same labels: "
+              + summary[0].lower() + summary[1:]
+              + (" Where a method was not fine-tuned on the subset, its frozen linear probe on it is compared with "
+                 "the supervised ViT trained on it (marked \"linear probe\")." if probed else "")]
+    stops = []
+    for name in names:
+        for f, cap in zip(cfg.label_fractions, cfg.label_finetune_epochs, strict=True):
+            how = [m[fraction_key("stopped", f)] for m in rows.get(name, []) if fraction_key("stopped", f) in m]
+            if how:
+                early, improving = how.count("early"), how.count("cap, improving")
+                stops.append(f"{labels[name]} {f:.0%}: stopped early on {early} of {len(how)} seed(s)"
+                             + (f", ran to the {cap:g}-epoch cap on {len(how) - early}" if early < len(how) else "")
+                             + (f" ({improving} still improving at the cap: a lower bound of training to "
+                                "convergence)" if improving else ""))
+    if stops:
+        lines += ["", "How the label-subset trainings stopped (validation early stopping): " + "; ".join(stops)
+                  + "."]
+    return lines
 
 
 def _mean_sd(values: list[float] | None) -> tuple[float, float] | None:
@@ -275,8 +305,6 @@ def controls_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], cont
     """Every method's linear probe beside the controls on the same train sets and test images: raw pixels (linear,
     kNN), the random-init backbone (per seed), and supervised training from scratch on the same labels; "learned"
     where the method's all-label probe beats the random-init control by more than the seed spread."""
-    from reproduction.claims import learned_status
-
     sets, measured = controls["sets"], controls["controls"]
     names = [n for n in (*(f"{f:g}" for f in cfg.label_fractions), "probe_set") if n in sets]
     heads = [f"{float(n):.0%} of the train labels ({sets[n]} images)" if n != "probe_set"
@@ -463,7 +491,7 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                   "subsets, frozen pretrained backbones. Seed-paired differences to supervised as in the claims."
                   + ("" if cfg.label_finetune else " The pretrained rows are probed only here (no fine-tune on the "
                      "subsets at this budget)."), ""]
-        lines += label_table(cfg, rows)
+        lines += label_table(cfg, rows, controls)
     lines += ["", "position acc.: MP3 top-1 at the training eta, DropPos mean of its 4 x 4 grid; position probe: a "
               "linear probe of the patch tokens' positions (DropPos Table 7), for every backbone.", "",
               "## What the papers claim, and what this study measured", "",
