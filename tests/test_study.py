@@ -334,3 +334,20 @@ def test_label_claims_read_the_probe_of_learned_rows_and_say_where_training_hit_
     for tops, expected in (([0.5, 0.6, 0.7], True), ([0.5, 0.7, 0.6], False)):
         log.write_text("".join(json.dumps({"step": i, "eval": {"top1": t}}) + "\n" for i, t in enumerate(tops)))
         assert still_improving(log) is expected
+
+
+def test_learned_gate_reads_the_column_a_number_comes_from():
+    """A row is gated where its number is read: on a label subset, its probe on that subset against the random
+    init's on the same images; on the all-label probe set, there. The same row can be learned at 1% and not on the
+    probe set; a control without the subset's column falls back to the probe set."""
+    from reproduction.claims import learned_status
+
+    rows = {"mae": [{"seed": s, "linear_probe@0.01": 0.56 + 0.002 * s, "linear_probe": 0.64 + 0.001 * s,
+                     "probe_pos_embed": "sincos2d", "probe_feature": "cls"} for s in range(3)]}
+    both = {"controls": {"random_linear@sincos2d/cls": {"0.01": [0.49, 0.50, 0.51], "probe_set": [0.63, 0.64, 0.65]}}}
+    assert learned_status(rows, "mae", both, 0.01) is None  # 56.2 vs 50.0 +- 1.0: learned at 1%
+    status = learned_status(rows, "mae", both)
+    assert status is not None and status.startswith("not learned at this budget (mae: probe 64.1 vs random init 64.0")
+    probe_set_only = {"controls": {"random_linear@sincos2d/cls": {"probe_set": [0.63, 0.64, 0.65]}}}
+    assert learned_status(rows, "mae", probe_set_only, 0.01) == status
+    assert learned_status(rows, "supervised", both, 0.01) is None  # trained with labels: never gated

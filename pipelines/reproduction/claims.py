@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from reproduction.plan import RUNS
+from reproduction.plan import RUNS, fraction_key
 
 
 def stat(metrics: list[dict[str, Any]], key: str, pct: bool = True) -> str:
@@ -157,27 +157,38 @@ def on_par(ours: dict[int, float], other: dict[int, float], margin: float = 0.01
 SUPERVISED_ROWS = {r.name for r in RUNS if r.classifier_only}
 
 
-def learned_status(rows: dict[str, list[dict[str, Any]]], name: str, controls: dict[str, Any] | None) -> str | None:
-    """None when ``name``'s pretrained features count as learned (its all-label linear probe beats the random-init
-    control's of the same architecture and feature — the row's ``probe_pos_embed`` / ``probe_feature`` — by more
-    than the seed spread, the larger std over seeds), else "not learned at this budget (...)".
-    Rows trained with labels, speech rows (no image control) and a study without controls are not gated."""
+def learned_status(rows: dict[str, list[dict[str, Any]]], name: str, controls: dict[str, Any] | None,
+                   fraction: float | None = None) -> str | None:
+    """None when ``name``'s pretrained features count as learned where a number is read: its linear probe on the
+    ``fraction`` label subset (None: the all-label probe set) beats the random-init control's on the same images,
+    of the same architecture and feature (the row's ``probe_pos_embed`` / ``probe_feature``), by more than the seed
+    spread (the larger std over seeds); else "not learned at this budget (...)". A control without that column is
+    read on the probe set. Rows trained with labels, speech rows (no image control) and a study without controls
+    are not gated."""
     run = next((r for r in RUNS if r.name == name), None)
     if controls is None or run is None or run.speech or name in SUPERVISED_ROWS:
         return None
     source = run.pretrain_from or name
     measured = controls.get("controls", {})  # the random init of the row's architecture and feature, if measured
-    control = measured.get(random_key(measured, rows.get(source, [])), {}).get("probe_set")
-    values = list(per_seed(rows, source, "linear_probe").values())
-    if not control or not values:
+    control = measured.get(random_key(measured, rows.get(source, [])), {})
+    column, metric, where = "probe_set", "linear_probe", ""
+    if fraction is not None and control.get(f"{fraction:g}"):
+        column, metric, where = f"{fraction:g}", fraction_key("linear_probe", fraction), f" at {fraction:.0%}"
+    values = list(per_seed(rows, source, metric).values())
+    if not control.get(column) or not values:
         return None
     mean, sd = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-    c_mean, c_sd = statistics.mean(control), statistics.stdev(control) if len(control) > 1 else 0.0
+    c_mean = statistics.mean(control[column])
+    c_sd = statistics.stdev(control[column]) if len(control[column]) > 1 else 0.0
     spread = max(sd, c_sd)
     if mean - c_mean > spread:
         return None
-    return (f"not learned at this budget ({source}: probe {mean * 100:.1f} vs random init "
+    return (f"not learned at this budget ({source}{where}: probe {mean * 100:.1f} vs random init "
             f"{c_mean * 100:.1f}, spread {spread * 100:.1f})")
+
+
+# claims read on a label subset are gated on that subset's probe (the others on the all-label probe set)
+GATE_FRACTION = {"StoP Table 6": 0.01}
 
 
 def claims(rows: dict[str, list[dict[str, Any]]], controls: dict[str, Any] | None = None,
@@ -312,7 +323,8 @@ def claim_items(rows: dict[str, list[dict[str, Any]]],
     ]
     gated = []
     for claim, setting, names, judged in items:
-        status = next((st for n in names if (st := learned_status(rows, n, controls))), None)
+        fraction = next((f for key, f in GATE_FRACTION.items() if claim.startswith(key)), None)
+        status = next((st for n in names if (st := learned_status(rows, n, controls, fraction))), None)
         gated.append((claim, setting, status if status and judged != "not run" else judged))
     return gated
 

@@ -10,17 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from core.stages import stage_resumed, stage_seconds
-from reproduction.plan import RUNS, Run, StudyConfig
+from reproduction.plan import RUNS, Run, StudyConfig, fraction_key
 from reproduction.runner import Study
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def fraction_key(metric: str, fraction: float) -> str:
-    """The key of a label-efficiency number, e.g. ``top1@0.01`` (fine-tuned on 1% of the labels)."""
-    return f"{metric}@{fraction:g}"
 
 
 def last_eval(log: Path) -> dict[str, Any] | None:

@@ -205,6 +205,11 @@ RUNS: tuple[Run, ...] = (
 )
 
 
+def fraction_key(metric: str, fraction: float) -> str:
+    """The key of a label-efficiency number, e.g. ``top1@0.01`` (fine-tuned on 1% of the labels)."""
+    return f"{metric}@{fraction:g}"
+
+
 def group_seeds(cfg: StudyConfig, group: str) -> tuple[int, ...]:
     """The seeds a group runs: ``seeds`` (main), ``speech_seeds`` (speech), ``curve_seed`` (curves), else
     ``ablation_seeds``."""
