@@ -1,4 +1,4 @@
-"""The shared training engine of the pipelines (with ``config.py``, the only code that imports accelerate).
+"""The shared training engine of the pipelines (with core/config.py and core/rundir.py, the only accelerate users).
 
 Accelerator setup (mixed precision, gradient accumulation, trackers: JSONL always + TensorBoard), shard readers
 split by ``accelerator.process_index`` / ``num_processes``, AdamW through timm's ``create_optimizer_v2`` (layer-wise
