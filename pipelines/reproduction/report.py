@@ -228,6 +228,19 @@ def privacy_figure(study: Study, out: Path) -> list[str]:
     return [picture]
 
 
+def bounded(judged: str, by_probe: bool, baseline_capped: bool) -> str:
+    """A label-efficiency verdict stated no more strongly than its bounds allow: a frozen probe under-reads what a
+    fine-tune of the same backbone reaches, so a probe below the supervised baseline contradicts nothing; a
+    supervised baseline that ran to its epoch cap still improving under-reads training to convergence, so a
+    pretrained row above it agrees with nothing. Either way the test's numbers stay, marked undecided."""
+    detail = judged[judged.find("(") + 1:judged.rfind(")")]
+    if by_probe and judged.startswith("**contradicts**"):
+        return f"undecided ({detail}; a frozen probe under-reads a fine-tune: below is no contradiction)"
+    if baseline_capped and judged.startswith("agrees"):
+        return f"undecided ({detail}; the supervised baseline was still improving at its epoch cap)"
+    return judged
+
+
 def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]],
                 controls: dict[str, Any] | None = None) -> list[str]:
     """Label efficiency: per label fraction, fine-tuned top-1 (supervised: trained from scratch on the subset), its
@@ -235,7 +248,8 @@ def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]],
     same subset where the pretrained rows were not fine-tuned on it (a frozen probe is a lower bound of a fine-tune)
     and only for rows whose features are learned (:func:`learned_status`) — and the linear probe; then the
     full-label top-1 for reference. Ends with how many (method, fraction) pairs are decided and how the
-    label-subset trainings stopped (early on validation, or at their epoch cap)."""
+    label-subset trainings stopped (early on validation, or at their epoch cap). Verdicts resting on a bound are
+    kept undecided (:func:`bounded`)."""
     labels = {r.name: r.label for r in RUNS}
     names = [r.name for r in RUNS if r.label_efficiency]
     header = ["method", "seeds"]
@@ -262,6 +276,8 @@ def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]],
                 probed |= by_probe and bool(per_seed(rows, name, probe))
                 judged = verdict(per_seed(rows, name, probe) if by_probe else ours,
                                  per_seed(rows, "supervised", top1), True)
+                capped = any(m.get(fraction_key("stopped", f)) == "cap, improving" for m in rows["supervised"])
+                judged = bounded(judged, by_probe, capped)
                 judged += " (linear probe)" if by_probe and judged != "not run" else ""
                 verdicts.append(judged)
             cells += [stat(rows[name], top1), judged, stat(rows[name], probe)]
