@@ -20,7 +20,7 @@ CORPORA  := corpora
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
-	@echo "make study  the reproduction study v3 (results/study.md; ~3.5 h on 2 CPU cores, resumable)"
+	@echo "make study  the reproduction study v3 (results/study.md; ~5.5 h measured on 2 CPU cores, resumable)"
 	@echo "make study-gpu  the same study at a GPU budget, every ablation (results/study_gpu.md)"
 	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
