@@ -235,6 +235,39 @@ def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
     assert commands_so_far(cfg, ["seeds=[1]"]) == ["python pipelines/study.py seeds=[1]"]
 
 
+def test_a_report_without_runs_keeps_the_earlier_controls_curves_and_minutes_and_links_no_stale_figure(tmp_path):
+    """A report written where ``runs/`` was cleaned (or never ran those groups) keeps the earlier study.json's
+    controls, learning curves and stage minutes beside its rows, says on which machines they were measured, and
+    does not link a privacy figure that an older study left in results/ when no row has privacy results."""
+    from reproduction.report import report
+
+    cfg = pipeline_config.load(StudyConfig, None, [f"runs={tmp_path / 'runs'}", f"results={tmp_path}",
+                                                   "compare_with=null"])
+    sets = {"0.01": [0.76, 0.77], "0.1": [0.8, 0.81], "probe_set": [0.79, 0.8]}
+    controls = {"controls": {k: sets for k in ("pixels_linear", "pixels_knn", "random_linear", "random_knn",
+                                               "random_linear@learned/mean", "random_knn@learned/mean")},
+                "sets": {"0.01": 550, "0.1": 5500, "probe_set": 5000}, "test_samples": 5000, "seeds": [0, 1],
+                "preset": cfg.preset, "pool": "learned/mean", "random_inits": ["learned/mean"],
+                "test_split": "shards/fashion_mnist/test", "checkpoints": {}}
+    curve = {"points": {"0.0": 0.45, "0.5": 0.66}, "knn": {"0.0": 0.4, "0.5": 0.57}, "feature": "mean",
+             "controls": {"pixels_linear": [0.77], "random_linear": [0.45, 0.44]}, "val_samples": 5000,
+             "minutes": 11.0, "resumed": False}
+    earlier = {"harness": HARNESS_VERSION, "config": dataclasses.asdict(cfg), "hardware": "another CPU",
+               "results": {"supervised": [{"seed": 0, "top1": 0.7}]}, "controls": controls,
+               "curves": {"mp3": curve},
+               "wall_clock": {"minutes": {"main": {"pretraining": 92.6}, "curves": {"probes": 17.6}},
+                              "resumed": {"curves": 3}}}
+    (tmp_path / "study.json").write_text(json.dumps(earlier))
+    (tmp_path / "study_privacy.png").write_bytes(b"stale")
+    text = report(cfg, ["--report-only"])
+    assert "| MP3 (mean) | 45.0 | 66.0 |" in text and "control: raw pixels, linear probe | 76.5" in text
+    assert "| main | 92.6 |" in text and "Process-minutes in all: 110.2" in text and "3 stage(s)" in text
+    assert "study_privacy.png" not in text and "earlier rows: another CPU" in text
+    written = json.loads((tmp_path / "study.json").read_text())
+    assert written["controls"] == controls and written["wall_clock"]["resumed"] == {"curves": 3}
+    assert report(cfg, ["--report-only"]) == text  # a second report from the merged file: the same
+
+
 def test_study_claims_are_decided_by_a_paired_test_at_alpha_005():
     """Issue 30: a claim is decided only by a two-sided paired t-test over shared seeds at alpha 0.05, reported with
     its 95% CI, p and seed count; one seed, or p >= 0.05, is "undecided". The v2 rule (|mean| > max(0.5 pt, sd))

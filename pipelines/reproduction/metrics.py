@@ -44,14 +44,17 @@ def still_improving(log: Path) -> bool:
 
 
 def controls_of(study: Study) -> dict[str, Any] | None:
-    """The probe controls measured for this study (``runs/controls/controls.json``), or None."""
-    return read_json(study.root / "controls" / "controls.json")
+    """The probe controls measured for this study (``runs/controls/controls.json``), else those of an earlier
+    ``study.json`` at this budget, or None."""
+    return read_json(study.root / "controls" / "controls.json") or earlier_study(study.cfg).get("controls")
 
 
 def curves_of(study: Study) -> dict[str, Any]:
     """{row: {"points": {epoch: 1% probe top-1 on validation}, "knn": {...}, "controls": {...}}} of every finished
-    learning curve."""
-    curves = {}
+    learning curve; a curve no longer below ``runs/`` comes from an earlier ``study.json`` at this budget."""
+    curves = {name: {**c, "points": {float(e): v for e, v in c["points"].items()},
+                     "knn": {float(e): v for e, v in c["knn"].items()}}
+              for name, c in (earlier_study(study.cfg).get("curves") or {}).items() if name in study.cfg.curve_rows}
     for name in study.cfg.curve_rows:
         measured = read_json(study.curve_dir(name) / "probes" / "controls.json")
         if not measured:
@@ -178,9 +181,10 @@ BUDGET_FIELDS = ("preset", "holdout", "label_patience", "label_finetune", "pretr
                  "label_subset_seed", "label_batch_size", "probe_extras")
 
 
-def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
-    """Rows of an earlier ``results/study.json`` measured at this budget (another machine, or a ``runs/`` since
-    cleaned): seeds accumulate across study invocations. A different budget is ignored, with a note."""
+def earlier_study(cfg: StudyConfig) -> dict[str, Any]:
+    """An earlier ``results/study.json`` measured at this budget (another machine, or a ``runs/`` since cleaned),
+    or {}: its rows, controls, curves and stage minutes stand where ``runs/`` no longer holds them. A different
+    budget is ignored, with a note."""
     path = Path(cfg.results) / f"{cfg.name}.json"
     earlier = read_json(path)
     if not earlier:
@@ -189,7 +193,14 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
     if changed:
         print(f"[study] {path}: measured at another budget ({', '.join(changed)} differ); not reused")
         return {}
-    rows = earlier.get("results", {})
+    return earlier
+
+
+def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
+    """Rows of an earlier ``study.json`` at this budget (``earlier_study``): seeds accumulate across study
+    invocations."""
+    path = Path(cfg.results) / f"{cfg.name}.json"
+    rows = earlier_study(cfg).get("results", {})
     for metrics in rows.values():
         for m in metrics:
             m.pop("mce", None)  # recomputed against the supervised rows of the merged table

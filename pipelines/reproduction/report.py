@@ -33,6 +33,7 @@ from reproduction.metrics import (
     collect,
     controls_of,
     curves_of,
+    earlier_study,
     read_json,
 )
 from reproduction.plan import GROUPS, RUNS, StudyConfig, fraction_key
@@ -198,12 +199,13 @@ def label_efficiency_figure(rows: dict[str, list[dict[str, Any]]], out: Path, st
     return [f"{stem}_label_efficiency.png"]
 
 
-def privacy_figure(study: Study, out: Path) -> list[str]:
+def privacy_figure(study: Study, out: Path, rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     picture = f"{study.cfg.name}_privacy.png"
     """MJP Fig. 5 style grid from the privacy stages' ``privacy.npz`` (first seed of each model that has one):
     originals, each model's reconstruction of its update on x (a), the jigsaw x~, each model's reconstruction of
     its update on x~ (b). APRIL where the model has a learned PE, else gradient matching. Kept as is when no run
-    directory holds the images (a report from merged results)."""
+    directory holds the images but the merged ``rows`` hold privacy results (a report from merged results); a
+    figure left by an earlier study without them is not linked."""
     import numpy as np
 
     found = {}
@@ -213,7 +215,8 @@ def privacy_figure(study: Study, out: Path) -> list[str]:
         if path is not None:
             found[run.label] = dict(np.load(path))
     if not found:
-        return [picture] if (out / picture).is_file() else []
+        measured = any("privacy_setup" in m for ms in rows.values() for m in ms)
+        return [picture] if measured and (out / picture).is_file() else []
 
     def reconstructions(setting: str) -> dict[str, np.ndarray]:
         recs = {}
@@ -425,20 +428,36 @@ STAGE_KINDS = (("pretraining", ("pretrain",)), ("all-label training", ("train", 
                ("evaluation + ONNX", ("eval", "export", "ort")), ("privacy", ("privacy",)))
 
 
-def wall_clock(study: Study) -> list[str]:
-    """Minutes of the finished stages below ``runs/``, per group and kind of stage (the study's processes share
-    the machine: per-process time, summed)."""
+def stage_minutes(study: Study) -> dict[str, Any]:
+    """{"minutes": {group: {kind: process-minutes}}, "resumed": {group: stages finished in a resumed attempt}} of
+    the finished stages below ``runs/`` (the study's processes share the machine: per-process time, summed); a
+    group with no finished stage there keeps the minutes of an earlier ``study.json`` at this budget."""
     group = {r.name: r.group for r in RUNS}
     minutes: dict[str, dict[str, float]] = {}
+    resumed: dict[str, int] = {}
+
+    def add(group_name: str, kind: str, stage_dir: Path) -> None:
+        per_group = minutes.setdefault(group_name, {})
+        per_group[kind] = per_group.get(kind, 0.0) + (stage_seconds(stage_dir) or 0.0) / 60
+        resumed[group_name] = resumed.get(group_name, 0) + int(stage_resumed(stage_dir))
+
     for done in sorted(study.root.glob("seed*/*/*/DONE")):
         run, stage_name = done.parent.parent.name, done.parent.name
-        kind = next((k for k, prefixes in STAGE_KINDS if stage_name.startswith(prefixes)), "other")
-        per_group = minutes.setdefault(group.get(run, "other"), {})
-        per_group[kind] = per_group.get(kind, 0.0) + (stage_seconds(done.parent) or 0.0) / 60
+        add(group.get(run, "other"), next((k for k, prefixes in STAGE_KINDS if stage_name.startswith(prefixes)),
+                                          "other"), done.parent)
     for done in sorted([*study.root.glob("curves/*/*/DONE"), *study.root.glob("controls/DONE")]):
-        kind = "pretraining" if done.parent.name == "pretrain" else "probes"
-        per_group = minutes.setdefault("curves" if "curves" in done.parts else "controls", {})
-        per_group[kind] = per_group.get(kind, 0.0) + (stage_seconds(done.parent) or 0.0) / 60
+        add("curves" if "curves" in done.parts else "controls",
+            "pretraining" if done.parent.name == "pretrain" else "probes", done.parent)
+    earlier = earlier_study(study.cfg).get("wall_clock") or {}
+    measured = set(minutes)
+    minutes.update({g: m for g, m in (earlier.get("minutes") or {}).items() if g not in measured})
+    resumed.update({g: n for g, n in (earlier.get("resumed") or {}).items() if g not in measured})
+    return {"minutes": minutes, "resumed": resumed}
+
+
+def wall_clock(spent: dict[str, Any]) -> list[str]:
+    """The table of ``stage_minutes``: minutes per group and kind of stage, and their total."""
+    minutes = spent["minutes"]
     if not minutes:
         return []
     kinds = [k for k, _ in STAGE_KINDS if any(k in m for m in minutes.values())]
@@ -446,9 +465,7 @@ def wall_clock(study: Study) -> list[str]:
     for g, m in minutes.items():
         lines.append(f"| {g} | " + " | ".join(f"{m.get(k, 0):.1f}" for k in kinds) + f" | {sum(m.values()):.1f} |")
     total = sum(sum(m.values()) for m in minutes.values())
-    dones = [*study.root.glob("seed*/*/*/DONE"), *study.root.glob("curves/*/*/DONE"),
-             *study.root.glob("controls/DONE")]
-    resumed = sum(stage_resumed(d.parent) for d in dones)
+    resumed = sum(spent["resumed"].values())
     return [*lines, "", f"Process-minutes in all: {total:.1f} (divide by the number of study processes for the "
             "elapsed time when they ran side by side)." + (
                 f" {resumed} stage(s) finished in a resumed attempt: they count that attempt's minutes only, so "
@@ -466,7 +483,8 @@ MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "fin
 
 
 def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: list[str], hardware: str,
-             study: Study, controls: dict[str, Any] | None = None, curve_lines: list[str] | None = None) -> str:
+             minutes: dict[str, Any], controls: dict[str, Any] | None = None,
+             curve_lines: list[str] | None = None) -> str:
     names = [r.name for r in RUNS]
     group = {g: [r.name for r in RUNS if r.group == g] for g in GROUPS}
     protocol = (f"Validation: {cfg.holdout} class-balanced images held out of the train split; every training stage "
@@ -575,7 +593,7 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
     if failed:
         lines += ["", f"Corruptions that failed in this environment (not in mCE): {', '.join(failed)}."]
     lines += [""] + [f"![{f}]({f})" for f in figures]
-    spent = wall_clock(study)
+    spent = wall_clock(minutes)
     if spent:
         lines += ["", "## Wall-clock per part (minutes of the finished stages)", "", *spent]
     missing = [n for n in names if n not in rows]
@@ -602,15 +620,19 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
     rows = collect(study)
     controls, curves = controls_of(study), curves_of(study)
     curve_lines, curve_figure = curves_section(curves, out, cfg.name)
-    figures = curve_figure + plots(rows, out, cfg.name) + privacy_figure(study, out)
+    figures = curve_figure + plots(rows, out, cfg.name) + privacy_figure(study, out, rows)
     hardware = hardware_line()
-    text = markdown(cfg, rows, figures, hardware, study, controls, curve_lines)
+    earlier_hardware = earlier_study(cfg).get("hardware", "").split("; earlier rows: ")[-1]
+    if earlier_hardware and earlier_hardware != hardware:
+        hardware += f"; earlier rows: {earlier_hardware}"
+    minutes = stage_minutes(study)
+    text = markdown(cfg, rows, figures, hardware, minutes, controls, curve_lines)
     payload = {"harness": HARNESS_VERSION, "commands": commands_so_far(cfg, argv), "config": asdict(cfg),
                "hardware": hardware, "python": platform.python_version(), "torch": torch.__version__,
                "runs": {r.name: {"group": r.group, "label": r.label, "config": r.config,
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,
                                  "pretrain_from": r.pretrain_from} for r in RUNS},
-               "results": rows, "controls": controls, "curves": curves}
+               "results": rows, "controls": controls, "curves": curves, "wall_clock": minutes}
     write_json_atomic(out / f"{cfg.name}.json", payload)  # two study processes may finish at once
     with atomic_file(out / f"{cfg.name}.md") as tmp:
         tmp.write_text(text)
