@@ -15,7 +15,7 @@ ORT      ?= cpu
 SHARDS   := shards
 CORPORA  := corpora
 
-.PHONY: help setup apt venv demo study study-gpu benchmark data test lint clean
+.PHONY: help setup apt venv demo study study-curves study-gpu benchmark data test lint clean
 
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
@@ -78,6 +78,10 @@ demo: setup data
 STUDY_JOBS ?= 2
 study: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_fashion_mnist.yaml
+
+# The learning curves that chose the CPU study's pretraining budget (seed 0; merged into results/study.md)
+study-curves: setup data
+	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_fashion_mnist.yaml 'groups=[curves]'
 
 # The GPU study: every ablation group, 3 seeds, 10 + 10 epochs, bf16 -> results/study_gpu.{json,md}
 STUDY_GPU_JOBS ?= 4

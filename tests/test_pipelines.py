@@ -419,6 +419,13 @@ def test_every_help_line_fits_100_columns(capsys, monkeypatch, columns):
         assert not long, f"{main.__module__} {argv}: {long}"
         # a wrapped meaning continues under its first line
         assert "  data.holdout = 0" in out and f"{'':44} # training never reads; data.val=holdout" in out
+    import benchmark
+    import controls
+    import study
+
+    for main in (demo.main, controls.main, study.main, benchmark.main):  # the other entry points: width only
+        long = [line for line in help_text(main, [], capsys).splitlines() if len(line) > 100]
+        assert not long, f"{main.__module__}: {long}"
 
 
 def test_evaluate_help_lists_only_what_evaluation_reads_and_its_usage_intact(capsys):

@@ -135,6 +135,10 @@ def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seed
     assert "knn" not in mae[1] and "position_probe" not in mae[1], "probe_extras=false: linear probes only"
     assert not (tmp_path / "runs" / "seed1" / "mae" / "finetune").exists()
     assert [m["seed"] for m in rows["supervised"] if m["top1"] is not None] == [0, 1]
+    runner = Study(pipeline_config.load(StudyConfig, None, [*args, "first_seed_finetunes=false"]))
+    mae_run, supervised_run = (next(r for r in RUNS if r.name == n) for n in ("mae", "supervised"))
+    assert not runner.full_label(mae_run, 0) and runner.full_label(supervised_run, 0), \
+        "first_seed_finetunes=false: the other main rows are probed only, on every seed"
     with pytest.raises(pipeline_config.ConfigError, match="full_label_rows"):
         pipeline_config.load(StudyConfig, None, ["full_label_rows=[droppos_gamma0.5]"])
     with pytest.raises(pipeline_config.ConfigError, match="one entry per label fraction"):

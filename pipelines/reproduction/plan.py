@@ -51,6 +51,9 @@ class StudyConfig:
     # only on the first seed (their pretraining, probes and label-efficiency runs still take every seed).
     # () = every main row on every seed
     full_label_rows: tuple[str, ...] = ()
+    # with full_label_rows: whether the other main rows are fine-tuned on the first seed (false: probed only, no
+    # fine-tune / evaluation at all: the rows no claim reads cost nothing but their pretraining and probes)
+    first_seed_finetunes: bool = True
     # label efficiency (the SSL protocol): each pretrained main method fine-tuned and linearly probed on these
     # class-balanced fractions of the train labels, beside the supervised ViT trained from scratch on the same subset
     label_fractions: tuple[float, ...] = (0.01, 0.1)

@@ -513,7 +513,10 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
     lines += table(rows, group["main"], MAIN_COLUMNS, "method")
     if cfg.full_label_rows:
         lines += ["", f"All-label fine-tuning on every seed for {', '.join(cfg.full_label_rows)} (the rows a "
-                  "full-label claim reads); the other rows on the first seed, their probes on every seed."]
+                  "full-label claim reads); the other rows " + (
+                      "on the first seed, their probes on every seed." if cfg.first_seed_finetunes else
+                      "are probed only (no claim reads their fine-tunes; a first-seed fine-tune in the table was "
+                      "merged from an earlier study.json at this budget).")]
     if cfg.label_fractions:
         lines += ["", "## Label efficiency: fine-tuning and linear probes on a fraction of the labels", "",
                   "Class-balanced subsets of the 60,000 training images (the same for every method and seed, "

@@ -77,9 +77,11 @@ class Study:
 
     def full_label(self, run: Run, seed: int) -> bool:
         """Whether this (run, seed) is fine-tuned with all labels (``full_label_rows``: the others of main only on
-        the first seed)."""
+        the first seed, or not at all without ``first_seed_finetunes``)."""
         rows = self.cfg.full_label_rows
-        return not (run.group == "main" and rows and run.name not in rows and seed != self.seeds(run)[0])
+        if run.group == "main" and rows and run.name not in rows:
+            return self.cfg.first_seed_finetunes and seed == self.seeds(run)[0]
+        return True
 
     def source(self, run: Run, seed: int) -> Path:
         """The directory of the run whose pretraining this run fine-tunes (``pretrain_from``, else its own)."""
