@@ -121,6 +121,32 @@ def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int
     return 0
 
 
+def sittings_main(args: argparse.Namespace, cfg: StudyConfig, argv: list[str]) -> int:
+    """--sitting: the pending units that fit, a bundle each; --merge: the report of every bundle."""
+    import tempfile
+    from dataclasses import replace
+
+    from patchplace.data.atomic import write_json_atomic
+    from reproduction.sittings import merged_study, pending_units, run_sitting
+
+    if not args.bundles:
+        print("error: --sitting / --merge need --bundles DIR (where the sittings' bundles are kept)", file=sys.stderr)
+        return 2
+    bundles, units = Path(args.bundles), study_units(cfg)
+    if args.sitting is not None:
+        command = [sys.executable, __file__, *(["--config", args.config] if args.config else []), *args.overrides]
+        run_sitting(cfg, units, command, bundles, args.sitting, Path(args.bundles_out) if args.bundles_out else None,
+                    args.max_units)
+    if args.merge:
+        write_json_atomic(Path(cfg.results) / f"{cfg.name}.json", merged_study(cfg, bundles))
+        with tempfile.TemporaryDirectory() as empty:  # every row from the bundles, none from a runs/ here
+            report(replace(cfg, runs=empty), ["--report-only"])
+        pending = pending_units(cfg, units, bundles)
+        print(f"[study] {cfg.results}/{cfg.name}.md from {len(units) - len(pending)} of {len(units)} units; pending: "
+              f"{', '.join(pending) or 'none'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
@@ -129,6 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML file (pipelines/configs/study_fashion_mnist.yaml)")
     parser.add_argument("--report-only", action="store_true", help="only (re)write the results from finished runs")
     parser.add_argument("--jobs", type=int, default=1, help="study processes sharing the groups (default: 1)")
+    parser.add_argument("--sitting", type=float, metavar="MIN",
+                        help="run the pending units that fit MIN minutes, a bundle per finished unit in --bundles "
+                             "(a lent GPU's bounded stretch; see reproduction/sittings.py)")
+    parser.add_argument("--bundles", help="the sittings' bundles (e.g. results/study_gpu_bundles)")
+    parser.add_argument("--bundles-out", help="--sitting: also write each bundle here (e.g. $OUT of a lent machine)")
+    parser.add_argument("--max-units", type=int, help="--sitting: stop after this many finished units")
+    parser.add_argument("--merge", action="store_true",
+                        help="rebuild results/<name>.{json,md} from every bundle in --bundles, list what is pending")
     parser.add_argument("overrides", nargs="*", help="field=value, e.g. seeds=[0,1,2] groups=[main]")
     args = parser.parse_args(argv)
     try:
@@ -138,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if args.sitting is not None or args.merge:
+        return sittings_main(args, cfg, argv)
     if args.jobs > 1 and not args.report_only:
         if run_jobs(args, cfg) != 0:
             return 1

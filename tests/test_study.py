@@ -399,3 +399,58 @@ def test_learned_gate_reads_the_column_a_number_comes_from():
     probe_set_only = {"controls": {"random_linear@sincos2d/cls": {"probe_set": [0.63, 0.64, 0.65]}}}
     assert learned_status(rows, "mae", probe_set_only, 0.01) == status
     assert learned_status(rows, "supervised", both, 0.01) is None  # trained with labels: never gated
+
+
+def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report(shards, tmp_path, capsys):
+    """A sitting runs the pending units that fit its budget, each atomic, and writes a bundle per finished unit
+    (rows, device, torch, sitting; also to --bundles-out, the folder a lent machine sends back); the next sitting
+    continues where the bundles stop; --merge rebuilds the report from the bundles alone; a damaged bundle leaves
+    its unit pending."""
+    from reproduction.sittings import attempts_of, bundles_of, estimate, pending_units
+
+    bundles, sent = tmp_path / "bundles", tmp_path / "out"
+    sent.mkdir()
+    args = [f"runs={tmp_path / 'unused'}", f"results={tmp_path / 'results'}", "preset=vit_micro", "batch_size=8",
+            "pretrain_epochs=0.25", "finetune_epochs=0.25", "num_workers=0", f"fashion_mnist={shards / 'img'}",
+            "groups=[randsac]", "probe_only=[randsac]", "only=[randsac_raster]", "ablation_seeds=[0,1]",
+            "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1", "probe_extras=false",
+            "holdout=12", "test_samples=16", "compare_with=null", "threads=1"]
+    assert study.main([*args, "--sitting", "5", "--bundles", str(bundles), "--bundles-out", str(sent),
+                       "--max-units", "1"]) == 0
+    first = bundles_of(bundles)
+    assert list(first) == ["randsac.seed0"] and list(bundles_of(sent)) == ["randsac.seed0"]
+    bundle = first["randsac.seed0"]
+    assert bundle["torch"] and bundle["device"] and bundle["sitting"] and bundle["seconds"] > 0
+    assert [m["seed"] for m in bundle["rows"]["randsac_raster"]] == [0]
+    assert 0 <= bundle["rows"]["randsac_raster"][0]["linear_probe"] <= 1
+    cfg = pipeline_config.load(StudyConfig, None, args)
+    assert pending_units(cfg, study.study_units(cfg), bundles) == ["randsac.seed1"]
+
+    assert study.main([*args, "--sitting", "5", "--bundles", str(bundles)]) == 0  # a fresh machine: continues
+    assert sorted(bundles_of(bundles)) == ["randsac.seed0", "randsac.seed1"]
+    assert [len(a["finished"]) for a in attempts_of(bundles)] == [1, 1]
+    capsys.readouterr()
+    assert study.main([*args, "--merge", "--bundles", str(bundles)]) == 0
+    assert "from 2 of 2 units; pending: none" in capsys.readouterr().out
+    merged = json.loads((tmp_path / "results" / "study.json").read_text())["results"]["randsac_raster"]
+    assert [(m["seed"], m["sitting"]) for m in merged] == [(0, bundle["sitting"]), (1, bundles_of(bundles)[
+        "randsac.seed1"]["sitting"])]
+    assert "| RandSAC raster | 0,1 |" in (tmp_path / "results" / "study.md").read_text()
+
+    (bundles / "randsac.seed1.json").write_text('{"unit": "randsac.se')  # damaged on the way back
+    assert pending_units(cfg, study.study_units(cfg), bundles) == ["randsac.seed1"]
+    # a unit cut off at a sitting's end needs more than that; longer than a whole sitting: said, never started
+    assert estimate("x.seed1", ["x"], {}, [{"cut_off": {"x.seed1": 100.0}}]) == (120.0, 100.0)
+    assert estimate("x.seed1", ["x"], {"x.seed0": {"groups": ["x"], "seconds": 50.0}}, []) == (50.0, 0.0)
+
+
+def test_a_sitting_kills_a_unit_still_running_at_its_end(tmp_path):
+    import time
+
+    from reproduction.sittings import _run_bounded
+
+    start = time.monotonic()
+    assert _run_bounded([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], 2.0,
+                        tmp_path / "unit.log") is None
+    assert time.monotonic() - start < 30 and "up" in (tmp_path / "unit.log").read_text()
+    assert _run_bounded([sys.executable, "-c", "raise SystemExit(3)"], 30, tmp_path / "b.log") == 3

@@ -460,7 +460,9 @@ def wall_clock(spent: dict[str, Any]) -> list[str]:
     minutes = spent["minutes"]
     if not minutes:
         return []
-    kinds = [k for k, _ in STAGE_KINDS if any(k in m for m in minutes.values())]
+    known = [k for k, _ in STAGE_KINDS]
+    kinds = [k for k in known if any(k in m for m in minutes.values())]
+    kinds += sorted({k for m in minutes.values() for k in m} - set(known))  # e.g. a sitting's whole units
     lines = ["| group | " + " | ".join(kinds) + " | total |", "|" + " --- |" * (len(kinds) + 2)]
     for g, m in minutes.items():
         lines.append(f"| {g} | " + " | ".join(f"{m.get(k, 0):.1f}" for k in kinds) + f" | {sum(m.values()):.1f} |")
@@ -499,8 +501,9 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
              f"`finetune_fashion_mnist.yaml` + {list(cfg.finetune_overrides)}. Accuracies in %, on "
              f"{cfg.test_samples or 'the 10,000'} test images (top-1), "
              f"probes on {cfg.probe_train_samples} train / {cfg.probe_val_samples} test images, "
-             f"curves on {cfg.curve_samples}; mCE over the corruptions that ran, normalized by the supervised run "
-             "(= 1.00). `mean ± std` where several seeds ran. Wall-clock: pretraining + fine-tuning minutes with "
+             f"consistency / eta / position curves on {cfg.curve_samples} test images; mCE over the corruptions "
+             "that ran, normalized by the supervised run (= 1.00). `mean ± std` where several seeds ran. "
+             "Wall-clock: pretraining + fine-tuning minutes, start-up, evaluation and any stall included, with "
              "the study's processes sharing the machine. Command and config: "
              f"`{cfg.name}.json`.", "",
              ]
