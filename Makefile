@@ -15,12 +15,14 @@ ORT      ?= cpu
 SHARDS   := shards
 CORPORA  := corpora
 
-.PHONY: help setup apt venv demo study study-curves study-gpu benchmark data test lint clean
+.PHONY: help setup apt venv demo study study-curves study-gpu gpu-carry study-gpu-merge benchmark data test lint clean
 
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
-	@echo "make study  the reproduction study v3 (results/study.md; ~5.5 h measured on 2 CPU cores, resumable)"
+	@echo "make study  the reproduction study v3 (results/study.md; ~4 h on 2 CPU cores by its measured parts, resumable)"
+	@echo "make study-curves  the learning curves that chose the study's budget (merged into results/study.md)"
+	@echo "make gpu-carry / study-gpu-merge  the GPU study in sittings on a lent GPU (docs/study.md)"
 	@echo "make study-gpu  the same study at a GPU budget, every ablation (results/study_gpu.md)"
 	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
@@ -87,6 +89,19 @@ study-curves: setup data
 STUDY_GPU_JOBS ?= 4
 study-gpu: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_GPU_JOBS) --config pipelines/configs/study_gpu.yaml
+
+# The GPU study in sittings (a lent GPU machine for a bounded stretch; pipelines/gpu_sitting.sh): what a sitting
+# carries (.gpu/: the wheels the machine lacks, the Fashion-MNIST IDX files), and the report from every bundle
+gpu-carry: setup
+	mkdir -p .gpu/whl .gpu/fashion-mnist
+	cp /usr/share/datasets/fashion-mnist/*.gz .gpu/fashion-mnist/
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux2014_x86_64 -d .gpu/whl \
+	  webdataset==$$($(PY) -m pip show webdataset | awk '/^Version/{print $$2}') \
+	  braceexpand==$$($(PY) -m pip show braceexpand | awk '/^Version/{print $$2}')
+
+study-gpu-merge: setup
+	$(PY) pipelines/study.py --config pipelines/configs/study_gpu.yaml --merge --bundles results/study_gpu_bundles
 
 benchmark: setup data
 	$(PY) pipelines/benchmark.py --suite all --out results

@@ -7,6 +7,8 @@
     claims.py   the papers' claims decided by seed-paired tests, the statistics helpers of the tables, the
                 random-init control a row is read against
     report.py   markdown tables, the claims table, PNG figures and ``results/<name>.{json,md}``
+    sittings.py the study in bounded sittings (a lent GPU): the pending units that fit, a bundle per finished
+                unit, the report merged from every bundle
 
 Only runner.py imports entry points, to run their ``main`` (tests/test_layout.py checks it).
 """
