@@ -92,13 +92,18 @@ study-gpu: setup data
 
 # The GPU study in sittings (a lent GPU machine for a bounded stretch; pipelines/gpu_sitting.sh): what a sitting
 # carries (.gpu/: the wheels the machine lacks, the Fashion-MNIST IDX files), and the report from every bundle
+# The lent machine's python3 (3.12) has torch, timm, scipy, scikit-image, numba, ...; these it lacks (same versions
+# as .venv; --no-deps: their other needs are there)
+GPU_WHEELS := webdataset braceexpand librosa audioread pooch soxr soundfile cffi pycparser decorator platformdirs \
+              imagecorruptions
 gpu-carry: setup
 	mkdir -p .gpu/whl .gpu/fashion-mnist
 	cp /usr/share/datasets/fashion-mnist/*.gz .gpu/fashion-mnist/
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  --platform manylinux2014_x86_64 -d .gpu/whl \
-	  webdataset==$$($(PY) -m pip show webdataset | awk '/^Version/{print $$2}') \
-	  braceexpand==$$($(PY) -m pip show braceexpand | awk '/^Version/{print $$2}')
+	for p in $(GPU_WHEELS); do \
+	  v=$$($(PY) -m pip show "$$p" | awk '/^Version/{print $$2}'); \
+	  $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 -d .gpu/whl "$$p==$$v"; done
 
 study-gpu-merge: setup
 	$(PY) pipelines/study.py --config pipelines/configs/study_gpu.yaml --merge --bundles results/study_gpu_bundles
