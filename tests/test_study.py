@@ -406,7 +406,7 @@ def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report
     (rows, device, torch, sitting; also to --bundles-out, the folder a lent machine sends back); the next sitting
     continues where the bundles stop; --merge rebuilds the report from the bundles alone; a damaged bundle leaves
     its unit pending."""
-    from reproduction.sittings import attempts_of, bundles_of, estimate, pending_units
+    from reproduction.sittings import attempts_of, budget_of, bundles_of, estimate, pending_units
 
     bundles, sent = tmp_path / "bundles", tmp_path / "out"
     sent.mkdir()
@@ -429,6 +429,7 @@ def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report
     assert study.main([*args, "--sitting", "5", "--bundles", str(bundles)]) == 0  # a fresh machine: continues
     assert sorted(bundles_of(bundles)) == ["randsac.seed0", "randsac.seed1"]
     assert [len(a["finished"]) for a in attempts_of(bundles)] == [1, 1]
+    assert all(a["budget"] == budget_of(cfg) for a in attempts_of(bundles)), "cut-offs are read at their budget"
     capsys.readouterr()
     assert study.main([*args, "--merge", "--bundles", str(bundles)]) == 0
     assert "from 2 of 2 units; pending: none" in capsys.readouterr().out

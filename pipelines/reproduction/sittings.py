@@ -69,6 +69,13 @@ def estimate(unit: str, groups: Sequence[str], bundles: dict[str, dict[str, Any]
     return (max(guesses) if guesses else None), at_least
 
 
+def budget_of(cfg: StudyConfig) -> dict[str, Any]:
+    """The budget fields of ``cfg`` as JSON has them: a cut-off measured at another budget says nothing here."""
+    from reproduction.metrics import BUDGET_FIELDS
+
+    return json.loads(json.dumps({k: asdict(cfg)[k] for k in BUDGET_FIELDS}))
+
+
 def unit_rows(rows: dict[str, list[dict[str, Any]]], groups: Sequence[str], seed: int,
               only: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
     """The rows one unit measured (its groups' runs on its seed; a curve unit has none)."""
@@ -93,7 +100,9 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
     bundles_dir.mkdir(parents=True, exist_ok=True)
     budget, start = minutes * 60, time.monotonic()
     sitting = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    done, attempts = bundles_of(bundles_dir), attempts_of(bundles_dir)
+    budget_now = budget_of(cfg)
+    done = bundles_of(bundles_dir)
+    attempts = [a for a in attempts_of(bundles_dir) if a.get("budget") == budget_now]  # cut-offs at this budget
     pending = [u for u in units if unit_id(u.groups, u.seed, u.only) not in done]
     print(f"[sitting] {sitting}: {len(done)} unit(s) in {bundles_dir}, {len(pending)} pending, {minutes:g} min "
           f"on {device_line()}", flush=True)
@@ -143,7 +152,7 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
         print(f"[sitting] {name}: finished in {seconds / 60:.1f} min -> {bundles_dir / (name + '.json')}",
               flush=True)
     record = {"sitting": sitting, "device": device_line(), "minutes": minutes, "finished": finished,
-              "cut_off": cut_off, "seconds": time.monotonic() - start}
+              "cut_off": cut_off, "seconds": time.monotonic() - start, "budget": budget_now}
     for path in (bundles_dir, *([out] if out else [])):
         with (path / LOG).open("a") as f:
             f.write(json.dumps(record) + "\n")
