@@ -121,7 +121,7 @@ def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int
     return 0
 
 
-def sittings_main(args: argparse.Namespace, cfg: StudyConfig, argv: list[str]) -> int:
+def sittings_main(args: argparse.Namespace, cfg: StudyConfig) -> int:
     """--sitting: the pending units that fit, a bundle each; --merge: the report of every bundle."""
     import tempfile
     from dataclasses import replace
@@ -141,7 +141,7 @@ def sittings_main(args: argparse.Namespace, cfg: StudyConfig, argv: list[str]) -
         write_json_atomic(Path(cfg.results) / f"{cfg.name}.json", merged_study(cfg, bundles))
         with tempfile.TemporaryDirectory() as empty:  # every row from the bundles, none from a runs/ here
             report(replace(cfg, runs=empty), ["--report-only"])
-        pending = pending_units(cfg, units, bundles)
+        pending = pending_units(units, bundles)
         print(f"[study] {cfg.results}/{cfg.name}.md from {len(units) - len(pending)} of {len(units)} units; pending: "
               f"{', '.join(pending) or 'none'}")
     return 0
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if args.sitting is not None or args.merge:
-        return sittings_main(args, cfg, argv)
+        return sittings_main(args, cfg)
     if args.jobs > 1 and not args.report_only:
         if run_jobs(args, cfg) != 0:
             return 1

@@ -424,7 +424,7 @@ def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report
     assert [m["seed"] for m in bundle["rows"]["randsac_raster"]] == [0]
     assert 0 <= bundle["rows"]["randsac_raster"][0]["linear_probe"] <= 1
     cfg = pipeline_config.load(StudyConfig, None, args)
-    assert pending_units(cfg, study.study_units(cfg), bundles) == ["randsac.seed1"]
+    assert pending_units(study.study_units(cfg), bundles) == ["randsac.seed1"]
 
     assert study.main([*args, "--sitting", "5", "--bundles", str(bundles)]) == 0  # a fresh machine: continues
     assert sorted(bundles_of(bundles)) == ["randsac.seed0", "randsac.seed1"]
@@ -439,7 +439,7 @@ def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report
     assert "| RandSAC raster | 0,1 |" in (tmp_path / "results" / "study.md").read_text()
 
     (bundles / "randsac.seed1.json").write_text('{"unit": "randsac.se')  # damaged on the way back
-    assert pending_units(cfg, study.study_units(cfg), bundles) == ["randsac.seed1"]
+    assert pending_units(study.study_units(cfg), bundles) == ["randsac.seed1"]
     # a unit cut off at a sitting's end needs more than that; longer than a whole sitting: said, never started
     assert estimate("x.seed1", ["x"], {}, [{"cut_off": {"x.seed1": 100.0}}]) == (120.0, 100.0)
     assert estimate("x.seed1", ["x"], {"x.seed0": {"groups": ["x"], "seconds": 50.0}}, []) == (50.0, 0.0)

@@ -208,7 +208,8 @@ def merged_study(cfg: StudyConfig, bundles_dir: Path) -> dict[str, Any]:
             "commands": [f"sittings: {bundles_dir}"]}
 
 
-def pending_units(cfg: StudyConfig, units: list[Any], bundles_dir: Path) -> list[str]:
+def pending_units(units: list[Any], bundles_dir: Path) -> list[str]:
+    """The ids of the units no bundle in ``bundles_dir`` holds, in priority order."""
     done = bundles_of(bundles_dir)
     return [n for u in units if (n := unit_id(u.groups, u.seed, u.only)) not in done]
 
