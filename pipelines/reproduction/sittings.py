@@ -156,7 +156,7 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
     for path in (bundles_dir, *([out] if out else [])):
         with (path / LOG).open("a") as f:
             f.write(json.dumps(record) + "\n")
-    still = [unit_id(u.groups, u.seed, u.only) for u in units if unit_id(u.groups, u.seed, u.only) not in done]
+    still = pending_units(units, bundles_dir)
     print(f"[sitting] {sitting}: finished {len(finished)} unit(s) in {record['seconds'] / 60:.1f} min; "
           f"pending: {', '.join(still) or 'none'}", flush=True)
     return len(finished)
