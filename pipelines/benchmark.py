@@ -34,10 +34,13 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               and end_to_end_ratio = path / pure step, alternated --pipelines-repeats times (medians); startup
               (reading, workers, first step) apart. Needs the shards.
   mp3_table2  MP3 Table 2 on a GPU: ViT-B/16 at 224 px (--preset / --img-size to change), --amp bf16, MP3 at
-              --mp3-etas (0.3 0.5 0.75 0.9) and MAE at --mae-ratios (0.5 0.75 0.9) against the supervised ViT-B
-              step: time and peak CUDA memory as ratios to supervised beside the FLOP ratio and the paper's
-              ratios (one A100). Writes <out>/benchmark_mp3_table2.{json,md} and splices its tables into
-              <out>/benchmark.md as the "GPU" section (kept when --suite all rewrites that file).
+              --mp3-etas (0.3 0.5 0.75 0.9), MAE at --mae-ratios (0.5 0.75 0.9) and --table2-others (DropPos,
+              I-JEPA, StoP, RandSAC, MJP; paper widths) against the supervised ViT-B step, once per attention
+              kernel of --kernels (sdpa: fused; math: the materialised softmax of the paper's time): time and peak
+              CUDA memory as ratios to supervised beside the FLOP ratio, time / FLOP ratio (whether it is within
+              10% of 1) and the paper's ratios (one A100). Writes <out>/benchmark_mp3_table2.{json,md} and
+              splices its tables into <out>/benchmark.md as the "GPU" section (kept when --suite all rewrites
+              that file).
   saved_bytes MP3 Table 2's memory column on any machine: activation bytes saved for backward per sample
               (saved-tensor hooks, GPU autocast dtypes) of MP3 at --mp3-etas vs the supervised step, ViT-B/16 at
               224 px (--preset), with each attention kernel (--kernels sdpa math). Writes
@@ -73,6 +76,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # core/, benchmarks/, pretrain.py / finetune.py (run by some suites)
 
 from benchmarks.common import STUDY
+from benchmarks.mp3 import TABLE2_OTHERS
 from benchmarks.report import gpu_section, plot_objectives, splice_gpu_section, to_markdown
 from benchmarks.suites import SUITES
 from core.config import HelpFormatter
@@ -127,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mae-ratios", type=float, nargs="*", default=[0.5, 0.75, 0.9],
                    help="mp3_table2: MAE masking ratios (default: %(default)s)")
     g.add_argument("--kernels", nargs="+", choices=list(ATTENTION_KERNELS), default=list(ATTENTION_KERNELS),
-                   help="saved_bytes: attention kernels to measure (default: both)")
+                   help="saved_bytes / mp3_table2: attention kernels to measure, each in turn (default: both; "
+                   "overrides --attention there)")
+    g.add_argument("--table2-others", nargs="*", default=list(TABLE2_OTHERS), metavar="OBJECTIVE",
+                   help="mp3_table2: the other objectives timed beside MP3 and MAE (default: %(default)s; "
+                   "none: only MP3 and MAE)")
     g.add_argument("--table2-compile", action="store_true",
                    help="mp3_table2: also time torch.compile'd copies (ratios to the compiled supervised step)")
     g = parser.add_argument_group("masks")
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"suite": args.suite, "hardware": hardware_line(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
             "python": platform.python_version(), "matmul_peak": state.get("matmul_peak"),
-            "attention": args.attention,
+            "attention": ",".join(args.kernels) if args.suite in ("mp3_table2", "saved_bytes") else args.attention,
             "seconds": {**state.get("seconds", {}), "total": round(time.perf_counter() - start, 1)},
             "argv": argv if argv is not None else sys.argv[1:]}
     try:

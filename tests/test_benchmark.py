@@ -83,30 +83,42 @@ def test_markdown_heads_every_table_with_the_hardware_line():
     assert "torch" in meta["hardware"] and ("GPU" in meta["hardware"])
 
 
-def test_mp3_table2_suite_reports_ratios_beside_the_paper_and_keeps_its_gpu_section(tmp_path):
-    """CPU stand-in for the GPU run (tiny ViT, bf16 autocast): paper ratios, memory ratios, and benchmark.md's GPU
-    section written once, replaced by the next mp3_table2 run and kept when another suite rewrites the file."""
+def test_mp3_table2_suite_reports_ratios_beside_the_paper_per_kernel_and_keeps_its_gpu_section(tmp_path):
+    """CPU stand-in for the GPU run (tiny ViT, bf16 autocast): paper ratios, memory ratios and time / FLOP ratios of
+    MP3, MAE and another objective on both attention kernels, and benchmark.md's GPU section written once, replaced
+    by the next mp3_table2 run and kept when another suite rewrites the file."""
     (tmp_path / "benchmark.md").write_text("# Benchmarks\n\nearlier tables\n")
     args = ["--suite", "mp3_table2", "--preset", "vit_micro", "--img-size", "32", "--in-chans", "1", "--batch", "2",
             "--repeats", "1", "--warmup", "0", "--memory-steps", "1", "--mp3-etas", "0.75", "--mae-ratios", "0.9",
-            "--matmul-size", "64", "--out", str(tmp_path)]
+            "--matmul-size", "64", "--out", str(tmp_path), "--table2-others", "randsac"]
     assert benchmark.main(args) == 0
     data = json.loads((tmp_path / "benchmark_mp3_table2.json").read_text())
-    rows = {r["name"].split("/", 1)[1]: r for r in data["results"]}
-    assert set(rows) == {"supervised", "mp3_eta0.75", "mae_ratio0.9"}
-    assert rows["mp3_eta0.75"]["paper_time_ratio"] == 0.69 and rows["mp3_eta0.75"]["paper_memory_ratio"] == 0.72
-    assert rows["mae_ratio0.9"]["paper_time_ratio"] == 0.61 and rows["supervised"]["memory_vs_supervised"] == 1.0
+    rows = {(r["name"].split("/", 1)[1], r["kernel"]): r for r in data["results"]}
+    names = {"supervised", "mp3_eta0.75", "mae_ratio0.9", "randsac"}
+    assert set(rows) == {(n, k) for n in names for k in ("sdpa", "math")} and data["meta"]["attention"] == "sdpa,math"
+    for kernel in ("sdpa", "math"):
+        assert rows["mp3_eta0.75", kernel]["paper_time_ratio"] == 0.69
+        assert rows["mp3_eta0.75", kernel]["paper_memory_ratio"] == 0.72
+        assert rows["mae_ratio0.9", kernel]["paper_time_ratio"] == 0.61
+        assert rows["supervised", kernel]["memory_vs_supervised"] == 1.0
+        assert rows["randsac", kernel]["paper_time_ratio"] == "-"
+        for r in (rows[n, kernel] for n in names):
+            assert r["time_per_flop"] == round(r["time_vs_supervised"] / r["flop_ratio"], 3)
+            assert r["tracks_flops"] == (abs(r["time_per_flop"] - 1) <= 0.1)
+    assert rows["supervised", "sdpa"]["time_per_flop"] == 1.0
     assert all(r["amp"] == "bf16" and r["memory_basis"] == "step_rss_mb" for r in rows.values())
     assert data["meta"]["matmul_peak"]["name"].startswith("matmul_peak/bfloat16/")
     markdown = (tmp_path / "benchmark.md").read_text()
     assert "earlier tables" in markdown and markdown.count(GPU_SECTION[0]) == 1
-    assert "| mp3_eta0.75 | 0.75 |" in markdown
-    assert benchmark.main(args) == 0  # replaced, not appended
-    assert (tmp_path / "benchmark.md").read_text().count(GPU_SECTION[0]) == 1
+    assert "| mp3_eta0.75 | sdpa | 0.75 |" in markdown and "| mp3_eta0.75 | math | 0.75 |" in markdown
+    again = [*args[:-2], "--memory-steps", "0", "--kernels", "math", "--table2-others"]  # the last flag wins
+    assert benchmark.main(again) == 0  # replaced, not appended
+    markdown = (tmp_path / "benchmark.md").read_text()
+    assert markdown.count(GPU_SECTION[0]) == 1 and "| mp3_eta0.75 | sdpa |" not in markdown
     assert benchmark.main(["--suite", "masks", "--mask-repeats", "1", "--vits-batch", "2", "--out", str(tmp_path)]) == 0
     markdown = (tmp_path / "benchmark.md").read_text()
     assert "Mask generation" in markdown and "earlier tables" not in markdown  # rewritten by the masks suite ...
-    assert markdown.count(GPU_SECTION[0]) == 1 and "| mp3_eta0.75 | 0.75 |" in markdown  # ... GPU kept
+    assert markdown.count(GPU_SECTION[0]) == 1 and "| mp3_eta0.75 | math | 0.75 |" in markdown  # ... GPU kept
 
 
 def test_pipelines_suite_measures_each_data_path_against_the_pure_step(shards, tmp_path):
