@@ -111,6 +111,34 @@ def test_the_attention_kernel_is_a_setting_that_changes_no_number(shards, tmp_pa
     assert len(losses["math"]) == 3 and losses["math"] == pytest.approx(losses["sdpa"], rel=1e-4)
 
 
+def test_compiled_blocks_and_the_fused_optimizer_train_to_the_same_losses_and_checkpoint_names(shards, tmp_path,
+                                                                                               capsys):
+    """The GPU speed knobs change no number: ``run.compile`` (every Transformer block compiled in place; aot_eager
+    traces the blocks as inductor would, without generating code) and ``optim.fused`` (AdamW's fused kernel) train
+    MAE (backbone and decoder blocks) to eager / foreach's losses and weights, under the same parameter names."""
+    from core import engine
+    from patchplace.models.backbone import Block
+
+    runs = {"eager": [], "fast": ["run.compile=aot_eager", "optim.fused=true"]}
+    for name, knobs in runs.items():
+        assert pretrain.main(["method=mae", *img(shards), *TINY, *SMALL_HEADS["mae"], "optim.max_steps=3", *knobs,
+                              f"run.output={tmp_path / name}"]) == 0
+    assert "run.compile=aot_eager: 3 Transformer blocks compiled" in capsys.readouterr().out  # 2 encoder, 1 decoder
+    losses = {name: [r["loss"] for r in run_log(tmp_path / name)] for name in runs}
+    assert len(losses["fast"]) == 3 and losses["fast"] == pytest.approx(losses["eager"], rel=1e-4)
+    weights = {name: load_file(str(tmp_path / name / "checkpoint" / "model.safetensors")) for name in runs}
+    assert weights["fast"].keys() == weights["eager"].keys()
+    assert all(torch.allclose(weights["fast"][k], weights["eager"][k], atol=1e-5) for k in weights["eager"])
+    model = torch.nn.Sequential(*(Block(16, 2, 2.0, True, 0.0, 0.0, 0.0, 1e-6) for _ in range(2)))
+    assert engine.compile_blocks(model, "no") == 0 and engine.compile_blocks(model, "aot_eager") == 2
+    assert all(b._compiled_call_impl is not None for b in model)  # compiled in place: same module, same names
+    cfg = pipeline_config.OptimSection()
+    assert not engine.make_optimizer(model, cfg, device=torch.device("cpu")).defaults["fused"]  # null: GPU only
+    assert engine.make_optimizer(model, cfg, device=torch.device("cuda")).defaults["fused"]
+    cfg.fused = True
+    assert engine.make_optimizer(model, cfg, device=torch.device("cpu")).defaults["fused"]
+
+
 @pytest.mark.parametrize(("method", "metric"), [("supervised", "top1"), ("mp3", "pos_acc"), ("mae", "loss")])
 def test_pretraining_validates_on_eval_every_and_changes_nothing_of_the_run(shards, tmp_path, method, metric):
     """``run.eval_every`` evaluates the objective's own metrics on data.val (supervised / MJP: top-1) and logs

@@ -30,6 +30,8 @@ from patchplace.data.manifest import dataset_dir_hint
 from patchplace.models import ATTENTION_KERNELS
 
 LR_SCALING = ("none", "linear", "sqrt")
+# run.compile: torch.compile modes of every Transformer block (aot_eager: traced without code generation, a check)
+COMPILE_MODES = ("no", "default", "reduce-overhead", "max-autotune", "aot_eager")
 HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.train
 MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
 HELP_WIDTH = 100  # --help fits this many columns
@@ -144,6 +146,8 @@ class OptimSection:
     # processes x run.grad_accum): linear (Goyal et al. 2017; MAE's blr x batch / 256) or square root
     lr_scaling: str = "none"
     lr_base_batch: int | None = None  # the global batch optim.lr was tuned at (null: data.batch_size x run.grad_accum)
+    # AdamW's fused kernel (one launch for every parameter's update; the same update rule): null = on a GPU only
+    fused: bool | None = None
 
     def validate(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
@@ -194,6 +198,10 @@ class RunSection:
     # The cosine lr schedule still spans optim.epochs: an early stop cuts it short
     early_stop_patience: int = 0
     early_stop_metric: str = "top1"  # what early stopping follows: higher is better, lower if its name has "loss"
+    # torch.compile every Transformer block in place (regional compilation; weight names unchanged): no | default |
+    # reduce-overhead (CUDA graphs) | max-autotune | aot_eager (traced, no code generated: a check). A GPU knob: a
+    # small ViT's step is launch-bound there (results/benchmark.md); on a CPU compiling costs more than it saves
+    compile: str = "no"
 
     def validate(self) -> None:
         if self.mixed_precision not in ("no", "fp16", "bf16"):
@@ -206,6 +214,8 @@ class RunSection:
         if bad:
             raise ConfigError(f"run.keep_epochs holds {', '.join(f'{e:g}' for e in bad)}: epochs must be finite and "
                               ">= 0, e.g. [0, 0.5, 1, 2]")
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"run.compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.early_stop_patience < 0:
             raise ConfigError(f"run.early_stop_patience must be >= 0 (0: off), got {self.early_stop_patience}")
         if self.early_stop_patience and not self.eval_every:

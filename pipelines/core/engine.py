@@ -90,6 +90,7 @@ from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset,
 from patchplace.data.mfcc import MFCC
 from patchplace.finetune import build_optimizer, parameter_groups
 from patchplace.models import Backbone, ModelError, save_pretrained, set_attention_kernel
+from patchplace.models.backbone import Block
 from patchplace.objectives import ObjectiveError
 
 
@@ -368,15 +369,31 @@ def hold_out(split: InMemorySplit, cfg: DataSection, accelerator: Accelerator) -
     return split.subset(keep.nonzero().flatten()), split.subset(held)
 
 
-def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
+                   device: torch.device | None = None) -> torch.optim.Optimizer:
     """AdamW on the objective's parameter groups (``patchplace.finetune.build_optimizer``): no weight decay on norms,
     biases, PEs, class / mask / unknown tokens; layer-wise lr decay (each group's lr pre-scaled) if configured.
-    ``lr``: the peak lr (default ``cfg.lr``; the Trainer passes it scaled to the global batch)."""
+    ``lr``: the peak lr (default ``cfg.lr``; the Trainer passes it scaled to the global batch). ``optim.fused``
+    null: the fused kernel when ``device`` (where the run trains) is a GPU."""
+    fused = cfg.fused if cfg.fused is not None else (device is not None and device.type == "cuda")
     try:
         return build_optimizer(model, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
-                               betas=cfg.betas, layer_decay=cfg.layer_decay)
+                               betas=cfg.betas, layer_decay=cfg.layer_decay, fused=fused)
     except ValueError as exc:
         raise ConfigError(f"optim.layer_decay: {exc}") from None
+
+
+def compile_blocks(model: nn.Module, mode: str) -> int:
+    """``run.compile``: torch.compile every Transformer block of ``model`` in place (``nn.Module.compile``: regional
+    compilation, the blocks of the backbone and of any decoder / predictor; parameter names and checkpoints
+    unchanged). Returns how many blocks were compiled."""
+    if mode == "no":
+        return 0
+    kwargs = {"backend": "aot_eager"} if mode == "aot_eager" else {"mode": mode}
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compile(**kwargs)
+    return len(blocks)
 
 
 def warmup_cosine(total_steps: int, warmup_fraction: float, min_ratio: float) -> Callable[[int], float]:
@@ -628,7 +645,11 @@ class Trainer:
         self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
         self.batch_size = None
         # here, so a knob without effect fails before training
-        self.optimizer = make_optimizer(objective, optim, self.peak_lr)
+        self.optimizer = make_optimizer(objective, optim, self.peak_lr, accelerator.device)
+        compiled = compile_blocks(objective, run.compile)
+        if compiled:
+            accelerator.print(f"run.compile={run.compile}: {compiled} Transformer blocks compiled (the first steps "
+                              "compile them)")
         if optim.lr_scaling != "none":
             accelerator.print(f"optim.lr_scaling={optim.lr_scaling}: peak lr {optim.lr:g} at global batch "
                               f"{self.lr_base_batch} -> {self.peak_lr:.4g} at global batch "

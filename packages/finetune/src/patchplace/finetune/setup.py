@@ -35,7 +35,7 @@ def set_drop_path(backbone: Backbone, rate: float) -> None:
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.05, layer_decay: float | None = None,
-                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+                    betas: tuple[float, float] = (0.9, 0.999), fused: bool = False) -> torch.optim.Optimizer:
     """AdamW through timm's ``create_optimizer_v2`` on ``model``'s own parameter groups (its ``group_matcher`` /
     ``no_weight_decay``: a backbone, or an objective wrapping one) — the one optimizer factory of the project.
 
@@ -46,6 +46,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.05, 
       scale in each group and only timm's schedulers apply it; here every group's ``lr`` is set to ``lr * lr_scale``
       up front, so any PyTorch scheduler (``LambdaLR`` scales each group's initial lr) keeps the ratios.
 
+    * ``fused``: PyTorch's fused AdamW kernel (one launch updates every parameter; same update rule): what a
+      small model's step on a GPU waits for otherwise is kernel launches.
+
     Raises ``ValueError`` when ``layer_decay`` is asked of a model without a ``group_matcher`` or when every
     parameter lands in one layer — the knob would silently do nothing.
     """
@@ -53,7 +56,7 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float = 0.05, 
         raise ValueError(f"layer_decay={layer_decay} needs parameter groups: {type(model).__name__} has no "
                          "group_matcher() (wrap the backbone in a patchplace objective, or set layer_decay=null)")
     optimizer = create_optimizer_v2(model, "adamw", lr=lr, weight_decay=weight_decay, layer_decay=layer_decay,
-                                    betas=betas)
+                                    betas=betas, **({"fused": True} if fused else {}))
     scales = {group.get("lr_scale", 1.0) for group in optimizer.param_groups}
     if layer_decay is not None and layer_decay != 1.0 and len(scales) < 2:
         raise ValueError(f"layer_decay={layer_decay} has no effect on {type(model).__name__}: all parameters fell "
