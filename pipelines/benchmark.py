@@ -51,6 +51,13 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               off). Writes <out>/benchmark_ddp.{json,md}; needs the shards.
   anchor      the supervised baseline (finetune.py from scratch) vs a plain timm ViT training loop of the same size,
               data, epochs (--anchor-epochs) and recipe: test top-1 and samples/s per --anchor-seeds.
+  speed       the study ViT at GPU speed: images/s of every --speed-methods' training through pretrain.py
+              (finetune: finetune.py's supervised recipe), a process per run on the in-memory path, at each rung
+              of a ladder: before (study_gpu.yaml's batch 256, foreach AdamW, eager) -> fused (AdamW's fused
+              kernel) -> batch (--speed-batch, peak lr scaled linearly from 256) -> compile (run.compile=
+              --speed-compile) -> processes (--speed-processes such runs at once, summed): each rate over the
+              first rung's and as a fraction of the matmul peak (bf16 on a GPU). Writes
+              <out>/benchmark_speed.{json,md}; needs the shards. A GPU suite: every rung on a CPU takes minutes.
   all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128) and for ViT-S/16
               at 224 px (3 channels, batch --vits-batch, paper widths, without stop_noema); masks; data (+ loader
               samples/s vs the study ViT's training consumption); models; onnx; pipelines (on the study ViT).
@@ -78,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # core/, benchmarks/, pretrain.p
 from benchmarks.common import STUDY
 from benchmarks.mp3 import TABLE2_OTHERS
 from benchmarks.report import gpu_section, plot_objectives, splice_gpu_section, to_markdown
+from benchmarks.speed import SPEED_METHODS
 from benchmarks.suites import SUITES
 from core.config import HelpFormatter
 from core.stages import hardware_line
@@ -170,6 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--anchor-epochs", type=float, default=1.0,
                    help="anchor: training epochs of both loops (default: %(default)s)")
     g.add_argument("--anchor-seeds", type=int, nargs="+", default=[0], help="anchor: seeds (default: 0)")
+    g = parser.add_argument_group("speed")
+    g.add_argument("--speed-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
+                   help="methods to time (finetune: the supervised fine-tuning; default: %(default)s)")
+    g.add_argument("--speed-settings", nargs="+", default=None, metavar="RUNG",
+                   help="only these rungs of before fused batch compile processes (default: all)")
+    g.add_argument("--speed-batch", type=int, default=1024,
+                   help="the per-process batch of the batch / compile / processes rungs (default: %(default)s)")
+    g.add_argument("--speed-processes", type=int, default=4,
+                   help="runs sharing the device in the processes rung (default: %(default)s)")
+    g.add_argument("--speed-steps", type=int, default=100,
+                   help="optimizer steps per run; the rate is over all but the first (default: %(default)s)")
+    g.add_argument("--speed-compile", default="default",
+                   help="run.compile of the compile / processes rungs: default | reduce-overhead | max-autotune | "
+                   "aot_eager (default: %(default)s)")
     g.add_argument("--ddp-repeats", type=int, default=2,
                    help="ddp: alternated runs of every setting, medians reported (default: %(default)s)")
     return parser
@@ -204,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out.mkdir(parents=True, exist_ok=True)
-    if args.update and (out / "benchmark.json").is_file() and args.suite not in ("all", "mp3_table2", "ddp",
-                                                                                   "saved_bytes"):
+    own_file = ("mp3_table2", "ddp", "saved_bytes", "speed")  # suites with a file of their own
+    if args.update and (out / "benchmark.json").is_file() and args.suite not in ("all", *own_file):
         old = json.loads((out / "benchmark.json").read_text())
         rows = [r for r in old["results"] if r.get("suite") != args.suite] + rows
         seconds = {k: v for k, v in {**old["meta"].get("seconds", {}), args.suite: meta["seconds"]["total"]}.items()
@@ -213,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = {**old["meta"], "seconds": {**seconds, "total": round(sum(seconds.values()), 1)},
                 "updated": {args.suite: meta}}
     markdown = to_markdown(rows, meta)
-    stem = f"benchmark_{args.suite}" if args.suite in ("mp3_table2", "ddp", "saved_bytes") else "benchmark"
+    stem = f"benchmark_{args.suite}" if args.suite in own_file else "benchmark"
     files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}
     existing = (out / "benchmark.md").read_text() if (out / "benchmark.md").is_file() else ""
     if args.suite == "mp3_table2":  # also the GPU section of benchmark.md

@@ -160,3 +160,32 @@ def test_anchor_summary_pairs_the_seeds_both_loops_ran():
     text = anchor_summary(rows)
     assert text.startswith("Seeds 0, 1: ours 81.00%, plain timm loop 80.50%; ours - plain +0.50 ± 2.1 pt"), text
     assert anchor_summary(rows[:3]) == "No seed has both loops."
+
+
+def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(shards, tmp_path):
+    """The GPU speed ladder on a CPU stand-in (tiny ViT, toy shards, 3 steps): every rung really ran pretrain.py
+    with its knobs (the runs sharing the device are as many processes), rates relative to the first rung, a peak
+    fraction from the objective's FLOPs, and the fastest rung marked once; fine-tuning runs finetune.py."""
+    from benchmarks.speed import Setting, command
+
+    out = tmp_path / "bench"
+    argv = ["--suite", "speed", "--shards", str(shards / "img" / "train"), "--speed-methods", "mae",
+            "--speed-settings", "before", "compile", "processes", "--speed-steps", "3", "--speed-batch", "16",
+            "--speed-processes", "2", "--speed-compile", "aot_eager", "--matmul-size", "64", "--out", str(out),
+            "--pipelines-overrides", "model.preset=vit_micro", "objective.decoder_dim=32",
+            "objective.decoder_depth=1", "objective.decoder_heads=2"]
+    assert benchmark.main(argv) == 0
+    data = json.loads((out / "benchmark_speed.json").read_text())
+    rows = {r["setting"]: r for r in data["results"]}
+    assert list(rows) == ["before", "compile", "processes"] and all(r["name"] == "speed/mae" for r in rows.values())
+    before, compiled, shared = rows.values()
+    assert before["batch"] == 256 and compiled["batch"] == shared["batch"] == 16
+    assert "optim.fused=false" in before["overrides"] and "run.compile=no" in before["overrides"]
+    assert "run.compile=aot_eager" in compiled["overrides"] and "optim.lr_scaling=linear" in compiled["overrides"]
+    assert len(shared["process_rates"]) == 2 and shared["images_per_s"] == round(sum(shared["process_rates"]), 1)
+    assert before["vs_first"] == 1.0 and all(r["images_per_s"] > 0 < r["peak_fraction"] for r in rows.values())
+    assert sum(bool(r.get("fastest")) for r in rows.values()) == 1
+    assert "GPU speed" in (out / "benchmark_speed.md").read_text()
+    args = benchmark.build_parser().parse_args(argv)
+    finetune = command("finetune", Setting("before", 256, ()), args, tmp_path)
+    assert finetune[1].endswith("finetune.py") and not any(a.startswith("objective.") for a in finetune)

@@ -62,6 +62,12 @@ TABLES = {  # suite -> (title, [(column header, row key)])
     "anchor": ("Anchor: our supervised baseline vs a plain timm ViT loop (same size, data, epochs, recipe)", [
         ("training", "name"), ("test top-1", "top1"), ("samples/s", "samples_per_s"), ("epochs", "epochs"),
         ("seed", "seed"), ("preset", "preset"), ("batch", "batch")]),
+    "speed": ("The study ViT at GPU speed: images/s of each method's training per rung (each rung adds to the one "
+              "before; a process per run, in-memory path, steady steps)", [
+        ("method", "name"), ("rung", "setting"), ("batch", "batch"), ("processes", "processes"),
+        ("images/s", "images_per_s"), ("vs before", "vs_first"), ("GFLOP/image", "gflops_per_image"),
+        ("of peak", "peak_fraction"), ("fastest", "fastest"), ("autocast", "amp"), ("device", "device"),
+        ("overrides", "overrides")]),
     "pipelines": ("End-to-end pretraining through pretrain.py per data path, vs the same loop on one repeated "
                   "batch (pure step; medians of alternated runs, startup excluded)", [
         ("method", "name"), ("data path", "path"), ("samples/s", "samples_per_s"),
