@@ -35,7 +35,7 @@ import torch
 
 from core.config import ConfigError, HelpFormatter, describe, load
 from core.stages import StageError
-from reproduction.plan import StudyConfig, group_seeds
+from reproduction.plan import CONTROLS, StudyConfig, group_seeds, measures_controls, runs_of
 from reproduction.report import report
 from reproduction.runner import Study
 
@@ -46,7 +46,8 @@ from reproduction.runner import Study
 @dataclass(frozen=True)
 class Unit:
     """Groups run together on one seed by one study process (mp3_pe rides with main: it fine-tunes main's MP3);
-    a learning curve is a unit of its own (``only``: its row)."""
+    a learning curve is a unit of its own, and with ``unit_per_row`` every row (``only``: the unit's rows, or
+    ``controls``)."""
 
     groups: tuple[str, ...]
     seed: int
@@ -62,19 +63,48 @@ class Unit:
 
 def study_units(cfg: StudyConfig) -> list[Unit]:
     """Every (groups, seed) unit once, in the priority order of ``cfg.groups``, then by seed; one unit per
-    learning curve."""
+    learning curve. ``unit_per_row``: every (row, seed) instead (:func:`row_units`)."""
+    if cfg.unit_per_row:
+        return with_curves(cfg, row_units(cfg))
     units: dict[tuple[str, int], list[str]] = {}
-    curves = []
     for group in cfg.groups:
         if group == "curves":
-            curves = [Unit(("curves",), cfg.curve_seed, (name,)) for name in cfg.curve_rows] if cfg.curve_epochs \
-                else []
             continue
         for seed in group_seeds(cfg, group):
             host = ("main", seed) if group == "mp3_pe" and ("main", seed) in units else (group, seed)
             units.setdefault(host, []).append(group)
-    ordered = [Unit(tuple(groups), seed) for (_, seed), groups in units.items()]
-    at = cfg.groups.index("curves") if curves else 0  # the curves where the groups put them
+    return with_curves(cfg, [Unit(tuple(groups), seed) for (_, seed), groups in units.items()])
+
+
+def row_units(cfg: StudyConfig) -> list[Unit]:
+    """One unit per (row, seed) of the groups (``only`` / ``skip`` applied), in the order of the groups, then the
+    seed, then the group's rows. A row that fine-tunes another row's pretraining (``pretrain_from``: MP3 Table 3's
+    fine-tunes of main's MP3) joins that row's unit of its seed, or shares one with its siblings where that row
+    has no unit (a fresh run directory per unit: apart, each would pretrain again); main's probe controls (all
+    seeds at once) are a unit of their own on the first main seed, ahead of its rows."""
+    units: dict[tuple[str, int], tuple[list[str], list[str]]] = {}  # (host row, seed) -> (groups, rows)
+    for group in cfg.groups:
+        if group == "curves":
+            continue
+        for seed in group_seeds(cfg, group):
+            if group == "main" and seed == cfg.seeds[0] and cfg.controls and measures_controls(("main",), cfg.only):
+                units[(CONTROLS, seed)] = (["main"], [CONTROLS])
+            for run in runs_of((group,), cfg.only, cfg.skip):
+                if run.name == "speech_null" and not cfg.speech_null:
+                    continue
+                groups, rows = units.setdefault((run.pretrain_from or run.name, seed), ([], []))
+                groups += [] if group in groups else [group]
+                rows.append(run.name)
+    return [Unit(tuple(sorted(groups, key=cfg.groups.index)), seed, tuple(rows))
+            for (_, seed), (groups, rows) in units.items()]
+
+
+def with_curves(cfg: StudyConfig, ordered: list[Unit]) -> list[Unit]:
+    """``ordered`` with a unit per learning curve (``only``: its row) where the groups put the curves."""
+    if "curves" not in cfg.groups or not cfg.curve_epochs:
+        return ordered
+    curves = [Unit(("curves",), cfg.curve_seed, (name,)) for name in cfg.curve_rows]
+    at = cfg.groups.index("curves")
     before = sum(1 for u in ordered if cfg.groups.index(u.groups[0]) < at)
     return ordered[:before] + curves + ordered[before:]
 
@@ -141,7 +171,7 @@ def sittings_main(args: argparse.Namespace, cfg: StudyConfig) -> int:
         write_json_atomic(Path(cfg.results) / f"{cfg.name}.json", merged_study(cfg, bundles))
         with tempfile.TemporaryDirectory() as empty:  # every row from the bundles, none from a runs/ here
             report(replace(cfg, runs=empty), ["--report-only"])
-        pending = pending_units(units, bundles)
+        pending = pending_units(units, bundles, cfg)
         print(f"[study] {cfg.results}/{cfg.name}.md from {len(units) - len(pending)} of {len(units)} units; pending: "
               f"{', '.join(pending) or 'none'}")
     return 0

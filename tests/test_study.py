@@ -424,7 +424,7 @@ def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report
     assert [m["seed"] for m in bundle["rows"]["randsac_raster"]] == [0]
     assert 0 <= bundle["rows"]["randsac_raster"][0]["linear_probe"] <= 1
     cfg = pipeline_config.load(StudyConfig, None, args)
-    assert pending_units(study.study_units(cfg), bundles) == ["randsac.seed1"]
+    assert pending_units(study.study_units(cfg), bundles, cfg) == ["randsac.seed1"]
 
     assert study.main([*args, "--sitting", "5", "--bundles", str(bundles)]) == 0  # a fresh machine: continues
     assert sorted(bundles_of(bundles)) == ["randsac.seed0", "randsac.seed1"]
@@ -438,8 +438,11 @@ def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report
         "randsac.seed1"]["sitting"])]
     assert "| RandSAC raster | 0,1 |" in (tmp_path / "results" / "study.md").read_text()
 
+    raised = pipeline_config.load(StudyConfig, None, [*args, "pretrain_epochs=100"])
+    assert pending_units(study.study_units(raised), bundles, raised) == ["randsac.seed0", "randsac.seed1"], \
+        "a bundle at another budget is not done at this one"
     (bundles / "randsac.seed1.json").write_text('{"unit": "randsac.se')  # damaged on the way back
-    assert pending_units(study.study_units(cfg), bundles) == ["randsac.seed1"]
+    assert pending_units(study.study_units(cfg), bundles, cfg) == ["randsac.seed1"]
     # a unit cut off at a sitting's end needs more than that; longer than a whole sitting: said, never started
     assert estimate("x.seed1", ["x"], {}, [{"cut_off": {"x.seed1": 100.0}}]) == (120.0, 100.0)
     assert estimate("x.seed1", ["x"], {"x.seed0": {"groups": ["x"], "seconds": 50.0}}, []) == (50.0, 0.0)
@@ -455,3 +458,89 @@ def test_a_sitting_kills_a_unit_still_running_at_its_end(tmp_path):
                         tmp_path / "unit.log") is None
     assert time.monotonic() - start < 30 and "up" in (tmp_path / "unit.log").read_text()
     assert _run_bounded([sys.executable, "-c", "raise SystemExit(3)"], 30, tmp_path / "b.log") == 3
+
+
+def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_the_controls_once():
+    """unit_per_row (sittings shorter than a (group, seed) unit): one unit per (row, seed) in the priority order of
+    groups, then seed, then the group's rows; MP3 Table 3's fine-tunes of main's MP3 in the MP3 unit of their seed
+    (or together where main has no such seed); the controls (every seed at once) a unit of their own; the curves
+    one per row as ever; only / skip / speech_null respected."""
+    from reproduction.plan import runs_of
+    from reproduction.sittings import unit_id
+
+    cfg = pipeline_config.load(StudyConfig, None, ["unit_per_row=true", "seeds=[0,1]", "ablation_seeds=[0,1,2]",
+                                                   "speech_seeds=[0]", "skip=[randsac_square]", "speech_null=false",
+                                                   "curve_epochs=[0,1]", "curve_rows=[mp3,mae]"])
+    units = study.study_units(cfg)
+    assert [u.only for u in units[:2]] == [("mp3",), ("mae",)] and {u.groups for u in units[:2]} == {("curves",)}
+    units = units[2:]
+    assert units[0] == study.Unit(("main",), 0, ("controls",)), "the controls: one unit, first main seed, first"
+    assert sum("controls" in u.only for u in study.study_units(cfg)) == 1
+    rows = [(name, u.seed) for u in units for name in u.only if name != "controls"]
+    expected = [(r.name, s) for g in GROUPS if g != "curves" for r in runs_of((g,), (), cfg.skip)
+                for s in study.group_seeds(cfg, g) if r.name != "speech_null"]
+    assert sorted(rows) == sorted(expected) and len(rows) == len(set(rows)), "every (row, seed) exactly once"
+    for seed in (0, 1):  # main's seeds: the fine-tunes of main's MP3 ride in its MP3 unit
+        assert study.Unit(("main", "mp3_pe"), seed, ("mp3", "mp3_ft_none", "mp3_ft_relbias2d")) in units
+    assert study.Unit(("mp3_pe",), 2, ("mp3_ft_none", "mp3_ft_relbias2d")) in units, \
+        "no main seed 2: the two fine-tunes share one MP3 pretraining"
+    assert study.Unit(("mp3_pe",), 0, ("supervised_nope",)) in units, "rows of their own stay apart"
+    assert all(len(u.only) == 1 for u in units if "mp3" not in u.only and u.groups != ("mp3_pe",))
+    order = {r.name: i for i, r in enumerate(RUNS)}
+    keys = [(cfg.groups.index(u.groups[0]), u.seed, order.get(u.only[0], -1)) for u in units]
+    assert keys == sorted(keys), "priority: groups, then seed, then the group's rows"
+    mp3 = next(u for u in units if "mp3" in u.only and u.seed == 0)
+    assert mp3.overrides() == ["groups=[main,mp3_pe]", "only_seeds=[0]", "only=[mp3,mp3_ft_none,mp3_ft_relbias2d]"]
+    assert unit_id(mp3.groups, mp3.seed, mp3.only) == "main+mp3_pe.mp3+mp3_ft_none+mp3_ft_relbias2d.seed0"
+    assert study.study_units(dataclasses.replace(cfg, unit_per_row=False))[2] == study.Unit(("main", "mp3_pe"), 0)
+    only = study.study_units(dataclasses.replace(cfg, only=("mae",), curve_epochs=()))
+    assert only == [study.Unit(("main",), 0, ("mae",)), study.Unit(("main",), 1, ("mae",))], \
+        "only: its rows, no controls unless named"
+    assert study.study_units(dataclasses.replace(cfg, controls=False))[2:][0].only == ("supervised",)
+    with pytest.raises(pipeline_config.ConfigError, match="unknown run"):
+        pipeline_config.load(StudyConfig, None, ["skip=[controls]"])
+
+
+def test_a_study_in_per_row_sittings_merges_rows_of_one_seed_and_the_controls(shards, tmp_path, capsys):
+    """unit_per_row through --sitting and --merge: the controls unit and two row units of one seed, each a bundle
+    of its own, merge into one report holding both rows on that seed and the controls."""
+    from reproduction.sittings import attempts_of, bundles_of, estimate, work_of
+
+    bundles = tmp_path / "bundles"
+    args = [f"runs={tmp_path / 'unused'}", f"results={tmp_path / 'results'}", "preset=vit_micro", "batch_size=8",
+            "pretrain_epochs=0.25", "finetune_epochs=0.25", "num_workers=0", f"fashion_mnist={shards / 'img'}",
+            "groups=[main,randsac]", "probe_only=[randsac]", "only=[controls,randsac_raster,randsac_square]",
+            "seeds=[0]", "ablation_seeds=[0]", "unit_per_row=true", "label_fractions=[0.5]",
+            "label_finetune_epochs=[1]", "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1",
+            "probe_extras=false", "holdout=12", "test_samples=16", "compare_with=null", "threads=1"]
+    assert study.main([*args, "--sitting", "5", "--bundles", str(bundles)]) == 0
+    found = bundles_of(bundles)
+    assert sorted(found) == ["main.controls.seed0", "randsac.randsac_raster.seed0", "randsac.randsac_square.seed0"]
+    assert found["main.controls.seed0"]["controls"] and not found["main.controls.seed0"]["rows"]
+    assert list(found["randsac.randsac_square.seed0"]["rows"]) == ["randsac_square"]
+    assert found["randsac.randsac_raster.seed0"]["controls"] is None
+    capsys.readouterr()
+    assert study.main([*args, "--merge", "--bundles", str(bundles)]) == 0
+    assert "from 3 of 3 units; pending: none" in capsys.readouterr().out
+    merged = json.loads((tmp_path / "results" / "study.json").read_text())
+    assert {run: [m["seed"] for m in ms] for run, ms in merged["results"].items()} == {
+        "randsac_raster": [0], "randsac_square": [0]}
+    assert set(merged["controls"]["controls"]) >= {"pixels_linear", "random_linear"}
+    assert merged["wall_clock"]["minutes"]["randsac"]["sitting units"] > 0, "the minutes of the row units add up"
+    report = (tmp_path / "results" / "study.md").read_text()
+    assert "| RandSAC raster | 0 |" in report and "| RandSAC square 2x2 | 0 |" in report
+
+    # a row unit is estimated by the same row's unit of another seed, never by another row of its groups; and only
+    # by units measured at the same work (a knob that changes a unit's time, budget field or not)
+    done = {"main.mae.seed0": {"groups": ["main"], "only": ["mae"], "seconds": 50.0},
+            "main.ijepa.seed0": {"groups": ["main"], "only": ["ijepa"], "seconds": 80.0},
+            "main.seed0": {"groups": ["main"], "only": [], "seconds": 400.0}}
+    assert estimate("main.mae.seed1", ["main"], done, [], ["mae"]) == (50.0, 0.0)
+    assert estimate("main.seed1", ["main"], done, []) == (400.0, 0.0)
+    assert estimate("main.stop.seed1", ["main"], done, [], ["stop"]) == (None, 0.0)
+    cfg = pipeline_config.load(StudyConfig, None, args)
+    work = work_of(dataclasses.asdict(cfg))
+    assert work == work_of(found["randsac.randsac_raster.seed0"]["config"]) == work_of(
+        dataclasses.asdict(dataclasses.replace(cfg, only=(), groups=("main",), results="x")))
+    assert work != work_of(dataclasses.asdict(dataclasses.replace(cfg, ort=False)))
+    assert all(a["work"] == work for a in attempts_of(bundles))

@@ -12,6 +12,7 @@ from core.config import ConfigError
 # DONE files, so a resumed study must build the very same strings
 CONFIGS = Path(__file__).parents[1] / "configs"
 GROUPS = ("curves", "main", "mp3_pe", "mp3_eta", "droppos", "mjp", "randsac", "speech")
+CONTROLS = "controls"  # in ``only``: the probe controls (main's, runs/controls), beside or instead of rows
 
 
 @dataclass
@@ -62,9 +63,16 @@ class StudyConfig:
     label_batch_size: int | None = None  # batch of the label-efficiency stages (None: batch_size); smaller = more steps
     ablation_seeds: tuple[int, ...] = (0,)  # seeds of the ablation groups
     groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
-    only: tuple[str, ...] = ()  # run names to restrict the groups to (e.g. add seeds to some rows); () = all
+    # run names to restrict the groups to (e.g. add seeds to some rows), "controls" for main's probe controls
+    # (measured only when only is () or names them); () = all
+    only: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()  # run names left out of their groups (e.g. rows no claim reads at this budget)
     only_seeds: tuple[int, ...] = ()  # seeds this process runs (study.py --jobs gives each process its own); () = all
+    # study.py's units (--jobs, --sitting): one per (row, seed) instead of one per (group, seed): a row that
+    # fine-tunes another's pretraining (mp3_pe's MP3 fine-tunes) with that row, the controls a unit of their own
+    # (the first main seed, only=[controls]), a learning curve per row as ever. For sittings shorter than a
+    # (group, seed) unit: a main unit (every main row on one seed) at 100+ epochs outlasts a ~9-min sitting
+    unit_per_row: bool = False
     probe_only: tuple[str, ...] = ()  # ablation groups evaluated by probes only (no fine-tuning; not main)
     batch_size: int = 128  # image stages, per process
     num_workers: int = 1  # data.num_workers of every stage (decoding shards; streaming workers)
@@ -107,9 +115,10 @@ class StudyConfig:
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         for knob, names in (("only", self.only), ("skip", self.skip)):
-            unknown = sorted(set(names) - {r.name for r in RUNS})
+            unknown = sorted(set(names) - {r.name for r in RUNS} - ({CONTROLS} if knob == "only" else set()))
             if unknown:
-                raise ConfigError(f"{knob}: unknown run(s) {unknown}; known: {[r.name for r in RUNS]}")
+                raise ConfigError(f"{knob}: unknown run(s) {unknown}; known: {[r.name for r in RUNS]}"
+                                  + (f" and {CONTROLS!r}" if knob == "only" else ""))
         if set(self.skip) & {r.name for r in RUNS if r.group == "main"}:
             raise ConfigError(f"skip: main rows are the study's table; drop their groups or seeds instead, got "
                               f"{sorted(self.skip)}")
@@ -226,3 +235,9 @@ def runs_of(groups: tuple[str, ...], only: tuple[str, ...] = (), skip: tuple[str
     own (its units name a main row each)."""
     return [r for g in groups for r in RUNS
             if r.group == g and (not only or r.name in only) and r.name not in skip]
+
+
+def measures_controls(groups: tuple[str, ...] | list[str], only: tuple[str, ...] | list[str]) -> bool:
+    """Whether a study process of these groups, restricted to ``only``, measures main's probe controls (on the
+    first main seed, when ``controls``): main is among its groups and ``only`` is () or names "controls"."""
+    return "main" in groups and (not only or CONTROLS in only)

@@ -20,7 +20,7 @@ from core.stages import stage
 from patchplace.data import Manifest
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
-from reproduction.plan import CONFIGS, RUNS, Run, StudyConfig, group_seeds, runs_of
+from reproduction.plan import CONFIGS, RUNS, Run, StudyConfig, group_seeds, measures_controls, runs_of
 
 
 class Study:
@@ -281,9 +281,9 @@ class Study:
                 if not self.cfg.only or name in self.cfg.only:
                     self.curve(next(r for r in RUNS if r.name == name))
         first = self.cfg.seeds[0]
-        if "main" in self.cfg.groups and not self.cfg.only and (not self.cfg.only_seeds or first in
-                                                                 self.cfg.only_seeds):
-            self.controls()  # once, by the process that runs the first seed of main
+        if measures_controls(self.cfg.groups, self.cfg.only) and (not self.cfg.only_seeds or first in
+                                                                   self.cfg.only_seeds):
+            self.controls()  # once, by the process that runs the first seed of main (only: () or [controls, ...])
         for run in runs_of(self.cfg.groups, self.cfg.only, self.cfg.skip):
             if run.name == "speech_null" and not self.cfg.speech_null:
                 continue

@@ -1,13 +1,14 @@
 """The study in sittings: short, bounded stretches of a machine (a lent GPU for ~9 minutes, starting bare each time)
 whose results add up.
 
-A **sitting** runs the study's pending units (``study.py``'s (groups, seed) units, in priority order) that fit its
-time budget, each in a fresh run directory, and writes one **bundle** per finished unit: a small JSON file with the
-unit's rows (every metric of every (run, seed) it measured), its controls / learning curve when it measured them,
-its seconds, the sitting, the device and the torch version. A unit is atomic: one that does not finish inside the
-sitting is killed and left pending (the next sitting reruns it from scratch). ``merge`` rebuilds
-``results/<name>.{json,md}`` from every bundle, so the report of a study run in many sittings, on machines that
-start bare, is the report of one study.
+A **sitting** runs the study's pending units (``study.py``'s (groups, seed) units, or (row, seed) units with
+``unit_per_row``, in priority order) that fit its time budget, each in a fresh run directory, and writes one
+**bundle** per finished unit: a small JSON file with the unit's rows (every metric of every (run, seed) it
+measured), its controls / learning curve when it measured them, its seconds, the sitting, the device and the torch
+version. A unit is atomic: one that does not finish inside the sitting is killed and left pending (the next sitting
+reruns it from scratch). ``merge`` rebuilds ``results/<name>.{json,md}`` from every bundle (the rows of one seed
+from however many bundles measured them), so the report of a study run in many sittings, on machines that start
+bare, is the report of one study.
 
     python pipelines/study.py --config pipelines/configs/study_gpu.yaml --sitting 9 --bundles results/study_gpu_bundles
     python pipelines/study.py --config pipelines/configs/study_gpu.yaml --merge --bundles results/study_gpu_bundles
@@ -31,23 +32,30 @@ from typing import Any
 from core.stages import hardware_line
 from patchplace.data.atomic import write_json_atomic
 from reproduction.metrics import HARNESS_VERSION, read_json
-from reproduction.plan import RUNS, StudyConfig
+from reproduction.plan import RUNS, StudyConfig, measures_controls
 
 LOG = "sittings.jsonl"  # one line per sitting: device, units finished, units cut off, seconds
 
 
 def unit_id(groups: Sequence[str], seed: int, only: Sequence[str] = ()) -> str:
-    """A unit's name in bundles and logs: ``main+mp3_pe.seed0``, ``curves.mp3.seed0``."""
-    return ".".join(["+".join(groups), *([",".join(only)] if only else []), f"seed{seed}"])
+    """A unit's name in bundles and logs (a file name: no commas or spaces): ``main+mp3_pe.seed0``,
+    ``curves.mp3.seed0``; per row (``unit_per_row``) ``main.mae.seed1``, ``main.controls.seed0``,
+    ``main+mp3_pe.mp3+mp3_ft_none+mp3_ft_relbias2d.seed0``."""
+    return ".".join(["+".join(groups), *(["+".join(only)] if only else []), f"seed{seed}"])
 
 
-def bundles_of(directory: Path) -> dict[str, dict[str, Any]]:
-    """Every finished unit's bundle in ``directory`` by unit id (a damaged file is reported and left pending)."""
+def bundles_of(directory: Path, cfg: StudyConfig | None = None) -> dict[str, dict[str, Any]]:
+    """Every finished unit's bundle in ``directory`` by unit id (a damaged file is reported and left pending);
+    with ``cfg``, only those measured at its budget (a unit measured at another budget is pending again: a study
+    raised to 100 epochs reruns every unit, and its report merges only those)."""
+    from reproduction.metrics import budget_changes
+
     found = {}
     for path in sorted(directory.glob("*.json")):
         try:
             bundle = json.loads(path.read_text())
-            found[bundle["unit"]] = bundle
+            if cfg is None or not budget_changes(bundle, cfg):
+                found[bundle["unit"]] = bundle
         except (json.JSONDecodeError, KeyError) as exc:
             print(f"[sitting] {path}: not a bundle ({exc}); its unit stays pending", file=sys.stderr)
     return found
@@ -59,11 +67,13 @@ def attempts_of(directory: Path) -> list[dict[str, Any]]:
 
 
 def estimate(unit: str, groups: Sequence[str], bundles: dict[str, dict[str, Any]],
-             attempts: list[dict[str, Any]]) -> tuple[float | None, float]:
+             attempts: list[dict[str, Any]], only: Sequence[str] = ()) -> tuple[float | None, float]:
     """(seconds a unit is expected to take, seconds it is known to need at least): the longest finished unit of
-    the same groups (another seed) is the estimate; a sitting that cut the unit off after s seconds says it needs
-    more than s."""
-    same = [b["seconds"] for b in bundles.values() if b["groups"] == list(groups) and not b.get("only")]
+    the same groups and rows (``only``; another seed) is the estimate; a sitting that cut the unit off after s
+    seconds says it needs more than s. ``bundles`` / ``attempts``: those measured at this config's work
+    (:func:`work_of`)."""
+    same = [b["seconds"] for b in bundles.values() if b["groups"] == list(groups)
+            and list(b.get("only") or []) == list(only)]
     at_least = max([a["cut_off"][unit] for a in attempts if unit in a.get("cut_off", {})], default=0.0)
     guesses = [*same, *([at_least * 1.2] if at_least else [])]
     return (max(guesses) if guesses else None), at_least
@@ -76,9 +86,22 @@ def budget_of(cfg: StudyConfig) -> dict[str, Any]:
     return json.loads(json.dumps({k: asdict(cfg)[k] for k in BUDGET_FIELDS}))
 
 
+# config fields that pick or name units and where they run, not what a unit does (and so not how long it takes)
+NOT_WORK = ("groups", "only", "only_seeds", "ablation_seeds", "speech_seeds", "unit_per_row", "runs", "results",
+            "name", "compare_with")
+
+
+def work_of(config: dict[str, Any]) -> dict[str, Any]:
+    """What a unit's time depends on: every config field (``asdict``, or a bundle's ``config``) but ``NOT_WORK``,
+    as JSON has them. A unit's time at other epochs, probes, thread counts, ``ort``, ``controls``... says nothing
+    about it here: :func:`estimate` reads only bundles and cut-offs of the same work."""
+    return json.loads(json.dumps({k: v for k, v in config.items() if k not in NOT_WORK}))
+
+
 def unit_rows(rows: dict[str, list[dict[str, Any]]], groups: Sequence[str], seed: int,
               only: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
-    """The rows one unit measured (its groups' runs on its seed; a curve unit has none)."""
+    """The rows one unit measured (its groups' runs on its seed, those in ``only`` when given; a curve or controls
+    unit has none)."""
     names = {r.name for r in RUNS if r.group in groups and (not only or r.name in only)}
     kept = {n: [m for m in ms if m.get("seed") == seed] for n, ms in rows.items() if n in names}
     return {n: ms for n, ms in kept.items() if ms}
@@ -100,9 +123,10 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
     bundles_dir.mkdir(parents=True, exist_ok=True)
     budget, start = minutes * 60, time.monotonic()
     sitting = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    budget_now = budget_of(cfg)
-    done = bundles_of(bundles_dir)
-    attempts = [a for a in attempts_of(bundles_dir) if a.get("budget") == budget_now]  # cut-offs at this budget
+    budget_now, work_now = budget_of(cfg), work_of(asdict(cfg))
+    done = bundles_of(bundles_dir, cfg)
+    attempts = [a for a in attempts_of(bundles_dir)  # cut-offs at this budget and work (a log before "work": budget)
+                if a.get("budget") == budget_now and a.get("work", work_now) == work_now]
     pending = [u for u in units if unit_id(u.groups, u.seed, u.only) not in done]
     print(f"[sitting] {sitting}: {len(done)} unit(s) in {bundles_dir}, {len(pending)} pending, {minutes:g} min "
           f"on {device_line()}", flush=True)
@@ -112,7 +136,8 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
             break
         name = unit_id(unit.groups, unit.seed, unit.only)
         left = budget - (time.monotonic() - start)
-        expected, at_least = estimate(name, unit.groups, done, attempts)
+        expected, at_least = estimate(name, unit.groups, {n: b for n, b in done.items() if work_of(
+            b.get("config", {})) == work_now}, attempts, unit.only)
         if at_least >= budget:
             print(f"[sitting] {name}: needs more than {at_least / 60:.1f} min, more than a whole sitting; lower its "
                   "epochs (pretrain_epochs / finetune_epochs ...) or give the sitting more minutes", flush=True)
@@ -143,7 +168,7 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
                   "seconds": seconds, "sitting": sitting, "device": device_line(), "torch": torch.__version__,
                   "harness": HARNESS_VERSION, "config": asdict(cfg),
                   "rows": unit_rows(measured.get("results", {}), unit.groups, unit.seed, unit.only),
-                  "controls": measured.get("controls") if "main" in unit.groups else None,
+                  "controls": measured.get("controls") if measures_controls(unit.groups, unit.only) else None,
                   "curves": measured.get("curves") if "curves" in unit.groups else None}
         for path in (bundles_dir, *([out] if out else [])):
             write_json_atomic(path / f"{name}.json", bundle)
@@ -152,11 +177,11 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
         print(f"[sitting] {name}: finished in {seconds / 60:.1f} min -> {bundles_dir / (name + '.json')}",
               flush=True)
     record = {"sitting": sitting, "device": device_line(), "minutes": minutes, "finished": finished,
-              "cut_off": cut_off, "seconds": time.monotonic() - start, "budget": budget_now}
+              "cut_off": cut_off, "seconds": time.monotonic() - start, "budget": budget_now, "work": work_now}
     for path in (bundles_dir, *([out] if out else [])):
         with (path / LOG).open("a") as f:
             f.write(json.dumps(record) + "\n")
-    still = pending_units(units, bundles_dir)
+    still = pending_units(units, bundles_dir, cfg)
     print(f"[sitting] {sitting}: finished {len(finished)} unit(s) in {record['seconds'] / 60:.1f} min; "
           f"pending: {', '.join(still) or 'none'}", flush=True)
     return len(finished)
@@ -208,8 +233,8 @@ def merged_study(cfg: StudyConfig, bundles_dir: Path) -> dict[str, Any]:
             "commands": [f"sittings: {bundles_dir}"]}
 
 
-def pending_units(units: list[Any], bundles_dir: Path) -> list[str]:
-    """The ids of the units no bundle in ``bundles_dir`` holds, in priority order."""
-    done = bundles_of(bundles_dir)
+def pending_units(units: list[Any], bundles_dir: Path, cfg: StudyConfig) -> list[str]:
+    """The ids of the units no bundle in ``bundles_dir`` holds at ``cfg``'s budget, in priority order."""
+    done = bundles_of(bundles_dir, cfg)
     return [n for u in units if (n := unit_id(u.groups, u.seed, u.only)) not in done]
 
