@@ -58,13 +58,18 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               --speed-compile) -> processes (--speed-processes such runs at once, summed): each rate over the
               first rung's and as a fraction of the matmul peak (bf16 on a GPU). Writes
               <out>/benchmark_speed.{json,md}; needs the shards. A GPU suite: every rung on a CPU takes minutes.
+  profile     where a step's time goes: torch.profiler over --repeats training steps of each --objectives
+              (default supervised mae; ViT-B/16 224 px on a GPU unless --preset says otherwise, the study ViT on a
+              CPU), the --profile-top operators by self time per step (device time on a GPU) and the share of the
+              step outside matrix products and attention. Writes <out>/benchmark_profile.{json,md}.
   all         matmul; objectives for the study ViT (vit_cpu_narrow, 1 x 32 px, batch 128) and for ViT-S/16
               at 224 px (3 channels, batch --vits-batch, paper widths, without stop_noema); masks; data (+ loader
               samples/s vs the study ViT's training consumption); models; onnx; pipelines (on the study ViT).
               Roughly 20 minutes on an idle 2-core CPU.
 
 --update: replace only this suite's rows (and its seconds) in <out>/benchmark.json / .md, keeping the others
-(e.g. ``--suite pipelines --out results --update`` refreshes that table of results/).
+(e.g. ``--suite pipelines --out results --update`` refreshes that table of results/); with ``--suite speed``, only
+the rows of the methods measured in <out>/benchmark_speed.json (a GPU study measured over several calls).
 """
 
 from __future__ import annotations
@@ -107,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="attention kernel of every model: sdpa (fused, default) or math (the materialised "
                              "softmax of the papers' time), e.g. for MP3 Table 2 in its setting")
     parser.add_argument("--update", action="store_true",
-                        help="replace this suite's rows in <out>/benchmark.json, keep the other suites' rows")
+                        help="replace this suite's rows in <out>/benchmark.json, keep the other suites' rows (speed: "
+                        "the measured methods' rows in <out>/benchmark_speed.json, keep the other methods')")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="objectives / matmul device (default: cuda when available)")
     g = parser.add_argument_group("matmul")
@@ -178,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--anchor-epochs", type=float, default=1.0,
                    help="anchor: training epochs of both loops (default: %(default)s)")
     g.add_argument("--anchor-seeds", type=int, nargs="+", default=[0], help="anchor: seeds (default: 0)")
+    g = parser.add_argument_group("profile")
+    g.add_argument("--profile-top", type=int, default=12, help="operators listed per objective (default: 12)")
     g = parser.add_argument_group("speed")
     g.add_argument("--speed-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
                    help="methods to time (finetune: the supervised fine-tuning; default: %(default)s)")
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out.mkdir(parents=True, exist_ok=True)
-    own_file = ("mp3_table2", "ddp", "saved_bytes", "speed")  # suites with a file of their own
+    own_file = ("mp3_table2", "ddp", "saved_bytes", "speed", "profile")  # suites with a file of their own
     if args.update and (out / "benchmark.json").is_file() and args.suite not in ("all", *own_file):
         old = json.loads((out / "benchmark.json").read_text())
         rows = [r for r in old["results"] if r.get("suite") != args.suite] + rows
@@ -234,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                    if k != "total"}
         meta = {**old["meta"], "seconds": {**seconds, "total": round(sum(seconds.values()), 1)},
                 "updated": {args.suite: meta}}
+    if args.update and args.suite == "speed" and (out / "benchmark_speed.json").is_file():  # other methods kept
+        old = json.loads((out / "benchmark_speed.json").read_text())
+        names = {r["name"] for r in rows}
+        rows = [r for r in old["results"] if r["name"] not in names] + rows
+        meta = {**old["meta"], "updated": {**old["meta"].get("updated", {}), ",".join(sorted(names)): meta}}
     markdown = to_markdown(rows, meta)
     stem = f"benchmark_{args.suite}" if args.suite in own_file else "benchmark"
     files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}

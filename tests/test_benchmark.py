@@ -189,3 +189,23 @@ def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(sh
     args = benchmark.build_parser().parse_args(argv)
     finetune = command("finetune", Setting("before", 256, ()), args, tmp_path)
     assert finetune[1].endswith("finetune.py") and not any(a.startswith("objective.") for a in finetune)
+
+
+def test_profile_suite_names_where_each_step_goes_and_its_share_outside_compute(tmp_path):
+    """torch.profiler over tiny steps: per objective the top operators by self time (shares of one total, largest
+    first, matrix products counted as compute) and a closing row with the step's share outside compute."""
+    from benchmarks.profile import is_compute
+
+    assert benchmark.main(["--suite", "profile", "--preset", "vit_micro", "--batch", "4", "--repeats", "2",
+                           "--warmup", "1", "--objectives", "supervised", "mae", "--profile-top", "5", "--out",
+                           str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "benchmark_profile.json").read_text())["results"]
+    for name in ("profile/supervised", "profile/mae"):
+        ops = [r for r in rows if r["name"] == name and r["op"] != "(all)"]
+        total = next(r for r in rows if r["name"] == name and r["op"] == "(all)")
+        assert len(ops) == 5 and [r["share"] for r in ops] == sorted((r["share"] for r in ops), reverse=True)
+        assert 0 < sum(r["share"] for r in ops) <= 1.0001 and 0 < total["non_compute_share"] < 1
+        assert any(r["compute"] for r in ops) and total["ms_per_step"] >= sum(r["ms_per_step"] for r in ops) - 0.01
+    assert is_compute("aten::addmm") and is_compute("aten::_scaled_dot_product_efficient_attention")
+    assert not is_compute("aten::copy_") and not is_compute("aten::native_layer_norm")
+    assert "outside compute" in (tmp_path / "benchmark_profile.md").read_text()

@@ -68,6 +68,10 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("images/s", "images_per_s"), ("vs before", "vs_first"), ("GFLOP/image", "gflops_per_image"),
         ("of peak", "peak_fraction"), ("fastest", "fastest"), ("autocast", "amp"), ("device", "device"),
         ("overrides", "overrides")]),
+    "profile": ("Where a training step's time goes (torch.profiler; self time per step, device time on a GPU)", [
+        ("objective", "name"), ("operator", "op"), ("ms / step", "ms_per_step"), ("share", "share"),
+        ("calls / step", "calls_per_step"), ("compute", "compute"), ("outside compute", "non_compute_share"),
+        ("preset", "preset"), ("batch", "batch"), ("autocast", "amp"), ("device", "device")]),
     "pipelines": ("End-to-end pretraining through pretrain.py per data path, vs the same loop on one repeated "
                   "batch (pure step; medians of alternated runs, startup excluded)", [
         ("method", "name"), ("data path", "path"), ("samples/s", "samples_per_s"),

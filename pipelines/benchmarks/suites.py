@@ -12,6 +12,7 @@ from benchmarks.data import data_suite, data_vs_training
 from benchmarks.mp3 import mp3_table2_suite, saved_bytes_suite
 from benchmarks.onnx import onnx_suite
 from benchmarks.pipelines import anchor_suite, ddp_suite, pipelines_suite
+from benchmarks.profile import profile_suite
 from benchmarks.speed import speed_suite
 
 
@@ -45,4 +46,5 @@ def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
 SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks_suite, "data": data_suite,
           "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "mp3_table2": mp3_table2_suite,
           "ddp": ddp_suite, "anchor": anchor_suite, "saved_bytes": saved_bytes_suite, "speed": speed_suite,
+          "profile": profile_suite,
           "all": all_suite}
