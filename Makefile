@@ -15,7 +15,8 @@ ORT      ?= cpu
 SHARDS   := shards
 CORPORA  := corpora
 
-.PHONY: help setup apt venv demo study study-curves study-gpu gpu-carry study-gpu-merge benchmark data test lint clean
+.PHONY: help setup apt venv demo study study-curves study-gpu gpu-carry gpu-ort-parts study-gpu-merge benchmark data \
+        test lint clean
 
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
@@ -23,6 +24,7 @@ help:
 	@echo "make study  the reproduction study v3 (results/study.md; ~4 h on 2 CPU cores by its measured parts, resumable)"
 	@echo "make study-curves  the learning curves that chose the study's budget (merged into results/study.md)"
 	@echo "make gpu-carry / study-gpu-merge  the GPU study in sittings on a lent GPU (docs/study.md)"
+	@echo "make gpu-ort-parts  onnxruntime-gpu in parts (.ort/p0/, .ort/p1/, ...) for the lent GPU (docs/study.md)"
 	@echo "make study-gpu  the same study at a GPU budget, every ablation (results/study_gpu.md)"
 	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
@@ -107,6 +109,28 @@ gpu-carry: setup
 
 study-gpu-merge: setup
 	$(PY) pipelines/study.py --config pipelines/configs/study_gpu.yaml --merge --bundles results/study_gpu_bundles
+
+# ONNX Runtime on CUDA on the lent machine (pipelines/gpu_onnx.sh): the onnxruntime-gpu wheel (~244 MiB) is larger than
+# a call carries (64 MiB), so it travels in parts of at most ORT_PART_MIB, one per call, each in its own directory
+# (.ort/p0/, .ort/p1/, ...; .ort/p0/MANIFEST.json: the wheel's and every part's sha256). Kept in .ort/download/ (never
+# carried); a wheel already in ORT_GPU_CACHE is reused. Nothing to do when the parts are there and intact.
+ORT_GPU_VERSION := 1.31.1
+ORT_GPU_WHEEL   := onnxruntime_gpu-$(ORT_GPU_VERSION)-cp312-cp312-manylinux_2_28_x86_64.whl
+ORT_PART_MIB    ?= 52
+ORT_GPU_CACHE   ?= /tmp/ortg
+gpu-ort-parts:
+	@if [ ! -f .ort/download/$(ORT_GPU_WHEEL) ] && \
+	  line=$$(python3 pipelines/gpu_parts.py status --parts .ort --verify --strict --expect $(ORT_GPU_WHEEL)); then \
+	  echo "$$line: nothing to do"; exit 0; fi; \
+	mkdir -p .ort/download; \
+	if [ ! -f .ort/download/$(ORT_GPU_WHEEL) ]; then \
+	  if [ -f $(ORT_GPU_CACHE)/$(ORT_GPU_WHEEL) ] && \
+	    python3 -m zipfile -t $(ORT_GPU_CACHE)/$(ORT_GPU_WHEEL) >/dev/null; then \
+	    echo "reusing $(ORT_GPU_CACHE)/$(ORT_GPU_WHEEL)"; cp $(ORT_GPU_CACHE)/$(ORT_GPU_WHEEL) .ort/download/; \
+	  else \
+	    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	      --platform manylinux_2_28_x86_64 -d .ort/download onnxruntime-gpu==$(ORT_GPU_VERSION); fi; fi; \
+	python3 pipelines/gpu_parts.py split .ort/download/$(ORT_GPU_WHEEL) --out .ort --max-mib $(ORT_PART_MIB)
 
 benchmark: setup data
 	$(PY) pipelines/benchmark.py --suite all --out results

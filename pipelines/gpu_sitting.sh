@@ -16,7 +16,7 @@ if [ -d .gpu/whl ]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 for p in packages/data packages/models packages/objectives packages/finetune export; do
-  PYTHONPATH=$PWD/$p/src:$PYTHONPATH
+  PYTHONPATH=$PWD/$p/src${PYTHONPATH:+:$PYTHONPATH}
 done
 export PYTHONPATH
 python3 -c "import torch; print('[gpu-sitting]', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', flush=True)"

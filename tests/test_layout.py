@@ -102,7 +102,8 @@ def test_only_pipelines_import_accelerate():
 
 # ------------------------------------------------------------------------------------------------ pipelines/
 PIPELINES = ROOT / "pipelines"
-ENTRY_POINTS = {"pretrain", "finetune", "evaluate", "controls", "demo", "study", "benchmark", "harness_compare"}
+ENTRY_POINTS = {"pretrain", "finetune", "evaluate", "controls", "demo", "study", "benchmark", "harness_compare",
+                "gpu_parts"}
 MACHINERY = ("core", "reproduction", "benchmarks")  # the packages beside the entry points
 # Imports of an entry point allowed, each to run that entry point's main() in-process: the study's stages, the
 # benchmark suites that time the pipelines end to end, the demo's stages. Nothing else imports an entry point (no

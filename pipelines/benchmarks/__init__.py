@@ -7,7 +7,11 @@
     onnx.py       onnx: PyTorch eager vs ONNX Runtime inference
     pipelines.py  pipelines (end-to-end pretrain.py per data path), ddp (1 vs 2 processes), anchor (finetune.py vs a
                   plain timm loop): the suites that run the entry points
-    mp3.py        mp3_table2 (MP3 Table 2 on a GPU) and saved_bytes (its memory column on any machine)
+    mp3.py        mp3_table2 (MP3 Table 2 and every objective's step on a GPU, both attention kernels) and
+                  saved_bytes (its memory column on any machine)
+    speed.py      speed: the study ViT's images/s per method up a ladder of GPU settings (fused AdamW, batch,
+                  compiled blocks, processes sharing the device), through pretrain.py / finetune.py
+    profile.py    profile: torch.profiler's top operators per training step and the share outside compute
     report.py     benchmark.md: one table per suite with its hardware line and note, the GPU section, the figure
     suites.py     the registry (``SUITES``: name -> function(args, state) -> rows) and ``all``
 """

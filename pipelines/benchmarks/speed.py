@@ -79,27 +79,12 @@ def command(method: str, setting: Setting, args: argparse.Namespace, out: Path) 
             *setting.overrides, *extra]
 
 
-def flops_per_image(method: str, args: argparse.Namespace) -> float:
-    """Training FLOPs per image of ``method``'s objective as its config builds it on the study ViT (the
-    fine-tuning step: the supervised one)."""
-    import pretrain
-
-    from core.config import load
-    from patchplace.objectives.benchmark import train_flops
-
-    name = "supervised" if method == "finetune" else method
-    shapes = [o for o in args.pipelines_overrides  # the shapes the runs had
-              if o.startswith("model.") or (o.startswith("objective.") and method != "finetune")]
-    cfg = load(pretrain.PretrainConfig, str(PIPELINES / "configs" / f"{name}_fashion_mnist.yaml"),
-               [f"model.preset={STUDY['preset']}", *shapes])
-    objective, _ = pretrain.build_objective(cfg, num_classes=10, in_chans=STUDY["in_chans"], modality="image")
-    return float(train_flops(objective, batch=64))
-
-
-def rate_of(out: Path) -> float:
-    """The samples/s of a run's last training-step log record (steady steps: startup and the first step apart)."""
+def rate_of(out: Path) -> tuple[float, float]:
+    """(samples/s, achieved TFLOP/s) of a run's last training-step log record (steady steps: startup and the first
+    step apart; FLOPs per sample counted from the shapes by the run)."""
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    return float([r for r in records if "samples_per_s" in r][-1]["samples_per_s"])
+    last = [r for r in records if "samples_per_s" in r][-1]
+    return float(last["samples_per_s"]), float(last.get("tflops", 0.0))
 
 
 def measure(method: str, setting: Setting, args: argparse.Namespace) -> dict[str, Any]:
@@ -115,8 +100,9 @@ def measure(method: str, setting: Setting, args: argparse.Namespace) -> dict[str
         if failed:
             i, code = failed[0]
             raise SystemExit(f"speed: {method} ({setting.name}) exited {code}; its output ends:\n{logs[i][-2000:]}")
-        rates = [rate_of(out) for out in outs]
-    return {"rates": rates, "images_per_s": round(sum(rates), 1)}
+        measured = [rate_of(out) for out in outs]
+    rates = [r for r, _ in measured]
+    return {"rates": rates, "images_per_s": round(sum(rates), 1), "tflops": sum(t for _, t in measured)}
 
 
 def speed_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -131,7 +117,6 @@ def speed_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[st
     for method in args.speed_methods:
         if method not in SPEED_METHODS:
             raise SystemExit(f"--speed-methods: unknown {method!r}; known: {list(SPEED_METHODS)}")
-        flops = flops_per_image(method, args)
         first = None
         for setting in settings:
             measured = measure(method, setting, args)
@@ -139,8 +124,9 @@ def speed_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[st
             first = first or rate
             row = {"suite": "speed", "name": f"speed/{method}", "setting": setting.name, "batch": setting.batch,
                    "processes": setting.processes, "images_per_s": rate, "vs_first": round(rate / first, 2),
-                   "process_rates": measured["rates"], "gflops_per_image": round(flops / 1e9, 4),
-                   "peak_fraction": round(flops * rate / (peak["gflops"] * 1e9), 4), "steps": args.speed_steps,
+                   "process_rates": measured["rates"],
+                   "gflops_per_image": round(measured["tflops"] * 1e3 / rate, 4) if rate else None,
+                   "peak_fraction": round(measured["tflops"] * 1e3 / peak["gflops"], 4), "steps": args.speed_steps,
                    "amp": args.amp, "device": device_of(args), "preset": STUDY["preset"],
                    "overrides": " ".join(setting.overrides)}
             rows.append(row)

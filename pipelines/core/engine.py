@@ -383,6 +383,17 @@ def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
         raise ConfigError(f"optim.layer_decay: {exc}") from None
 
 
+def training_flops(objective: nn.Module) -> float | None:
+    """FLOPs of one training step per sample, counted from the shapes (``patchplace.objectives.benchmark``): with
+    samples/s, the achieved rate the log reports (``tflops``); None where that FLOP model has no formula."""
+    from patchplace.objectives.benchmark import train_flops
+
+    try:
+        return float(train_flops(objective))
+    except Exception:  # a model outside the FLOP model's cases: no rate, training goes on
+        return None
+
+
 def compile_blocks(model: nn.Module, mode: str) -> int:
     """``run.compile``: torch.compile every Transformer block of ``model`` in place (``nn.Module.compile``: regional
     compilation, the blocks of the backbone and of any decoder / predictor; parameter names and checkpoints
@@ -646,6 +657,7 @@ class Trainer:
         self.batch_size = None
         # here, so a knob without effect fails before training
         self.optimizer = make_optimizer(objective, optim, self.peak_lr, accelerator.device)
+        self.flops_per_sample = training_flops(objective)
         compiled = compile_blocks(objective, run.compile)
         if compiled:
             accelerator.print(f"run.compile={run.compile}: {compiled} Transformer blocks compiled (the first steps "
@@ -1020,6 +1032,8 @@ class Trainer:
                     scalars.update(lr=self.peak_lr * lr_factor, epoch=epoch, startup_s=round(startup, 2))
                     if seen:  # (not on the first step: startup)
                         scalars.update(data_share=round(waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
+                        if self.flops_per_sample:  # achieved training TFLOP/s, from the shapes
+                            scalars["tflops"] = round(seen / elapsed * self.flops_per_sample / 1e12, 5)
                     if self.data.train.skipped:  # data.skip_corrupt (counted in this process; workers warn)
                         scalars["skipped_shards"] = len(set(self.data.train.skipped))
                     self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "ranks": ranks,

@@ -5,7 +5,13 @@ corruption robustness (ImageNet-C protocol) and latency.
         [--checkpoint runs/x/checkpoint]       # also time PyTorch eager on the same inputs
         [--reference-errors supervised.json]   # mCE: corruption errors normalized by a reference model's
 
-Writes ``results.json``, ``results.md`` and PNG curves into ``--out``. Providers: CUDA when available, else CPU.
+Writes ``results.json``, ``results.md`` and PNG curves into ``--out``. Providers (``--provider``): ``auto`` (CUDA when
+torch sees a GPU and ONNX Runtime has the CUDA provider, else CPU), ``cpu``, or ``cuda`` — then the session must run on
+CUDAExecutionProvider (onnxruntime-gpu; ONNX Runtime falls back to the CPU silently when the CUDA libraries do not
+load) or the evaluation stops with one line, and PyTorch runs on the same GPU. With ``--checkpoint``: parity (max abs
+logit difference, argmax agreement, top-1 of both) on the evaluated images, PyTorch on the provider's device; and
+PyTorch eager timed beside ONNX Runtime (CUDA-synchronised on a GPU, where ONNX Runtime is also timed with its inputs
+and outputs bound on the GPU: ``onnxruntime_iobinding``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -31,22 +38,85 @@ from tqdm.auto import tqdm
 from patchplace.data import DataError, Manifest, ShardDataset, make_loader
 from patchplace.finetune import consistency_curve
 
-from .exporter import Classifier, ExportError, load_export, non_finite
+from .exporter import Classifier, ExportError, load_export, non_finite, ort
 
 CONSISTENCY_RATIOS = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP Table 1 uses 0.15, Fig. 3 the curve
+# --provider: the execution providers asked for (None: onnx_session's default, CUDA when usable, else CPU)
+PROVIDERS = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+CUDA_LIBRARIES = "libcublas(Lt).so.13, libcudart.so.13, libcurand.so.10, cuDNN 9"
 IMAGENET_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
               "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
               "jpeg_compression")
 
 
+def ort_package() -> str:
+    """``onnxruntime-gpu 1.31.1`` / ``onnxruntime 1.30.0``: the ONNX Runtime build imported (not the one pip lists)."""
+    try:
+        from onnxruntime.capi.build_and_package_info import package_name
+    except ImportError:
+        package_name = "onnxruntime"
+    return f"{package_name} {ort.__version__}"
+
+
+def prepare_provider(provider: str) -> None:
+    """Before a CUDA session: refuse at once when nothing can give one (no GPU, or a CPU build of ONNX Runtime), and
+    load the CUDA / cuDNN libraries (``onnxruntime.preload_dlls``, ONNX Runtime >= 1.21; torch is imported first,
+    so the libraries of its nvidia-* packages are found)."""
+    if provider != "cuda":
+        return
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise ExportError(f"CUDAExecutionProvider not active: {ort_package()} (from {Path(ort.__file__).parent}) "
+                          f"has no CUDA provider (available: {', '.join(available)}): install onnxruntime-gpu "
+                          "instead of onnxruntime (on the lent GPU: bash pipelines/gpu_onnx.sh, docs/study.md)")
+    if not torch.cuda.is_available():
+        raise ExportError("CUDAExecutionProvider not active: torch sees no CUDA device here (no GPU, or no driver)")
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    import onnx  # a one-node graph: does a CUDA session come up at all (it raises or falls back to the CPU if not)?
+
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    probe = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])],
+                                                          "probe", [x], [y]),
+                                   opset_imports=[onnx.helper.make_opsetid("", 17)])
+    try:
+        session = ort.InferenceSession(probe.SerializeToString(), providers=PROVIDERS["cuda"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ExportError(f"CUDAExecutionProvider not active: ONNX Runtime could not create a CUDA session "
+                          f"({' '.join(str(exc).split())[:300]}; {ort_package()}; {CUDA_FIX})") from None
+    check_provider(session, "cuda")
+
+
+CUDA_FIX = (f"onnxruntime-gpu could not load its CUDA libraries ({CUDA_LIBRARIES}): import torch first, call "
+            "onnxruntime.preload_dlls(), or put the nvidia/*/lib directories of torch's nvidia-* packages on "
+            "LD_LIBRARY_PATH; ONNX Runtime's log above names the library")
+
+
+def check_provider(session: Any, provider: str) -> None:
+    """Refuse a session that does not run on the provider asked for: ONNX Runtime falls back to the CPU without an
+    error when the CUDA provider's libraries fail to load."""
+    wanted = PROVIDERS.get(provider)
+    got = session.get_providers()
+    if wanted and got[0] != wanted[0]:
+        why = CUDA_FIX if wanted[0].startswith("CUDA") else "the provider asked for is not available in this build"
+        raise ExportError(f"{wanted[0]} not active: the session runs on {got[0]} ({ort_package()}; {why})")
+
+
 class OnnxModel:
-    """An exported classifier: its session (``threads`` intra-op threads, 0: ONNX Runtime's default), sidecar and
+    """An exported classifier: its session (``threads`` intra-op threads, 0: ONNX Runtime's default; ``provider``:
+    auto / cpu / cuda, see :data:`PROVIDERS` — a session not on the provider asked for is refused), sidecar and
     the preprocessing the sidecar describes. The pair is checked (:func:`~.exporter.load_export`): a model.onnx
     beside another export's model.json is refused; so are non-finite outputs, by :meth:`run`."""
 
-    def __init__(self, path: str | Path, threads: int = 0) -> None:
+    def __init__(self, path: str | Path, threads: int = 0, provider: str = "auto") -> None:
+        if provider not in PROVIDERS:
+            raise ExportError(f"provider must be one of {list(PROVIDERS)}, got {provider!r}")
         self.path = path = Path(path)
-        self.meta, self.session = load_export(path, threads=threads)
+        prepare_provider(provider)
+        self.meta, self.session = load_export(path, providers=PROVIDERS[provider], threads=threads)
+        check_provider(self.session, provider)
+        self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         if self.meta.get("kind") != "classifier" or self.meta.get("modality") != "image":
             raise ExportError(f"{path}: this evaluator takes image classifiers, got {self.meta.get('modality')} "
                               f"{self.meta.get('kind')}")
@@ -102,6 +172,31 @@ class OnnxModel:
                                   "are damaged or its training diverged; re-export it from a good checkpoint (no "
                                   "top-1 is reported)")
         return logits, pooled
+
+    def _device_zeros(self, batch: int, device: torch.device) -> torch.Tensor:
+        """An all-False ``unknown_pos`` on the GPU per batch size, made once and synchronised (ONNX Runtime reads it
+        on its own stream)."""
+        cache = self.__dict__.setdefault("_unknown", {})
+        if batch not in cache:
+            positions = (self.height // self.patch_size) * (self.width // self.patch_size)
+            cache[batch] = torch.zeros(batch, positions, dtype=torch.bool, device=device)
+            torch.cuda.synchronize(device)
+        return cache[batch]
+
+    def run_on_device(self, pixels: torch.Tensor) -> Any:
+        """One forward with the input and outputs bound on the GPU (IOBinding; ``pixels``: a CUDA tensor): ONNX
+        Runtime without the host copies, as PyTorch eager runs on the same GPU. -> the binding (outputs on the GPU)."""
+        pixels = pixels.contiguous()
+        binding = self.session.io_binding()
+        index = pixels.device.index or 0
+        binding.bind_input("pixels", "cuda", index, np.float32, tuple(pixels.shape), pixels.data_ptr())
+        if "unknown_pos" in self.inputs:
+            unknown = self._device_zeros(pixels.shape[0], pixels.device)
+            binding.bind_input("unknown_pos", "cuda", index, np.bool_, tuple(unknown.shape), unknown.data_ptr())
+        for name in ("logits", "pooled"):
+            binding.bind_output(name, "cuda", index)
+        self.session.run_with_iobinding(binding)
+        return binding
 
 
 def load_uint8(split: str | Path, limit: int | None, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,20 +312,29 @@ def robustness(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, bat
 
 
 def time_runners(runners: dict[str, Callable[[torch.Tensor], Any]], shape: tuple[int, ...],
-                 batch_sizes=(1, 8, 64), repeats: int = 20) -> dict[str, Any]:
+                 batch_sizes=(1, 8, 64), repeats: int = 20, *, warmup: int = 3, device: str = "cpu",
+                 on_device: tuple[str, ...] = ()) -> dict[str, Any]:
     """p50 / p95 ms per batch and images/s of each runner on the same random (B, *shape) inputs, keyed
-    ``name/batchB``; per batch size the runners take turns, each 3 warm-up and ``repeats`` timed calls."""
+    ``name/batchB``; per batch size the runners take turns, each ``warmup`` untimed and ``repeats`` timed calls.
+    ``device`` "cuda": every call is timed CUDA-synchronised (the device is synchronised before the clock starts and
+    before it stops), and the runners named in ``on_device`` get the inputs already on the GPU (the others: on the
+    host, as they are served)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     out: dict[str, Any] = {}
     for bs in batch_sizes:
         x = torch.randn(bs, *shape)
+        x_device = x.to(device) if on_device else x
         for name, run in runners.items():
+            inputs = x_device if name in on_device else x
             with torch.inference_mode():
-                for _ in range(3):
-                    run(x)
+                for _ in range(warmup):
+                    run(inputs)
+                sync()
                 times = []
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    run(x)
+                    run(inputs)
+                    sync()
                     times.append(time.perf_counter() - start)
             times.sort()
             p50, p95 = times[len(times) // 2], times[min(len(times) - 1, int(0.95 * len(times)))]
@@ -239,15 +343,83 @@ def time_runners(runners: dict[str, Callable[[torch.Tensor], Any]], shape: tuple
     return out
 
 
-def latency(model: OnnxModel, batch_sizes=(1, 8, 64), repeats: int = 20, checkpoint: str | None = None
-            ) -> dict[str, Any]:
-    """p50 / p95 seconds per batch and images/s for ONNX Runtime, and PyTorch eager on the same inputs."""
-    runners: dict[str, Callable[[torch.Tensor], Any]] = {"onnxruntime": model.run}
-    if checkpoint:
-        from patchplace.models import load_pretrained
+def pytorch_model(checkpoint: str | Path, device: str = "cpu") -> Classifier:
+    """The checkpoint's classifier (logits, pooled) in eval mode on ``device``: the PyTorch side of parity and
+    latency."""
+    from patchplace.models import load_pretrained
 
-        runners["pytorch"] = Classifier(load_pretrained(checkpoint)[0].eval())
-    return time_runners(runners, (model.channels, model.height, model.width), batch_sizes, repeats)
+    return Classifier(load_pretrained(checkpoint)[0].eval()).to(device)
+
+
+def latency(model: OnnxModel, batch_sizes=(1, 8, 64), repeats: int = 20, checkpoint: str | None = None,
+            warmup: int = 3) -> dict[str, Any]:
+    """p50 / p95 ms per batch and images/s for ONNX Runtime (host inputs and outputs, as served), and PyTorch eager
+    on the same inputs on the provider's device; on a GPU also ONNX Runtime with its input and outputs bound on the
+    GPU (``onnxruntime_iobinding``, like for like with PyTorch there)."""
+    runners: dict[str, Callable[[torch.Tensor], Any]] = {"onnxruntime": model.run}
+    on_device: tuple[str, ...] = ()
+    if model.device == "cuda":
+        runners["onnxruntime_iobinding"] = model.run_on_device
+        on_device = ("onnxruntime_iobinding", "pytorch")
+    if checkpoint:
+        runners["pytorch"] = pytorch_model(checkpoint, model.device)
+    return time_runners(runners, (model.channels, model.height, model.width), batch_sizes, repeats, warmup=warmup,
+                        device=model.device, on_device=on_device)
+
+
+def parity(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, checkpoint: str | Path,
+           batch_size: int) -> dict[str, Any]:
+    """ONNX Runtime against PyTorch eager on the same device as the session's provider, on the same normalized
+    inputs: max / mean abs logit difference, argmax agreement, and each one's top-1."""
+    torch_model = pytorch_model(checkpoint, model.device)
+    worst = total = 0.0
+    agree = ort_right = torch_right = elements = 0
+    for x, y in tqdm(list(zip(images.split(batch_size), labels.split(batch_size), strict=True)), desc="parity",
+                     leave=False):
+        pixels = model.normalize(model.pad(x))
+        ort_logits = torch.from_numpy(model.run(pixels)[0])
+        with torch.inference_mode():
+            torch_logits = torch_model(pixels.to(model.device))[0].float().cpu()
+        diff = (ort_logits - torch_logits).abs()
+        worst, total, elements = max(worst, float(diff.max())), total + float(diff.sum()), elements + diff.numel()
+        agree += int((ort_logits.argmax(1) == torch_logits.argmax(1)).sum())
+        ort_right += int((ort_logits.argmax(1) == y).sum())
+        torch_right += int((torch_logits.argmax(1) == y).sum())
+    n = len(labels)
+    return {"count": n, "device": model.device, "max_abs_logit_diff": worst,
+            "mean_abs_logit_diff": total / max(1, elements),
+            "argmax_agreement": agree / max(1, n), "onnxruntime_top1": ort_right / max(1, n),
+            "pytorch_top1": torch_right / max(1, n)}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(model: OnnxModel) -> dict[str, Any]:
+    """What the numbers were measured on: the hardware line, ONNX Runtime's build and version, torch's, the
+    provider's options and the fp32 math settings of both sides (TF32 changes parity on a GPU)."""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    env: dict[str, Any] = {
+        "hardware": f"{cpu_name()}, {os.cpu_count()} cores, {gpu}", "gpu": gpu, "onnxruntime": ort.__version__,
+        "onnxruntime_build": ort_package(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "provider": model.session.get_providers()[0], "device": model.device,
+        "torch_float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    with warnings.catch_warnings():  # the allow_tf32 flags are being replaced by fp32_precision (torch >= 2.9)
+        warnings.simplefilter("ignore")
+        env["torch_cudnn_allow_tf32"] = bool(torch.backends.cudnn.allow_tf32)
+    options = model.session.get_provider_options().get(env["provider"], {})
+    env["provider_options"] = {k: v for k, v in options.items() if k in (
+        "use_tf32", "cudnn_conv_algo_search", "device_id", "arena_extend_strategy", "do_copy_in_default_stream",
+        "cudnn_conv_use_max_workspace", "prefer_nhwc", "enable_cuda_graph")}
+    return env
 
 
 def plot(results: dict[str, Any], out: Path) -> None:
@@ -279,31 +451,53 @@ def plot(results: dict[str, Any], out: Path) -> None:
 
 def to_markdown(results: dict[str, Any]) -> str:
     a = results["accuracy"]
-    lines = [f"# ONNX Runtime evaluation of {results['model']}", "", f"providers: {results['providers']}", "",
-             f"- top-1 {a['top1']:.4f}, top-5 {a['top5']:.4f} on {a['count']} images", "",
-             "| eval gamma | consistency | Diff. Norm |", "| --- | --- | --- |"]
+    lines = [f"# ONNX Runtime evaluation of {results['model']}", "", f"providers: {results['providers']}", ""]
+    if env := results.get("environment"):
+        options = ", ".join(f"{k}={v}" for k, v in env.get("provider_options", {}).items())
+        lines += [f"hardware: {env['hardware']}; {env['onnxruntime_build']}, torch {env['torch']}"
+                  + (f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else "")
+                  + f"; provider {env['provider']}" + (f" ({options})" if options else ""), ""]
+    lines += [f"- top-1 {a['top1']:.4f}, top-5 {a['top5']:.4f} on {a['count']} images", ""]
+    if par := results.get("parity"):
+        lines += [f"Parity with PyTorch eager on the same device ({par['device']}, {par['count']} images of "
+                  f"{results['data']}):", "",
+                  "| max abs logit diff | mean abs logit diff | argmax agreement | top-1 ONNX Runtime | "
+                  "top-1 PyTorch |",
+                  "| --- | --- | --- | --- | --- |",
+                  f"| {par['max_abs_logit_diff']:.2e} | {par['mean_abs_logit_diff']:.2e} | "
+                  f"{par['argmax_agreement']:.4f} | {par['onnxruntime_top1']:.4f} | {par['pytorch_top1']:.4f} |", ""]
+    lines += ["| eval gamma | consistency | Diff. Norm |", "| --- | --- | --- |"]
     lines += [f"| {g} | {v['consistency']:.4f} | {v['diff_norm']:.4f} |" for g, v in results["consistency"].items()]
     if "robustness" in results:
         r = results["robustness"]
         lines += ["", f"Corruptions ran: {', '.join(r['ran'])}; failed here: {', '.join(r['failed']) or 'none'}.",
                   f"Mean corruption error: {r['mean_error']:.4f}" + (f"; mCE {r['mce']:.4f}" if r.get("mce") else "")]
     if "latency" in results:
-        lines += ["", "| runtime / batch | p50 ms | p95 ms | images/s |", "| --- | --- | --- | --- |"]
-        lines += [f"| {k} | {v['p50_ms']} | {v['p95_ms']} | {v['images_per_s']} |" for k, v in
-                  results["latency"].items()]
+        lat = results["latency"]
+        timing = " (CUDA-synchronised)" if (results.get("environment") or {}).get("device") == "cuda" else ""
+        lines += ["", f"Latency{timing}; speed-up: PyTorch eager's p50 / this runtime's p50 at the same batch.", "",
+                  "| runtime / batch | p50 ms | p95 ms | images/s | speed-up vs PyTorch |",
+                  "| --- | --- | --- | --- | --- |"]
+        for k, v in lat.items():
+            reference = lat.get(f"pytorch/{k.split('/')[-1]}")
+            speedup = f"{reference['p50_ms'] / v['p50_ms']:.2f}x" if reference and v["p50_ms"] else "-"
+            lines.append(f"| {k} | {v['p50_ms']} | {v['p95_ms']} | {v['images_per_s']} | {speedup} |")
     return "\n".join(lines) + "\n"
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement the command line asks for; raises :class:`ExportError` / :class:`DataError` (nothing is
     written then)."""
-    model = OnnxModel(args.model)
+    model = OnnxModel(args.model, provider=args.provider)
     manifest = Manifest.load(args.data)
     model.check_data(manifest)
     images, labels = load_uint8(args.data, args.limit, args.batch_size)
     results: dict[str, Any] = {"model": str(args.model), "data": str(args.data),
-                               "providers": model.session.get_providers()}
+                               "providers": model.session.get_providers(), "environment": environment(model)}
     results["accuracy"] = accuracy(model, images, labels, args.batch_size)
+    if args.checkpoint and args.parity_limit != 0:
+        n = len(images) if args.parity_limit is None else min(args.parity_limit, len(images))
+        results["parity"] = parity(model, images[:n], labels[:n], args.checkpoint, args.batch_size)
     n = min(args.consistency_limit, len(images))
     results["consistency"] = consistency(model, images[:n], args.batch_size)
     if args.robustness_limit:
@@ -312,7 +506,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         results["robustness"] = robustness(model, images[:n], labels[:n], args.batch_size, reference=reference,
                                            cache=args.corruption_cache)
     if args.latency_repeats:
-        results["latency"] = latency(model, repeats=args.latency_repeats, checkpoint=args.checkpoint)
+        results["latency"] = latency(model, tuple(args.latency_batches), args.latency_repeats, args.checkpoint,
+                                     warmup=args.latency_warmup)
     return results
 
 
@@ -330,8 +525,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-errors", help="JSON {corruption: error} of a reference model, for mCE")
     parser.add_argument("--corruption-cache", type=Path, help="directory caching the corrupted images (reused by "
                                                                 "every model evaluated on the same images)")
-    parser.add_argument("--checkpoint", help="the PyTorch checkpoint, to time PyTorch eager beside ONNX Runtime")
+    parser.add_argument("--checkpoint", help="the PyTorch checkpoint the model was exported from: parity with PyTorch "
+                        "eager (on the provider's device) and PyTorch eager timed beside ONNX Runtime")
+    parser.add_argument("--provider", choices=list(PROVIDERS), default="auto",
+                        help="ONNX Runtime execution provider: auto (CUDA when torch sees a GPU and ONNX Runtime has "
+                             "the CUDA provider, else CPU), cpu, or cuda (refused in one line unless the session "
+                             "really runs on CUDAExecutionProvider; PyTorch then runs on the same GPU). Default: "
+                             "%(default)s")
+    parser.add_argument("--parity-limit", type=int, default=None,
+                        help="images for the parity check against --checkpoint (default: every evaluated image; "
+                             "0 = skip)")
     parser.add_argument("--latency-repeats", type=int, default=20, help="timed runs per batch size (0 = skip)")
+    parser.add_argument("--latency-batches", type=int, nargs="+", default=[1, 8, 64],
+                        help="batch sizes timed (default: 1 8 64)")
+    parser.add_argument("--latency-warmup", type=int, default=3,
+                        help="untimed runs per runner and batch size first (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         results = evaluate(args)
