@@ -20,22 +20,10 @@
 # After the call, here: cp the returned files into results/ (bundles into results/study_gpu_bundles/), commit.
 set -euo pipefail
 [ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-; exit 2; }
-export PYTHONUNBUFFERED=1
 start=$SECONDS deadline=${DEADLINE:-540}
 out=${OUT:-/tmp/gpu-evidence-out} work=runs/gpu_evidence
 mkdir -p "$out" "$work"
-if [ -d .gpu/whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-for p in packages/data packages/models packages/objectives packages/finetune export; do
-  PYTHONPATH=$PWD/$p/src${PYTHONPATH:+:$PYTHONPATH}
-done
-export PYTHONPATH
-python3 -c "import torch; print('[gpu-evidence]', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', flush=True)"
-if [ ! -f shards/fashion_mnist/test/manifest.json ]; then
-  python3 data/fashion_mnist.py --src .gpu/fashion-mnist --out shards/fashion_mnist
-fi
+source pipelines/gpu_env.sh gpu-evidence
 for f in benchmark.md benchmark.json benchmark_mp3_table2.json benchmark_speed.json; do
   [ -f "$work/$f" ] || [ ! -f "results/$f" ] || cp "results/$f" "$work/$f"
 done
@@ -58,26 +46,26 @@ for step in "$@"; do
   case "$name" in
     table2)
       fits table2 240 || continue
-      python3 pipelines/benchmark.py --suite mp3_table2 --batch 128 --repeats 10 --mp3-etas 0.5 0.75 0.9 \
+      "$PY" pipelines/benchmark.py --suite mp3_table2 --batch 128 --repeats 10 --mp3-etas 0.5 0.75 0.9 \
         --mae-ratios 0.75 --out "$work" 2>&1 | tee "$out/table2.log"
       keep "$work/benchmark_mp3_table2.json" "$work/benchmark_mp3_table2.md" "$work/benchmark.md" ;;
     speed)
       IFS=, read -ra methods <<< "$arg"
       fits "speed ${arg}" $((150 * ${#methods[@]})) || continue
-      python3 pipelines/benchmark.py --suite speed --speed-methods "${methods[@]}" --update --out "$work" 2>&1 \
+      "$PY" pipelines/benchmark.py --suite speed --speed-methods "${methods[@]}" --update --out "$work" 2>&1 \
         | tee -a "$out/speed.log"
       keep "$work/benchmark_speed.json" "$work/benchmark_speed.md" ;;
     profile)
       IFS=, read -ra objectives <<< "$arg"
       fits "profile ${arg}" 90 || continue
-      python3 pipelines/benchmark.py --suite profile --objectives "${objectives[@]}" --batch 128 --out "$work" 2>&1 \
+      "$PY" pipelines/benchmark.py --suite profile --objectives "${objectives[@]}" --batch 128 --out "$work" 2>&1 \
         | tee "$out/profile.log"
       keep "$work/benchmark_profile.json" "$work/benchmark_profile.md" ;;
     sitting)
       minutes=$(( (deadline - (SECONDS - start)) / 60 - 1 ))
       [ "$minutes" -gt "$arg" ] && minutes=$arg
       fits "sitting" 120 || continue
-      python3 pipelines/study.py --config pipelines/configs/study_gpu.yaml --sitting "$minutes" \
+      "$PY" pipelines/study.py --config pipelines/configs/study_gpu.yaml --sitting "$minutes" \
         --bundles results/study_gpu_bundles --bundles-out "$out" 2>&1 | tee "$out/sitting.log" ;;
     onnx-prepare)
       fits onnx-prepare 120 || continue

@@ -62,33 +62,14 @@ case "$provider" in cuda|cpu) ;; *) echo "error: --provider must be cuda or cpu,
 
 say() { echo "[gpu-onnx] $*"; }
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=${TQDM_MININTERVAL:-10}  # progress bars: a line per 10 s, not per step
-if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 ORT_SITE=${ORT_SITE:-/tmp/ort-site}
 ORT_WHEEL_DIR=${ORT_WHEEL_DIR:-/tmp/ort-wheel}
 
+# the carried wheels, this repository's packages on PYTHONPATH, the shards (sets PY)
+source pipelines/gpu_env.sh gpu-onnx
 # how far the wheel has travelled (every call prints it)
 "$PY" pipelines/gpu_parts.py status --parts .ort || true
-
-# the same set-up as pipelines/gpu_sitting.sh: the carried wheels the machine's python3 lacks, this repository's
-# packages on PYTHONPATH, the Fashion-MNIST shards from the carried IDX files
-if [ -d .gpu/whl ] && [ "$PY" = python3 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-for p in packages/data packages/models packages/objectives packages/finetune export; do
-  PYTHONPATH=$PWD/$p/src${PYTHONPATH:+:$PYTHONPATH}
-done
-export PYTHONPATH
-"$PY" -c "import torch; print('[gpu-onnx] torch', torch.__version__, torch.cuda.get_device_name(0) if
-torch.cuda.is_available() else 'no GPU', flush=True)"
 test_split=shards/fashion_mnist/test
-if [ ! -f $test_split/manifest.json ]; then
-  if [ ! -d .gpu/fashion-mnist ]; then
-    echo "error: no Fashion-MNIST shards and no .gpu/fashion-mnist to build them from: carry .gpu (make gpu-carry)" >&2
-    exit 2
-  fi
-  "$PY" data/fashion_mnist.py --src .gpu/fashion-mnist --out shards/fashion_mnist
-fi
 mkdir -p "$run"
 
 # the classifier: given, or trained here from scratch (the demo's short recipe), then exported once per checkpoint

@@ -10,21 +10,9 @@
 set -euo pipefail
 minutes=${1:-7}
 shift || true
-export PYTHONUNBUFFERED=1
-if [ -d .gpu/whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-for p in packages/data packages/models packages/objectives packages/finetune export; do
-  PYTHONPATH=$PWD/$p/src${PYTHONPATH:+:$PYTHONPATH}
-done
-export PYTHONPATH
-python3 -c "import torch; print('[gpu-sitting]', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', flush=True)"
-if [ ! -f shards/fashion_mnist/test/manifest.json ]; then
-  python3 data/fashion_mnist.py --src .gpu/fashion-mnist --out shards/fashion_mnist
-fi
+source pipelines/gpu_env.sh gpu-sitting
 out=${OUT:-/tmp/sitting-out}
 mkdir -p "$out"
 # the sitting ends a minute before the command's limit: the bundles are written as each unit finishes
-python3 pipelines/study.py --config pipelines/configs/study_gpu.yaml --sitting "$minutes" \
+"$PY" pipelines/study.py --config pipelines/configs/study_gpu.yaml --sitting "$minutes" \
   --bundles results/study_gpu_bundles --bundles-out "$out" "$@" 2>&1 | tee "$out/sitting.log"
