@@ -54,8 +54,9 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
   speed       the study ViT at GPU speed: images/s of every --speed-methods' training through pretrain.py
               (finetune: finetune.py's supervised recipe), a process per run on the in-memory path, at each rung
               of a ladder: before (study_gpu.yaml's batch 256, foreach AdamW, eager) -> fused (AdamW's fused
-              kernel) -> batch (--speed-batch, peak lr scaled linearly from 256) -> compile (run.compile=
-              --speed-compile) -> processes (--speed-processes such runs at once, summed): each rate over the
+              kernel) -> lazy (run.finite_check=lazy: no host sync per step) -> batch (--speed-batch, peak lr
+              scaled linearly from 256) -> compile (run.compile=--speed-compile) -> processes
+              (--speed-processes such runs at once, summed): each rate over the
               first rung's and as a fraction of the matmul peak (bf16 on a GPU). Writes
               <out>/benchmark_speed.{json,md}; needs the shards. A GPU suite: every rung on a CPU takes minutes.
   profile     where a step's time goes: torch.profiler over --repeats training steps of each --objectives
@@ -190,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speed-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
                    help="methods to time (finetune: the supervised fine-tuning; default: %(default)s)")
     g.add_argument("--speed-settings", nargs="+", default=None, metavar="RUNG",
-                   help="only these rungs of before fused batch compile processes (default: all)")
+                   help="only these rungs of before fused lazy batch compile processes (default: all)")
     g.add_argument("--speed-batch", type=int, default=1024,
                    help="the per-process batch of the batch / compile / processes rungs (default: %(default)s)")
     g.add_argument("--speed-processes", type=int, default=4,

@@ -11,7 +11,7 @@
 #   table2               MP3 Table 2 + every objective's step, ViT-B/16 224 px bf16, batch 128, both attention
 #                        kernels (benchmark.py --suite mp3_table2): ~4 min on an H100
 #   speed:M1,M2,...      the study ViT up the speed ladder for these methods (benchmark.py --suite speed --update;
-#                        supervised mp3 droppos mae ijepa stop mjp randsac finetune): ~2.5 min per method
+#                        supervised mp3 droppos mae ijepa stop mjp randsac finetune): ~3 min per method
 #   profile:OBJ,...      torch.profiler tables of these objectives' ViT-B steps (benchmark.py --suite profile)
 #   sitting:MIN          a sitting of the GPU study (study_gpu.yaml) of MIN minutes; bundles to $OUT
 #   onnx-prepare         what ONNX Runtime on CUDA needs besides the wheel: the classifier trained and exported
@@ -51,7 +51,7 @@ for step in "$@"; do
       keep "$work/benchmark_mp3_table2.json" "$work/benchmark_mp3_table2.md" "$work/benchmark.md" ;;
     speed)
       IFS=, read -ra methods <<< "$arg"
-      fits "speed ${arg}" $((150 * ${#methods[@]})) || continue
+      fits "speed ${arg}" $((180 * ${#methods[@]})) || continue
       "$PY" pipelines/benchmark.py --suite speed --speed-methods "${methods[@]}" --update --out "$work" 2>&1 \
         | tee -a "$out/speed.log"
       keep "$work/benchmark_speed.json" "$work/benchmark_speed.md" ;;

@@ -180,7 +180,8 @@ def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(sh
     assert list(rows) == ["before", "compile", "processes"] and all(r["name"] == "speed/mae" for r in rows.values())
     before, compiled, shared = rows.values()
     assert before["batch"] == 256 and compiled["batch"] == shared["batch"] == 16
-    assert "optim.fused=false" in before["overrides"] and "run.compile=no" in before["overrides"]
+    assert before["overrides"] == "optim.fused=false run.finite_check=step run.compile=no"
+    assert "run.finite_check=lazy" in compiled["overrides"] and "run.finite_check=lazy" in shared["overrides"]
     assert "run.compile=aot_eager" in compiled["overrides"] and "optim.lr_scaling=linear" in compiled["overrides"]
     assert len(shared["process_rates"]) == 2 and shared["images_per_s"] == round(sum(shared["process_rates"]), 1)
     assert before["vs_first"] == 1.0 and all(r["images_per_s"] > 0 < r["peak_fraction"] for r in rows.values())

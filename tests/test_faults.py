@@ -359,6 +359,62 @@ def test_a_nan_loss_stops_the_run_in_one_line_and_keeps_the_last_good_checkpoint
         load_pretrained(huge / "checkpoint")
 
 
+def test_a_nan_loss_under_the_lazy_check_skips_its_update_and_stops_at_the_next_checkpoint_in_one_line(shards,
+                                                                                                       tmp_path):
+    """run.finite_check=lazy (no host sync per step, a GPU knob): the NaN of step 5 is flagged on the device, AdamW's
+    fused kernel skips its update, and the run stops at step 6 (a checkpoint step) before saving anything, with the
+    per-step check's line naming step 5; the step-4 checkpoint resumes to an uninterrupted lazy run's weights."""
+    lazy = ["run.finite_check=lazy", "optim.fused=true", "run.log_every=4", "run.checkpoint_every=2"]
+    out = tmp_path / "run"
+    result = drive("nan", "5", args=[*stop_args(shards, out, 8), *lazy])
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = errors_of(result)
+    assert line.startswith("error: training diverged at step 5: the loss is nan on rank 0 (seen at step 6: "
+                           "run.finite_check=lazy; the step's update was skipped); nothing of it was saved, the last "
+                           f"good checkpoint (step 4) is kept in {out / 'checkpoints'}"), line
+    assert "Traceback" not in result.stderr and logged_steps(out) == [4]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000004"]
+    assert pretrain.main([*stop_args(shards, out, 8), *lazy, "run.resume=true"]) == 0
+    straight = tmp_path / "straight"
+    assert pretrain.main([*stop_args(shards, straight, 8), *lazy]) == 0
+    assert same(weights(out), weights(straight))
+    assert pretrain.main([*stop_args(shards, tmp_path / "foreach", 2), "run.finite_check=lazy",
+                          "optim.fused=false"]) == 2  # the skip needs the fused kernel: refused up front
+
+
+def test_the_lazy_check_skips_exactly_the_non_finite_steps_update_inside_the_fused_kernel():
+    """The lazy check's pieces on one parameter: a NaN loss (and its NaN gradient) leaves the weight, AdamW's moments
+    and step count as they were, a finite step after it updates as usual, and the check names the first bad step
+    with its loss."""
+    import types
+
+    import torch
+
+    from core import engine
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    trainer = types.SimpleNamespace(_flags=None, acc=types.SimpleNamespace(num_processes=1),
+                                    _diverged=lambda step, what: f"step {step}: {what}")
+    for name in ("_flag_nonfinite", "_skip_if_nonfinite", "_check_flags"):
+        setattr(trainer, name, getattr(engine.Trainer, name).__get__(trainer))
+    for step, value in ((1, 1.0), (2, float("nan")), (3, 1.0)):
+        loss = (weight * value).sum()
+        trainer._flag_nonfinite(loss, step)
+        optimizer.zero_grad()
+        loss.backward()
+        before = (weight.detach().clone(), optimizer.state[weight].get("exp_avg", torch.zeros(3)).clone())
+        trainer._skip_if_nonfinite(optimizer, None, step)
+        optimizer.step()
+        moved = not torch.equal(weight.detach(), before[0])
+        assert moved == (step != 2) and torch.isfinite(weight).all(), step
+        if step == 2:
+            assert torch.equal(optimizer.state[weight]["exp_avg"], before[1]) and optimizer.state[weight]["step"] == 1
+    assert optimizer.state[weight]["step"] == 2
+    with pytest.raises(engine.Diverged, match=r"step 2: the loss is nan on rank 0 \(seen at step 3"):
+        trainer._check_flags(3)
+
+
 def test_a_nan_checkpoint_is_refused_by_finetune_evaluate_export_and_onnx_runtime(shards, tmp_path, capsys):
     """A checkpoint of NaN weights (planted: training no longer writes one): fine-tuning, evaluation, the ONNX
     export and ONNX Runtime's evaluation each stop with one line; no accuracy is reported, no file exported. Before

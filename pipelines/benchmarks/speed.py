@@ -1,8 +1,8 @@
 """The study ViT at GPU speed (speed): images/s of every method's training through pretrain.py (and of the
 supervised fine-tuning through finetune.py) at a ladder of settings, each a step from the one before — the study's
-setting as it ran, AdamW's fused kernel, a larger batch (peak lr scaled linearly, recorded), compiled Transformer
-blocks, several runs sharing the device — with each rate over the first setting's and as a fraction of the matmul
-peak (bf16 on a GPU: FLOPs per image from the shapes x images/s / peak).
+setting as it ran, AdamW's fused kernel, no host sync per step, a larger batch (peak lr scaled linearly, recorded),
+compiled Transformer blocks, several runs sharing the device — with each rate over the first setting's and as a
+fraction of the matmul peak (bf16 on a GPU: FLOPs per image from the shapes x images/s / peak).
 
 A 1.2M-parameter ViT on 32 x 32 images cannot fill a large GPU one small step at a time: its step is a few hundred
 small kernels, so the rate is set by launches and host syncs, not FLOPs. Each run is its own process (compiled
@@ -43,12 +43,15 @@ class Setting:
 
 
 def ladder(args: argparse.Namespace) -> list[Setting]:
-    """before -> fused AdamW -> batch --speed-batch (lr x batch / 256) -> + compiled blocks -> x --speed-processes."""
+    """before -> fused AdamW -> no per-step host sync (run.finite_check=lazy) -> batch --speed-batch (lr x batch /
+    256) -> + compiled blocks -> x --speed-processes."""
     scaled = ("optim.lr_scaling=linear", f"optim.lr_base_batch={STUDY_GPU_BATCH}")
-    compiled = ("optim.fused=true", *scaled, f"run.compile={args.speed_compile}")
-    rungs = [Setting("before", STUDY_GPU_BATCH, ("optim.fused=false", "run.compile=no")),
-             Setting("fused", STUDY_GPU_BATCH, ("optim.fused=true", "run.compile=no")),
-             Setting("batch", args.speed_batch, ("optim.fused=true", *scaled, "run.compile=no")),
+    lazy = ("optim.fused=true", "run.finite_check=lazy")
+    compiled = (*lazy, *scaled, f"run.compile={args.speed_compile}")
+    rungs = [Setting("before", STUDY_GPU_BATCH, ("optim.fused=false", "run.finite_check=step", "run.compile=no")),
+             Setting("fused", STUDY_GPU_BATCH, ("optim.fused=true", "run.finite_check=step", "run.compile=no")),
+             Setting("lazy", STUDY_GPU_BATCH, (*lazy, "run.compile=no")),
+             Setting("batch", args.speed_batch, (*lazy, *scaled, "run.compile=no")),
              Setting("compile", args.speed_batch, compiled),
              Setting("processes", args.speed_batch, compiled, args.speed_processes)]
     wanted = args.speed_settings or [r.name for r in rungs]

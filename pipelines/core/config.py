@@ -202,6 +202,11 @@ class RunSection:
     # reduce-overhead (CUDA graphs) | max-autotune | aot_eager (traced, no code generated: a check). A GPU knob: a
     # small ViT's step is launch-bound there (results/benchmark.md); on a CPU compiling costs more than it saves
     compile: str = "no"
+    # when a non-finite loss is looked for: step (every step, a host sync: the run stops before the step reaches the
+    # weights) | lazy (no per-step sync, a GPU knob: the flags stay on the device, a bad step's update is skipped
+    # inside AdamW's fused kernel, and the run stops with the same one line at the next log, checkpoint or
+    # evaluation, before anything is saved; needs optim.fused and not fp16)
+    finite_check: str = "step"
 
     def validate(self) -> None:
         if self.mixed_precision not in ("no", "fp16", "bf16"):
@@ -214,6 +219,11 @@ class RunSection:
         if bad:
             raise ConfigError(f"run.keep_epochs holds {', '.join(f'{e:g}' for e in bad)}: epochs must be finite and "
                               ">= 0, e.g. [0, 0.5, 1, 2]")
+        if self.finite_check not in ("step", "lazy"):
+            raise ConfigError(f"run.finite_check must be step or lazy, got {self.finite_check!r}")
+        if self.finite_check == "lazy" and self.mixed_precision == "fp16":
+            raise ConfigError("run.finite_check=lazy skips a bad step in AdamW's fused kernel, and fp16's loss scaler "
+                              "skips steps of its own: use run.mixed_precision=bf16 or no, or run.finite_check=step")
         if self.compile not in COMPILE_MODES:
             raise ConfigError(f"run.compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.early_stop_patience < 0:

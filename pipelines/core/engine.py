@@ -658,6 +658,9 @@ class Trainer:
         # here, so a knob without effect fails before training
         self.optimizer = make_optimizer(objective, optim, self.peak_lr, accelerator.device)
         self.flops_per_sample = training_flops(objective)
+        if run.finite_check == "lazy" and not self.optimizer.defaults.get("fused"):
+            raise ConfigError("run.finite_check=lazy skips a non-finite step inside AdamW's fused kernel: set "
+                              "optim.fused=true (null means fused on a GPU only), or run.finite_check=step")
         compiled = compile_blocks(objective, run.compile)
         if compiled:
             accelerator.print(f"run.compile={run.compile}: {compiled} Transformer blocks compiled (the first steps "
@@ -866,6 +869,47 @@ class Trainer:
             rank = bad[0]
             raise Diverged(self._diverged(step, f"the loss is {losses[rank].item()} on rank {rank}"))
 
+    def _flag_nonfinite(self, loss: torch.Tensor, step: int) -> None:
+        """run.finite_check=lazy, every micro-step, no host sync: whether this optimizer step has seen a non-finite
+        loss, and the first such step of the run with its loss (device tensors, read by :meth:`_check_flags`)."""
+        value = loss.detach().float()
+        bad = ~value.isfinite()
+        if self._flags is None:
+            self._flags = {"now": torch.zeros((), dtype=torch.bool, device=value.device),
+                           "first": torch.full((), -1, dtype=torch.long, device=value.device),
+                           "loss": torch.zeros((), device=value.device)}
+        flags = self._flags
+        fresh = bad & (flags["first"] < 0)
+        flags["first"] = torch.where(fresh, flags["first"].new_full((), step), flags["first"])
+        flags["loss"] = torch.where(fresh, value, flags["loss"])
+        flags["now"] = flags["now"] | bad
+
+    def _skip_if_nonfinite(self, optimizer: Any, grad_norm: torch.Tensor | None, step: int) -> None:
+        """run.finite_check=lazy, on a sync step: AdamW's fused kernel skips this update (``found_inf``) when a loss
+        of the step or the gradients (the same on every rank after the all-reduce) are not finite."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper around the torch optimizer
+        if grad_norm is None:
+            grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        grad_bad = ~grad_norm.detach().float().isfinite()
+        self._flag_nonfinite(torch.where(grad_bad, grad_norm.detach().float(), 0.0), step)  # counted as a bad step
+        inner.found_inf = (self._flags["now"] | grad_bad).float()
+        self._flags["now"] = torch.zeros_like(self._flags["now"])
+
+    def _check_flags(self, step: int) -> None:
+        """run.finite_check=lazy: one host sync (every rank's flags gathered) before a log, checkpoint or
+        evaluation; a non-finite step anywhere stops the run with the same line as the per-step check."""
+        if self._flags is None:
+            return
+        first, loss = self._flags["first"].reshape(1), self._flags["loss"].reshape(1)
+        if self.acc.num_processes > 1:
+            first, loss = self.acc.gather(first), self.acc.gather(loss)
+        bad = [(int(s), rank) for rank, s in enumerate(first.tolist()) if s >= 0]
+        if bad:
+            at, rank = min(bad)
+            raise Diverged(self._diverged(at, f"the loss is {loss[rank].item()} on rank {rank} (seen at step {step}: "
+                                              "run.finite_check=lazy; the step's update was skipped)"))
+
     def _diverged(self, step: int, what: str) -> str:
         last = latest_step(self.out)
         kept = (f"the last good checkpoint (step {last}) is kept in {self.out / 'checkpoints'}" if last is not None
@@ -940,6 +984,7 @@ class Trainer:
         acc, run = self.acc, self.run
         per_epoch, total = self.budget(batch_size)
         optimizer = self.optimizer
+        lazy, self._flags = run.finite_check == "lazy", None
         schedule = StepSchedule(optimizer, warmup_cosine(total, self.optim_cfg.warmup_fraction,
                                                          self.optim_cfg.min_lr_ratio))
         if acc.is_main_process:  # what every parameter really gets (lr scale, weight decay), for the user to check
@@ -1005,10 +1050,16 @@ class Trainer:
                 progress = step / total
                 with acc.accumulate(objective):
                     out = objective((x, y), progress=progress)
-                    self._check_finite_loss(out["loss"], step + 1)  # before it reaches the weights
+                    if lazy:  # flagged on the device, checked at the next log / checkpoint / evaluation
+                        self._flag_nonfinite(out["loss"], step + 1)
+                    else:
+                        self._check_finite_loss(out["loss"], step + 1)  # before it reaches the weights
                     acc.backward(out["loss"])
+                    norm = None
                     if acc.sync_gradients and self.optim_cfg.clip_grad:
-                        acc.clip_grad_norm_(objective.parameters(), self.optim_cfg.clip_grad)
+                        norm = acc.clip_grad_norm_(objective.parameters(), self.optim_cfg.clip_grad)
+                    if lazy and acc.sync_gradients:
+                        self._skip_if_nonfinite(optimizer, norm, step + 1)
                     lr_factor = schedule.set(step)  # the lr of this optimizer step, once per step on every rank
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -1019,6 +1070,11 @@ class Trainer:
                 if step == first_step + 1:
                     start, steady_step, waited = time.perf_counter(), step, 0.0
                     startup = start - self.data.started
+                if lazy and (step % run.log_every == 0 or step >= total or step in self.snapshots
+                             or (run.stop_after and step >= run.stop_after)
+                             or (run.checkpoint_every and step % run.checkpoint_every == 0)
+                             or (self.evaluate is not None and run.eval_every and step % run.eval_every == 0)):
+                    self._check_flags(step)  # before anything of the step is logged, saved or evaluated
                 unwrapped = acc.unwrap_model(objective)
                 if hasattr(unwrapped, "update_target"):  # EMA target encoder (I-JEPA / StoP)
                     unwrapped.update_target(step / total)
@@ -1059,6 +1115,8 @@ class Trainer:
                 stop = self._stop_signal(signals)
                 if stop and step < total:
                     bar.close()
+                    if lazy:
+                        self._check_flags(step)
                     self.save_checkpoint(step)
                     raise self._interrupted(step, stop)
                 if step >= total or (run.stop_after and step >= run.stop_after):
