@@ -206,6 +206,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def updated(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[list[dict[str, Any]], dict]:
+    """--update: the rows of ``path`` (benchmark.json, or a suite's own file) that this run did not measure, kept
+    beside its rows — in benchmark.json the other suites' rows and seconds, in a suite's own file (speed) the
+    rows of the other names (methods measured in other calls)."""
+    if not path.is_file():
+        return rows, meta
+    old, suite = json.loads(path.read_text()), meta["suite"]
+    if path.name == "benchmark.json":
+        kept = [r for r in old["results"] if r.get("suite") != suite]
+        seconds = {k: v for k, v in {**old["meta"].get("seconds", {}), suite: meta["seconds"]["total"]}.items()
+                   if k != "total"}
+        merged = {**old["meta"], "seconds": {**seconds, "total": round(sum(seconds.values()), 1)}}
+        return kept + rows, {**merged, "updated": {suite: meta}}
+    names = {r["name"] for r in rows}
+    kept = [r for r in old["results"] if r["name"] not in names]
+    return kept + rows, {**old["meta"], "updated": {**old["meta"].get("updated", {}), ",".join(sorted(names)): meta}}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     set_attention_kernel(args.attention)
@@ -236,20 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out.mkdir(parents=True, exist_ok=True)
     own_file = ("mp3_table2", "ddp", "saved_bytes", "speed", "profile")  # suites with a file of their own
-    if args.update and (out / "benchmark.json").is_file() and args.suite not in ("all", *own_file):
-        old = json.loads((out / "benchmark.json").read_text())
-        rows = [r for r in old["results"] if r.get("suite") != args.suite] + rows
-        seconds = {k: v for k, v in {**old["meta"].get("seconds", {}), args.suite: meta["seconds"]["total"]}.items()
-                   if k != "total"}
-        meta = {**old["meta"], "seconds": {**seconds, "total": round(sum(seconds.values()), 1)},
-                "updated": {args.suite: meta}}
-    if args.update and args.suite == "speed" and (out / "benchmark_speed.json").is_file():  # other methods kept
-        old = json.loads((out / "benchmark_speed.json").read_text())
-        names = {r["name"] for r in rows}
-        rows = [r for r in old["results"] if r["name"] not in names] + rows
-        meta = {**old["meta"], "updated": {**old["meta"].get("updated", {}), ",".join(sorted(names)): meta}}
-    markdown = to_markdown(rows, meta)
     stem = f"benchmark_{args.suite}" if args.suite in own_file else "benchmark"
+    if args.update and args.suite != "all" and (args.suite not in own_file or args.suite == "speed"):
+        rows, meta = updated(out / f"{stem}.json", rows, meta)
+    markdown = to_markdown(rows, meta)
     files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}
     existing = (out / "benchmark.md").read_text() if (out / "benchmark.md").is_file() else ""
     if args.suite == "mp3_table2":  # also the GPU section of benchmark.md

@@ -210,3 +210,24 @@ def test_profile_suite_names_where_each_step_goes_and_its_share_outside_compute(
     assert is_compute("aten::addmm") and is_compute("aten::_scaled_dot_product_efficient_attention")
     assert not is_compute("aten::copy_") and not is_compute("aten::native_layer_norm")
     assert "outside compute" in (tmp_path / "benchmark_profile.md").read_text()
+
+
+def test_update_keeps_what_this_run_did_not_measure(tmp_path):
+    """--update: benchmark.json keeps the other suites' rows and seconds; a suite's own file (the speed ladder,
+    measured a few methods per GPU call) keeps the other methods' rows and replaces the measured ones."""
+    shared = tmp_path / "benchmark.json"
+    shared.write_text(json.dumps({"meta": {"seconds": {"masks": 2.0, "total": 2.0}}, "results": [
+        {"suite": "masks", "name": "m"}, {"suite": "data", "name": "old"}]}))
+    rows, meta = benchmark.updated(shared, [{"suite": "data", "name": "new"}],
+                                   {"suite": "data", "seconds": {"total": 3.0}})
+    assert [r["name"] for r in rows] == ["m", "new"] and meta["seconds"] == {"masks": 2.0, "data": 3.0, "total": 5.0}
+    own = tmp_path / "benchmark_speed.json"
+    own.write_text(json.dumps({"meta": {"suite": "speed"}, "results": [
+        {"name": "speed/mae", "setting": "before", "images_per_s": 1.0},
+        {"name": "speed/mp3", "setting": "before", "images_per_s": 2.0}]}))
+    rows, meta = benchmark.updated(own, [{"name": "speed/mp3", "setting": "before", "images_per_s": 9.0}],
+                                   {"suite": "speed"})
+    assert [(r["name"], r["images_per_s"]) for r in rows] == [("speed/mae", 1.0), ("speed/mp3", 9.0)]
+    assert list(meta["updated"]) == ["speed/mp3"]
+    assert benchmark.updated(tmp_path / "none.json", [{"name": "x"}], {"suite": "speed"}) == ([{"name": "x"}],
+                                                                                              {"suite": "speed"})

@@ -20,7 +20,6 @@ sys.path.insert(0, str(ROOT / "pipelines"))
 
 import gpu_parts  # noqa: E402
 
-from patchplace.data import SplitWriter  # noqa: E402
 from patchplace.export import ExportError, export_checkpoint  # noqa: E402
 from patchplace.export.evaluate import check_provider  # noqa: E402
 from patchplace.export.evaluate import main as ort_evaluate_main  # noqa: E402
@@ -123,14 +122,10 @@ def test_the_device_script_documents_every_option():
 
 # ---------------------------------------------------------------------------------------------- the evaluator
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A random 3-class 32 px classifier (exported) and 24 Fashion-MNIST-shaped test images."""
+def tiny(shards, tmp_path_factory):
+    """A random 3-class 32 px classifier (exported) beside the toy test split (32 Fashion-MNIST-shaped images)."""
     root = tmp_path_factory.mktemp("provider")
-    rng = np.random.default_rng(0)
-    with SplitWriter(root / "shards", "test", dataset="toy", modality="image", classes=["a", "b", "c"],
-                     info={"image_size": [28, 28], "channels": 1}, source="t", recipe="t", recipe_version=1) as w:
-        for i in range(24):
-            w.add_image(f"{i:03d}", i % 3, rng.integers(0, 256, (28, 28), dtype=np.uint8))
+    (root / "shards").symlink_to(shards / "img")
     torch.manual_seed(0)
     model = create_model("vit_micro", img_size=32, in_chans=1, num_classes=3).eval()
     save_pretrained(model, root / "checkpoint",
@@ -154,7 +149,7 @@ def test_the_cpu_provider_measures_parity_top1_and_latency(tiny, tmp_path):
     assert env["provider"] == "CPUExecutionProvider" and env["device"] == "cpu"
     assert env["onnxruntime"] == ort.__version__ and env["torch"] == torch.__version__ and env["hardware"]
     parity = results["parity"]
-    assert parity["count"] == 24 and parity["max_abs_logit_diff"] < 1e-4 and parity["argmax_agreement"] == 1.0
+    assert parity["count"] == 32 and parity["max_abs_logit_diff"] < 1e-4 and parity["argmax_agreement"] == 1.0
     assert parity["onnxruntime_top1"] == parity["pytorch_top1"] == results["accuracy"]["top1"]
     assert set(results["latency"]) == {"onnxruntime/batch1", "onnxruntime/batch4", "pytorch/batch1",
                                        "pytorch/batch4"}
