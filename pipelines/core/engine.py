@@ -890,7 +890,7 @@ class Trainer:
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper around the torch optimizer
         if grad_norm is None:
             grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.acc.device)
         grad_bad = ~grad_norm.detach().float().isfinite()
         self._flag_nonfinite(torch.where(grad_bad, grad_norm.detach().float(), 0.0), step)  # counted as a bad step
         inner.found_inf = (self._flags["now"] | grad_bad).float()
