@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from patchplace.data.manifest import dataset_dir_hint
+from patchplace.data.remote import Network, is_remote
 from patchplace.models import ATTENTION_KERNELS
 
 LR_SCALING = ("none", "linear", "sqrt")
@@ -56,7 +57,7 @@ def one_line(exc: BaseException) -> str:
 class DataSection:
     """Shards and the input pipeline (see patchplace.data)."""
 
-    train: str = "shards/fashion_mnist/train"  # split directory with manifest.json
+    train: str = "shards/fashion_mnist/train"  # split directory with manifest.json, or its http(s):// URL
     # split the training-time evaluation (and evaluate.py) reads; "holdout": the data.holdout samples of data.train
     val: str = "shards/fashion_mnist/test"
     train_urls: str | None = None  # optional override: brace pattern or pipe: URLs of the same shards
@@ -78,6 +79,10 @@ class DataSection:
     label_subset_seed: int = 0  # which balanced subset (the same for every method and run)
     skip_corrupt: bool = False  # skip unreadable / truncated train shards (warned, counted in the log), not fail
     verify_shards: bool = True  # check each shard's size + sha256 against its manifest when read (~1% of a load)
+    timeout: float = 60.0  # http(s) splits / shards: seconds a connection or a read may wait
+    # http(s): further attempts after a transient failure (connection refused / reset, timeout, HTTP 429 / 5xx),
+    # 1 s apart, doubling; a 404 / 403 fails at once
+    retries: int = 4
     val_limit: int | None = None  # evaluate on the first N samples of data.val (None: all)
     # a validation split held out of data.train: N class-balanced samples (data.holdout_seed) that training never
     # reads; data.val=holdout evaluates on them (recipe choices read validation, the test split is read once);
@@ -103,7 +108,11 @@ class DataSection:
                               "data.train to validate on them")
         if self.holdout < 0:
             raise ConfigError(f"data.holdout must be >= 0, got {self.holdout}")
+        if not self.timeout > 0 or self.retries < 0:
+            raise ConfigError(f"data.timeout must be > 0 and data.retries >= 0, got {self.timeout} and {self.retries}")
         for name in ("train", "val") if self.val != HOLDOUT else ("train",):
+            if is_remote(getattr(self, name)):  # its manifest is fetched when the data is built
+                continue
             path = Path(getattr(self, name))
             if not (path / "manifest.json").is_file():
                 hint = dataset_dir_hint(path)
@@ -111,6 +120,10 @@ class DataSection:
                     raise ConfigError(f"data.{name}: {hint}")
                 raise ConfigError(f"data.{name}: no manifest.json in {path}; build the shards first (make data, or "
                                   f"python data/fashion_mnist.py --out {path.parent})")
+
+    def network(self) -> Network:
+        """How http(s) splits and shards are fetched (data.timeout, data.retries)."""
+        return Network(self.timeout, self.retries)
 
 
 @dataclass

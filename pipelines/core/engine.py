@@ -283,8 +283,8 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     and logged with every step."""
     started = time.perf_counter()
     holdout = cfg.val == HOLDOUT
-    manifest = Manifest.load(cfg.train)
-    val_manifest = manifest if holdout else Manifest.load(cfg.val)
+    manifest = Manifest.load(cfg.train, cfg.network())  # carries data.timeout / retries to its http(s) shards
+    val_manifest = manifest if holdout else Manifest.load(cfg.val, cfg.network())
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
     if manifest.modality == "image":

@@ -51,7 +51,7 @@ LEGACY_LEFTOVERS = (".state.tmp", ".state.old")
 # spelled another way, relative / absolute / a trailing slash, or the run moved elsewhere).
 RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.stop_after", "run.log_every",
                      "run.checkpoint_every", "run.eval_every", "run.tensorboard", "run.find_unused_parameters",
-                     "data.num_workers", "data.verify_shards")
+                     "data.num_workers", "data.verify_shards", "data.timeout", "data.retries")
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 

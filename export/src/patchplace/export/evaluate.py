@@ -199,8 +199,9 @@ class OnnxModel:
         return binding
 
 
-def load_uint8(split: str | Path, limit: int | None, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``limit`` images (uint8, un-normalized) and labels of a split, in manifest order."""
+def load_uint8(split: str | Path | Manifest, limit: int | None, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``limit`` images (uint8, un-normalized) and labels of a split (a directory, an http(s) URL or a
+    loaded manifest), in manifest order."""
     dataset = ShardDataset(split, epoch_length=limit)
     xs, ys = [], []
     for x, y in make_loader(dataset, batch_size):
@@ -491,7 +492,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     model = OnnxModel(args.model, provider=args.provider)
     manifest = Manifest.load(args.data)
     model.check_data(manifest)
-    images, labels = load_uint8(args.data, args.limit, args.batch_size)
+    images, labels = load_uint8(manifest, args.limit, args.batch_size)
     results: dict[str, Any] = {"model": str(args.model), "data": str(args.data),
                                "providers": model.session.get_providers(), "environment": environment(model)}
     results["accuracy"] = accuracy(model, images, labels, args.batch_size)
@@ -515,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m patchplace.export.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="model.onnx written by python -m patchplace.export")
-    parser.add_argument("--data", required=True, help="test split directory (manifest.json + shards)")
+    parser.add_argument("--data", required=True,
+                        help="test split directory (manifest.json + shards), or its http(s):// URL")
     parser.add_argument("--out", default="runs/ort_eval", help="output directory (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N test images (default: all)")
     parser.add_argument("--batch-size", type=int, default=256)

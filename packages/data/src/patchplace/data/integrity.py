@@ -6,9 +6,12 @@ into another valid class, a pixel changed) stops the run, naming the shard, inst
 
 - local files (plain paths, ``file:`` URLs): the size is compared first (a ``stat``), then the file is hashed in
   one sequential read; the tar is then parsed from the page cache;
-- other URLs (``pipe:``, ``http(s):``, ``gs:`` ... — anything webdataset's ``gopen`` streams): the bytes are hashed
-  as they arrive and spooled (in memory up to :data:`SPOOL_IN_MEMORY` bytes, then in a temporary file), and the
-  samples are parsed from the spool only once the whole shard matched. Every URL is thus verified, each read once.
+- other URLs (``http(s):`` fetched by :mod:`patchplace.data.remote`, with retries; ``pipe:``, ``gs:`` ... —
+  anything else webdataset's ``gopen`` streams): the bytes are hashed as they arrive and spooled (in memory up to
+  :data:`SPOOL_IN_MEMORY` bytes, then in a temporary file), and the samples are parsed from the spool only once the
+  whole shard matched. Every URL is thus verified, each read once. A URL that cannot be fetched is a
+  :class:`~patchplace.data.remote.RemoteError` (the server or the network); a shard fetched whole whose bytes
+  differ is a :class:`ShardMismatch` (corrupt).
 
 URL ``i`` is checked against the manifest's shard ``i`` (``urls`` name the same shards in the same order).
 """
@@ -27,6 +30,7 @@ import webdataset as wds
 
 from .errors import DataError
 from .manifest import ShardInfo, sha256_file
+from .remote import Network, fetch, is_remote
 
 SPOOL_IN_MEMORY = 64 << 20  # a streamed shard up to this size is spooled in memory, a larger one on disk
 _CHUNK = 1 << 20
@@ -65,17 +69,22 @@ def check_file(path: Path, shard: ShardInfo) -> None:
         raise ShardMismatch(problem)
 
 
-def spool_checked(url: str, shard: ShardInfo) -> BinaryIO:
-    """The bytes streamed from ``url``, spooled and rewound, once their size and sha256 match ``shard``."""
+def spool_checked(url: str, shard: ShardInfo | None, network: Network | None = None) -> BinaryIO:
+    """The bytes streamed from ``url``, spooled and rewound, once their size and sha256 match ``shard`` (None:
+    not checked). ``http(s)`` URLs are fetched with ``network``'s timeout and retries."""
     spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)  # noqa: SIM115 (returned open, closed by the reader)
-    digest, size = hashlib.sha256(), 0
     try:
-        with wds.gopen(url, "rb") as stream:
-            while block := stream.read(_CHUNK):
-                digest.update(block)
-                spool.write(block)
-                size += len(block)
-        problem = mismatch(shard, size, digest.hexdigest())
+        if is_remote(url):
+            size, sha256 = fetch(url, network or Network(), spool)
+        else:
+            digest, size = hashlib.sha256(), 0
+            with wds.gopen(url, "rb") as stream:
+                while block := stream.read(_CHUNK):
+                    digest.update(block)
+                    spool.write(block)
+                    size += len(block)
+            sha256 = digest.hexdigest()
+        problem = mismatch(shard, size, sha256) if shard is not None else None
         if problem:
             raise ShardMismatch(problem)
     except BaseException:
@@ -93,10 +102,13 @@ def _spooled_samples(url: str, spool: BinaryIO) -> Iterator[dict]:
         spool.close()
 
 
-def open_shard(url: str, shard: ShardInfo, verify: bool = True) -> Iterator[dict]:
+def open_shard(url: str, shard: ShardInfo, verify: bool = True, network: Network | None = None) -> Iterator[dict]:
     """The webdataset samples of the shard at ``url``. With ``verify`` its size and sha256 are checked against
     ``shard`` first (here, before any sample is parsed): :class:`ShardMismatch` when they differ; OSError and the
-    like when it cannot be read."""
+    like when it cannot be read; :class:`~patchplace.data.remote.RemoteError` when an ``http(s)`` URL cannot be
+    fetched (``network``: its timeout and retries)."""
+    if is_remote(url):  # fetched whole (retried) before any sample is parsed, verified or not
+        return _spooled_samples(url, spool_checked(url, shard if verify else None, network))
     if not verify:
         return wds.tariterators.tarfile_samples([{"url": url}])
     path = local_path(url)

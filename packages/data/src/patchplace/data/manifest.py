@@ -1,25 +1,30 @@
 """``manifest.json``: what a split of shards holds, so readers can plan epochs and verify shards.
 
-One manifest per split directory (``<out>/<split>/manifest.json``) next to its ``<split>-NNNNNN.tar`` shards.
+One manifest per split directory (``<out>/<split>/manifest.json``) next to its ``<split>-NNNNNN.tar`` shards; the
+same directory served over HTTP loads from its URL (``http://host/<split>``, :mod:`patchplace.data.remote`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from .atomic import write_json_atomic
 from .errors import DataError
+from .remote import Network, fetch, is_remote
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MODALITIES = ("image", "audio")
 _CONTENT_FIELDS = ("dataset", "split", "modality", "classes", "num_samples", "shards", "fields", "info",
                    "normalization")
+_PLACE_FIELDS = ("path", "url", "network")  # where this copy was loaded from and how: not part of the file
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class Manifest:
     ``fields`` maps roles to tar member extensions (``{"input": "png", "label": "cls"}``); ``info`` holds
     modality facts (images: ``image_size`` [H, W] and ``channels``; audio: ``sample_rate`` and ``clip_samples``);
     ``normalization`` holds per-channel ``mean`` / ``std`` in [0, 1] units, computed on the train split.
+    ``path`` / ``url``: the ``manifest.json`` it was loaded from (a file, or an ``http(s)`` URL); ``network``: the
+    timeout and retries its ``http(s)`` shards are fetched with.
     """
 
     dataset: str
@@ -56,11 +63,16 @@ class Manifest:
     class_counts: list[int] | None = None
     format_version: int = FORMAT_VERSION
     path: Path | None = field(default=None, compare=False, repr=False)
+    url: str | None = field(default=None, compare=False, repr=False)
+    network: Network | None = field(default=None, compare=False, repr=False)
 
     # ------------------------------------------------------------------ loading / saving
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Manifest:
-        """Load ``path`` (a split directory or its ``manifest.json``), validating every field."""
+    def load(cls, path: str | os.PathLike, network: Network | None = None) -> Manifest:
+        """Load ``path`` (a split directory or its ``manifest.json``, on disk or an ``http(s)`` URL), validating
+        every field. ``network``: the timeout and retries of fetching it and its ``http(s)`` shards."""
+        if is_remote(path):
+            return cls._load_url(str(path), network or Network())
         path = Path(path)
         file = path / MANIFEST_NAME if path.is_dir() else path
         if not file.is_file():
@@ -75,17 +87,34 @@ class Manifest:
             raw = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise DataError(f"{file} is not valid JSON ({exc}); rebuild the split with its data/ recipe") from exc
-        return cls.from_dict(raw, path=file)
+        manifest = cls.from_dict(raw, path=file)
+        manifest.network = network
+        return manifest
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], path: Path | None = None) -> Manifest:
-        where = str(path) if path else "manifest"
+    def _load_url(cls, url: str, network: Network) -> Manifest:
+        """The manifest served at ``url`` (a split directory's URL or its ``manifest.json``'s)."""
+        if not url.endswith(".json"):
+            url = f"{url.rstrip('/')}/{MANIFEST_NAME}"
+        buffer = io.BytesIO()
+        fetch(url, network, buffer)
+        try:
+            raw = json.loads(buffer.getvalue())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError(f"{url} is not valid JSON ({exc}): is this URL a split's manifest.json?") from None
+        manifest = cls.from_dict(raw, url=url)
+        manifest.network = network
+        return manifest
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], path: Path | None = None, url: str | None = None) -> Manifest:
+        where = url or (str(path) if path else "manifest")
         required = ("dataset", "split", "modality", "classes", "num_samples", "shards", "fields", "info",
                     "source", "recipe", "recipe_version")
         missing = [k for k in required if k not in raw]
         if missing:
             raise DataError(f"{where}: missing field(s) {missing}; rebuild the split with its data/ recipe")
-        known = {f for f in cls.__dataclass_fields__ if f != "path"}
+        known = {f for f in cls.__dataclass_fields__ if f not in _PLACE_FIELDS}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise DataError(f"{where}: unknown field(s) {unknown}; was it written by a newer patchplace?")
@@ -94,7 +123,7 @@ class Manifest:
                             "upgrade patchplace-data")
         try:
             shards = [ShardInfo(**s) for s in raw["shards"]]
-            manifest = cls(**{**raw, "shards": shards}, path=path)
+            manifest = cls(**{**raw, "shards": shards}, path=path, url=url)
             manifest.validate()
         except (TypeError, AttributeError, KeyError) as exc:  # a field of the wrong type (e.g. "count": "x")
             raise DataError(f"{where}: a field has the wrong type or shape ({type(exc).__name__}: {exc}); rebuild "
@@ -103,7 +132,8 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.pop("path")
+        for key in _PLACE_FIELDS:
+            d.pop(key)
         return d
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -117,7 +147,7 @@ class Manifest:
 
     # ------------------------------------------------------------------ checks and derived facts
     def validate(self) -> None:
-        where = str(self.path) if self.path else f"manifest of {self.dataset}/{self.split}"
+        where = str(self.path or self.url or "") or f"manifest of {self.dataset}/{self.split}"
         if self.modality not in MODALITIES:
             raise DataError(f"{where}: modality {self.modality!r} is not one of {MODALITIES}")
         if not self.classes or len(set(self.classes)) != len(self.classes):
@@ -145,8 +175,15 @@ class Manifest:
             raise DataError(f"manifest of {self.dataset}/{self.split} was not loaded from disk; pass urls explicitly")
         return self.path.parent
 
+    @property
+    def location(self) -> str:
+        """Where the split is: its directory, or its URL when it was loaded from one."""
+        return self.url.rsplit("/", 1)[0] if self.url else str(self.directory)
+
     def shard_urls(self) -> list[str]:
-        """Local paths of the shards, resolved next to the manifest."""
+        """The shards next to the manifest: local paths, or URLs for a manifest loaded from a URL."""
+        if self.url:
+            return [f"{self.location}/{quote(s.name)}" for s in self.shards]
         return [str(self.directory / s.name) for s in self.shards]
 
     def fingerprint(self) -> str:
@@ -197,7 +234,10 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def verify_split(manifest: Manifest) -> list[str]:
-    """Check every shard's presence, size and sha256 against the manifest; return the problems found."""
+    """Check every shard's presence, size and sha256 against the manifest; return the problems found. The shards
+    of a manifest loaded from a URL are fetched (:class:`~patchplace.data.remote.RemoteError` when one cannot be)."""
+    if manifest.url:
+        return _verify_remote(manifest)
     problems = []
     for shard in manifest.shards:
         file = manifest.directory / shard.name
@@ -207,4 +247,15 @@ def verify_split(manifest: Manifest) -> list[str]:
             problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {shard.bytes} (truncated?)")
         elif sha256_file(file) != shard.sha256:
             problems.append(f"{file}: sha256 differs from the manifest (corrupt or rewritten)")
+    return problems
+
+
+def _verify_remote(manifest: Manifest) -> list[str]:
+    from .integrity import mismatch  # (integrity reads manifest entries: imported here, not at the top)
+
+    problems = []
+    for url, shard in zip(manifest.shard_urls(), manifest.shards, strict=True):
+        problem = mismatch(shard, *fetch(url, manifest.network or Network()))
+        if problem:
+            problems.append(f"{url}: {problem}")
     return problems

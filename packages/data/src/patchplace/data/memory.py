@@ -113,7 +113,7 @@ class _Shard:
     labels: torch.Tensor
     keys: list[str]
     skipped: list[str]
-    error: str | None = None  # the DataError that stopped the decoding (the worker stops there)
+    error: DataError | None = None  # what stopped the decoding (the worker stops there), e.g. a RemoteError
 
 
 def _decode_shards(reader: ShardDataset, workers: int, progress: bool = False) -> dict[int, _Shard]:
@@ -128,7 +128,7 @@ def _decode_shards(reader: ShardDataset, workers: int, progress: bool = False) -
             advance(len(shard.keys))
         errors = [decoded[i].error for i in sorted(decoded) if decoded[i].error is not None]
         if errors:  # (before the progress ends: no "decoded" line)
-            raise DataError(errors[0])
+            raise errors[0]
     return decoded
 
 
@@ -173,7 +173,7 @@ class _ShardDecoder(IterableDataset):
             try:
                 yield self._decode(index)
             except DataError as exc:  # handed back, not raised: see _decode_shards
-                yield _Shard(index, torch.empty(0), torch.empty(0, dtype=torch.int64), [], [], error=str(exc))
+                yield _Shard(index, torch.empty(0), torch.empty(0, dtype=torch.int64), [], [], error=exc)
                 return
 
     def _decode(self, index: int) -> _Shard:

@@ -9,9 +9,13 @@
 
 The dataset plans each epoch with :func:`patchplace.data.plan.plan_epoch` (rank and world size come from the
 caller, e.g. ``accelerator.process_index``), so every rank yields ``len(ds)`` samples, none twice per epoch.
-URLs default to the shards next to the manifest; pass ``urls`` (a list, a brace pattern such as
-``/data/train-{000000..000099}.tar`` or ``pipe:curl -s https://host/train-{000000..000099}.tar``) to read the
-same shards from elsewhere — the manifest still provides counts, classes and normalization.
+URLs default to the shards next to the manifest (on disk, or on the server a manifest loaded from an ``http(s)``
+URL came from: ``ShardDataset("http://host:8000/train")``); pass ``urls`` (a list, a brace pattern such as
+``/data/train-{000000..000099}.tar``, ``https://host/train-{000000..000099}.tar`` or
+``pipe:curl -s https://host/train-{000000..000099}.tar``) to read the same shards from elsewhere — the manifest
+still provides counts, classes and normalization. ``http(s)`` shards are fetched with timeouts and retries
+(:mod:`patchplace.data.remote`); one that cannot be fetched is a :class:`~patchplace.data.remote.RemoteError`
+naming the URL and the HTTP status or network error, never a corrupt shard.
 
 Every shard is checked against the manifest when it is opened — size and sha256, before any of its samples is
 used (:mod:`patchplace.data.integrity`; ``pipe:`` / remote URLs are hashed as they stream and spooled) — and every
@@ -40,6 +44,7 @@ from .errors import DataError
 from .integrity import open_shard
 from .manifest import Manifest
 from .plan import WorkerPlan, plan_epoch, worker_quotas_for_epoch
+from .remote import Network, RemoteError
 
 _CORRUPT = (tarfile.TarError, OSError, EOFError, ValueError, KeyError)
 
@@ -65,13 +70,15 @@ class ShardDataset(IterableDataset):
         split_by: ``auto`` | ``shard`` | ``sample`` (see :mod:`patchplace.data.plan`).
         epoch_length: cap on samples per rank per epoch (``with_epoch`` style).
         skip_corrupt: skip (and count in ``skipped``) unreadable, truncated or altered shards (a size or sha256
-            that differs from the manifest) instead of raising.
+            that differs from the manifest) instead of raising; an ``http(s)`` shard that cannot be fetched is
+            still an error (the server, not the shard).
         return_key: also yield each sample's ``__key__``.
         seeded_transforms: run ``transform`` under a random state derived from (seed, epoch, sample key), so
             augmentations are the same whatever the worker count and survive an exact resume (the caller's
             global RNG state is restored afterwards).
         verify: check each shard's size and sha256 against the manifest when it is opened (default); ``False``
             trusts the bytes (the sample counts are still checked).
+        network: timeout and retries for ``http(s)`` shards (default: the manifest's, else :class:`Network`'s).
     """
 
     def __init__(
@@ -92,9 +99,11 @@ class ShardDataset(IterableDataset):
         return_key: bool = False,
         seeded_transforms: bool = False,
         verify: bool = True,
+        network: Network | None = None,
     ) -> None:
         super().__init__()
-        self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
+        self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest, network)
+        self.network = network or self.manifest.network or Network()
         self.urls = expand_urls(urls) if urls is not None else self.manifest.shard_urls()
         if len(self.urls) != len(self.manifest.shards):
             raise DataError(f"{len(self.urls)} shard URLs given but the manifest of "
@@ -177,7 +186,9 @@ class ShardDataset(IterableDataset):
         before the first sample) or a count that differs from the manifest is corruption."""
         url, expected = self.urls[shard], self.counts[shard]
         try:
-            samples = open_shard(url, self.manifest.shards[shard], verify=self.verify)
+            samples = open_shard(url, self.manifest.shards[shard], verify=self.verify, network=self.network)
+        except RemoteError:  # the server or the network: not the shard's bytes
+            raise
         except _CORRUPT as exc:
             self._corrupt(url, _reason(exc))
             return
@@ -204,7 +215,8 @@ class ShardDataset(IterableDataset):
             self.skipped.append(url)
             warnings.warn(f"skipping corrupt shard {url}: {why}", stacklevel=3)
             return
-        where = self.manifest.directory if self.manifest.path is not None else Path(url).parent
+        m = self.manifest
+        where = m.location if m.path is not None or m.url else Path(url).parent
         raise DataError(f"corrupt shard {url}: {why}; rebuild the split with its data/ recipe, check all shards "
                         f"with `python -m patchplace.data verify {where}`, or skip bad shards (counted) with "
                         "data.skip_corrupt=true (ShardDataset(skip_corrupt=True))")
