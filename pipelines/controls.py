@@ -23,6 +23,7 @@ a learning curve ("does it learn here?") with its controls, the data decoded onc
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -94,9 +95,18 @@ def train_sets(data, cfg: ControlsConfig) -> dict[str, Batches]:
         raise ConfigError("controls need data.train in memory (data.in_memory=auto and enough data.memory_budget_mb)")
     sets: dict[str, Batches] = {}
     split = data.train.split
+    chosen = {fraction: balanced_subset(split.labels, fraction, cfg.data.label_subset_seed)
+              for fraction in c.label_fractions}
+    for fraction, other in itertools.combinations(chosen, 2):
+        if torch.equal(chosen[fraction], chosen[other]):  # max(1, round(f x per class)) alike: one column twice
+            m, counts, n = data.manifest, torch.bincount(split.labels).tolist(), len(chosen[fraction])
+            raise ConfigError(f"controls.label_fractions {fraction:g} and {other:g} pick the same {n} "
+                              f"samples of data.train ({m.dataset}/{m.split}: {len(split)} samples, "
+                              f"{min(counts)}-{max(counts)} per class, at least 1 each): their columns would be one "
+                              "probe twice; drop one of them, or use a larger train split")
     for fraction in c.label_fractions:
-        subset = MemoryReader(split.subset(balanced_subset(split.labels, fraction, cfg.data.label_subset_seed)),
-                              data.train.transform, shuffle=False, device=data.train.device)
+        subset = MemoryReader(split.subset(chosen[fraction]), data.train.transform, shuffle=False,
+                              device=data.train.device)
         sets[f"{fraction:g}"] = list(subset.batches(bs, epoch=0))
     if c.probe_train_samples:
         x, y = first_images(data.train, c.probe_train_samples, bs)

@@ -13,6 +13,11 @@ classifiers; MP3 position accuracy vs eta (Fig. 3) + a reassembled image (Fig. 2
 grid when the checkpoint holds those objectives. ``--privacy`` (= ``privacy.enabled=true``) adds MJP's
 gradient-inversion evaluation (Table 5 settings (a) / (b) / (c), APRIL analytic + gradient-matching attacks; MSE,
 PSNR, SSIM, FFT2D; ``privacy.png`` of originals vs reconstructions, Fig. 5) on one test image per class.
+
+Refused in one line, before anything is computed: a ``run.output`` holding an earlier evaluation's results (unless
+``run.overwrite=true``, which replaces them), images the checkpoint trained on (``data.val`` = its training split,
+or ``data.val=holdout`` outside the hold-out it records), a classifier on data whose classes (names, order) are not
+its own, and inputs the model cannot take. Every split is normalized with the checkpoint's training statistics.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from core.config import ConfigError, DataSection, ModelSection, RunSection
-from core.engine import USER_ERRORS, classify, start
-from core.evaluation import first_images, plot_privacy_grid, probe
+from core.config import HOLDOUT, ConfigError, DataSection, ModelSection, RunSection, load, one_line, parser
+from core.engine import USER_ERRORS, Data, check_inputs, classify, holdout_indices, start
+from core.evaluation import class_list, first_difference, first_images, plot_privacy_grid, probe
 from patchplace.data.atomic import atomic_file
 from patchplace.data.memory import MemoryReader, balanced_subset
 from patchplace.finetune import (
@@ -117,7 +122,7 @@ class EvaluateConfig:
     unused_fields: ClassVar[tuple[str, ...]] = (
         "data.scale", "data.hflip", "data.auto_augment", "data.re_prob", "data.noise_split", "model.preset",
         "model.overrides", "run.mixed_precision", "run.grad_accum", "run.log_every", "run.checkpoint_every",
-        "run.eval_every", "run.resume", "run.overwrite", "run.stop_after", "run.tensorboard",
+        "run.eval_every", "run.resume", "run.stop_after", "run.tensorboard",
         "run.find_unused_parameters", "run.keep_epochs", "run.early_stop_patience", "run.early_stop_metric")
 
     def validate(self) -> None:
@@ -125,22 +130,129 @@ class EvaluateConfig:
             raise ConfigError("model.checkpoint is required: the checkpoint/ directory of a pretrain or finetune run")
 
 
-def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tensor, out_dir: Path) -> dict:
-    """MP3 eta curve + reassembled picture, or the DropPos grid, from the saved objective parameters (on the
-    backbone's device; the images and the picture stay on the CPU)."""
-    method, extras = metadata.get("method"), checkpoint / "objective.safetensors"
-    if method not in ("mp3", "droppos") or not extras.is_file():
-        return {}
-    if method == "mp3":
-        objective = MP3(backbone, MP3Config.from_dict(metadata.get("objective", {})))
-    else:
-        objective = DropPos(backbone, DropPosConfig.from_dict(metadata.get("objective", {})))
+CURVE_METHODS = ("mp3", "droppos")  # the methods whose saved objective (objective.safetensors) gives curves
+# what an evaluation writes in run.output (run.overwrite=true replaces an earlier one's)
+RESULT_FILES = ("results.json", "report.md", "evaluation.png", "mp3_position_accuracy.png", "mp3_reassembled.png",
+                "privacy.png", "privacy.npz")
+
+
+def objective_state(extras: Path) -> dict[str, torch.Tensor]:
+    """The saved objective's parameters (``objective.safetensors``), refused in one line when unreadable or not
+    finite."""
     try:
         state = load_file(str(extras))
     except Exception as exc:  # SafetensorError (a pickle renamed, a torn file): one line, no code runs
         raise ModelError(f"{extras} is not a readable safetensors file ({' '.join(str(exc).split())[:160]}): "
                          "restore it from the run's checkpoint, or evaluate without the method curves") from None
     check_finite(state, extras)
+    return state
+
+
+def refuse_earlier_results(cfg: EvaluateConfig) -> None:
+    """An evaluation never replaces an earlier one's results silently: run.output holding ``results.json`` /
+    ``report.md`` is refused (nothing is touched) unless ``run.overwrite=true``."""
+    out = Path(cfg.run.output)
+    found = [name for name in RESULT_FILES[:2] if (out / name).is_file()]
+    if not found or cfg.run.overwrite:
+        return
+    try:
+        earlier = f" of {json.loads((out / 'results.json').read_text())['checkpoint']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        earlier = ""
+    raise ConfigError(f"run.output {out} already holds the results of an evaluation{earlier} ({', '.join(found)}): "
+                      "choose another run.output, or replace them with run.overwrite=true")
+
+
+def trained_on(metadata: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(method, data record) of the checkpoint and of each checkpoint it was fine-tuned from: the splits whose
+    images (all but the recorded hold-out) its weights learned from."""
+    chain, node = [], metadata
+    while isinstance(node, dict):
+        if isinstance(node.get("data"), dict):
+            chain.append((str(node.get("method") or "?"), node["data"]))
+        node = node.get("pretrain_metadata")
+    return chain
+
+
+def check_unseen(cfg: DataSection, data: Data, metadata: dict[str, Any], checkpoint: str) -> None:
+    """Refuse to score ``checkpoint`` on images it (or the checkpoint it was fine-tuned from) trained on: data.val
+    being the split it trained on, or ``data.val=holdout`` drawing samples outside the hold-out it recorded (its
+    size and seed give the same samples again: :func:`~core.engine.holdout_indices`)."""
+    if cfg.val != HOLDOUT:
+        m = data.val.manifest
+        fingerprint = m.fingerprint()
+        for method, record in trained_on(metadata):
+            if record.get("fingerprint") == fingerprint:
+                held = record.get("holdout") or {}
+                size, seed = held.get("size") or 0, held.get("seed", 0)
+                raise ConfigError(
+                    f"data.val={cfg.val} is {m.dataset}/{m.split}, the split {checkpoint} ({method}) trained on"
+                    + (f" (less its {size} held-out samples)" if size else "") + ": its score would count images it "
+                    "learned from; evaluate it on a test split" + (
+                        f", or on its hold-out: data.val=holdout data.holdout={size} data.holdout_seed={seed}"
+                        if size else ""))
+        return
+    m, labels = data.manifest, data.train_labels
+    chosen = set(holdout_indices(labels, cfg.holdout, cfg.holdout_seed).tolist())
+    fingerprint = m.fingerprint()
+    for method, record in trained_on(metadata):
+        if record.get("fingerprint") != fingerprint:
+            continue
+        held = record.get("holdout")
+        if not isinstance(held, dict):
+            raise ConfigError(f"data.val=holdout: {checkpoint} ({method}) was trained on {m.dataset}/{m.split} and "
+                              "records no hold-out (written before checkpoints recorded one), so it may have trained "
+                              "on these images; evaluate it on a test split (data.val=<split directory>)")
+        size, seed = int(held.get("size") or 0), int(held.get("seed") or 0)
+        seen = len(chosen - set(holdout_indices(labels, size, seed).tolist()))
+        if seen:
+            kept = f"data.holdout={size} with data.holdout_seed={seed}" if size else "nothing (data.holdout=0)"
+            again = f"data.holdout={size} data.holdout_seed={seed}, or on " if size else ""
+            raise ConfigError(f"data.val=holdout (data.holdout={cfg.holdout}, data.holdout_seed={cfg.holdout_seed}): "
+                              f"{seen} of its {len(chosen)} images are ones {checkpoint} ({method}) trained on, as it "
+                              f"held out {kept} of {m.dataset}/{m.split}; evaluate it on {again}a test split "
+                              "(data.val=<split directory>)")
+
+
+def check_classes(backbone, metadata: dict[str, Any], data: Data, checkpoint: str) -> None:
+    """A classifier is scored only on data whose classes (names and order) are its own: label i must mean what its
+    output i means."""
+    classes, m = metadata.get("classes"), data.manifest
+    if not backbone.config.num_classes or backbone.config.num_classes != m.num_classes or not classes:
+        return
+    if list(classes) != list(m.classes):
+        dataset = (metadata.get("data") or {}).get("dataset") or "its training data"
+        raise ConfigError(f"{checkpoint} classifies {class_list(classes)} ({dataset}) but {m.dataset}/{m.split} holds "
+                          f"{class_list(m.classes)} ({first_difference(classes, m.classes)}): its top-1 would compare "
+                          f"unrelated labels; evaluate it on {dataset}, or fine-tune it on this data first")
+
+
+def preflight(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any]) -> None:
+    """What would stop the evaluation half-way, or make its numbers wrong, checked before anything is computed."""
+    checkpoint = cfg.model.checkpoint
+    check_inputs(backbone, data, f"model.checkpoint={checkpoint}")
+    check_classes(backbone, metadata, data, checkpoint)
+    check_unseen(cfg.data, data, metadata, checkpoint)
+    m = data.manifest
+    if cfg.privacy.enabled and (m.modality != "image" or backbone.config.num_classes != m.num_classes):
+        raise ConfigError(f"--privacy needs an image classifier for {m.num_classes} classes; {checkpoint} is not one "
+                          "(fine-tune it first)")
+    extras = Path(checkpoint) / "objective.safetensors"
+    if m.modality == "image" and metadata.get("method") in CURVE_METHODS and extras.is_file():
+        objective_state(extras)
+
+
+def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tensor, out_dir: Path) -> dict:
+    """MP3 eta curve + reassembled picture, or the DropPos grid, from the saved objective parameters (on the
+    backbone's device; the images and the picture stay on the CPU)."""
+    method, extras = metadata.get("method"), checkpoint / "objective.safetensors"
+    if method not in CURVE_METHODS or not extras.is_file():
+        return {}
+    if method == "mp3":
+        objective = MP3(backbone, MP3Config.from_dict(metadata.get("objective", {})))
+    else:
+        objective = DropPos(backbone, DropPosConfig.from_dict(metadata.get("objective", {})))
+    state = objective_state(extras)
     missing, unexpected = objective.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("backbone.") for k in missing):
         raise ModelError(f"{extras} does not match the {method} objective")
@@ -207,7 +319,7 @@ def privacy_evaluation(backbone, data, cfg: PrivacySection, device, out_dir: Pat
         raise ConfigError(f"privacy.batch_size {cfg.batch_size} must divide the {len(images)} images")
     shuffled, mask = jigsaw(images, backbone.config.patch_size, cfg.ratio,
                             generator=torch.Generator().manual_seed(cfg.seed))
-    norm = data.manifest.normalization or {"mean": [0.0], "std": [1.0]}
+    norm = data.normalization or {"mean": [0.0], "std": [1.0]}
     with tqdm(total=2 * len(images) // cfg.batch_size, desc="privacy: client updates attacked") as bar:
         result = privacy_settings(backbone.float(), images.to(device), labels.to(device), shuffled=shuffled.to(device),
                                   unknown_pos=mask.to(device), mean=norm["mean"], std=norm["std"],
@@ -339,21 +451,15 @@ def label_fraction_probes(backbone, data, fractions: tuple[float, ...], subset_s
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--privacy" in argv:  # shorthand for privacy.enabled=true
-        argv = [a for a in argv if a != "--privacy"] + ["privacy.enabled=true"]
-    try:
-        cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False, split_train=False)
-        backbone, metadata = load_pretrained(cfg.model.checkpoint)
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not accelerator.is_main_process:
-        return 0
-    device, ev, bs = accelerator.device, cfg.eval, cfg.data.batch_size
+def evaluation(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any], device) -> dict[str, Any]:
+    """Every result the config asks for, written to run.output (``results.json``, ``report.md``, the plots);
+    raises a user error (one line) where a part cannot run."""
+    ev, bs = cfg.eval, cfg.data.batch_size
     backbone = backbone.to(device).eval()
     out_dir = Path(cfg.run.output)
+    if cfg.run.overwrite:  # an earlier evaluation's files go: none of them is listed or read as this one's
+        for name in RESULT_FILES:
+            (out_dir / name).unlink(missing_ok=True)
     results: dict[str, Any] = {"checkpoint": cfg.model.checkpoint, "method": metadata.get("method")}
     is_image = data.manifest.modality == "image"
     if backbone.config.num_classes == data.manifest.num_classes:
@@ -368,8 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pool = probe_feature_of(metadata, backbone)  # the feature the checkpoint's training trained (docs/design.md)
     except ValueError as exc:
-        print(f"error: {cfg.model.checkpoint}: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{cfg.model.checkpoint}: {exc}") from None
     results["probe_feature"] = pool
     results["probe_pos_embed"] = backbone.config.pos_embed  # with the feature: the random-init control it reads
     if ev.linear_probe:
@@ -385,13 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     if ev.label_fractions:
         if not ev.linear_probe:
             te, te_y = extract_features(backbone, val, pool=pool, device=device)
-        try:
-            results["linear_probe_label_fraction"] = label_fraction_probes(
-                backbone, data, ev.label_fractions, cfg.data.label_subset_seed, (te, te_y), pool, bs, device,
-                ev.probe_epochs)
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        results["linear_probe_label_fraction"] = label_fraction_probes(
+            backbone, data, ev.label_fractions, cfg.data.label_subset_seed, (te, te_y), pool, bs, device,
+            ev.probe_epochs)
     if ev.knn:
         results["knn_per_layer"] = knn_probe_per_layer(backbone, train, val, num_classes=data.manifest.num_classes,
                                                        device=device, pool="mean" if pool == "cls" else pool)
@@ -406,21 +507,32 @@ def main(argv: list[str] | None = None) -> int:
                 mark_unknown=backbone.unknown_pos_embed is not None, batch_size=bs)
         results.update(method_curves(backbone, metadata, Path(cfg.model.checkpoint), images, out_dir))
     if cfg.privacy.enabled:
-        if not is_image or backbone.config.num_classes != data.manifest.num_classes:
-            print(f"error: --privacy needs an image classifier for {data.manifest.num_classes} classes; "
-                  f"{cfg.model.checkpoint} is not one (fine-tune it first)", file=sys.stderr)
-            return 2
-        try:
-            results["privacy"] = privacy_evaluation(backbone, data, cfg.privacy, device, out_dir)
-        except (ConfigError, PrivacyError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        results["privacy"] = privacy_evaluation(backbone, data, cfg.privacy, device, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results["plots"] = plot_evaluation(results, data.manifest.classes, out_dir) + sorted(
         p.name for p in out_dir.glob("*.png") if p.name != "evaluation.png")
     for name, text in (("results.json", json.dumps(results, indent=2) + "\n"), ("report.md", to_markdown(results))):
         with atomic_file(out_dir / name) as tmp:  # a kill never leaves a half-written result
             tmp.write_text(text)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--privacy" in argv:  # shorthand for privacy.enabled=true
+        argv = [a for a in argv if a != "--privacy"] + ["privacy.enabled=true"]
+    try:
+        args = parser(EvaluateConfig, __doc__, argv).parse_args(argv)
+        refuse_earlier_results(load(EvaluateConfig, args.config, args.overrides))  # before anything is read
+        cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False, split_train=False)
+        backbone, metadata = load_pretrained(cfg.model.checkpoint)
+        preflight(cfg, data, backbone, metadata)
+        if not accelerator.is_main_process:
+            return 0
+        results = evaluation(cfg, data, backbone, metadata, accelerator.device)
+    except USER_ERRORS as exc:  # ConfigError, DataError, ModelError, PrivacyError, a non-finite output, ...
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
     print(to_markdown(results))
     return 0
 

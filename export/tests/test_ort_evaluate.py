@@ -154,7 +154,16 @@ def test_mismatched_models_and_data_are_refused(toy, tmp_path, capsys):
                      info={"image_size": [28, 28], "channels": 1}, source="t", recipe="t", recipe_version=1) as w:
         w.add_image("0", 0, np.zeros((28, 28), np.uint8))
     assert main([str(root / "learned.onnx"), "--data", str(tmp_path / "s" / "test")]) == 2
-    assert "the model has 3 classes but five/test has 5" in capsys.readouterr().err
+    assert "the model's classes are [a, b, c] (its training data) but five/test holds [a, b, c, d, e] (label 3 is " \
+           "absent for the model, 'd' in the data)" in capsys.readouterr().err
+    # as many classes, other names (or order): a top-1 with exit 0 before
+    with SplitWriter(tmp_path / "x", "test", dataset="xyz", modality="image", classes=["a", "c", "b"],
+                     info={"image_size": [28, 28], "channels": 1}, source="t", recipe="t", recipe_version=1) as w:
+        w.add_image("0", 0, np.zeros((28, 28), np.uint8))
+    assert main([str(root / "learned.onnx"), "--data", str(tmp_path / "x" / "test"), "--out", str(tmp_path / "o")]) == 2
+    assert "error: the model's classes are [a, b, c] (its training data) but xyz/test holds [a, c, b] (label 1 is " \
+           "'b' for the model, 'c' in the data): a top-1 would compare unrelated labels" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     # 64 px shards for the 32 px model (sidecar pad_to 32): centre-cropped with exit 0 and top-1 0.10 before
     with SplitWriter(tmp_path / "big", "test", dataset="big", modality="image", classes=list("abc"),
                      info={"image_size": [64, 64], "channels": 1}, source="t", recipe="t", recipe_version=1) as w:

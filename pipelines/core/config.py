@@ -319,15 +319,25 @@ def _default(f: Any, owner: Any) -> Any:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2's booleans: only true / false (any case) are bools, so ``run.mixed_precision=no`` stays
-    the string "no" instead of YAML 1.1's False (yes / no / on / off)."""
+    """YAML with YAML 1.2's booleans and floats: only true / false (any case) are bools, so
+    ``run.mixed_precision=no`` stays the string "no" instead of YAML 1.1's False (yes / no / on / off); a number
+    with an exponent is a float with or without a dot or an exponent sign (``1e-9``, ``1e3``, ``2.5E4``), which
+    YAML 1.1 reads as strings — in every section, ``objective`` and ``model.overrides`` included."""
 
 
+_REPLACED = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _REPLACED]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                               list("tTfF"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+    [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
 
 
 def parse_yaml(text: str) -> Any:

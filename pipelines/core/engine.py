@@ -31,6 +31,7 @@ SIGTERM / SIGINT (Ctrl-C) end the run at the next optimizer step with a checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -156,7 +157,9 @@ def start(config_cls: type, description: str, argv: list[str] | None, augment: b
     set_seed(cfg.run.seed)
     if hasattr(cfg, "model"):
         set_attention_kernel(cfg.model.attention)
-    return cfg, accelerator, build_data(cfg.data, accelerator, cfg.run.seed, augment=augment, split_train=split_train)
+    checkpoint = getattr(getattr(cfg, "model", None), "checkpoint", None)
+    return cfg, accelerator, build_data(cfg.data, accelerator, cfg.run.seed, augment=augment, split_train=split_train,
+                                        checkpoint=checkpoint)
 
 
 def recipe(config: Any, processes: int) -> dict[str, Any]:
@@ -181,12 +184,39 @@ def recipe(config: Any, processes: int) -> dict[str, Any]:
 
 
 def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
-    """What a checkpoint records about its data (classes, normalization, manifest fingerprint, input layout)."""
+    """What a checkpoint records about its data (classes, the normalization every split was given, manifest
+    fingerprint, input layout) and its hold-out: the ``data.holdout`` samples of that split it never trained on
+    (size and seed: :func:`hold_out` draws the same ones again), so evaluation can refuse the images it trained on."""
     m = data.manifest
     # native_size: the images' size before pad_to (timm's pretrained_cfg reproduces the padding from it)
-    return {"classes": m.classes, "normalization": m.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
+    return {"classes": m.classes, "normalization": data.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
             "img_size": cfg.img_size, "native_size": m.info.get("image_size") if m.modality == "image" else None,
-            "data": {"dataset": m.dataset, "fingerprint": m.fingerprint()}}
+            "data": {"dataset": m.dataset, "split": m.split, "fingerprint": m.fingerprint(),
+                     "holdout": {"size": cfg.holdout, "seed": cfg.holdout_seed}}}
+
+
+def data_fingerprints(data: Data, cfg: DataSection) -> dict[str, str]:
+    """What ``data.train`` and ``data.val`` hold: their manifests' fingerprints (shard hashes, classes, layout; not
+    their paths), ``holdout`` for data.val=holdout. Every checkpoint records them; a resume compares them."""
+    found = {"data.train": data.manifest.fingerprint()}
+    if cfg.val == HOLDOUT:
+        found["data.val"] = HOLDOUT
+    elif data.val is not None:
+        found["data.val"] = data.val.manifest.fingerprint()
+    return found
+
+
+def recorded_data(state: Path) -> dict[str, str]:
+    """The data fingerprints a checkpoint records (``state/trainer.json``; a checkpoint without them: data.train's
+    from its model card, none when that is missing too)."""
+    recorded = json.loads((state / "trainer.json").read_text()).get("data")
+    if isinstance(recorded, dict):
+        return {k: v for k, v in recorded.items() if isinstance(v, str)}
+    try:
+        card = json.loads((state.parent / "checkpoint" / "config.json").read_text())
+        return {"data.train": str(card["metadata"]["data"]["fingerprint"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def metrics_split(cfg: DataSection) -> str:
@@ -220,7 +250,23 @@ def check_inputs(backbone: Backbone, data: Data, source: str) -> None:
                           "checkpoint / preset with the data's channels")
 
 
+def dangling_link(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that is a symbolic link to nothing (its target is missing), or None."""
+    for place in (path, *path.parents):
+        if place.is_symlink() and not place.exists():
+            return place
+    return None
+
+
 def make_accelerator(run: RunSection) -> Accelerator:
+    link = dangling_link(Path(run.output))
+    if link is not None:  # mkdir would call it "File exists"
+        target = os.readlink(link)
+        if not os.path.isabs(target):  # relative to the link's folder: named as the user would find it
+            target = os.path.normpath(link.parent / target)
+        raise ConfigError(f"run.output {run.output}: {link} is a symbolic link to {target}, which does not exist: "
+                          f"create {target} (or mount what it points into), or remove the link, or choose another "
+                          "run.output")
     try:
         Path(run.output).mkdir(parents=True, exist_ok=True)
         probe = Path(run.output) / f".write-test-{os.getpid()}"
@@ -251,6 +297,10 @@ class Data:
     frontend: nn.Module | None
     path: dict[str, str] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)  # when reading began (startup_s counts from here)
+    # the mean / std every image split is normalized with: the training statistics (:func:`training_statistics`)
+    normalization: dict[str, Any] | None = None
+    # data.holdout: the labels of the whole data.train split, in manifest order (a hold-out is drawn from them)
+    train_labels: torch.Tensor | None = None
 
 
 def memory_choice(cfg: DataSection, manifest: Manifest, budget: int, key: str, augment: bool) -> str | None:
@@ -275,18 +325,20 @@ def memory_choice(cfg: DataSection, manifest: Manifest, budget: int, key: str, a
 
 
 def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: bool = True,
-               split_train: bool = True) -> Data:
+               split_train: bool = True, checkpoint: str | None = None) -> Data:
     """Train reader split across processes (by global rank, so across nodes too: each process reads its own
     shards / samples); the validation reader is read whole by the main process. ``split_train=False``: the train
     reader is read whole as well. Each split is held in memory (batched augmentation on the training device) when
     ``data.in_memory`` and ``data.memory_budget_mb`` allow, else streamed from its shards; the choice is printed
-    and logged with every step."""
+    and logged with every step. Every split is normalized with the training statistics
+    (:func:`training_statistics`: ``checkpoint``'s recorded ones, else data.train's), never its own."""
     started = time.perf_counter()
     holdout = cfg.val == HOLDOUT
     manifest = Manifest.load(cfg.train, cfg.network())  # carries data.timeout / retries to its http(s) shards
     val_manifest = manifest if holdout else Manifest.load(cfg.val, cfg.network())
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
+    normalization = training_statistics(manifest, checkpoint)
     if manifest.modality == "image":
         options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, scale=cfg.scale, hflip=cfg.hflip,
                        auto_augment=cfg.auto_augment, re_prob=cfg.re_prob)
@@ -295,7 +347,7 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
         options, eval_options = {"noise_bank": cfg.noise_split}, {}
     rank, world = (accelerator.process_index, accelerator.num_processes) if split_train else (0, 1)
     budget = int(cfg.memory_budget_mb * 2**20)
-    readers, path, held = {}, {}, None
+    readers, path, held, train_labels = {}, {}, None, None
     for key, m, urls, train, opts in (("data.train", manifest, cfg.train_urls, True, options),
                                       ("data.val", val_manifest, cfg.val_urls, False, eval_options)):
         augmented = augment and train
@@ -314,6 +366,7 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                                            num_workers=cfg.num_workers, verify=cfg.verify_shards)  # in parallel
                 budget -= decoded_bytes(m)
             if train and cfg.holdout:  # kept out of data.train whichever split validates (the same train images)
+                train_labels = split.labels
                 split, held = hold_out(split, cfg, accelerator)
             if train and cfg.label_fraction is not None:  # the label-efficiency protocol: a fixed balanced subset
                 split = split.subset(balanced_subset(split.labels, cfg.label_fraction, cfg.label_subset_seed))
@@ -321,7 +374,8 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                 accelerator.print(f"data.train: {cfg.label_fraction:.4g} of the labels, {len(split)} samples "
                                   f"({min(per_class)}-{max(per_class)} per class, data.label_subset_seed="
                                   f"{cfg.label_subset_seed})")
-            readers[key] = MemoryReader(split, build_batched_transform(m, augmented, **opts), seed=seed,
+            readers[key] = MemoryReader(split, build_batched_transform(with_statistics(m, normalization),
+                                                                       augmented, **opts), seed=seed,
                                         rank=rank if train else 0, world_size=world if train else 1, shuffle=train,
                                         device=accelerator.device)
             path[key.split(".")[1]] = "memory"
@@ -330,12 +384,14 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                               f"{'augmentation' if augmented else 'preprocessing'} there")
         else:
             if train:
-                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(m, augment, **opts),
+                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(with_statistics(m, normalization),
+                                                                                    augment, **opts),
                                             shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=rank, world_size=world,
                                             num_workers=cfg.num_workers, seeded_transforms=True,
                                             skip_corrupt=cfg.skip_corrupt, verify=cfg.verify_shards)
             else:
-                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(m, False, **opts),
+                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(with_statistics(m, normalization),
+                                                                                    False, **opts),
                                             num_workers=cfg.num_workers, verify=cfg.verify_shards)
             path[key.split(".")[1]] = "streaming"
             accelerator.print(f"{key}: streaming from {len(m.shards)} shard(s) with {cfg.num_workers} worker(s) "
@@ -350,7 +406,33 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                                   f"{reader.world_size} process(es); set it in [1, {available}] or null")
             reader.epoch_length = limit
     frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
-    return Data(train, val, manifest, frontend, path, started)
+    return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
+
+
+def training_statistics(manifest: Manifest, checkpoint: str | None) -> dict[str, Any] | None:
+    """The mean / std every split of a run is normalized with: those ``checkpoint`` (fine-tuning, evaluation)
+    records, which its export (model.json, the ONNX evaluator) and timm's transform of it use too; else (training
+    from scratch) the train split's. A split's own statistics (a test split's ``computed_on: test``) never count:
+    the deployed model is given the training ones. Recorded statistics for another channel count are left to
+    :func:`check_inputs`, which names that mismatch."""
+    own = manifest.normalization
+    if manifest.modality != "image" or not checkpoint:
+        return own
+    from patchplace.models.hub import read_config
+
+    recorded = read_config(checkpoint)[1].get("normalization")
+    channels = int(manifest.info.get("channels", 3))
+    if not recorded or len(recorded.get("mean") or []) != channels:
+        return own
+    return {"mean": list(recorded["mean"]), "std": list(recorded["std"]),
+            "computed_on": recorded.get("computed_on", "the checkpoint's training data")}
+
+
+def with_statistics(manifest: Manifest, normalization: dict[str, Any] | None) -> Manifest:
+    """``manifest`` whose transforms normalize with ``normalization`` (the reader keeps the manifest as it is)."""
+    if manifest.modality != "image" or normalization is None or normalization == manifest.normalization:
+        return manifest
+    return dataclasses.replace(manifest, normalization=normalization)
 
 
 def hold_out(split: InMemorySplit, cfg: DataSection, accelerator: Accelerator) -> tuple[InMemorySplit,
@@ -360,13 +442,22 @@ def hold_out(split: InMemorySplit, cfg: DataSection, accelerator: Accelerator) -
     them. Label subsets (``data.label_fraction``) are drawn from what remains."""
     if not 0 < cfg.holdout < len(split):
         raise ConfigError(f"data.holdout={cfg.holdout}: data.train holds {len(split)} samples; hold out fewer")
-    held = balanced_subset(split.labels, cfg.holdout / len(split), cfg.holdout_seed)
+    held = holdout_indices(split.labels, cfg.holdout, cfg.holdout_seed)
     keep = torch.ones(len(split), dtype=torch.bool)
     keep[held] = False
     use = "for validation" if cfg.val == HOLDOUT else f"(unused here: data.val={cfg.val})"
     accelerator.print(f"data.holdout: {len(held)} class-balanced samples of data.train held out {use} "
                       f"(data.holdout_seed={cfg.holdout_seed}); data.train reads the other {int(keep.sum())}")
     return split.subset(keep.nonzero().flatten()), split.subset(held)
+
+
+def holdout_indices(labels: torch.Tensor, size: int, seed: int) -> torch.Tensor:
+    """The indices (into a whole split, in manifest order) of its ``data.holdout=size`` samples drawn by
+    ``data.holdout_seed=seed``: what :func:`hold_out` keeps out of training, and evaluation recomputes from a
+    checkpoint's record (:func:`data_metadata`). Empty for size 0."""
+    if size <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return balanced_subset(labels, size / len(labels), seed)
 
 
 def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
@@ -435,6 +526,12 @@ def classify(backbone: Backbone, dataset: ShardDataset | MemoryReader, batch_siz
             x = frontend(x)
         logits = backbone(x)
         if not bool(logits.isfinite().all()):  # an argmax of NaN still "scores" a class: no accuracy of it
+            if bool(x.isfinite().all()) and all(bool(p.isfinite().all()) for p in backbone.parameters()):
+                raise NonFiniteOutput(
+                    "the model's logits overflow (inf / NaN) on data.val although its weights and inputs are finite: "
+                    "its weights are too large for float32 arithmetic (the training that wrote it diverged); no "
+                    "accuracy is reported; use an earlier checkpoint, or train again with a lower optim.lr / "
+                    "optim.clip_grad")
             raise NonFiniteOutput("the model's logits are not finite (NaN / inf) on data.val: its weights or inputs "
                                   "hold NaN / inf; no accuracy is reported; use an earlier checkpoint or a lower "
                                   "optim.lr")
@@ -670,7 +767,8 @@ class Trainer:
                               f"{self.lr_base_batch} -> {self.peak_lr:.4g} at global batch "
                               f"{self.global_batch} ({accelerator.num_processes} process(es))")
         self.command = command or "the same command"
-        # run.keep_epochs / run.early_stop_patience, checked before the directory is touched
+        # the batch, run.keep_epochs / run.early_stop_patience, checked before the directory is touched
+        self._check_batch(per_process)
         self.snapshots = snapshot_steps(run.keep_epochs, *self.budget(config.data.batch_size))
         self.tracker = BestTracker(run.early_stop_metric, run.early_stop_patience) if run.early_stop_patience \
             else None
@@ -691,6 +789,22 @@ class Trainer:
                 raise
 
     # ------------------------------------------------------------------ budget
+    def _check_batch(self, per_process: int) -> None:
+        """An optimizer step's samples (data.batch_size x run.grad_accum) must fit in what each process reads of
+        data.train per epoch: a larger batch cannot be formed (the loader would give smaller ones, while the lr
+        scaling, the model card and the logged throughput counted the asked one)."""
+        available, accum = len(self.data.train), self.run.grad_accum
+        if per_process <= available:
+            return
+        m = self.data.train.manifest
+        asked = f"data.batch_size={self.config.data.batch_size}" + (f" x run.grad_accum={accum}" if accum > 1 else "")
+        fix = (f"set data.batch_size <= {available // accum}" if available >= accum else
+               f"set data.batch_size x run.grad_accum <= {available}")
+        raise ConfigError(f"{asked} asks for {per_process} samples per optimizer step on each of "
+                          f"{self.acc.num_processes} process(es) (global batch {self.global_batch}), but data.train "
+                          f"({m.dataset}/{m.split}) gives each process {available} samples per epoch: no such batch "
+                          f"can be formed; {fix} (or train on more data)")
+
     def budget(self, batch_size: int) -> tuple[int, int]:
         """(optimizer steps per epoch, total optimizer steps)."""
         per_epoch = max(1, self.data.train.num_batches(batch_size) // self.run.grad_accum)
@@ -1035,8 +1149,9 @@ class Trainer:
         last_eval: dict[str, Any] = {}
         # Rates are measured from the end of this session's first step: startup (reading the data, building the
         # model, spawning workers, the first step) is logged apart as startup_s.
-        start, steady_step, startup = time.perf_counter(), step, 0.0
+        start, startup = time.perf_counter(), 0.0
         waited = 0.0  # seconds spent waiting for the data (its share of step time is logged)
+        samples = 0  # samples this process trained on since the rates' start (a last batch may be short)
         epoch, skip = divmod(step, per_epoch)
         stopped = False  # by early stopping
         while step < total:
@@ -1045,6 +1160,7 @@ class Trainer:
             # resume: the epoch's deterministic stream from the step on (streaming replays the skipped batches)
             for batch in self.data.train.batches(batch_size, epoch, skip=skip * run.grad_accum):
                 batches += 1
+                samples += len(batch[0])
                 waited += time.perf_counter() - fetch
                 x, y = self._inputs(batch)
                 progress = step / total
@@ -1068,7 +1184,7 @@ class Trainer:
                     continue
                 step += 1
                 if step == first_step + 1:
-                    start, steady_step, waited = time.perf_counter(), step, 0.0
+                    start, waited, samples = time.perf_counter(), 0.0, 0
                     startup = start - self.data.started
                 if lazy and (step % run.log_every == 0 or step >= total or step in self.snapshots
                              or (run.stop_after and step >= run.stop_after)
@@ -1083,7 +1199,7 @@ class Trainer:
                     scalars = {k: float(acc.reduce(v.detach().float(), "mean")) for k, v in out.items()
                                if torch.is_tensor(v) and v.numel() == 1}
                     elapsed = time.perf_counter() - start
-                    seen = (step - steady_step) * batch_size * acc.num_processes * run.grad_accum
+                    seen = samples * acc.num_processes  # every rank reads as many samples per epoch
                     # the lr this step trained with (groups carry it x their layer-decay lr_scale)
                     scalars.update(lr=self.peak_lr * lr_factor, epoch=epoch, startup_s=round(startup, 2))
                     if seen:  # (not on the first step: startup)

@@ -1,6 +1,7 @@
 """Evaluation helpers that several entry points share: the first images of a split (evaluate.py's probe set,
-controls.py's), the linear probe with a progress bar (evaluate.py, controls.py) and MJP's Fig. 5 grid of
-gradient-inversion reconstructions (evaluate.py's ``privacy.png``, the study's privacy figure)."""
+controls.py's), the linear probe with a progress bar (evaluate.py, controls.py), class lists named in one-line
+errors, and MJP's Fig. 5 grid of gradient-inversion reconstructions (evaluate.py's ``privacy.png``, the study's
+privacy figure)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,23 @@ def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.
         if seen >= n:
             break
     return torch.cat(xs)[:n], torch.cat(ys)[:n]
+
+
+def class_list(names: list[str], shown: int = 6) -> str:
+    """``[a, b, c]`` (``[a, b, ..., z] (N classes)`` when long), for one-line messages."""
+    names = [str(n) for n in names]
+    if len(names) <= shown:
+        return f"[{', '.join(names)}]"
+    return f"[{', '.join(names[:shown - 1])}, ..., {names[-1]}] ({len(names)} classes)"
+
+
+def first_difference(model: list[str], data: list[str]) -> str:
+    """Where two class lists first part: ``label 2 is 'c' for the model, 'z' in the data``."""
+    for i in range(max(len(model), len(data))):
+        mine, theirs = (repr(v[i]) if i < len(v) else "absent" for v in (model, data))
+        if mine != theirs:
+            return f"label {i} is {mine} for the model, {theirs} in the data"
+    return "the same"
 
 
 def probe(desc: str, *args: Any, epochs: int, **kwargs: Any) -> dict[str, float]:

@@ -131,11 +131,14 @@ class OnnxModel:
         self.std = torch.tensor(norm["std"]).view(1, -1, 1, 1)
 
     def check_data(self, manifest: Manifest) -> None:
-        """Refuse shards the model was not made for (class count, channels, image size)."""
+        """Refuse shards the model was not made for (class names and their order, channels, image size)."""
         classes = self.meta.get("classes") or []
-        if classes and len(classes) != manifest.num_classes:
-            raise ExportError(f"the model has {len(classes)} classes but {manifest.dataset}/{manifest.split} has "
-                              f"{manifest.num_classes}: evaluate it on the dataset it was trained on")
+        if classes and list(classes) != list(manifest.classes):  # label i must mean the class the model's i means
+            dataset = ((self.meta.get("provenance") or {}).get("data") or {}).get("dataset") or "its training data"
+            raise ExportError(f"the model's classes are {class_list(classes)} ({dataset}) but "
+                              f"{manifest.dataset}/{manifest.split} holds {class_list(manifest.classes)} "
+                              f"({first_difference(classes, manifest.classes)}): a top-1 would compare unrelated "
+                              "labels; evaluate it on the dataset it was trained on")
         if int(manifest.info.get("channels", 3)) != self.channels:
             raise ExportError(f"the model takes {self.channels} channel(s), the shards hold "
                               f"{manifest.info.get('channels')}")
@@ -197,6 +200,23 @@ class OnnxModel:
             binding.bind_output(name, "cuda", index)
         self.session.run_with_iobinding(binding)
         return binding
+
+
+def class_list(names: list[str], shown: int = 6) -> str:
+    """``[a, b, c]`` (``[a, b, ..., z] (N classes)`` when long), for one-line messages."""
+    names = [str(n) for n in names]
+    if len(names) <= shown:
+        return f"[{', '.join(names)}]"
+    return f"[{', '.join(names[:shown - 1])}, ..., {names[-1]}] ({len(names)} classes)"
+
+
+def first_difference(model: list[str], data: list[str]) -> str:
+    """Where two class lists first part: ``label 2 is 'c' for the model, 'z' in the data``."""
+    for i in range(max(len(model), len(data))):
+        mine, theirs = (repr(v[i]) if i < len(v) else "absent" for v in (model, data))
+        if mine != theirs:
+            return f"label {i} is {mine} for the model, {theirs} in the data"
+    return "the same"
 
 
 def load_uint8(split: str | Path | Manifest, limit: int | None, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,16 +28,34 @@ def encode_png(image: np.ndarray) -> bytes:
 
 
 def decode_image_bytes(data: bytes, channels: int, key: str = "?") -> torch.Tensor:
-    """Decode PNG/JPEG/... bytes to a ``(C, H, W)`` uint8 tensor with ``channels`` in {1, 3}."""
+    """Decode PNG/JPEG/... bytes to a ``(C, H, W)`` uint8 tensor with ``channels`` in {1, 3}.
+
+    A gray file where 3 channels are declared is expanded (lossless: an RGB folder may hold gray JPEGs); a colour
+    file where 1 channel is declared is a :class:`DataError` naming ``key`` (its colour would be lost to gray)."""
     if channels not in _PIL_MODE:
         raise DataError(f"channels must be 1 or 3, got {channels}")
     try:
         with Image.open(io.BytesIO(data)) as img:
+            if channels == 1 and _coloured(img):
+                raise DataError(f"sample {key}: a colour image (PIL mode {img.mode}) in a split whose manifest "
+                                "declares 1 channel (gray): converting it would drop its colour; rebuild the split "
+                                "with channels 3, or convert its images to gray when writing them")
             array = np.asarray(img.convert(_PIL_MODE[channels]))
     except (UnidentifiedImageError, OSError) as exc:
         raise DataError(f"sample {key}: cannot decode image ({exc}); the shard may be corrupt") from exc
     tensor = torch.from_numpy(array.copy())
     return tensor.unsqueeze(0) if channels == 1 else tensor.permute(2, 0, 1).contiguous()
+
+
+def _coloured(img: Image.Image) -> bool:
+    """Whether an opened image holds colour: more than one colour band (RGB, RGBA, CMYK, YCbCr, ...), or a palette
+    with a colour entry. Gray, gray + alpha and bit-depth modes (1, L, LA, I, F, I;16) are not."""
+    if img.mode in ("P", "PA"):  # the entries the pixels use (a palette may hold unused colours)
+        palette = np.asarray(img.getpalette() or [], dtype=np.int16).reshape(-1, 3)
+        used = [index for _, index in img.getcolors(maxcolors=256) or []]
+        used = [i for i in (used if img.mode == "P" else range(len(palette))) if i < len(palette)]
+        return bool((palette[used] != palette[used, :1]).any())
+    return len([band for band in img.getbands() if band not in ("A", "X")]) > 1
 
 
 def encoded_size(data: bytes, key: str = "?") -> tuple[int, int]:

@@ -15,7 +15,7 @@ import numpy as np
 import webdataset as wds
 
 from .atomic import atomic_dir
-from .codecs import encode_png, encode_wav, encoded_size
+from .codecs import decode_image_bytes, decode_wav, encode_png, encode_wav, encoded_size
 from .errors import DataError
 from .manifest import Manifest, ShardInfo, sha256_file
 
@@ -125,9 +125,36 @@ class SplitWriter:
 
     # ------------------------------------------------------------------ writing samples
     def write(self, key: str, label: int, payload: bytes) -> None:
-        """Write one sample: ``payload`` is the encoded input (png/wav bytes), ``label`` a class index."""
+        """Write one sample: ``payload`` is the encoded input (png / jpeg / wav bytes), ``label`` a class index.
+
+        Checked as :meth:`add_image` / :meth:`add_audio` check theirs: an image must decode to the split's
+        ``channels`` (a gray file in a 3-channel split is expanded, a colour file in a 1-channel split refused) and
+        ``image_size``, and counts toward the split's normalization statistics; a WAV must be at its
+        ``sample_rate``."""
+        self._open()
+        where = f"{key} ({self.dataset}/{self.split})"
+        if self.modality == "image":
+            decoded = decode_image_bytes(payload, int(self.info.get("channels", 1)), key=where)
+            image = decoded.permute(1, 2, 0).numpy()
+            image = image[:, :, 0] if image.shape[2] == 1 else image
+            self._check_image(key, image, None)
+            if self.stats is not None:
+                self.stats.update(image)
+        else:
+            rate = int(self.info["sample_rate"])
+            found = decode_wav(payload, key=f"sample {where}")[1]
+            if found != rate:
+                raise DataError(f"sample {where}: a {found} Hz WAV, the split declares sample_rate {rate}: resample "
+                                "it before writing it (add_audio does), or declare what the split holds")
+        self._write(key, label, payload)
+
+    def _open(self) -> None:
         if self._writer is None:
             raise DataError("SplitWriter must be used as a context manager (`with SplitWriter(...) as w:`)")
+
+    def _write(self, key: str, label: int, payload: bytes) -> None:
+        """Write one checked sample (its key and label are checked here)."""
+        self._open()
         if not key or "." in key or "/" in key:
             raise DataError(f"sample key {key!r} must be non-empty and contain no '.' or '/'")
         if key in self._keys:
@@ -147,7 +174,7 @@ class SplitWriter:
         self._check_image(key, image, encoded)
         if self.stats is not None:
             self.stats.update(image)
-        self.write(key, label, encoded if encoded is not None else encode_png(image))
+        self._write(key, label, encoded if encoded is not None else encode_png(image))
 
     def _check_image(self, key: str, image: np.ndarray, encoded: bytes | None) -> None:
         """A DataError unless ``image`` (and ``encoded``'s header) has the size and channels ``info`` declares."""
@@ -170,7 +197,7 @@ class SplitWriter:
             data = encode_wav(wave, int(self.info["sample_rate"]))
         except DataError as exc:
             raise DataError(f"{self.dataset}/{self.split} sample {key}: {exc}") from None
-        self.write(key, label, data)
+        self._write(key, label, data)
 
     # ------------------------------------------------------------------ finishing
     def _finish(self) -> None:
