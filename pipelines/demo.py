@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, checkpoint in (("evaluate_finetuned", "finetune"), ("evaluate_pretrained", "pretrain")):
         (out / name).mkdir(exist_ok=True)
         seconds[name] = stage(out, name, evaluate.main, [
-            "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={out / name}",
+            "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), "run.overwrite=true", f"run.output={out / name}",
             f"model.checkpoint={out / checkpoint / 'checkpoint'}", *extra, *eval_extra])
     seconds["export"] = stage(out, "export", export_main, [
         str(out / "finetune" / "checkpoint"), "--out", str(out / "export" / "model.onnx")])

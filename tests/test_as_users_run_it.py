@@ -277,6 +277,22 @@ def test_evaluate_does_not_overwrite_earlier_results_unless_told(shards, checkpo
     assert json.loads((out / "results.json").read_text())["checkpoint"] == str(checkpoints["held"])
 
 
+def test_an_evaluation_stage_retried_after_a_failed_attempt_replaces_its_files(shards, checkpoints, tmp_path):
+    """A study / demo evaluation stage killed after writing results.json (no DONE) runs again on the next invocation,
+    while a DONE written without ``run.overwrite=`` still marks the same stage done."""
+    from core.stages import stage
+    from reproduction.runner import EVALUATE
+
+    out = tmp_path / "eval"
+    argv = [*EVALUATE, *img(shards), *QUICK, f"run.output={out}", f"model.checkpoint={checkpoints['held']}"]
+    assert evaluate.main([*argv[:-1], f"model.checkpoint={checkpoints['all']}"]) == 0  # the killed attempt's files
+    stage(out, evaluate.main, argv)
+    assert json.loads((out / "results.json").read_text())["checkpoint"] == str(checkpoints["held"])
+    done = json.loads((out / "DONE").read_text())
+    (out / "DONE").write_text(json.dumps(done | {"argv": [a for a in argv if a != "run.overwrite=true"]}))
+    assert stage(out, lambda _: 1, argv) == done["seconds"], "done before: not run again"
+
+
 # ---------------------------------------------------------------------------------------------- 9. symlink
 def test_a_dangling_run_output_link_names_the_link_and_its_target(shards, tmp_path, capsys):
     """Before: 'run.output ... cannot be written (File exists)'."""

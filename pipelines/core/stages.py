@@ -28,7 +28,7 @@ def stage(directory: Path, run: Callable[[list[str]], int], argv: list[str], lab
     settings = config_fingerprint(argv)
     if done.is_file():
         record = json.loads(done.read_text())
-        if record.get("argv") != list(argv):
+        if what_it_computes(record.get("argv") or []) != what_it_computes(argv):
             changed = sorted(set(record.get("argv") or ["(not recorded)"]) ^ set(argv))
             raise StageError(f"{name} was done with other arguments (differing: {' '.join(changed[:6])}); remove "
                              f"{directory} to redo it, or write this run elsewhere")
@@ -46,6 +46,12 @@ def stage(directory: Path, run: Callable[[list[str]], int], argv: list[str], lab
         record = {"seconds": round(seconds, 1), "argv": list(argv)}
         done.write_text(json.dumps(record | ({"config": settings} if settings else {})))
     return seconds
+
+
+def what_it_computes(argv: list[str]) -> list[str]:
+    """``argv`` less ``run.resume=`` / ``run.overwrite=``: how a stage treats its own directory on a retry (resume
+    a checkpoint, replace a failed attempt's files), not what it computes."""
+    return [a for a in argv if not a.startswith(("run.resume=", "run.overwrite="))]
 
 
 def config_fingerprint(argv: list[str]) -> str | None:

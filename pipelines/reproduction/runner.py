@@ -22,6 +22,9 @@ from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
 from reproduction.plan import CONFIGS, RUNS, Run, StudyConfig, group_seeds, measures_controls, runs_of
 
+# an evaluation stage owns its run.output: a retry after a failed attempt replaces that attempt's files
+EVALUATE = ["--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), "run.overwrite=true"]
+
 
 class Study:
     """Runs the stages of each (run, seed) below ``cfg.runs``; every stage is resumable (core.stages.stage)."""
@@ -182,7 +185,7 @@ class Study:
         """Top-1 of a classifier on the test split (``test_samples`` of it), nothing else."""
         c = self.cfg
         stage(out, evaluate.main, [
-            "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={out}",
+            *EVALUATE, f"run.output={out}",
             f"model.checkpoint={checkpoint}", "eval.linear_probe=false", "eval.knn=false",
             "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
             *self.data(run, evaluation=True), *([f"data.val_limit={c.test_samples}"] if c.test_samples else [])],
@@ -193,7 +196,7 @@ class Study:
         data = self.data(run, evaluation=True)
         if run.speech:  # one evaluation on the test split: top-1 + probes of the fine-tuned model
             stage(d / "eval", evaluate.main, [
-                "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'eval'}",
+                *EVALUATE, f"run.output={d / 'eval'}",
                 f"model.checkpoint={classifier}", "data.pad_to=null", "eval.position_probe=false",
                 f"eval.probe_epochs={c.probe_epochs}", *data], label=f"{d} eval")
             return
@@ -201,7 +204,7 @@ class Study:
         if not run.pretrain_from:  # probes of the backbone (the pretrained one, or the classifier's own)
             fractions = list(c.label_fractions) if run.label_efficiency and not run.classifier_only else []
             stage(d / "probe", evaluate.main, [
-                "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'probe'}",
+                *EVALUATE, f"run.output={d / 'probe'}",
                 f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
                 f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
                 f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]",
@@ -211,7 +214,7 @@ class Study:
         if classifier is None:
             return
         stage(d / "eval", evaluate.main, [
-            "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'eval'}",
+            *EVALUATE, f"run.output={d / 'eval'}",
             f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
             "eval.position_probe=false", "eval.probe_train_samples=128", f"eval.max_eval_samples={c.curve_samples}",
             *data, *limit], label=f"{d} eval")
@@ -226,7 +229,7 @@ class Study:
                 str(self.root / "corruptions")], label=f"{d} ort")
         if run.privacy and c.privacy_images:  # MJP Table 5: the same images and attack budget for every model
             stage(d / "privacy", evaluate.main, [
-                "--privacy", "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), f"run.output={d / 'privacy'}",
+                "--privacy", *EVALUATE, f"run.output={d / 'privacy'}",
                 f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
                 "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
                 f"privacy.images={c.privacy_images}", f"privacy.steps={c.privacy_steps}", *data,
