@@ -48,7 +48,13 @@ $(VENV)/.installed-$(ORT): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES
 	if $(PIP) show "$$other" >/dev/null 2>&1; then echo "ORT=$(ORT): removing $$other (one runtime only)"; \
 	$(PIP) uninstall -y -q "$$other" && $(PIP) install -q --force-reinstall --no-deps \
 	"$$([ "$(ORT)" = gpu ] && echo onnxruntime-gpu || echo onnxruntime)"; fi
-	$(PIP) install -q --config-settings editable_mode=compat -e '.[dev,pipelines]' \
+	@# hatchling and its build requirements, for tests that build the packages offline (tests/test_install.py)
+	@test -d $(VENV)/wheelhouse || { rm -rf $(VENV)/wheelhouse.part && \
+	  $(PIP) download -q -d $(VENV)/wheelhouse.part hatchling editables && mv $(VENV)/wheelhouse.part $(VENV)/wheelhouse; }
+	@# PATCHPLACE_SIBLING_SPEC empty: a sibling is required by name, so the -e of this same command provides it
+	@# (pip refuses an editable beside a direct reference to the same path: pypa/pip#10216); editable_mode=compat
+	@# is for the setuptools-built workspace root, hatchling's editables add src/ to sys.path by themselves
+	PATCHPLACE_SIBLING_SPEC= $(PIP) install -q --config-settings editable_mode=compat -e '.[dev,pipelines]' \
 	  $(foreach p,$(filter-out export,$(PACKAGES)),-e '$(p)[test]') -e 'export[test,$(ORT)]'
 	@rm -f $(VENV)/.installed $(VENV)/.installed-*; touch $@
 

@@ -58,7 +58,8 @@ SAME_MODULE = {"onnxruntime-gpu": "onnxruntime"}
 
 
 def _normalize(name: str) -> str:
-    name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", name, maxsplit=1)[0]).lower()
+    # "{": a sibling's hatch context-formatted reference ("patchplace-models{env:...}", see the packages' pyproject)
+    name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; {@]", name, maxsplit=1)[0]).lower()
     return SAME_MODULE.get(name, name)
 
 

@@ -123,6 +123,9 @@ def test_matrices_are_non_persistent_float32_buffers():
 
 @pytest.fixture(scope="module")
 def onnx_path(tmp_path_factory):
+    # Optional for patchplace-data: the exporter needs onnxscript (and onnx), from the [test] extra
+    pytest.importorskip("onnx", reason="install 'packages/data[test]' for the ONNX tests")
+    pytest.importorskip("onnxscript", reason="install 'packages/data[test]' for torch's ONNX exporter")
     # The dynamo (torch.export-based) exporter: the default and maintained path since torch 2.9 — the TorchScript
     # exporter (dynamo=False) still works here but emits a DeprecationWarning and a noisier graph
     # (Slice/Cast/ConstantOfShape for the padding). Batch is exported dynamic; samples stay static (16000).

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 import torch
 
 from patchplace.models import create_model
 
-# ONNX Runtime is not a dependency of patchplace-models: it comes with patchplace-export[cpu] or [gpu] (make test
-# installs one of them)
+# The ONNX stack is optional for patchplace-models: onnx and onnxscript (torch's exporter) come with its [test] extra,
+# ONNX Runtime with patchplace-export[cpu] or [gpu] (make test installs one of them)
+onnx = pytest.importorskip("onnx", reason="install 'packages/models[test]' for the ONNX tests")
+pytest.importorskip("onnxscript", reason="install 'packages/models[test]' for torch's ONNX exporter")
 ort = pytest.importorskip("onnxruntime", reason="install patchplace-export[cpu] (or [gpu]) for ONNX Runtime")
 
 # fp32 parity bound of docs/design.md (ONNX contract); measured max abs diff on these models: ~1e-6.
