@@ -2,7 +2,8 @@
 
 ``--data SPLIT`` adds real inputs (the first images / clips of a shard split, preprocessed as for evaluation) to
 the parity check; ``--quantize`` also writes an int8 dynamically quantized copy (``model.int8.onnx``) and, with
-``--data``, reports its top-1 change on those samples."""
+``--data``, reports its top-1 change on those samples. ``--out NAME.onnx`` names the rest: the sidecar ``NAME.json``
+and the int8 copy ``NAME.int8.onnx`` (a re-export without ``--quantize`` removes the old one)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ from .exporter import (
     KINDS,
     SPEECH_INPUTS,
     ExportError,
+    check_out,
     describe_graph,
     export_checkpoint,
     non_finite,
     onnx_session,
     quantize_int8,
 )
+from .helpformat import help_formatter
 
 
 def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_input: str,
@@ -74,9 +77,10 @@ def quantize(path: str, real: list[dict[str, torch.Tensor]], split: str | None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m patchplace.export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m patchplace.export", description=__doc__,
+                                     formatter_class=help_formatter(argparse.HelpFormatter))
     parser.add_argument("checkpoint", help="a save_pretrained() directory (config.json + model.safetensors)")
-    parser.add_argument("--out", required=True, help="output .onnx path; the sidecar goes next to it as .json")
+    parser.add_argument("--out", required=True, help="output NAME.onnx; the sidecar NAME.json goes beside it")
     parser.add_argument("--kind", choices=KINDS, default="classifier", help="default: %(default)s")
     parser.add_argument("--speech-input", choices=SPEECH_INPUTS, default="waveform",
                         help="speech models: MFCC inside the graph (waveform) or not (features)")
@@ -93,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.opset < 17:
         parser.error("--opset must be >= 17")
     try:
+        check_out(args.out)  # before any work: a place the export cannot write is one line, nothing done
         real = real_inputs(args.checkpoint, args.data, args.samples, args.kind, args.speech_input,
                            args.img_size) if args.data else []
         sidecar = export_checkpoint(args.checkpoint, args.out, kind=args.kind, speech_input=args.speech_input,

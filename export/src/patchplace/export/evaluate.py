@@ -1,17 +1,23 @@
 """Evaluate an exported ONNX model with ONNX Runtime on shards: accuracy, MJP consistency / Diff. Norm,
 corruption robustness (ImageNet-C protocol) and latency.
 
-    python -m patchplace.export.evaluate model.onnx --data shards/fashion_mnist/test --out runs/ort_eval \\
-        [--checkpoint runs/x/checkpoint]       # also time PyTorch eager on the same inputs
-        [--reference-errors supervised.json]   # mCE: corruption errors normalized by a reference model's
+    python -m patchplace.export.evaluate model.onnx --data shards/fashion_mnist/test \\
+        --out runs/ort_eval \\
+        [--checkpoint runs/x/checkpoint]      # also time PyTorch eager on the same inputs
+        [--reference-errors supervised.json]  # mCE: corruption errors over a reference model's
 
-Writes ``results.json``, ``results.md`` and PNG curves into ``--out``. Providers (``--provider``): ``auto`` (CUDA when
-torch sees a GPU and ONNX Runtime has the CUDA provider, else CPU), ``cpu``, or ``cuda`` — then the session must run on
-CUDAExecutionProvider (onnxruntime-gpu; ONNX Runtime falls back to the CPU silently when the CUDA libraries do not
-load) or the evaluation stops with one line, and PyTorch runs on the same GPU. With ``--checkpoint``: parity (max abs
-logit difference, argmax agreement, top-1 of both) on the evaluated images, PyTorch on the provider's device; and
-PyTorch eager timed beside ONNX Runtime (CUDA-synchronised on a GPU, where ONNX Runtime is also timed with its inputs
-and outputs bound on the GPU: ``onnxruntime_iobinding``).
+Writes ``results.json``, ``results.md`` and PNG curves into ``--out`` (checked before any work: a
+place that cannot be written is one line). Providers (``--provider``): ``auto`` (CUDA when torch
+sees a GPU and ONNX Runtime has the CUDA provider, else CPU), ``cpu``, or ``cuda`` — then the
+session must run on CUDAExecutionProvider (onnxruntime-gpu; ONNX Runtime falls back to the CPU
+silently when the CUDA libraries do not load) or the evaluation stops with one line, and PyTorch
+runs on the same GPU. With ``--checkpoint``: parity (max abs logit difference, argmax agreement,
+top-1 of both) on the evaluated images, PyTorch on the provider's device; and PyTorch eager timed
+beside ONNX Runtime (CUDA-synchronised on a GPU, where ONNX Runtime is also timed with its inputs
+and outputs bound on the GPU: ``onnxruntime_iobinding``). ``--corruption-cache``: each corrupted
+image set is stored with the fingerprint of its source images, its corruption and severity and its
+own checksum; a file that does not match them (damaged, zero-filled, another set's) is said in one
+line and computed again.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
 import warnings
+import zipfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +46,8 @@ from tqdm.auto import tqdm
 from patchplace.data import DataError, Manifest, ShardDataset, make_loader
 from patchplace.finetune import consistency_curve
 
-from .exporter import Classifier, ExportError, load_export, non_finite, ort
+from .exporter import INT8_SUFFIX, Classifier, ExportError, check_writable, fp32_of, load_export, non_finite, ort
+from .helpformat import help_formatter
 
 CONSISTENCY_RATIOS = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP Table 1 uses 0.15, Fig. 3 the curve
 # --provider: the execution providers asked for (None: onnx_session's default, CUDA when usable, else CPU)
@@ -274,19 +283,23 @@ def corrupt_batch(images: torch.Tensor, name: str, severity: int) -> torch.Tenso
     return torch.stack(out)
 
 
+CACHE_FORMAT = 1  # the layout of a --corruption-cache file (.npz: "images" uint8, "meta" its JSON record)
+
+
 def corrupted_images(images: torch.Tensor, name: str, severity: int, cache: Path | None = None) -> torch.Tensor:
     """``corrupt_batch`` with a fixed NumPy seed per (corruption, severity), so every model sees the same corrupted
-    images; with ``cache`` the uint8 result is stored there (``<name>-<severity>-<n>-<digest>.npy``, written
-    atomically) and reused by the next model evaluated on the same images."""
-    digest = hashlib.sha256(images.numpy().tobytes()).hexdigest()[:16]
-    file = cache / f"{name}-{severity}-{len(images)}-{digest}.npy" if cache else None
-    if file is not None and file.is_file():
-        try:
-            cached = np.load(file, allow_pickle=False)  # never unpickles
-            if cached.shape == images.shape and cached.dtype == np.uint8:
-                return torch.from_numpy(cached)
-        except (OSError, ValueError, EOFError):
-            pass  # a damaged cache file: computed and written again below
+    images; with ``cache`` the uint8 result is stored there (``<name>-<severity>-<n>-<digest>.npz``, written
+    atomically and flushed to the disk) with the record of what it is (the source images' sha256, corruption,
+    severity) and its own sha256, and reused by the next model evaluated on the same images only when all of them
+    match: a damaged, zero-filled or misplaced file is said in one line and computed again."""
+    source = hashlib.sha256(images.numpy().tobytes()).hexdigest()
+    file = cache / f"{name}-{severity}-{len(images)}-{source[:16]}.npz" if cache else None
+    if file is not None and file.exists():
+        cached, problem = read_cached(file, images, {"corruption": name, "severity": severity,
+                                                     "source_sha256": source})
+        if cached is not None:
+            return cached
+        print(f"[ort-eval] corruption cache {file}: {problem}; computed again", file=sys.stderr, flush=True)
     state = np.random.get_state()
     np.random.seed(zlib.crc32(f"{name}/{severity}".encode()))
     try:
@@ -294,11 +307,47 @@ def corrupted_images(images: torch.Tensor, name: str, severity: int, cache: Path
     finally:
         np.random.set_state(state)
     if file is not None:
+        meta = {"format": CACHE_FORMAT, "corruption": name, "severity": severity, "source_sha256": source,
+                "images_sha256": hashlib.sha256(out.numpy().tobytes()).hexdigest()}
         file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, out.numpy())
+        tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, images=out.numpy(), meta=np.array(json.dumps(meta)))
+            f.flush()
+            os.fsync(f.fileno())  # a crash after the rename leaves the whole file, not zeros
         os.replace(tmp, file)
     return out
+
+
+def read_cached(file: Path, images: torch.Tensor, expected: dict[str, Any]) -> tuple[torch.Tensor | None, str]:
+    """(the corrupted images a cache file holds, "") when its record matches ``expected`` (source sha256,
+    corruption, severity) and its images their recorded sha256; else (None, what is wrong)."""
+    try:
+        data = np.load(file, allow_pickle=False)  # never unpickles
+        if not isinstance(data, np.lib.npyio.NpzFile):  # a bare array (.npy): no record of what it is
+            return None, "not a cache file of this version (no record of what it holds)"
+        with data:
+            meta, pixels = json.loads(str(data["meta"])), np.asarray(data["images"])
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:  # JSONDecodeError: a ValueError
+        try:
+            zeros = file.is_file() and not file.read_bytes().strip(b"\0")
+        except OSError:
+            zeros = False
+        return None, "all zero bytes (zero-filled by a crash?)" if zeros else \
+            f"not a readable cache file ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+    if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT:
+        return None, "not a cache file of this version (no record of what it holds)"
+    for key, value in expected.items():
+        if meta.get(key) != value:
+            return None, f"made from other images or another corruption ({key} {meta.get(key)!r}, here {value!r})"
+    if pixels.dtype != np.uint8 or pixels.shape != tuple(images.shape):
+        return None, f"holds {pixels.dtype} {pixels.shape}, not uint8 {tuple(images.shape)}"
+    if hashlib.sha256(pixels.tobytes()).hexdigest() != meta.get("images_sha256"):
+        zeros = " (all zero: zero-filled by a crash?)" if not pixels.any() else ""
+        return None, f"its images do not match the sha256 it records{zeros}: damaged"
+    if not pixels.any() and images.numpy().any():
+        return None, "its images are all zero while the source images are not"
+    return torch.from_numpy(pixels), ""
 
 
 def robustness(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, batch_size: int,
@@ -532,9 +581,33 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+OUTPUTS = ("results.json", "results.md", "consistency.png", "robustness.png")  # what --out receives
+
+
+def check_outputs(args: argparse.Namespace, argv: list[str]) -> None:
+    """Before any work: refuse an int8 copy as the model (with the command that evaluates its exported pair), and an
+    ``--out`` or ``--corruption-cache`` that cannot be written (a file where a directory goes, a directory where a
+    result file goes, a read-only place), each in one line."""
+    if str(args.model).endswith(INT8_SUFFIX):
+        fp32 = str(fp32_of(args.model))
+        command = shlex.join(["python", "-m", "patchplace.export.evaluate",
+                              *(fp32 if a == args.model else a for a in argv)])
+        raise ExportError(f"{args.model} is the int8 copy --quantize wrote of {fp32}, not an exported pair (no "
+                          f"sidecar of its own): evaluate the pair ({command}); the export's --quantize --data "
+                          "SPLIT reports the int8 model's top-1 change")
+    out = Path(args.out)
+    check_writable(out, f"--out {out}")
+    for name in OUTPUTS:
+        if (out / name).is_dir():
+            raise ExportError(f"--out {out}: {out / name} is a directory where a result file goes: remove it, or "
+                              "choose another --out")
+    if args.corruption_cache is not None and args.robustness_limit:
+        check_writable(Path(args.corruption_cache), f"--corruption-cache {args.corruption_cache}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m patchplace.export.evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=help_formatter(argparse.RawDescriptionHelpFormatter))
     parser.add_argument("model", help="model.onnx written by python -m patchplace.export")
     parser.add_argument("--data", required=True,
                         help="test split directory (manifest.json + shards), or its http(s):// URL")
@@ -558,12 +631,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="images for the parity check against --checkpoint (default: every evaluated image; "
                              "0 = skip)")
     parser.add_argument("--latency-repeats", type=int, default=20, help="timed runs per batch size (0 = skip)")
-    parser.add_argument("--latency-batches", type=int, nargs="+", default=[1, 8, 64],
+    parser.add_argument("--latency-batches", type=int, nargs="+", default=[1, 8, 64], metavar="B",
                         help="batch sizes timed (default: 1 8 64)")
     parser.add_argument("--latency-warmup", type=int, default=3,
                         help="untimed runs per runner and batch size first (default: %(default)s)")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
+        check_outputs(args, argv)
         results = evaluate(args)
     except (ExportError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)

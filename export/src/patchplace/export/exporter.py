@@ -238,13 +238,78 @@ def onnx_session(path: str | os.PathLike, providers: list[str] | None = None,
         raise ExportError(f"{path} is not a loadable ONNX model ({' '.join(str(exc).split())})") from exc
 
 
+INT8_SUFFIX = ".int8.onnx"
+
+
+def sidecar_of(model: str | os.PathLike) -> Path:
+    """The sidecar of an exported ``NAME.onnx``: ``NAME.json`` beside it (``model.v1.onnx`` -> ``model.v1.json``),
+    the one rule the exporter and every reader use; distinct model names never share a sidecar."""
+    model = Path(model)
+    stem = model.name[: -len(".onnx")] if model.name.endswith(".onnx") else model.name
+    return model.with_name(f"{stem}.json")
+
+
+def int8_of(model: str | os.PathLike) -> Path:
+    """The int8 copy ``--quantize`` writes of ``NAME.onnx``: ``NAME.int8.onnx`` beside it."""
+    model = Path(model)
+    return model.with_name(sidecar_of(model).name[: -len(".json")] + INT8_SUFFIX)
+
+
+def fp32_of(int8: str | os.PathLike) -> Path:
+    """``NAME.onnx``, the exported model whose int8 copy is ``NAME.int8.onnx``."""
+    int8 = Path(int8)
+    return int8.with_name(int8.name[: -len(INT8_SUFFIX)] + ".onnx")
+
+
+def check_writable(directory: Path, what: str) -> None:
+    """Refuse, before any work, a ``directory`` to write into that cannot be: under a file, or in a place this
+    process may not create files (read-only file system, permissions: tried by creating and removing a file in the
+    nearest existing ancestor, which creates nothing that stays)."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ExportError(f"{what}: {probe} is a file, not a directory: choose a path in a directory")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".patchplace-write-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise ExportError(f"{what}: cannot create files in {probe} ({exc.strerror or exc}): choose a writable "
+                          "directory") from None
+
+
+def check_out(out: str | os.PathLike) -> Path:
+    """Refuse, before any work, an export ``--out`` that could not be committed: not named ``NAME.onnx`` (the
+    sidecar ``NAME.json`` and the int8 copy ``NAME.int8.onnx`` are named from it), an int8 copy's name, a directory
+    where the model, its sidecar or its int8 copy go, or a place that cannot be written. -> ``out`` as a Path."""
+    out = Path(out)
+    if not out.name.endswith(".onnx") or out.name == ".onnx":
+        raise ExportError(f"--out {out}: name the model NAME.onnx (e.g. --out {out.with_name(out.name + '.onnx')}"
+                          f"): its sidecar NAME.json and int8 copy NAME.int8.onnx are named from it")
+    if out.name.endswith(INT8_SUFFIX):
+        raise ExportError(f"--out {out}: NAME.int8.onnx is the name of the int8 copy --quantize writes of "
+                          f"NAME.onnx; choose another name (e.g. --out {fp32_of(out)} --quantize)")
+    for path in (out, sidecar_of(out), int8_of(out)):
+        if path.is_dir():
+            raise ExportError(f"--out {out}: {path} is a directory: give the model file's path, e.g. --out "
+                              f"{out / 'model.onnx'}" if path == out else
+                              f"--out {out}: {path} is a directory where the export writes a file: remove it")
+    check_writable(out.parent, f"--out {out}")
+    return out
+
+
 def load_export(path: str | os.PathLike, providers: list[str] | None = None,
                 threads: int = 0) -> tuple[dict[str, Any], ort.InferenceSession]:
     """(sidecar, session) of an exported ``model.onnx`` after checking that its ``model.json`` belongs to it: one
     export id and one checkpoint in both, and the ``.onnx`` file's sha256 the one the sidecar recorded. Exports
     written before the binding (no id in either) are checked by their checkpoint sha256 only."""
     path = Path(path)
-    sidecar_path = path.with_suffix(".json")
+    if path.name.endswith(INT8_SUFFIX):
+        raise ExportError(f"{path} is the int8 copy of {fp32_of(path)} (written by python -m patchplace.export "
+                          f"--quantize), not an exported pair: load {fp32_of(path)}; the export's report "
+                          f"(--quantize --data SPLIT) gives the int8 model's top-1 change")
+    sidecar_path = sidecar_of(path)
     rerun = f"re-run the export (python -m patchplace.export CHECKPOINT --out {path})"
     if path.suffix != ".onnx" or not path.is_file():
         raise ExportError(f"{path} is not an exported model: expected a .onnx file written by "
@@ -354,7 +419,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
                       speech_input: str = "waveform", opset: int = DEFAULT_OPSET, tolerance: float = 1e-4,
                       real_inputs: list[dict[str, torch.Tensor]] | None = None,
                       img_size: int | None = None, optimize: bool = True) -> dict[str, Any]:
-    """Export ``checkpoint`` to ``out`` (model.onnx) + ``out`` with .json (sidecar); returns the sidecar dict.
+    """Export ``checkpoint`` to ``out`` (``NAME.onnx``) + its sidecar ``NAME.json`` (:func:`sidecar_of`; ``out`` is
+    checked first, :func:`check_out`), removing the int8 copy of the export it replaces; returns the sidecar dict.
     ``img_size``: export for another image side than the checkpoint's (same patch size; the PE is resampled,
     ``Backbone.set_image_size``), e.g. a model fine-tuned at 32 px served at 48 px.
     ``optimize``: write ONNX Runtime's fused graph (:mod:`.optimize`; com.microsoft Attention / BiasGelu, so it
@@ -363,7 +429,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
 
     Raises :class:`ExportError` (and writes nothing) when the weights or PyTorch's outputs are non-finite or the
     parity check fails (NaN never passes it)."""
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = Path(checkpoint), check_out(out)
     if not tolerance >= 0:  # NaN too: a NaN tolerance would pass every difference
         raise ExportError(f"tolerance must be a number >= 0, got {tolerance}")
     try:
@@ -473,9 +539,11 @@ def _fsync(path: Path) -> None:
 
 def write_pair(graph: onnx.ModelProto, sidecar: dict[str, Any], tmp: Path, out: Path) -> None:
     """The commit: write ``graph`` (self-describing, with the export id) and its sidecar (with the graph file's
-    sha256) into ``tmp``, then move them to ``out`` and its .json. The old sidecar goes first and the new one comes
-    last, so a kill at any instant leaves the old pair, a model.onnx without a sidecar, or the new pair — and a
-    mismatched pair is refused by :func:`load_export` anyway."""
+    sha256) into ``tmp``, then move them to ``out`` and its .json (:func:`sidecar_of`). The old sidecar goes first,
+    then the old export's int8 copy (:func:`int8_of`: ``--quantize`` writes the new one after the commit), and the
+    new sidecar comes last, so a kill at any instant leaves the old pair, a model.onnx without a sidecar, or the new
+    pair — never an int8 copy of another checkpoint beside it — and a mismatched pair is refused by
+    :func:`load_export` anyway."""
     tmp_model, tmp_json = tmp / out.name, tmp / "model.json"
     props = {**model_properties(sidecar, sidecar.get("preprocessing")), "export_id": sidecar["export_id"]}
     onnx.helper.set_model_props(graph, props)
@@ -484,19 +552,20 @@ def write_pair(graph: onnx.ModelProto, sidecar: dict[str, Any], tmp: Path, out: 
     tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
     _fsync(tmp_model)
     _fsync(tmp_json)
-    out.with_suffix(".json").unlink(missing_ok=True)
+    sidecar_of(out).unlink(missing_ok=True)
+    int8_of(out).unlink(missing_ok=True)
     os.replace(tmp_model, out)
-    os.replace(tmp_json, out.with_suffix(".json"))
+    os.replace(tmp_json, sidecar_of(out))
     _fsync(out.parent)
 
 
 def quantize_int8(path: str | os.PathLike) -> Path:
     """int8 dynamic quantization (onnxruntime.quantization, int8 weights per output channel) of the exported
-    ``path`` into ``path`` with suffix ``.int8.onnx``, its metadata_props kept; -> that path."""
+    ``path`` into its int8 copy (:func:`int8_of`: ``NAME.int8.onnx``), its metadata_props kept; -> that path."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     path = Path(path)
-    out = path.with_suffix(".int8.onnx")
+    out = int8_of(path)
     model = onnx.load(str(path))
     del model.graph.value_info[:]  # the dynamo exporter's value_info trips ORT's shape re-inference; drop it
     remove_stale_temporaries(out)
