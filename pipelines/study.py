@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from core.config import ConfigError, HelpFormatter, describe, load
+from core.config import ConfigError, HelpFormatter, help_epilog, load
 from core.stages import StageError
 from reproduction.plan import CONTROLS, StudyConfig, group_seeds, measures_controls, runs_of
 from reproduction.report import report
@@ -152,23 +152,31 @@ def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int
 
 
 def sittings_main(args: argparse.Namespace, cfg: StudyConfig) -> int:
-    """--sitting: the pending units that fit, a bundle each; --merge: the report of every bundle."""
+    """--sitting: the pending units that fit, a bundle each; --merge: the report of every bundle. A file in --bundles
+    that is not a whole bundle of this config at its budget is one line (``reproduction.sittings``) and its unit
+    pending: measured again by a sitting, listed by --merge."""
     import tempfile
     from dataclasses import replace
 
     from patchplace.data.atomic import write_json_atomic
-    from reproduction.sittings import merged_study, pending_units, run_sitting
+    from reproduction.sittings import merged_study, pending_units, run_sitting, unit_id
 
     if not args.bundles:
         print("error: --sitting / --merge need --bundles DIR (where the sittings' bundles are kept)", file=sys.stderr)
         return 2
     bundles, units = Path(args.bundles), study_units(cfg)
+    merge_only = args.merge and args.sitting is None
+    if (bundles.exists() and not bundles.is_dir()) or (merge_only and not bundles.is_dir()):
+        print(f"error: --bundles {bundles} is {'a file' if bundles.exists() else 'not there'}: give the directory "
+              "the sittings' bundles are kept in", file=sys.stderr)
+        return 2
     if args.sitting is not None:
         command = [sys.executable, __file__, *(["--config", args.config] if args.config else []), *args.overrides]
         run_sitting(cfg, units, command, bundles, args.sitting, Path(args.bundles_out) if args.bundles_out else None,
                     args.max_units)
     if args.merge:
-        write_json_atomic(Path(cfg.results) / f"{cfg.name}.json", merged_study(cfg, bundles))
+        ids = [unit_id(u.groups, u.seed, u.only) for u in units]
+        write_json_atomic(Path(cfg.results) / f"{cfg.name}.json", merged_study(cfg, bundles, ids))
         with tempfile.TemporaryDirectory() as empty:  # every row from the bundles, none from a runs/ here
             report(replace(cfg, runs=empty), ["--report-only"])
         pending = pending_units(units, bundles, cfg)
@@ -179,9 +187,9 @@ def sittings_main(args: argparse.Namespace, cfg: StudyConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    helping = bool({"-h", "--help"} & set(argv))  # the fields with the values this command line runs with
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
-                                     epilog="config fields (override with field=value):\n" + "\n".join(
-                                         describe(StudyConfig)))
+                                     epilog=help_epilog(StudyConfig, argv) if helping else None)
     parser.add_argument("--config", help="YAML file (pipelines/configs/study_fashion_mnist.yaml)")
     parser.add_argument("--report-only", action="store_true", help="only (re)write the results from finished runs")
     parser.add_argument("--jobs", type=int, default=1, help="study processes sharing the groups (default: 1)")
