@@ -1,8 +1,13 @@
-# Sourced by the gpu_*.sh scripts on a lent, bare GPU machine (its python3 has torch, timm, accelerate, onnx, ...;
-# not webdataset / librosa / ...): the carried wheels (.gpu/whl, make gpu-carry) installed to /tmp/site, this
-# repository's packages on PYTHONPATH, the Fashion-MNIST shards built from the carried IDX files when missing, and
-# one line naming torch and the GPU. Sets PY (PYTHON, else .venv/bin/python where a .venv exists, else python3).
+# Sourced by the gpu_*.sh scripts on a lent, bare GPU machine (its python3 has torch, timm,
+# accelerate, onnx, ...; not webdataset / librosa / ...): the carried wheels (.gpu/whl, make
+# gpu-carry) installed to /tmp/site, this repository's packages on PYTHONPATH, the Fashion-MNIST
+# shards built from the carried IDX files when missing, and one line naming torch and the GPU. Sets
+# PY (PYTHON, else .venv/bin/python where a .venv exists, else python3).
 # Usage: source pipelines/gpu_env.sh TAG
+#        bash pipelines/gpu_env.sh --help     this text
+case "${1:-}" in  # before anything runs or is written; sourced, it returns to its caller
+  -h|--help) sed -n '1,/^case /p' "${BASH_SOURCE[0]}" | grep '^#' | cut -c3-; return 0 2>/dev/null || exit 0 ;;
+esac
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 export PYTHONUNBUFFERED=1
 if [ -d .gpu/whl ] && [ "$PY" = python3 ]; then

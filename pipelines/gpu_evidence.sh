@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
-# The GPU evidence on a lent, bare GPU machine, one device call at a time: each call runs the STEPs it is given in
-# order, skips those that no longer fit its time (DEADLINE seconds, default 540: a call has 600), and leaves every
-# result in $OUT as soon as it exists. Results accumulate in runs/gpu_evidence/ (ignored: it survives while the
-# machine stays warm; seeded from results/ when absent, so copy $OUT's files into results/ after each call).
+# The GPU evidence on a lent, bare GPU machine, one device call at a time: each call runs the STEPs
+# it is given in order, skips those that no longer fit its time (DEADLINE seconds, default 540: a
+# call has 600), and leaves every result in $OUT as soon as it exists. Results accumulate in
+# runs/gpu_evidence/ (ignored: it survives while the machine stays warm; seeded from results/ when
+# absent, so copy $OUT's files into results/ after each call).
 #
-#   make gpu-carry                                             here, once (.gpu/: wheels + Fashion-MNIST IDX files)
-#   device run: bash pipelines/gpu_evidence.sh STEP [STEP ...]     carry: [".gpu"] (+ one ".ort/pK" per call)
+#   make gpu-carry                          here, once (.gpu/: wheels + Fashion-MNIST IDX files)
+#   device run: bash pipelines/gpu_evidence.sh STEP [STEP ...]
+#               carry: [".gpu"] (+ one ".ort/pK" per call)
+#   bash pipelines/gpu_evidence.sh --help   this text
 #
 # Steps:
-#   table2               MP3 Table 2 + every objective's step, ViT-B/16 224 px bf16, batch 128, both attention
-#                        kernels (benchmark.py --suite mp3_table2): ~4 min on an H100
-#   speed:M1,M2,...      the study ViT up the speed ladder for these methods (benchmark.py --suite speed --update;
-#                        supervised mp3 droppos mae ijepa stop mjp randsac finetune): ~3 min per method
-#   profile:OBJ,...      torch.profiler tables of these objectives' ViT-B steps (benchmark.py --suite profile)
-#   sitting:MIN          a sitting of the GPU study (study_gpu.yaml) of MIN minutes; bundles to $OUT
-#   onnx-prepare         what ONNX Runtime on CUDA needs besides the wheel: the classifier trained and exported
-#   onnx                 ONNX Runtime on CUDA (pipelines/gpu_onnx.sh: needs every .ort/pK part here)
+#   table2             MP3 Table 2 + every objective's step, ViT-B/16 224 px bf16, batch 128, both
+#                      attention kernels (benchmark.py --suite mp3_table2): ~4 min on an H100
+#   speed:M1,M2,...    the study ViT up the speed ladder for these methods (benchmark.py --suite
+#                      speed --update; supervised mp3 droppos mae ijepa stop mjp randsac finetune):
+#                      ~3 min per method
+#   profile:OBJ,...    torch.profiler tables of these objectives' ViT-B steps (--suite profile)
+#   sitting:MIN        a sitting of the GPU study (study_gpu.yaml) of MIN minutes; bundles to $OUT
+#   onnx-prepare       what ONNX Runtime on CUDA needs besides the wheel: the classifier trained and
+#                      exported
+#   onnx               ONNX Runtime on CUDA (pipelines/gpu_onnx.sh: needs every .ort/pK part here)
 #
-# After the call, here: cp the returned files into results/ (bundles into results/study_gpu_bundles/), commit.
+# After the call, here: cp the returned files into results/ (bundles into
+# results/study_gpu_bundles/), commit.
 set -euo pipefail
-[ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-; exit 2; }
+usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-; }
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;  # before anything runs or is written
+  "") usage; exit 2 ;;
+esac
 start=$SECONDS deadline=${DEADLINE:-540}
 out=${OUT:-/tmp/gpu-evidence-out} work=runs/gpu_evidence
 mkdir -p "$out" "$work"

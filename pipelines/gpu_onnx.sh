@@ -19,24 +19,27 @@ usage() {
 usage: bash pipelines/gpu_onnx.sh [options] [section.field=value ...]
 
 Options:
-  --prepare          only what needs no onnxruntime-gpu: the carried wheels (.gpu/whl), the Fashion-MNIST shards
-                     (from .gpu/fashion-mnist), the classifier trained and exported; prints how far the parts have
-                     come; exit 0
-  --provider P       cuda (default): onnxruntime-gpu from .ort/p*/, refused in one line unless the session runs on
-                     CUDAExecutionProvider; cpu: the onnxruntime already installed, on its CPU provider (no parts
-                     needed; results named onnx_cpu.*)
-  --checkpoint DIR   evaluate this classifier checkpoint (exported into the run directory) instead of training one
-  --onnx PATH        evaluate this exported model.onnx (model.json beside it); with --checkpoint for parity and
-                     PyTorch timing
+  --prepare          only what needs no onnxruntime-gpu: the carried wheels (.gpu/whl), the
+                     Fashion-MNIST shards (from .gpu/fashion-mnist), the classifier trained and
+                     exported; prints how far the parts have come; exit 0
+  --provider P       cuda (default): onnxruntime-gpu from .ort/p*/, refused in one line unless the
+                     session runs on CUDAExecutionProvider; cpu: the onnxruntime already installed,
+                     on its CPU provider (no parts needed; results named onnx_cpu.*)
+  --checkpoint DIR   evaluate this classifier checkpoint (exported into the run directory) instead
+                     of training one
+  --onnx PATH        evaluate this exported model.onnx (model.json beside it); with --checkpoint
+                     for parity and PyTorch timing
   --epochs N         epochs of the classifier trained from scratch (default: 5)
   --run DIR          working directory: classifier, export, evaluation (default: runs/onnx_cuda)
   --limit N          evaluate the first N test images (default: all 10,000)
   --repeats N        timed runs per runner and batch size (default: 200; warm-up 20)
   -h, --help         this text
-  section.field=value  passed to pipelines/finetune.py when it trains the classifier (e.g. optim.max_steps=20)
+  section.field=value  passed to pipelines/finetune.py when it trains the classifier
+                     (e.g. optim.max_steps=20)
 
-Environment: OUT (results go to $OUT/onnx_<provider>.{json,md}, else results/), PYTHON (default: python3, or
-.venv/bin/python where a .venv exists), ORT_SITE (default /tmp/ort-site), ORT_WHEEL_DIR (default /tmp/ort-wheel).
+Environment: OUT (results go to $OUT/onnx_<provider>.{json,md}, else results/), PYTHON (default:
+python3, or .venv/bin/python where a .venv exists), ORT_SITE (default /tmp/ort-site), ORT_WHEEL_DIR
+(default /tmp/ort-wheel).
 EOF
 }
 

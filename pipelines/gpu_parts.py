@@ -1,16 +1,20 @@
-"""A file too big for one call to the lent GPU machine, carried in parts, one part per call, and put back together
-there (docs/study.md, "ONNX Runtime on CUDA, brought in parts"). Standard library only: it runs under any python3.
+"""A file too big for one call to the lent GPU machine, carried in parts, one part per call, and put
+back together there (docs/study.md, "ONNX Runtime on CUDA, brought in parts"). Standard library
+only: it runs under any python3.
 
-    python pipelines/gpu_parts.py split WHEEL --out .ort --max-mib 52   # here: .ort/p0/, .ort/p1/, ... + MANIFEST
-    python pipelines/gpu_parts.py status --parts .ort                   # there, every call: how far it travelled
-    python pipelines/gpu_parts.py reassemble --parts .ort --out /tmp/ort-wheel   # there, last call: the file
+    # here: .ort/p0/, .ort/p1/, ... + MANIFEST
+    python pipelines/gpu_parts.py split WHEEL --out .ort --max-mib 52
+    # there, every call: how far it travelled
+    python pipelines/gpu_parts.py status --parts .ort
+    # there, last call: the file
+    python pipelines/gpu_parts.py reassemble --parts .ort --out /tmp/ort-wheel
 
-Each part lies in its own directory ``<out>/p<i>/`` (so a call can carry exactly one: carry [".ort/p3"]), named
-``<file>.part<i>``. Every part directory holds the same ``MANIFEST.json``: the file's name, size and sha256 and each
-part's directory, name, size and sha256, so any one part says what the whole is. ``split`` is idempotent: when the
-parts of the same file at the same size are all there and intact it writes nothing. ``reassemble`` checks every
-part's and the whole file's sha256; a part missing or damaged stops it with one line naming the parts and what to
-carry (exit 2).
+Each part lies in its own directory ``<out>/p<i>/`` (so a call can carry exactly one: carry
+[".ort/p3"]), named ``<file>.part<i>``. Every part directory holds the same ``MANIFEST.json``: the
+file's name, size and sha256 and each part's directory, name, size and sha256, so any one part says
+what the whole is. ``split`` is idempotent: when the parts of the same file at the same size are all
+there and intact it writes nothing. ``reassemble`` checks every part's and the whole file's sha256;
+a part missing or damaged stops it with one line naming the parts and what to carry (exit 2).
 """
 
 from __future__ import annotations
@@ -217,11 +221,24 @@ def status_line(parts_root: str | os.PathLike, verify: bool = False) -> tuple[st
     return f"{line}; complete{' (sha256 checked)' if verify else ''}", True
 
 
+def capped(base: type[argparse.HelpFormatter]) -> type[argparse.HelpFormatter]:
+    """``base`` in at most 100 columns, whatever the terminal's width (as every entry point's --help)."""
+
+    class Capped(base):  # type: ignore[misc, valid-type]
+        def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                     width: int | None = None) -> None:
+            width = min(width or shutil.get_terminal_size().columns - 2, 100)
+            super().__init__(prog, indent_increment, max_help_position, width)
+
+    return Capped
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python pipelines/gpu_parts.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=capped(argparse.RawDescriptionHelpFormatter))
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("split", help="split FILE into parts of at most --max-mib under --out/p<i>/",
+    p = sub.add_parser("split", formatter_class=capped(argparse.HelpFormatter),
+                       help="split FILE into parts of at most --max-mib under --out/p<i>/",
                        description="Split FILE into --out/p0/, --out/p1/, ... (parts of at most --max-mib MiB, the "
                                    "last one smaller) with the same MANIFEST.json in each part directory; writes "
                                    "nothing when intact parts of the same file at the same size are already there.")
@@ -230,14 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-mib", type=float, default=52.0,
                    help="largest part in MiB (default: %(default)s; a part plus the tracked tree must stay under "
                         "the 64 MiB a call carries)")
-    p = sub.add_parser("reassemble", help="check every part and put the file back together",
+    p = sub.add_parser("reassemble", formatter_class=capped(argparse.HelpFormatter),
+                       help="check every part and put the file back together",
                        description="Check every part's sha256 against the manifest, concatenate them into "
                                    "--out/<file> and check the whole file's sha256; print the file's path. A part "
                                    "missing or damaged: one line naming it and what to carry, exit 2.")
     p.add_argument("--parts", type=Path, default=Path(".ort"), help="parts root (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("/tmp/ort-wheel"),
                    help="directory for the reassembled file (default: %(default)s)")
-    p = sub.add_parser("status", help="print which parts are here (one line)",
+    p = sub.add_parser("status", formatter_class=capped(argparse.HelpFormatter),
+                       help="print which parts are here (one line)",
                        description="One line: which parts are here and which to carry next. Exit 0 (with --strict: "
                                    "1 unless every part is here, intact by --verify and of --expect).")
     p.add_argument("--parts", type=Path, default=Path(".ort"), help="parts root (default: %(default)s)")

@@ -1,9 +1,9 @@
 """Before -> after table of two reproduction-study results (``study.json``), row by row on the seeds both measured:
-what a harness change (e.g. issue 16: layer decay applied, no weight decay on PEs / tokens, probes of the trained
-feature, one Diff. Norm) did to the published numbers.
+what a harness change (e.g. layer decay applied, no weight decay on PEs / tokens, probes of the trained feature, one
+Diff. Norm) did to the published numbers.
 
-    python pipelines/harness_compare.py results/study_v1/study.json results/study_v1_harness2/study.json \
-        --out results/harness_fix.md
+    python pipelines/harness_compare.py results/study_v1/study.json \
+        results/study_v1_harness2/study.json --out results/harness_fix.md
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from core.config import HelpFormatter
 from patchplace.data.atomic import atomic_file
 
 METRICS = (("top-1", "top1"), ("linear probe", "linear_probe"), ("linear 1%", "linear_probe_1pct"),
@@ -47,7 +48,7 @@ def compare(before: dict, after: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("before", type=Path, help="study.json measured before the change")
     parser.add_argument("after", type=Path, help="study.json measured after it")
     parser.add_argument("--out", type=Path, help="write the markdown table here (default: print it)")

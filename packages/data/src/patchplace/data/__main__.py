@@ -4,6 +4,7 @@ HTTP by its URL too: ``python -m patchplace.data verify http://host:8000/train``
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,8 +30,14 @@ def _split_dirs(paths: list[str]) -> list[Path | str]:
     return found
 
 
+def _help_formatter(prog: str) -> argparse.HelpFormatter:
+    """--help in at most 100 columns, whatever the terminal's width (as every entry point's)."""
+    return argparse.HelpFormatter(prog, width=min(shutil.get_terminal_size().columns - 2, 100))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m patchplace.data", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m patchplace.data", description=__doc__,
+                                     formatter_class=_help_formatter)
     parser.add_argument("command", choices=("show", "verify"),
                         help="show: print each manifest; verify: also check every shard's size and sha256")
     parser.add_argument("paths", nargs="+", help="split directories, manifest files or dataset directories; "

@@ -1,0 +1,91 @@
+"""--help of every entry point as a user asks for it: exit 0, at most 100 columns on any terminal, nothing run
+and nothing written, and with --config the values that command line runs with (the file's, the overrides')."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+CONFIGS = ROOT / "pipelines" / "configs"
+WIDTH = 100
+
+# python entry points run in-process: (module, its main's --help argv, the config file it reads or None)
+PYTHON = [
+    ("pretrain", CONFIGS / "mp3_fashion_mnist.yaml"),
+    ("finetune", CONFIGS / "finetune_fashion_mnist.yaml"),
+    ("evaluate", CONFIGS / "evaluate_fashion_mnist.yaml"),
+    ("controls", CONFIGS / "controls_fashion_mnist.yaml"),
+    ("study", CONFIGS / "study_fashion_mnist.yaml"),
+    ("demo", None),
+    ("benchmark", None),
+    ("harness_compare", None),
+    ("gpu_parts", None),
+    ("patchplace.export.__main__", None),
+    ("patchplace.export.evaluate", None),
+    ("patchplace.data.__main__", None),
+]
+SHELL = ["gpu_evidence.sh", "gpu_sitting.sh", "gpu_onnx.sh", "gpu_env.sh"]
+
+
+def _leaves(raw: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        elif isinstance(value, bool | int | float | str):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _check(text: str, where: Path, name: str) -> None:
+    lines = text.splitlines()
+    assert lines, f"{name}: no help"
+    widest = max(lines, key=len)
+    assert len(widest) <= WIDTH, f"{name}: {len(widest)} columns: {widest!r}"
+    assert list(where.iterdir()) == [], f"{name}: --help wrote {sorted(p.name for p in where.iterdir())}"
+
+
+@pytest.mark.parametrize(("module", "config"), PYTHON, ids=[m for m, _ in PYTHON])
+def test_python_entry_points_help(module, config, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "250")  # a wide terminal: still 100 columns
+    main = importlib.import_module(module).main
+    argv = ["--help"]
+    if config is not None:
+        leaves = _leaves(yaml.safe_load(config.read_text()))
+        override = "run.seed=7" if module != "study" else "probe_epochs=7"
+        argv = ["--config", str(config), override, "--help"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exit_.value.code in (0, None), out
+    _check(out, tmp_path, module)
+    if config is not None:  # the values in force: the file's, marked, and the override's
+        shown = [k for k, v in leaves.items() if f"  {k} = {v!r}  (from file)" in out]
+        assert shown, f"{module}: no value of {config.name} in its --help"
+        assert f"{override.replace('=', ' = ')}  (override)" in out, f"{module}: the override is not shown"
+
+
+@pytest.mark.parametrize("script", SHELL)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_shell_scripts_help_runs_nothing(script, flag, tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(ROOT / "pipelines" / script), flag], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "OUT": str(out), "PYTHON": "false"})
+    assert result.returncode == 0 and result.stderr == "", (script, result.stderr)
+    assert f"pipelines/{script}" in result.stdout, result.stdout  # the header: how to run it
+    _check(result.stdout, tmp_path, script)
+
+
+def test_every_entry_point_is_checked():
+    scripts = {p.stem for p in (ROOT / "pipelines").glob("*.py")}
+    assert scripts == {m for m, _ in PYTHON if "." not in m}, "a new entry point: add it to PYTHON"
+    assert {p.name for p in (ROOT / "pipelines").glob("*.sh")} == set(SHELL), "a new shell script: add it to SHELL"
