@@ -36,7 +36,7 @@ def _finetune(tmp_path, **extra):
 def test_finetune_card_front_matter_has_license_base_model_and_model_index_with_split(tmp_path):
     directory = _finetune(tmp_path)
     front, body, text = _card(directory)
-    assert front["license"] == "other" and front["library_name"] == "patchplace"
+    assert front["license"] == "apache-2.0" and front["library_name"] == "patchplace"
     assert front["pipeline_tag"] == "image-classification" and front["datasets"] == ["fashion_mnist"]
     # a local checkpoint is not a Hub model id (the Hub refuses such a base_model): recorded beside it
     assert "base_model" not in front
@@ -49,7 +49,7 @@ def test_finetune_card_front_matter_has_license_base_model_and_model_index_with_
     assert {m["type"]: m["value"] for m in result["metrics"]} == {"accuracy": 0.9, "top_5_accuracy": 0.99}
     assert all(m["name"] for m in result["metrics"]), "metrics carry a readable name"
     hub = ModelCard(text).data  # the Hub client's own parser
-    assert hub.license == "other"
+    assert hub.license == "apache-2.0"
     assert {(r.metric_type, r.dataset_split, r.metric_value) for r in hub.eval_results} == {
         ("accuracy", "test", 0.9), ("top_5_accuracy", "test", 0.99)}
     assert "| metric | value | split |" in body and "| top1 | 0.9 | test |" in body and "| top5 | 0.99 | test |" in body
@@ -85,7 +85,7 @@ def test_pretraining_card_shows_the_objectives_metrics_with_their_split(tmp_path
         "method": "mp3", **DATA, "step": 300, "metrics": {"loss": 2.5, "pos_acc": 0.4, "top1": 0.4, "count": 2000},
         "metrics_split": split})
     front, body, text = _card(directory)
-    assert front["license"] == "other" and "base_model" not in front and "base_model_local" not in front
+    assert front["license"] == "apache-2.0" and "base_model" not in front and "base_model_local" not in front
     (result,) = front["model-index"][0]["results"]
     assert result["task"] == {"type": "image-feature-extraction", "name": "mp3 pretraining objective"}
     assert result["dataset"]["split"] == split
@@ -103,3 +103,42 @@ def test_metrics_without_a_recorded_split_say_so(tmp_path):
     front, body, _ = _card(directory)
     assert "split" not in front["model-index"][0]["results"][0]["dataset"]
     assert "| top1 | 0.5 | not recorded |" in body and "a split this checkpoint does not record" in body
+
+
+def test_card_license_front_matter_is_valid_by_the_hubs_spec(tmp_path):
+    """The default is the README's (apache-2.0); a Hub id is written as is; any other license is license: other
+    with license_name and license_link (the Hub refuses other without them); an incomplete one is refused in one
+    line and changes no file. Validated by the Hub's rules (ModelCard.validate needs the network) and read back by
+    huggingface_hub's own parser."""
+    from pathlib import Path
+
+    from patchplace.models import ModelError
+    from patchplace.models.card import DEFAULT_LICENSE, HUB_LICENSES, license_problems
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f"else `{DEFAULT_LICENSE}`" in readme and DEFAULT_LICENSE in HUB_LICENSES
+    directory = _finetune(tmp_path)
+    cases = [({}, {"license": "apache-2.0"}),
+             ({"license": "MIT"}, {"license": "mit"}),
+             ({"license": "my-terms-1.0", "license_link": "https://example.org/terms"},
+              {"license": "other", "license_name": "my-terms-1.0", "license_link": "https://example.org/terms"}),
+             ({"license": "other", "license_name": "lab-1.0", "license_link": "LICENSE"},
+              {"license": "other", "license_name": "lab-1.0", "license_link": "LICENSE"})]
+    for fields, expected in cases:
+        update_metadata(directory, **{"license": None, "license_name": None, "license_link": None, **fields})
+        front, _, text = _card(directory)
+        assert {k: front[k] for k in front if k.startswith("license")} == expected, fields
+        assert license_problems(front) == [], (fields, license_problems(front))
+        card = ModelCard(text).data
+        assert card.license == expected["license"] and card.to_dict().get("license_name") == expected.get(
+            "license_name") and card.to_dict().get("license_link") == expected.get("license_link")
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    for fields, said in (({"license": "other"}, "license_name"), ({"license": "my-terms"}, "license_link"),
+                         ({"license": "other", "license_name": "My Terms", "license_link": "LICENSE"}, "not an id")):
+        with pytest.raises(ModelError, match=said) as error:
+            update_metadata(directory, **{"license_name": None, "license_link": None, **fields})
+        assert "\n" not in str(error.value)
+        assert {p.name: p.read_bytes() for p in directory.iterdir()} == before, "a refused license changes no file"
+    # the rules themselves: what the Hub refuses
+    assert license_problems({"license": "other"}) and license_problems({"license": "apache 2"})
+    assert license_problems({"license": "mit", "license_name": "x"})

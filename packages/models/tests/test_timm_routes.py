@@ -94,7 +94,7 @@ def test_checkpoint_is_self_describing_without_config_json(micro, tmp_path):
     for file in directory.iterdir():
         assert str(tmp_path) not in file.read_text(errors="ignore"), f"absolute local path inside {file.name}"
     card = (directory / "README.md").read_text()
-    assert card.startswith("---\nlicense: other\nlibrary_name: patchplace") and "Position Prediction" in card
+    assert card.startswith("---\nlicense: apache-2.0\nlibrary_name: patchplace") and "Position Prediction" in card
     assert "f00" in card
     assert "| epochs | 2 |" in card and "Not recorded in this checkpoint (written before its evaluation)" in card
     with safe_open(str(directory / "model.safetensors"), "pt") as f:

@@ -22,12 +22,28 @@ from huggingface_hub.repocard_data import EvalResult, eval_results_to_model_inde
 from huggingface_hub.utils import yaml_dump
 
 from .config import BackboneConfig
+from .errors import ModelError
 from .timm_interop import describe_preprocessing, timm_preprocessing
 
-# The weights' license is the user's to state (their data and terms): a checkpoint's metadata["license"] (a Hub
-# license id, e.g. set with update_metadata(dir, license="apache-2.0")); without one the card says "other" (the
-# Hub's id for "not one of the listed licenses") rather than claim a license nobody chose.
-DEFAULT_LICENSE = "other"
+# A checkpoint's license: metadata["license"], set with update_metadata(dir, license="mit"), else DEFAULT_LICENSE
+# (the license packages/models/README.md states for the weights patchplace writes). A license not among the Hub's
+# ids is written as the Hub's spec asks (hf.co/docs/hub/model-cards): license: other, license_name (an id for it)
+# and license_link (a URL, or LICENSE for a file beside the card) — metadata["license_name"] / ["license_link"].
+DEFAULT_LICENSE = "apache-2.0"
+# the Hub's license ids (https://huggingface.co/docs/hub/repositories-licenses)
+HUB_LICENSES = frozenset((
+    "apache-2.0", "mit", "openrail", "bigscience-openrail-m", "creativeml-openrail-m", "bigscience-bloom-rail-1.0",
+    "bigcode-openrail-m", "afl-3.0", "artistic-2.0", "bsl-1.0", "bsd", "bsd-2-clause", "bsd-3-clause",
+    "bsd-3-clause-clear", "c-uda", "cc", "cc0-1.0", "cc-by-2.0", "cc-by-2.5", "cc-by-3.0", "cc-by-4.0", "cc-by-sa-3.0",
+    "cc-by-sa-4.0", "cc-by-nc-2.0", "cc-by-nc-3.0", "cc-by-nc-4.0", "cc-by-nd-4.0", "cc-by-nc-nd-3.0",
+    "cc-by-nc-nd-4.0", "cc-by-nc-sa-2.0", "cc-by-nc-sa-3.0", "cc-by-nc-sa-4.0", "cdla-sharing-1.0",
+    "cdla-permissive-1.0", "cdla-permissive-2.0", "wtfpl", "ecl-2.0", "epl-1.0", "epl-2.0", "etalab-2.0", "eupl-1.1",
+    "agpl-3.0", "gfdl", "gpl", "gpl-2.0", "gpl-3.0", "lgpl", "lgpl-2.1", "lgpl-3.0", "isc", "lppl-1.3c", "ms-pl",
+    "mpl-2.0", "odc-by", "odbl", "openrail++", "osl-3.0", "postgresql", "ofl-1.1", "ncsa", "unlicense", "zlib",
+    "pddl", "lgpl-lr", "deepfloyd-if-license", "llama2", "llama3", "llama3.1", "llama3.2", "llama3.3", "gemma",
+    "unknown", "other"))
+LICENSE_NAME = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")  # license_name: an id, e.g. my-license-1.0
+LICENSE_LINK = re.compile(r"^(https?://\S+|[\w.-]+(/[\w.-]+)*)$")  # a URL, or a file in the repository (LICENSE)
 
 PAPERS = {
     "mp3": "Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3)",
@@ -44,9 +60,49 @@ CLASSIFIER_METRICS = {"top1": ("accuracy", "top-1 accuracy"), "top5": ("top_5_ac
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "namespace/name"
 
 
+def license_fields(metadata: dict[str, Any]) -> dict[str, str]:
+    """The card's license front matter: ``{"license": id}`` for a Hub license id (``metadata["license"]``, else
+    :data:`DEFAULT_LICENSE`); another license as ``license: other`` with ``license_name`` (``metadata["license_name"]``
+    or the license given) and ``license_link`` (``metadata["license_link"]``). Raises :class:`ModelError` when
+    those are missing or malformed (:func:`license_problems`), with how to set them."""
+    given = str(metadata.get("license") or DEFAULT_LICENSE).strip()
+    if given.lower() in HUB_LICENSES and given.lower() != "other":
+        return {"license": given.lower()}
+    name = metadata.get("license_name") or (given if given.lower() != "other" else None)
+    fields = {"license": "other", "license_name": str(name or ""), "license_link": str(metadata.get("license_link")
+                                                                                    or "")}
+    if problems := license_problems(fields):
+        raise ModelError(f"license {given!r}: {'; '.join(problems)} — a license not among the Hub's ids "
+                         "(https://huggingface.co/docs/hub/repositories-licenses) needs license_name (e.g. "
+                         "my-license-1.0) and license_link (a URL, or LICENSE for a file beside the card): "
+                         "update_metadata(dir, license='other', license_name=..., license_link=...)")
+    return fields
+
+
+def license_problems(front: dict[str, Any]) -> list[str]:
+    """What makes a card's license front matter invalid by the Hub's spec (hf.co/docs/hub/model-cards): ``license``
+    one of :data:`HUB_LICENSES`; ``license: other`` with a ``license_name`` id and a ``license_link`` (URL or a file
+    in the repository); ``license_name`` / ``license_link`` only with ``other``. [] when valid."""
+    license_ = front.get("license")
+    if license_ not in HUB_LICENSES:
+        return [f"license {license_!r} is not one of the Hub's license ids"]
+    if license_ != "other":
+        extra = [k for k in ("license_name", "license_link") if k in front]
+        return [f"{', '.join(extra)} given with license {license_} (only license: other takes them)"] if extra else []
+    problems = []
+    if not LICENSE_NAME.match(str(front.get("license_name") or "")):
+        problems.append(f"license_name {front.get('license_name')!r} is not an id (lowercase letters, digits, "
+                        "'.', '-', '+')")
+    if not LICENSE_LINK.match(str(front.get("license_link") or "")):
+        problems.append(f"license_link {front.get('license_link')!r} is not a URL or a file path")
+    return problems
+
+
 def card_license(metadata: dict[str, Any]) -> str:
-    """The checkpoint's license (a Hub license id): ``metadata["license"]``, else :data:`DEFAULT_LICENSE`."""
-    return str(metadata.get("license") or DEFAULT_LICENSE)
+    """The checkpoint's license as one string (timm's ``pretrained_cfg``, the card's body): the Hub id, or the
+    ``license_name`` of a license ``other`` (:func:`license_fields`)."""
+    fields = license_fields(metadata)
+    return fields.get("license_name") or fields["license"]
 
 
 def _method(metadata: dict[str, Any]) -> str:
@@ -111,7 +167,7 @@ def front_matter(config: BackboneConfig, metadata: dict[str, Any], layout: str) 
     method = _method(metadata)
     tags = ["patchplace", "vision-transformer" if config.modality == "image" else "audio-transformer", method,
             f"pos-embed-{config.pos_embed}"] + (["timm"] if layout != "patchplace" else [])
-    front: dict[str, Any] = {"license": card_license(metadata), "library_name": "patchplace",
+    front: dict[str, Any] = {**license_fields(metadata), "library_name": "patchplace",
                              "pipeline_tag": _pipeline_tag(config), "tags": tags}
     if _dataset(metadata):
         front["datasets"] = [_dataset(metadata)]
@@ -147,7 +203,7 @@ def model_card(config: BackboneConfig, metadata: dict[str, Any], layout: str, nu
     lines += [f"- **Data**: {dataset or 'unknown'}" + (f" (manifest fingerprint `{data['fingerprint']}`)"
                                                       if isinstance(data, dict) and data.get("fingerprint") else ""),
               f"- **Checkpoint step**: {metadata.get('step', 'unknown')}",
-              f"- **License**: {card_license(metadata)}"]
+              f"- **License**: {_license_line(metadata)}"]
     if metadata.get("classes"):
         lines.append(f"- **Classes**: {', '.join(map(str, metadata['classes']))}")
     gap = None
@@ -180,6 +236,13 @@ def model_card(config: BackboneConfig, metadata: dict[str, Any], layout: str, nu
     else:
         lines += ["", "timm has no equivalent of this backbone: load it with patchplace."]
     return "\n".join(lines) + "\n"
+
+
+def _license_line(metadata: dict[str, Any]) -> str:
+    fields = license_fields(metadata)
+    if fields["license"] != "other":
+        return fields["license"]
+    return f"{fields['license_name']} ({fields['license_link']})"
 
 
 def _base_model_line(hub_id: str | None, local: dict[str, Any] | None) -> str:

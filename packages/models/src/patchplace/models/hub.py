@@ -147,8 +147,8 @@ def update_metadata(directory: str | os.PathLike, **fields: Any) -> None:
     layout = timm_layout(config)
     raw.update(hub_fields(config, metadata, layout))
     num_params = sum(v.numel() for v in state.values())
-    for name, text in ((CONFIG_NAME, json.dumps(raw, indent=2) + "\n"),
-                       (CARD_NAME, model_card(config, metadata, layout, num_params))):
+    card = model_card(config, metadata, layout, num_params)  # before any file: a bad license changes none
+    for name, text in ((CONFIG_NAME, json.dumps(raw, indent=2) + "\n"), (CARD_NAME, card)):
         part = directory / f".{name}.partial"
         part.write_text(text)
         os.replace(part, directory / name)
