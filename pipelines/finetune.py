@@ -29,6 +29,7 @@ from core.engine import (
     classify,
     command_line,
     data_metadata,
+    report,
     say,
     start,
 )
@@ -193,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
                           batch_transform=batch_transform, evaluate=evaluate, command=command_line(__file__, argv))
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(exc)
     final, code = trainer.train(cfg.data.batch_size)
     if code:
         return code

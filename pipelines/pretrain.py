@@ -30,6 +30,7 @@ from core.engine import (
     check_inputs,
     command_line,
     data_metadata,
+    report,
     say,
     start,
 )
@@ -175,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                           evaluate=evaluate if data.val is not None else None,
                           command=command_line(__file__, argv))
     except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report(exc)
     _, code = trainer.train(cfg.data.batch_size)
     if code:
         return code

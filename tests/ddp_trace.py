@@ -7,7 +7,10 @@ writes ``R/trace/rank<r>.pt``: world size and rank, the keys of the samples each
 permutations each step drew, the number of DDP all-reduce calls (buckets), and the objective's weights before and
 after training. Fault injection (the tests of kills and failures): ``TRACE_KILL=<rank>:<step>`` SIGKILLs that rank
 right after its checkpoint of that step; ``TRACE_RAISE=<rank>:<step>`` raises an error on that rank at that step;
-``TRACE_SIGTERM=<rank>:<step>`` sends SIGTERM to that rank alone during that step.
+``TRACE_SIGTERM=<rank>:<step>`` sends SIGTERM to that rank alone during that step; ``TRACE_NANLOSS=<rank>:<step>``
+makes the loss run.finite_check=lazy sees on that rank at that step NaN while its backward stays finite (a NaN that
+never reaches the gradients); ``TRACE_NANINPUT=<rank>:<step>`` makes that rank's inputs NaN at that step (loss and
+gradients NaN). ``sums`` holds the sum of the objective's weights after each optimizer step.
 The pipeline itself runs unchanged: this file only wraps engine functions.
 """
 
@@ -31,7 +34,7 @@ import patchplace.objectives.mjp as mjp  # noqa: E402
 import patchplace.objectives.mp3 as mp3  # noqa: E402
 from core import engine  # noqa: E402
 
-TRACE: dict = {"keys": [], "masks": [], "allreduce_calls": 0, "jigsaw": [], "unknown_grad": []}
+TRACE: dict = {"keys": [], "masks": [], "allreduce_calls": 0, "jigsaw": [], "unknown_grad": [], "sums": []}
 
 
 def _fault(name: str) -> int | None:
@@ -62,9 +65,19 @@ def _install() -> None:
         if _fault("TRACE_RAISE") == len(TRACE["keys"]):
             raise RuntimeError(f"injected failure on rank {PartialState().process_index} at step "
                                f"{len(TRACE['keys'])}")
-        return inputs(self, batch)
+        x, y = inputs(self, batch)
+        return (x * float("nan"), y) if _fault("TRACE_NANINPUT") == len(TRACE["keys"]) else (x, y)
 
     engine.Trainer._inputs = traced_inputs
+
+    flag = engine.Trainer._flag_nonfinite
+
+    def traced_flag(self, loss, step):
+        if _fault("TRACE_NANLOSS") == step:
+            loss = torch.full_like(loss, float("nan"))
+        return flag(self, loss, step)
+
+    engine.Trainer._flag_nonfinite = traced_flag
 
     shuffle = mp3.random_shuffle
 
@@ -110,6 +123,8 @@ def _install() -> None:
                     obj.register_comm_hook(None, counting_allreduce)
                 if isinstance(obj, torch.optim.Optimizer) and unknown is not None:  # MJP's E_unk after DDP
                     obj.step = traced_step(obj.step, unknown)
+                if isinstance(obj, torch.optim.Optimizer):
+                    obj.step = summed_step(obj.step, list(self.objective.parameters()))
             return prepared
 
         self.acc.prepare = traced_prepare
@@ -128,6 +143,17 @@ def traced_step(step, unknown: torch.nn.Parameter):
         grad = unknown.grad
         TRACE["unknown_grad"].append(None if grad is None else grad.detach().clone())
         return step(*args, **kwargs)
+
+    return wrapped
+
+
+def summed_step(step, parameters: list[torch.nn.Parameter]):
+    """``optimizer.step`` that then records the sum of the weights (float64: equal weights, equal sums)."""
+
+    def wrapped(*args, **kwargs):
+        result = step(*args, **kwargs)
+        TRACE["sums"].append(sum(float(p.detach().double().sum()) for p in parameters))
+        return result
 
     return wrapped
 

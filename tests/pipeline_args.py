@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 
 TINY = ["model.preset=vit_micro", "data.batch_size=8", "data.num_workers=0", "run.tensorboard=false",
@@ -41,3 +43,9 @@ def run_log(out: Path, everything: bool = False) -> list[dict]:
     stops; pretraining logs its closing validation after the last step)."""
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     return records if everything else [r for r in records if "loss" in r]
+
+
+def files_of(out: Path) -> dict[str, str]:
+    """Every file of a run directory (the lock file included) by its sha256, and every link by its target."""
+    return {str(p.relative_to(out)): os.readlink(p) if p.is_symlink() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_symlink() or p.is_file()}

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "pipelines"))
 
 import pretrain  # noqa: E402
 
-from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, run_log, state_dir  # noqa: E402
+from tests.pipeline_args import SMALL_HEADS, TINY, audio, files_of, img, run_log, state_dir  # noqa: E402
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TRACE = str(ROOT / "tests" / "ddp_trace.py")
@@ -170,8 +170,9 @@ def test_a_killed_two_process_bf16_run_resumes_where_an_uninterrupted_run_ends(s
     killed = run([*args, f"run.output={tmp_path / 'cut'}", "run.checkpoint_every=2"], env={"TRACE_KILL": "0:4"},
                  check=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
-    assert json.loads((state_dir(tmp_path / "cut") / "trainer.json").read_text()) == {"step": 4, "world_size": 2,
-                                                                                      "global_batch": 16}
+    trainer = json.loads((state_dir(tmp_path / "cut") / "trainer.json").read_text())
+    assert {k: trainer[k] for k in ("step", "world_size", "global_batch")} == {"step": 4, "world_size": 2,
+                                                                                "global_batch": 16}
     run([*args, f"run.output={tmp_path / 'cut'}", "run.resume=true"])
     for name in ("model.safetensors", "objective.safetensors"):
         a, b = (load_file(str(tmp_path / r / "checkpoint" / name)) for r in ("straight", "cut"))
@@ -231,7 +232,11 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp
     out = tmp_path / "run"
     stopped = run(mp3_args(shards, out, steps=6), env={"TRACE_SIGTERM": "1:3"}, check=False, timeout=120)
     assert stopped.returncode != 0 and "interrupted by SIGTERM at step 3" in stopped.stderr, stopped.stderr[-2000:]
-    assert json.loads((state_dir(out) / "trainer.json").read_text()) == {"step": 3, "world_size": 2, "global_batch": 16}
+    assert len([line for line in stopped.stderr.splitlines() if line.startswith("interrupted by SIGTERM")]) == 1, \
+        "printed once, by the main process (the launcher's report after it quotes it per rank)"
+    trainer = json.loads((state_dir(out) / "trainer.json").read_text())
+    assert {k: trainer[k] for k in ("step", "world_size", "global_batch")} == {"step": 3, "world_size": 2,
+                                                                                "global_batch": 16}
     assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {"random_states_0.pkl",
                                                                             "random_states_1.pkl"}
     run([*mp3_args(shards, out, steps=6), "run.resume=true"])
@@ -282,7 +287,10 @@ def test_lr_scaling_follows_the_global_batch_and_is_recorded(shards, tmp_path):
 
 def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_path, capsys):
     """2 -> 1 and 1 -> 2 processes would change the global batch, every rank's place in the data and its random
-    stream: refused in one line naming both counts, nothing of the run touched; the right count continues it."""
+    stream: refused in one line naming both counts and the launch that continues the run, every file of the run
+    left as it was (before: optimizer.json and config.yaml took the refused launch's values). Under the launcher
+    every rank leaves with exit 2 (the launcher's own code is 1, its report after the line). The count that wrote a
+    run continues it."""
     script = str(ROOT / "pipelines" / "pretrain.py")
     for wrote, resumes in ((2, 1), (1, 2)):
         out = tmp_path / f"from{wrote}"
@@ -291,7 +299,7 @@ def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_pat
             run([script, *args, "run.stop_after=2"])
         else:
             assert pretrain.main([*args, "run.stop_after=2"]) == 0
-        before = sorted(p.name for p in (out / "checkpoints").iterdir())
+        before = files_of(out)
         capsys.readouterr()
         if resumes == 1:
             assert pretrain.main([*args, "run.resume=true"]) == 2
@@ -300,12 +308,61 @@ def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_pat
             result = run([script, *args, "run.resume=true"], check=False)
             assert result.returncode == 1, result.stderr[-2000:]  # (the launcher's code for a failed rank)
             stderr = result.stderr
+            assert stderr.startswith("error: ") and "exitcode  : 2 " in stderr and "exitcode  : -15" not in stderr, \
+                stderr[-3000:]
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and f"written by {wrote} process(es), this launch has {resumes}" in errors[0], \
             stderr[-2000:]
-        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before == ["step-00000002"]
+        continues = (f"resume with python {Path(script).relative_to(ROOT)} " if wrote == 1 else
+                     "resume with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 "
+                     f"{Path(script).relative_to(ROOT)} ")
+        assert continues + " ".join(args) + " run.resume=true" in errors[0], errors[0]
+        assert files_of(out) == before
     run([script, *args, "run.resume=true"], processes=1)  # the count that wrote it continues it
     assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
+
+
+def test_the_lazy_check_names_the_nan_rank_and_every_rank_skips_alike(shards, tmp_path):
+    """run.finite_check=lazy on 2 processes: rank 1's inputs are NaN at step 2 (loss and, after the all-reduce,
+    every rank's gradients NaN), and at step 3 its loss alone is NaN (the gradients finite). Both steps' updates are
+    skipped on both ranks (the skip is a max over ranks; before, rank 0 applied step 3 and the ranks' weights
+    parted), and the one line at the next check names rank 1 (before: rank 0, flagged by the NaN gradients)."""
+    out = tmp_path / "lazy"
+    result = run([*mp3_args(shards, out, steps=6), "run.finite_check=lazy", "optim.fused=true", "run.log_every=4"],
+                 env={"TRACE_NANINPUT": "1:2", "TRACE_NANLOSS": "1:3"}, check=False, timeout=120)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: training diverged at step 2: the loss is nan on rank 1 (seen at step 4: run.finite_check=lazy; the "
+        "step's update was skipped); nothing of it was saved"), result.stderr[-3000:]
+    rank0, rank1 = traces(out)
+    assert len(rank0["sums"]) == 4 and rank0["sums"] == rank1["sums"], (rank0["sums"], rank1["sums"])
+    assert rank0["sums"][0] == rank0["sums"][1] == rank0["sums"][2] != rank0["sums"][3], "steps 2 and 3 skipped"
+
+
+def test_a_launch_that_starts_other_processes_than_asked_is_one_line(shards, tmp_path):
+    """``accelerate launch --num_processes 2`` without ``--multi_gpu`` starts one process; ``--multi_gpu`` without
+    ACCELERATE_USE_CPU on a machine without GPUs starts two that each run alone (before: two runs of one
+    run.output, colliding on its lock). Each is refused in one line, the first of the output, naming the command
+    that starts two processes; nothing is trained."""
+    script = str(ROOT / "pipelines" / "pretrain.py")
+    out = tmp_path / "run"
+    args = [script, "method=mp3", *img(shards), *TINY, "optim.max_steps=2", f"run.output={out}"]
+    cpu = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_CPU"}
+    cases = [(["--num_processes", "2"], ENV, "error: accelerate launch --num_processes 2 started 1 process: without "
+              "--multi_gpu, or with --cpu, it runs the script once; start 2 with: ")]
+    if not torch.cuda.is_available():
+        cases.append((["--multi_gpu", "--num_processes", "2"], cpu, "error: the launcher started 2 processes "
+                      "(WORLD_SIZE=2) but --multi_gpu needs GPUs and none is visible (torch.cuda.is_available() is "
+                      "False), so each process would train as a run of its own; start them with: "))
+    for launch, env, first in cases:
+        result = subprocess.run([ACCELERATE, "launch", *launch, "--num_machines", "1", *COMMON, "--main_process_port",
+                                 "0", *args], capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 1, result.stderr[-2000:]  # (the launcher's code for a failed process)
+        line = result.stderr.splitlines()[0]
+        assert line == first + (f"ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 "
+                                f"{' '.join(args)} (on CPU; on 2 GPUs the same without ACCELERATE_USE_CPU=true)"), line
+        assert [x for x in result.stderr.splitlines() if x.startswith("error:")] == [line]
+        assert not (out / "log.jsonl").exists() and not (out / "checkpoints").exists()
 
 
 def test_rank_streams_never_coincide_across_seeds_and_ranks(shards, tmp_path, mp3_two_process):
@@ -322,3 +379,32 @@ def test_rank_streams_never_coincide_across_seeds_and_ranks(shards, tmp_path, mp
     assert len(set(seeds.values())) == len(seeds)
     assert all(engine.rank_seed(s, 0) == s for s in range(2000))
     assert all(0 <= v < 2**32 for v in seeds.values()), "numpy's seed range"
+
+
+def test_rank_seeds_are_distinct_for_every_accepted_seed_and_rank():
+    """rank_seed at its bounds. A map that wraps at 2**31 gives run.seed=2**19 on rank 1 the masks of run.seed=0;
+    each accepted (seed, rank) has a seed of its own, (rank - 1, seed) read back from it, below
+    2**32 (torch's CPU generator keeps a seed's low 32 bits, numpy takes no more); rank 0 keeps any seed below
+    2**31, and seeds of 2**20 or more on several processes, or more than 2048 processes, are refused."""
+    from core import engine
+    from core.config import MAX_SEED, ConfigError
+
+    rank_seed, top = engine.rank_seed, engine.SEEDS_PER_RANK - 1
+    seeds = [0, 1, 2, 2**19 - 1, 2**19, 2**19 + 1, top - 1, top]
+    pairs = {(s, r) for s in seeds for r in range(1, engine.MAX_PROCESSES)} | {
+        (s, r) for s in range(4096) for r in range(1, 9)}
+    values = {pair: rank_seed(*pair) for pair in pairs}
+    assert all(MAX_SEED <= v < 2**32 and divmod(v - MAX_SEED, engine.SEEDS_PER_RANK) == (r - 1, s)
+               for (s, r), v in values.items())
+    assert len(set(values.values())) == len(pairs)
+    assert [rank_seed(s, 0) for s in (0, 2**19, top, 2**20, MAX_SEED - 1)] == [0, 2**19, top, 2**20, MAX_SEED - 1]
+    torch.manual_seed(rank_seed(0, 1))
+    first = torch.rand(8)
+    torch.manual_seed(rank_seed(2**19, 1))
+    assert not torch.equal(first, torch.rand(8)), "the streams themselves differ"
+    for seed, rank in ((2**20, 1), (MAX_SEED - 1, 1), (0, engine.MAX_PROCESSES)):
+        with pytest.raises(ConfigError):
+            rank_seed(seed, rank)
+    with pytest.raises(ConfigError, match=r"run.seed=1048576 with 2 processes: .*choose run.seed in \[0, 1048576\)"):
+        engine.check_seed(2**20, 2)
+    engine.check_seed(MAX_SEED - 1, 1)  # one process: any seed

@@ -20,7 +20,7 @@ import pretrain  # noqa: E402
 
 from core import rundir  # noqa: E402
 from tests.fault_driver import same, strays, weights  # noqa: E402
-from tests.pipeline_args import SMALL_HEADS, TINY, img  # noqa: E402
+from tests.pipeline_args import SMALL_HEADS, TINY, files_of, img  # noqa: E402
 
 DRIVER = str(ROOT / "tests" / "fault_driver.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -607,3 +607,74 @@ def test_mae_with_a_mask_ratio_that_masks_nothing_is_refused(shards, tmp_path, c
                           "optim.max_steps=1", f"run.output={tmp_path / 'mae'}"]) == 2
     assert "mask_ratio=0 masks none of the 64 patches, so MAE's loss (over the masked patches) is 0" in \
         error_line(capsys)
+
+
+def test_a_refused_resume_changes_no_file_of_the_run(shards, tmp_path, capsys):
+    """A resume refused for a changed recipe, or for a checkpoint of another process count, leaves every file of
+    the run as it found it, the lock file included (the refused launch's pid and start time are taken back); the
+    process-count refusal names the launch that continues the run, on CPU and on GPUs."""
+    import time
+
+    out = tmp_path / "run"
+    assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.stop_after=2"]) == 0
+    before = files_of(out)
+    time.sleep(1.1)  # (a lock taken now would record another start time)
+    capsys.readouterr()
+    assert pretrain.main([*stop_args(shards, out), "optim.lr=0.1", "run.resume=true"]) == 2
+    assert "run.resume=true: optim.lr (0.0015 -> 0.1) differ from" in error_line(capsys)
+    assert files_of(out) == before
+    step = out / "checkpoints" / "step-00000002"  # its record says 2 processes wrote it (resealed to match)
+    trainer = json.loads((step / "state" / "trainer.json").read_text())
+    (step / "state" / "trainer.json").write_text(json.dumps({**trainer, "world_size": 2}))
+    reseal(step)
+    before = files_of(out)
+    assert pretrain.main([*stop_args(shards, out), "run.resume=true"]) == 2
+    line = error_line(capsys)
+    assert "written by 2 process(es), this launch has 1: " in line and (
+        "; resume with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 pipelines/pretrain.py "
+        "method=stop ") in line and line.endswith(
+        " run.resume=true (on CPU; on 2 GPUs the same without ACCELERATE_USE_CPU=true), or start a new run (another "
+        "run.output, or run.overwrite=true)"), line
+    assert files_of(out) == before
+
+
+def test_a_resume_compares_the_data_by_fingerprint_not_by_path(shards, tmp_path, capsys):
+    """The checkpoint records its data's fingerprints (data.train, data.val) and a resume compares them, not the
+    paths: the same shards copied elsewhere resume exactly (before: refused as a changed data.train), a split
+    rebuilt in place with other images and labels is refused in one line naming both fingerprints, every file of
+    the run left as it was (before: it resumed silently)."""
+    from patchplace.data import Manifest, SplitWriter
+
+    original = tmp_path / "data"
+    shutil.copytree(shards / "img", original / "img")
+    run, other = tmp_path / "run", tmp_path / "other"
+    for out in (run, other):
+        assert pretrain.main([*stop_args(original, out), "run.checkpoint_every=2", "run.stop_after=2"]) == 0
+    recorded = json.loads((run / "checkpoints" / "step-00000002" / "state" / "trainer.json").read_text())["data"]
+    train = original / "img" / "train"
+    old = Manifest.load(train).fingerprint()
+    assert recorded == {"data.train": old, "data.val": Manifest.load(original / "img" / "test").fingerprint()}
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    assert pretrain.main([*stop_args(copy, run), "run.checkpoint_every=2", "run.resume=true"]) == 0
+    straight = tmp_path / "straight"
+    assert pretrain.main(stop_args(shards, straight)) == 0
+    assert same(weights(run), weights(straight)) and logged_steps(run) == [1, 2, 3, 4, 5, 6]
+
+    shutil.rmtree(train)  # the same split rebuilt with other images and labels
+    rng = __import__("numpy").random.default_rng(1)
+    with SplitWriter(original / "img", "train", dataset="toy", modality="image", classes=["a", "b", "c"],
+                     info={"image_size": [28, 28], "channels": 1}, source="test", recipe="test", recipe_version=1,
+                     max_count=16) as w:
+        for i in range(64):
+            w.add_image(f"{i:04d}", (i + 1) % 3, rng.integers(0, 256, (28, 28), dtype="uint8"))
+    new = Manifest.load(train).fingerprint()
+    before = files_of(other)
+    capsys.readouterr()
+    assert pretrain.main([*stop_args(original, other), "run.checkpoint_every=2", "run.resume=true"]) == 2
+    assert error_line(capsys) == (
+        f"error: run.resume=true: data.train={train} holds other data (fingerprint {new[:16]}) than the step-2 "
+        f"checkpoint in {other} was trained on (fingerprint {old[:16]}): point data.train at that data (its path "
+        "may change: the fingerprint is compared, not the path), or train on this data in a new run (another "
+        "run.output, or run.overwrite=true)")
+    assert files_of(other) == before

@@ -190,7 +190,9 @@ class RunSection:
     """Output, seeds, precision, logging, checkpoint cadence, learning-curve snapshots and early stopping."""
 
     output: str = "runs/default"  # run directory (log.jsonl, checkpoints, tensorboard/)
-    seed: int = 0  # weights, data order, augmentation; masks / noise / drop path: a stream per (seed, rank)
+    # weights, data order, augmentation; masks / noise / drop path: a stream per (seed, rank) (several processes:
+    # seed < 2**20, engine.rank_seed)
+    seed: int = 0
     mixed_precision: str = "no"  # no | fp16 | bf16
     grad_accum: int = 1  # micro-batches per optimizer step
     log_every: int = 10  # steps

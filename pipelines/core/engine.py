@@ -31,7 +31,9 @@ SIGTERM / SIGINT (Ctrl-C) end the run at the next optimizer step with a checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -47,9 +49,9 @@ from typing import Any
 
 import torch
 import yaml
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, broadcast_object_list, set_seed
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -124,15 +126,65 @@ def every_rank(exc: Exception) -> Exception:
     return exc
 
 
+# Under several processes every rank r > 0 draws from a seed of its own: run.seed below SEEDS_PER_RANK, and at most
+# MAX_PROCESSES processes (see rank_seed).
+SEEDS_PER_RANK = 2**20
+MAX_PROCESSES = 2**11
+
+
+def report(exc: BaseException) -> int:
+    """Print ``exc`` as one line (``error: ...``; an :class:`Interrupted` as it is) and return its exit code (2;
+    an interruption's 143 / 130). An error every rank meets alike (``every_rank``) is printed once, by rank 0, before
+    any rank leaves (the launcher ends the others as soon as one exits); a rank's own error by that rank. Under
+    torchrun / ``accelerate launch --multi_gpu`` the line also goes to the rank's error file, so the launcher's
+    report (printed after it, with the launcher's own exit code 1) names it instead of a missing traceback."""
+    line = str(exc) if isinstance(exc, Interrupted) else f"error: {one_line(exc)}"
+    alike = getattr(exc, "every_rank", False)
+    state = PartialState() if PartialState._shared_state else None  # (never creates one: no process group)
+    joined = state is not None and state.num_processes > 1
+    rank = state.process_index if joined else int(os.environ.get("RANK", "0") or 0)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}))
+    if rank == 0 or not alike:
+        print(line, file=sys.stderr, flush=True)
+    if alike and joined:
+        state.wait_for_everyone()
+        # every rank leaves with its own code: the launcher's SIGTERM to the others, once one has left, would
+        # end a rank still shutting down with -15
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif alike and rank != 0:  # ranks that never formed a group: rank 0 prints, then the launcher ends this one
+        time.sleep(30)
+        print(line, file=sys.stderr, flush=True)
+    return getattr(exc, "exit_code", 2)
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of rank ``rank``'s random stream (masks, noise, drop path) in a run seeded ``seed``: rank 0 keeps
-    ``seed`` (a one-process run draws what it always drew); rank r > 0 draws from ``2**31 + seed * 4096 + r``,
-    above every valid ``run.seed``, so no (seed, rank) pair shares another's stream (for seed < 2**19 and up to
-    4096 ranks; beyond, the map wraps modulo 2**31). ``seed + rank`` would give rank 0 of seed 1 the stream of
-    rank 1 of seed 0."""
+    ``seed`` (a one-process run draws what it always drew; any ``run.seed`` below 2**31); rank r > 0 draws from
+    ``2**31 + (r - 1) * 2**20 + seed``. Distinct for every accepted pair: rank 0's seeds lie below 2**31, the others
+    in [2**31, 2**32), where ``(r - 1, seed)`` are the quotient and remainder by 2**20, for seed < 2**20 and
+    r < 2**11 (:func:`check_seed`; a :class:`ConfigError` outside). Every seed stays below 2**32: numpy takes no
+    more, and torch's CPU generator keeps only a seed's low 32 bits (``seed + r * 2**32`` would give every rank the
+    same masks)."""
     if rank == 0:
         return seed
-    return MAX_SEED + (seed * 4096 + rank) % MAX_SEED
+    check_seed(seed, rank + 1)
+    return MAX_SEED + (rank - 1) * SEEDS_PER_RANK + seed
+
+
+def check_seed(seed: int, processes: int) -> None:
+    """``run.seed`` and the process count give every rank a stream of its own (:func:`rank_seed`)."""
+    if processes > MAX_PROCESSES:
+        raise ConfigError(f"{processes} processes: each rank's own random stream (masks, noise, drop path) is "
+                          f"distinct from every other run's for at most {MAX_PROCESSES} processes; use fewer")
+    if processes > 1 and not 0 <= seed < SEEDS_PER_RANK:
+        raise ConfigError(f"run.seed={seed} with {processes} processes: each rank r > 0 draws its masks, noise and "
+                          f"drop path from a seed of its own (2**31 + (r - 1) x 2**20 + run.seed, below 2**32: "
+                          f"torch's CPU generator and numpy keep 32 bits), distinct from every other (seed, rank) "
+                          f"only for run.seed < {SEEDS_PER_RANK}; choose run.seed in [0, {SEEDS_PER_RANK})")
 
 
 def say(text: str, file: Any = None) -> None:
@@ -279,10 +331,65 @@ def make_accelerator(run: RunSection) -> Accelerator:
     # run in one process (tests, the demo and study orchestration) may each ask for their own, so start it afresh.
     if AcceleratorState._shared_state.get("_mixed_precision") not in (None, run.mixed_precision):
         AcceleratorState._reset_state()
-    return Accelerator(mixed_precision=run.mixed_precision, gradient_accumulation_steps=run.grad_accum,
-                       log_with="tensorboard" if run.tensorboard else None,
-                       # accelerate writes to <logging_dir>/<run name>: the events land in <output>/tensorboard/
-                       project_config=ProjectConfiguration(project_dir=run.output, logging_dir=run.output))
+    accelerator = Accelerator(mixed_precision=run.mixed_precision, gradient_accumulation_steps=run.grad_accum,
+                              log_with="tensorboard" if run.tensorboard else None,
+                              # accelerate writes to <logging_dir>/<run name>: the events land in <output>/tensorboard/
+                              project_config=ProjectConfiguration(project_dir=run.output, logging_dir=run.output))
+    check_launch(accelerator)
+    return accelerator
+
+
+def relaunch(processes: int, command: str) -> str:
+    """The command line that runs ``command`` (a script and its arguments) on ``processes`` processes of one
+    machine (``accelerate launch --cpu --num_processes N`` and ``--num_processes N`` without ``--multi_gpu`` start
+    one; ``--multi_gpu`` on a machine without GPUs needs ``ACCELERATE_USE_CPU=true``)."""
+    if processes == 1:
+        return f"python {command}"
+    return (f"ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes {processes} {command} (on CPU; "
+            f"on {processes} GPUs the same without ACCELERATE_USE_CPU=true)")
+
+
+def launch_asked() -> tuple[int, str] | None:
+    """(the ``--num_processes`` and the script) of the ``accelerate launch`` that started this process as its
+    only child (its command line, read from /proc: that launcher exports neither), or None."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    at = next((i for i, a in enumerate(argv) if Path(a).name == "accelerate-launch" or (
+        a == "launch" and i > 0 and Path(argv[i - 1]).name in ("accelerate", "accelerate_cli.py"))), None)
+    if at is None:
+        return None
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # (argparse prints its usage before giving up)
+            args = launch_command_parser().parse_known_args(argv[at + 1:])[0]
+    except (SystemExit, Exception):
+        return None
+    if not args.num_processes or not args.training_script:
+        return None
+    return int(args.num_processes), str(args.training_script)
+
+
+def check_launch(accelerator: Accelerator) -> None:
+    """The processes that joined this job are those the launch asked for. ``accelerate launch --multi_gpu
+    --num_processes N`` exports ``WORLD_SIZE=N``, but without GPUs (and without ``ACCELERATE_USE_CPU=true``) each
+    process runs alone, as a run of its own; ``--num_processes N`` without ``--multi_gpu`` (or with ``--cpu``)
+    starts one process. Either is a :class:`ConfigError` naming the command that starts N."""
+    have, command = accelerator.num_processes, shlex.join(sys.argv)
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.isdigit() and int(world) != have:
+        why = ("--multi_gpu needs GPUs and none is visible (torch.cuda.is_available() is False), so each process "
+               "would train as a run of its own" if not torch.cuda.is_available() else
+               f"Accelerate joined a world of {have}")
+        raise every_rank(ConfigError(f"the launcher started {world} processes (WORLD_SIZE={world}) but {why}; "
+                                     f"start them with: {relaunch(int(world), command)}"))
+    asked = launch_asked() if world is None and have == 1 else None
+    if asked is not None and asked[0] > have and Path(asked[1]).name == Path(sys.argv[0]).name:
+        raise ConfigError(f"accelerate launch --num_processes {asked[0]} started {have} process: without "
+                          f"--multi_gpu, or with --cpu, it runs the script once; start {asked[0]} with: "
+                          f"{relaunch(asked[0], command)}")
 
 
 @dataclass
@@ -686,6 +793,8 @@ def truncate_log(path: Path, step: int) -> None:
 class Interrupted(Exception):
     """SIGTERM / SIGINT ended the run after a checkpoint; ``str()`` says where and how to resume."""
 
+    every_rank = True  # the ranks agree on the stop (:meth:`Trainer._stop_signal`): printed once
+
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
@@ -737,6 +846,10 @@ class Trainer:
                  command: str | None = None) -> None:
         self.acc, self.objective, self.backbone, self.data = accelerator, objective, backbone, data
         self.optim_cfg, self.run, self.config = optim, run, config
+        try:
+            check_seed(run.seed, accelerator.num_processes)
+        except ConfigError as exc:
+            raise every_rank(exc) from None
         # optim.lr_scaling: the peak lr follows the global batch (recorded in the model card and optimizer.json)
         per_process = config.data.batch_size * run.grad_accum
         self.global_batch = per_process * accelerator.num_processes
@@ -777,16 +890,89 @@ class Trainer:
                               "during training (no evaluate callback; pretrain.py and finetune.py have theirs), so "
                               "there is nothing to stop on: set run.early_stop_patience=0 here")
         self.stopped_early: dict[str, Any] | None = None  # the early stop a resumed checkpoint records
-        # One run per directory: the main process holds run.output's lock until fit() ends, and checks what the
-        # directory holds against run.resume / run.overwrite before anything is written.
+        self.fingerprints = data_fingerprints(data, config.data)  # recorded with every checkpoint
+        # One run per directory: the main process holds run.output's lock until fit() ends and, before anything is
+        # written, checks what the directory holds (_check_directory). A refusal reaches every rank (one line, exit
+        # 2 everywhere) and leaves every file of the run as it was.
         self.lock = RunLock(self.out) if accelerator.is_main_process else None
+        refusal: ConfigError | None = None
         if self.lock is not None:
-            self.lock.acquire()
             try:
-                prepare_directory(self.out, resume=run.resume, overwrite=run.overwrite, config=to_dict(config))
-            except BaseException:
-                self.lock.release()
-                raise
+                self.lock.acquire()
+                try:
+                    self._check_directory()
+                except BaseException:
+                    self.lock.release(restore=True)
+                    raise
+            except ConfigError as exc:
+                refusal = exc
+        refusal = self._from_main(refusal)
+        if refusal is not None:
+            raise every_rank(refusal)
+
+    def _from_main(self, refusal: ConfigError | None) -> ConfigError | None:
+        """The main process's refusal (None: none), on every rank."""
+        if self.acc.num_processes == 1:
+            return refusal
+        shared = broadcast_object_list([None if refusal is None else str(refusal)], from_process=0)
+        if shared[0] is None:
+            return None
+        return refusal if self.acc.is_main_process else ConfigError(shared[0])
+
+    def _check_directory(self) -> None:
+        """What run.output holds against run.resume / run.overwrite and the config; on resume, the newest checkpoint
+        against this launch: sealed and intact, written by as many processes, trained on the same data (compared by
+        fingerprint, wherever the data lie now). Main process, lock held; reads only."""
+        run, found, recorded = self.run, None, {}
+        if run.resume and not run.overwrite:
+            found = self._newest_state()
+            if found is not None and found[1] is not None:
+                verify(found[1])
+            if found is not None:
+                recorded = recorded_data(found[0])
+        moved = tuple(name for key in recorded for name in (key, f"{key}_urls"))
+        prepare_directory(self.out, resume=run.resume, overwrite=run.overwrite, config=to_dict(self.config),
+                          moved=moved)
+        if found is None:
+            return
+        state = found[0]
+        trainer = json.loads((state / "trainer.json").read_text())
+        saved = trainer.get("world_size") or len(list(state.glob("random_states_*.pkl")))
+        if saved != self.acc.num_processes:
+            raise CheckpointError(
+                f"run.resume=true: the step-{trainer['step']} checkpoint in {self.out} was written by {saved} "
+                f"process(es), this launch has {self.acc.num_processes}: the global batch, each rank's place in the "
+                f"data and its random stream would change; resume with "
+                f"{relaunch(saved, f'{self.command} run.resume=true')}, or start a new run (another run.output, or "
+                "run.overwrite=true)")
+        for key, fingerprint in recorded.items():
+            now = self.fingerprints.get(key)
+            if now != fingerprint:
+                where = getattr(self.config.data, key.split(".")[1], "?")
+                raise ConfigError(
+                    f"run.resume=true: {key}={where} holds other data (fingerprint {str(now)[:16]}) than the "
+                    f"step-{trainer['step']} checkpoint in {self.out} was trained on (fingerprint "
+                    f"{fingerprint[:16]}): point {key} at that data (its path may change: the fingerprint is "
+                    "compared, not the path), or train on this data in a new run (another run.output, or "
+                    "run.overwrite=true)")
+
+    def _newest_state(self) -> tuple[Path, Path | None] | None:
+        """(state/, its checkpoint directory) of the newest complete checkpoint, or None when there is none yet. A
+        newer ``step-*`` directory without its ``COMPLETE`` record is refused (damage: a save writes ``COMPLETE``
+        before the directory gets its name)."""
+        steps = complete_steps(self.out)
+        newest = steps[-1][0] if steps else -1
+        unsealed = [path for number, path in unsealed_steps(self.out) if number > newest]
+        if unsealed:
+            raise CheckpointError(
+                f"{unsealed[-1]} has no {unsealed[-1] / 'COMPLETE'} record, so it cannot be verified (it was removed "
+                "or the directory was copied in part): restore the record, or delete that directory to resume from "
+                + (f"step {newest}" if steps else "scratch") + ", or start over with run.overwrite=true")
+        if steps:
+            return steps[-1][1] / "state", steps[-1][1]
+        if (self.out / "state" / "trainer.json").is_file():  # the legacy layout: state/ in the run directory
+            return self.out / "state", None
+        return None
 
     # ------------------------------------------------------------------ budget
     def _check_batch(self, per_process: int) -> None:
@@ -839,7 +1025,7 @@ class Trainer:
             if acc.is_main_process:
                 (partial / "state" / "trainer.json").write_text(json.dumps({
                     "step": step, "world_size": acc.num_processes, "global_batch": self.global_batch,
-                    **({"stopped_early": stopped_early} if stopped_early else {})}))
+                    "data": self.fingerprints, **({"stopped_early": stopped_early} if stopped_early else {})}))
                 final = commit(partial, step)
                 point_checkpoint_link(out, final / "checkpoint")
                 clean(out, keep=final)
@@ -927,44 +1113,20 @@ class Trainer:
                         "the checkpoint to evaluate")
 
     def resume_step(self) -> int:
-        """``run.resume=true``: load the newest complete checkpoint after verifying every file (0: none yet).
-
-        Refused in one line: a ``step-*`` directory newer than every sealed one but without its ``COMPLETE``
-        record (damage: a save writes ``COMPLETE`` before the directory gets its name), a checkpoint written by
-        another number of processes (the global batch, each rank's data position and random stream would change),
-        and a state file the safe loader refuses or cannot read (Accelerate would skip a bad random state)."""
+        """``run.resume=true``: load the newest complete checkpoint (0: none yet), which the main process checked
+        when the Trainer was made (:meth:`_check_directory`: sealed, intact, as many processes, the same data). A
+        state file the safe loader refuses or cannot read is refused in one line (Accelerate would skip a bad
+        random state)."""
         if not self.run.resume:
             return 0
-        acc, steps = self.acc, complete_steps(self.out)
-        newest = steps[-1][0] if steps else -1
-        unsealed = [path for number, path in unsealed_steps(self.out) if number > newest]
-        if unsealed:
-            raise CheckpointError(
-                f"{unsealed[-1]} has no {unsealed[-1] / 'COMPLETE'} record, so it cannot be verified (it was removed "
-                "or the directory was copied in part): restore the record, or delete that directory to resume from "
-                + (f"step {newest}" if steps else "scratch") + ", or start over with run.overwrite=true")
-        if steps:
-            path = steps[-1][1]
-            if acc.is_main_process:
-                verify(path)
-            acc.wait_for_everyone()
-            state = path / "state"
-        elif (self.out / "state" / "trainer.json").is_file():  # a run from before checkpoints/ (issue 18)
-            state = self.out / "state"
-        else:
-            acc.print(f"run.resume=true: {self.out} holds no checkpoint yet; starting at step 0")
+        found = self._newest_state()
+        if found is None:
+            self.acc.print(f"run.resume=true: {self.out} holds no checkpoint yet; starting at step 0")
             return 0
+        state = found[0]
         trainer = json.loads((state / "trainer.json").read_text())
         self.stopped_early = trainer.get("stopped_early")
-        saved = trainer.get("world_size") or len(list(state.glob("random_states_*.pkl")))
-        if saved != acc.num_processes:
-            launch = "python" if saved == 1 else f"accelerate launch --num_processes {saved} <the same options>"
-            raise every_rank(CheckpointError(
-                f"run.resume=true: the step-{trainer['step']} checkpoint in {self.out} was written by {saved} "
-                f"process(es), this launch has {acc.num_processes}: the global batch, each rank's place in the data "
-                f"and its random stream would change; resume with {launch}, or start a new run (another "
-                "run.output, or run.overwrite=true)"))
-        load_state_strictly(acc, state)
+        load_state_strictly(self.acc, state)
         return int(trainer["step"])
 
     def _check_finite_weights(self, step: int) -> None:
@@ -985,13 +1147,16 @@ class Trainer:
 
     def _flag_nonfinite(self, loss: torch.Tensor, step: int) -> None:
         """run.finite_check=lazy, every micro-step, no host sync: whether this optimizer step has seen a non-finite
-        loss, and the first such step of the run with its loss (device tensors, read by :meth:`_check_flags`)."""
+        loss on this rank, and the first such step of the run with its loss (device tensors, read by
+        :meth:`_check_flags`; the gradients' flags are set by :meth:`_skip_if_nonfinite`)."""
         value = loss.detach().float()
         bad = ~value.isfinite()
         if self._flags is None:
             self._flags = {"now": torch.zeros((), dtype=torch.bool, device=value.device),
                            "first": torch.full((), -1, dtype=torch.long, device=value.device),
-                           "loss": torch.zeros((), device=value.device)}
+                           "loss": torch.zeros((), device=value.device),
+                           "grad_first": torch.full((), -1, dtype=torch.long, device=value.device),
+                           "grad": torch.zeros((), device=value.device)}
         flags = self._flags
         fresh = bad & (flags["first"] < 0)
         flags["first"] = torch.where(fresh, flags["first"].new_full((), step), flags["first"])
@@ -1000,29 +1165,51 @@ class Trainer:
 
     def _skip_if_nonfinite(self, optimizer: Any, grad_norm: torch.Tensor | None, step: int) -> None:
         """run.finite_check=lazy, on a sync step: AdamW's fused kernel skips this update (``found_inf``) when a loss
-        of the step or the gradients (the same on every rank after the all-reduce) are not finite."""
+        of the step on any rank or the gradients (the same on every rank after the all-reduce) are not finite. The
+        decision is a max over ranks (a device all-reduce, no host sync): a loss that is NaN on one rank alone can
+        leave the gradients finite, and every rank must skip alike to keep the weights identical."""
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper around the torch optimizer
         if grad_norm is None:
             grads = [p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.acc.device)
-        grad_bad = ~grad_norm.detach().float().isfinite()
-        self._flag_nonfinite(torch.where(grad_bad, grad_norm.detach().float(), 0.0), step)  # counted as a bad step
-        inner.found_inf = (self._flags["now"] | grad_bad).float()
-        self._flags["now"] = torch.zeros_like(self._flags["now"])
+        norm = grad_norm.detach().float()
+        grad_bad = ~norm.isfinite()
+        if self._flags is None:  # (a finite value: sets up the flags only)
+            self._flag_nonfinite(torch.zeros((), device=norm.device), step)
+        flags = self._flags
+        fresh = grad_bad & (flags["grad_first"] < 0)
+        flags["grad_first"] = torch.where(fresh, flags["grad_first"].new_full((), step), flags["grad_first"])
+        flags["grad"] = torch.where(fresh, norm, flags["grad"])
+        skip = (flags["now"] | grad_bad).float()
+        if self.acc.num_processes > 1:
+            torch.distributed.all_reduce(skip, op=torch.distributed.ReduceOp.MAX)
+        inner.found_inf = skip
+        flags["now"] = torch.zeros_like(flags["now"])
 
     def _check_flags(self, step: int) -> None:
         """run.finite_check=lazy: one host sync (every rank's flags gathered) before a log, checkpoint or
-        evaluation; a non-finite step anywhere stops the run with the same line as the per-step check."""
+        evaluation; a non-finite step anywhere stops the run with the same line as the per-step check, naming the
+        rank whose loss was not finite (or the gradients, when every rank's loss was finite)."""
         if self._flags is None:
             return
-        first, loss = self._flags["first"].reshape(1), self._flags["loss"].reshape(1)
+        flags = self._flags
+        steps = torch.stack([flags["first"], flags["grad_first"]]).reshape(1, 2)
+        values = torch.stack([flags["loss"], flags["grad"]]).reshape(1, 2)
         if self.acc.num_processes > 1:
-            first, loss = self.acc.gather(first), self.acc.gather(loss)
-        bad = [(int(s), rank) for rank, s in enumerate(first.tolist()) if s >= 0]
-        if bad:
-            at, rank = min(bad)
-            raise Diverged(self._diverged(at, f"the loss is {loss[rank].item()} on rank {rank} (seen at step {step}: "
-                                              "run.finite_check=lazy; the step's update was skipped)"))
+            steps, values = self.acc.gather(steps), self.acc.gather(values)
+        steps, values = steps.tolist(), values.tolist()
+        losses = [(s, rank) for rank, (s, _) in enumerate(steps) if s >= 0]
+        grads = [(s, rank) for rank, (_, s) in enumerate(steps) if s >= 0]
+        if not losses and not grads:
+            return
+        if losses and (not grads or min(losses)[0] <= min(grads)[0]):
+            at, rank = min(losses)
+            what = f"the loss is {values[rank][0]} on rank {rank}"
+        else:
+            at, rank = min(grads)
+            what = f"the gradients are not finite (norm {values[rank][1]}) while every rank's loss was finite"
+        raise Diverged(self._diverged(at, f"{what} (seen at step {step}: run.finite_check=lazy; the step's update "
+                                          "was skipped)"))
 
     def _diverged(self, step: int, what: str) -> str:
         last = latest_step(self.out)
@@ -1065,18 +1252,8 @@ class Trainer:
                 if not disk_error(exc):
                     raise
                 raise DiskFull(disk_message(self.out, None, exc)) from None
-        except Interrupted as exc:
-            print(exc, file=sys.stderr)
-            return {}, exc.exit_code
-        except RUN_ERRORS as exc:  # e.g. a full disk, a corrupt checkpoint on resume, a bad shard, a NaN loss
-            # An error every rank meets alike (every_rank) is printed once, by the main process, before any rank
-            # leaves (the launcher ends the others as soon as one exits); a rank's own error by that rank.
-            every_rank = getattr(exc, "every_rank", False)
-            if self.acc.is_main_process or not every_rank:
-                print(f"error: {one_line(exc)}", file=sys.stderr)
-            if every_rank and self.acc.num_processes > 1:
-                self.acc.wait_for_everyone()
-            return {}, 2
+        except (Interrupted, *RUN_ERRORS) as exc:  # e.g. a full disk, a corrupt checkpoint, a bad shard, a NaN loss
+            return {}, report(exc)
 
     def _stop_signal(self, signals: _StopSignals) -> int:
         """The signal that asked this run to stop (0: none), agreed by every rank (max over ranks) so that all of
@@ -1101,24 +1278,14 @@ class Trainer:
         lazy, self._flags = run.finite_check == "lazy", None
         schedule = StepSchedule(optimizer, warmup_cosine(total, self.optim_cfg.warmup_fraction,
                                                          self.optim_cfg.min_lr_ratio))
-        if acc.is_main_process:  # what every parameter really gets (lr scale, weight decay), for the user to check
-            write_json_atomic(self.out / "optimizer.json", {
-                "lr": self.peak_lr, "config_lr": self.optim_cfg.lr, "lr_scaling": self.optim_cfg.lr_scaling,
-                "lr_base_batch": self.lr_base_batch,
-                "global_batch": self.global_batch, "processes": acc.num_processes,
-                "layer_decay": self.optim_cfg.layer_decay, "weight_decay": self.optim_cfg.weight_decay,
-                "parameters": parameter_groups(optimizer, self.objective)})
+        # what every parameter really gets (lr scale, weight decay), for the user to check: optimizer.json
+        groups = parameter_groups(optimizer, self.objective) if acc.is_main_process else None
         find_unused = self.run.find_unused_parameters
         if find_unused is None:  # auto: only objectives that may leave a parameter without gradient (MJP)
             find_unused = bool(getattr(self.objective, "leaves_parameters_unused", False))
         acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=find_unused)
         # The schedule is not prepared: Accelerate's wrapper would step it once per process (StepSchedule).
         objective, optimizer = acc.prepare(self.objective, optimizer)
-        if acc.is_main_process:
-            with atomic_file(self.out / "config.yaml") as tmp:
-                tmp.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
-            if run.tensorboard:
-                acc.init_trackers("tensorboard")
         # Each rank its own random stream (masks, noise, drop path): rank_seed(seed, rank), distinct for every
         # (seed, rank) pair. Resume restores every rank's stream from state/random_states_<rank>.pkl. The data
         # order has its own (seed, epoch, rank) seeds.
@@ -1142,6 +1309,17 @@ class Trainer:
             acc.print(f"run.resume=true: {self.out} is complete ({how}); nothing to do")
             self._report_best()
             return self._finished_result()
+        if acc.is_main_process:  # written once the resume is accepted: a refused one leaves the run's files alone
+            write_json_atomic(self.out / "optimizer.json", {
+                "lr": self.peak_lr, "config_lr": self.optim_cfg.lr, "lr_scaling": self.optim_cfg.lr_scaling,
+                "lr_base_batch": self.lr_base_batch,
+                "global_batch": self.global_batch, "processes": acc.num_processes,
+                "layer_decay": self.optim_cfg.layer_decay, "weight_decay": self.optim_cfg.weight_decay,
+                "parameters": groups})
+            with atomic_file(self.out / "config.yaml") as tmp:
+                tmp.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
+            if run.tensorboard:
+                acc.init_trackers("tensorboard")
         # which processes really run this job (world size and the distinct ranks, gathered from every process)
         ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
         bar = self.bar = tqdm(total=total, initial=step, disable=not acc.is_main_process,

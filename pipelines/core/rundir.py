@@ -67,9 +67,11 @@ class RunLock:
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / LOCK
         self.fd: int | None = None
+        self.previous: bytes | None = None  # what the lock file held before (restored by a refused launch)
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        existed = self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -83,17 +85,31 @@ class RunLock:
                    f"{holder.get('since', '?')})")
             raise ConfigError(f"run.output {self.path.parent} is in use by {who}: wait for that run to end, or "
                               "choose another run.output") from None
+        self.previous = _read_all(fd) if existed else None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
         self.fd = fd
         return self
 
-    def release(self) -> None:
+    def release(self, restore: bool = False) -> None:
+        """Unlock; ``restore``: give the lock file back what it held before (a launch that was refused leaves
+        every file of the run as it found it)."""
         if self.fd is not None:
+            if restore and self.previous is not None:
+                os.ftruncate(self.fd, 0)
+                os.pwrite(self.fd, self.previous, 0)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def _read_all(fd: int) -> bytes:
+    chunks, offset = [], 0
+    while chunk := os.pread(fd, 1 << 16, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
 
 
 # ---------------------------------------------------------------------------------------------- fresh / resume
@@ -103,13 +119,15 @@ def holds_run(directory: Path) -> bool:
                ("log.jsonl", CHECKPOINTS, "checkpoint", "state"))
 
 
-def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config: dict[str, Any]) -> None:
+def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config: dict[str, Any],
+                      moved: tuple[str, ...] = ()) -> None:
     """Check what ``run.output`` holds against ``run.resume`` / ``run.overwrite`` (main process, lock held).
 
     * A directory with a run and neither flag: an error (nothing is overwritten silently).
     * ``run.overwrite=true``: the previous run's files are removed first (other files are left alone).
     * ``run.resume=true`` over a run whose ``config.yaml`` differs in a field that changes what is trained: an
       error listing the fields (the run would otherwise follow its old schedule while config.yaml says otherwise).
+      ``moved``: fields that may change too (data locations whose contents the caller compares by fingerprint).
     """
     if overwrite and resume:
         raise ConfigError("run.resume=true and run.overwrite=true contradict each other: pick one")
@@ -137,7 +155,7 @@ def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config:
         except (ValueError, yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"run.resume=true: {saved} is unreadable ({one_line(exc)}), so the run's settings "
                               "cannot be checked: restore it, or start over with run.overwrite=true") from None
-        changed = config_changes(old or {}, config)
+        changed = config_changes(old or {}, config, moved)
         if changed:
             raise ConfigError(f"run.resume=true: {', '.join(changed)} differ from {saved}; resume with the run's "
                               "values, or start a new run (another run.output, or run.overwrite=true)")
@@ -160,13 +178,14 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``field (old -> new)`` for every field of both configs that differs and is not in RESUMABLE_CHANGES."""
+def config_changes(saved: dict[str, Any], current: dict[str, Any], moved: tuple[str, ...] = ()) -> list[str]:
+    """``field (old -> new)`` for every field of both configs that differs and is not in RESUMABLE_CHANGES (nor
+    in ``moved``)."""
     old, new = _flatten(saved), _flatten(current)
     # early stopping counts evaluations: their cadence changes where it stops
     fixed = {"run.eval_every"} if new.get("run.early_stop_patience") else set()
     return [f"{k} ({old[k]!r} -> {new[k]!r})" for k in sorted(old.keys() & new.keys())
-            if (k not in RESUMABLE_CHANGES or k in fixed) and not _same(old[k], new[k])]
+            if (k not in (*RESUMABLE_CHANGES, *moved) or k in fixed) and not _same(old[k], new[k])]
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
