@@ -132,6 +132,21 @@ SEEDS_PER_RANK = 2**20
 MAX_PROCESSES = 2**11
 
 
+# the directories make_accelerator created for run.output: a refusal removes them again while they are empty
+_CREATED: list[Path] = []
+
+
+def remove_created_output() -> None:
+    """Remove the run.output directories this process created, deepest first, as long as they are empty: a refused
+    run leaves no empty folder behind."""
+    for directory in _CREATED:
+        try:
+            directory.rmdir()
+        except OSError:
+            break
+    _CREATED.clear()
+
+
 def report(exc: BaseException) -> int:
     """Print ``exc`` as one line (``error: ...``; an :class:`Interrupted` as it is) and return its exit code (2;
     an interruption's 143 / 130). An error every rank meets alike (``every_rank``) is printed once, by rank 0, before
@@ -139,6 +154,7 @@ def report(exc: BaseException) -> int:
     torchrun / ``accelerate launch --multi_gpu`` the line also goes to the rank's error file, so the launcher's
     report (printed after it, with the launcher's own exit code 1) names it instead of a missing traceback."""
     line = str(exc) if isinstance(exc, Interrupted) else f"error: {one_line(exc)}"
+    remove_created_output()
     alike = getattr(exc, "every_rank", False)
     state = PartialState() if PartialState._shared_state else None  # (never creates one: no process group)
     joined = state is not None and state.num_processes > 1
@@ -203,6 +219,7 @@ def start(config_cls: type, description: str, argv: list[str] | None, augment: b
     The seed is the same on every process here, so every rank builds the same initial weights (DDP also broadcasts
     rank 0's); :meth:`Trainer.fit` then gives each rank its own random stream. ``split_train=False``: every process
     reads the whole train split (evaluation, which runs on the main process only)."""
+    _CREATED.clear()
     args = parser(config_cls, description, sys.argv[1:] if argv is None else argv).parse_args(argv)
     cfg = load(config_cls, args.config, args.overrides)
     accelerator = make_accelerator(cfg.run)
@@ -320,7 +337,9 @@ def make_accelerator(run: RunSection) -> Accelerator:
                           f"create {target} (or mount what it points into), or remove the link, or choose another "
                           "run.output")
     try:
-        Path(run.output).mkdir(parents=True, exist_ok=True)
+        output = Path(run.output).absolute()
+        _CREATED[:] = [d for d in (output, *output.parents) if not d.exists()]
+        output.mkdir(parents=True, exist_ok=True)
         probe = Path(run.output) / f".write-test-{os.getpid()}"
         probe.touch()
         probe.unlink()
