@@ -1,0 +1,50 @@
+"""Runs a list of tiny pipeline runs in one process, for ``test_golden.py``: the same list against the reference
+code and against the current code, each found through PYTHONPATH (the driver imports nothing of the repository by
+path).
+
+    python tests/golden_driver.py SPEC.json
+
+SPEC.json: ``{"modules": {"pretrain": <module>, "finetune": <module>}, "runs": [{"name", "script", "args"}, ...],
+"report": <path>, "prefixes": [<module name prefixes whose files are reported>]}``. Each run calls
+``<module>.main(args)`` in the working directory; the report (JSON) holds every run's exit code (or traceback) and
+the file of every loaded module under ``prefixes``, so the test can check which code ran, and the pretrain module's
+``METHODS``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import traceback
+from pathlib import Path
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    results: dict[str, dict] = {}
+    modules = {}
+    for script, name in spec["modules"].items():
+        modules[script] = importlib.import_module(name)
+    for run in spec["runs"]:
+        print(f"=== golden run {run['name']}: {run['script']} {' '.join(run['args'])}", flush=True)
+        try:
+            code = modules[run["script"]].main(list(run["args"]))
+            results[run["name"]] = {"code": code}
+        except SystemExit as exc:
+            results[run["name"]] = {"code": exc.code}
+        except Exception:
+            results[run["name"]] = {"code": None, "error": traceback.format_exc()}
+        sys.stdout.flush()
+        sys.stderr.flush()
+    loaded = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
+    files = {name: str(Path(file).resolve()) for name, file in loaded.items()
+             if file and name.split(".")[0] in spec["prefixes"]}
+    methods = sorted(getattr(modules.get("pretrain"), "METHODS", None) or [])
+    report = {"runs": results, "modules": files, "methods": methods}
+    Path(spec["report"]).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,409 @@
+"""Golden test of the training engine: the current code trains exactly as the reference commit does.
+
+Every pretraining method, fine-tuning, the streaming path, bf16 and the engine's cadences run a few steps on the
+test shards, once with the reference code (``git archive`` of :data:`REFERENCE`) and once with the working tree's,
+each in its own process (one process each, CPU, one thread, the same seed and arguments); their run directories
+must match file by file: weights, optimizer and RNG states bit-identical, logs and checkpoint metadata equal (timing
+fields aside). A run directory the reference code stopped after 2 of 4 steps must resume with the current code to
+the weights of an uninterrupted current run. Nothing measured here is stored: the reference is rebuilt from git on
+every run, so the comparison holds on any CPU and torch build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = Path(__file__).with_name("golden_driver.py")
+
+# The pre-refactor reference (issue 43: pipelines/ as the package patchplace.pipelines): main's HEAD before the
+# engine was moved. PATCHPLACE_GOLDEN_REFERENCE=<sha> compares against another commit.
+REFERENCE = os.environ.get("PATCHPLACE_GOLDEN_REFERENCE", "e53e835af134bddce31feb52dfcdc1720651cf05")
+# The tree whose code is compared with the reference: this one, or PATCHPLACE_GOLDEN_TREE (e.g. a perturbed copy, to
+# see the test fail).
+TREE = Path(os.environ.get("PATCHPLACE_GOLDEN_TREE", ROOT)).resolve()
+
+# The reference's pretrain.METHODS (checked against it below).
+METHODS = ("mp3", "mp3_speech", "droppos", "mae", "ijepa", "stop", "randsac", "mjp", "supervised")
+# Log fields that measure time, not training.
+TIMING = {"startup_s", "data_share", "samples_per_s", "tflops"}
+# Top-level module names whose files the drivers report (the code each process imported).
+PREFIXES = ["patchplace", "core", "pretrain", "finetune", "reproduction", "benchmarks"]
+
+
+@dataclass(frozen=True)
+class Code:
+    """One version of the code: what goes on PYTHONPATH (first) and the modules whose ``main(argv)`` run."""
+
+    name: str
+    root: Path
+    pythonpath: tuple[Path, ...]
+    modules: dict[str, str]  # pipeline (pretrain / finetune) -> module name
+
+
+def package_sources(root: Path) -> tuple[Path, ...]:
+    return (*(root / "packages" / p / "src" for p in ("data", "models", "objectives", "finetune")),
+            root / "export" / "src")
+
+
+def reference_code(root: Path) -> Code:
+    """The reference layout: the sub-packages' src dirs, then pipelines/ (its scripts import ``core``)."""
+    return Code("reference", root, (*package_sources(root), root / "pipelines"),
+                {"pretrain": "pretrain", "finetune": "finetune"})
+
+
+def current_code() -> Code:
+    """How the working tree's code runs; the one place to adapt when its layout changes (e.g. pipelines as
+    ``patchplace.pipelines``: put its src dir on the path and name its pretrain / finetune modules)."""
+    return Code("current", TREE, (*package_sources(TREE), TREE / "pipelines"),
+                {"pretrain": "pretrain", "finetune": "finetune"})
+
+
+# --- the runs -------------------------------------------------------------------------------------------------------
+
+TINY = ["model.preset=vit_micro", "data.batch_size=8", "data.num_workers=0", "run.tensorboard=false",
+        "run.log_every=1", "data.shuffle_buffer=16"]
+HEADS = {
+    "droppos": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "mae": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "randsac": ["objective.decoder_dim=32", "objective.decoder_heads=2", "objective.decoder_depth=1"],
+    "ijepa": ["objective.predictor_dim=32", "objective.predictor_heads=2", "objective.predictor_depth=1",
+              "objective.min_keep=2"],
+    "stop": ["objective.predictor_dim=32", "objective.predictor_heads=2", "objective.predictor_depth=1",
+             "objective.min_keep=2"],
+    "mjp": ["objective.ratio=0.15"],
+}
+STREAM = ["data.in_memory=false"]
+
+
+def data_args(shards: Path, method: str = "mp3") -> list[str]:
+    if method == "mp3_speech":
+        a = shards / "audio"
+        return [f"data.train={a / 'train'}", f"data.val={a / 'validation'}",
+                f"data.noise_split={a / 'background_noise'}", "model.preset=audio_mp3"]
+    return [f"data.train={shards / 'img' / 'train'}", f"data.val={shards / 'img' / 'test'}"]
+
+
+def pretrain_args(shards: Path, method: str, *extra: str) -> list[str]:
+    # the model preset of data_args (audio) comes after TINY's, so it wins
+    return [f"method={method}", *TINY, *data_args(shards, method), *HEADS.get(method, []), *extra]
+
+
+PRETRAINED = "mp3/checkpoint"  # the checkpoint the fine-tuning runs start from (a run of golden_runs)
+
+
+def finetune_args(shards: Path, *extra: str) -> list[str]:
+    return [*TINY, *data_args(shards), f"model.checkpoint={PRETRAINED}", *extra]
+
+
+def golden_runs(shards: Path) -> dict[str, tuple[str, list[str]]]:
+    """Run name -> (pipeline, arguments without run.output): run by both codes, in this order, compared pairwise."""
+    runs = {m: ("pretrain", pretrain_args(shards, m, "optim.max_steps=3")) for m in METHODS}
+    runs |= {
+        "mp3-streaming": ("pretrain", pretrain_args(shards, "mp3", "optim.max_steps=3", *STREAM)),
+        "mp3_speech-streaming": ("pretrain", pretrain_args(shards, "mp3_speech", "optim.max_steps=3", *STREAM)),
+        "mae-bf16": ("pretrain", pretrain_args(shards, "mae", "optim.max_steps=3", "run.mixed_precision=bf16")),
+        # accumulation, evaluations, intermediate checkpoints, learning-curve snapshots (8 steps an epoch)
+        "stop-cadences": ("pretrain", pretrain_args(shards, "stop", "optim.max_steps=4", "run.grad_accum=2",
+                                                    "run.eval_every=2", "run.checkpoint_every=2",
+                                                    "run.keep_epochs=[0,0.25]")),
+        # from the mp3 run's checkpoint: new PE and head, layer decay, Mixup / CutMix, drop path
+        "finetune": ("finetune", finetune_args(shards, "optim.max_steps=3")),
+        "finetune-streaming": ("finetune", finetune_args(shards, "optim.max_steps=3", *STREAM)),
+        "finetune-early-stop": ("finetune", finetune_args(shards, "optim.max_steps=6", "run.eval_every=1",
+                                                          "run.early_stop_patience=1")),
+    }
+    return runs
+
+
+def resume_runs(shards: Path) -> dict[str, tuple[str, list[str]]]:
+    """Runs of 4 steps the reference code stops after 2 and the current code resumes (in memory and streamed)."""
+    return {"mp3": ("pretrain", pretrain_args(shards, "mp3", "optim.max_steps=4")),
+            "stop-streaming": ("pretrain", pretrain_args(shards, "stop", "optim.max_steps=4", *STREAM))}
+
+
+# --- running them -------------------------------------------------------------------------------------------------
+
+
+def environment(code: Code) -> dict[str, str]:
+    """One CPU thread, no GPU, the code's own directories first on the path (nothing inherited from the caller)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "PYTHON"))}
+    return {**env, "PYTHONPATH": os.pathsep.join(map(str, code.pythonpath)), "PYTHONNOUSERSITE": "1",
+            "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def launch(code: Code, cwd: Path, runs: dict[str, tuple[str, list[str]]]) -> tuple[subprocess.Popen, Path]:
+    """Starts the driver on ``runs`` in ``cwd`` (each run's output: its name, relative); -> the process and its
+    report file (driver.log beside it holds the output)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    spec = {"modules": code.modules, "prefixes": sorted({*PREFIXES, *(m.split(".")[0] for m in code.modules.values())}),
+            "runs": [{"name": n, "script": s, "args": [*a, f"run.output={n}"]} for n, (s, a) in runs.items()],
+            "report": str(cwd / "report.json")}
+    (cwd / "spec.json").write_text(json.dumps(spec, indent=1))
+    with open(cwd / "driver.log", "w") as log:
+        process = subprocess.Popen([sys.executable, str(DRIVER), str(cwd / "spec.json")], cwd=cwd, stdout=log,
+                                   stderr=subprocess.STDOUT, env=environment(code))
+    return process, cwd / "report.json"
+
+
+def finish(process: subprocess.Popen, report: Path) -> dict:
+    try:
+        process.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    log = (report.parent / "driver.log").read_text(errors="replace")
+    assert process.returncode == 0 and report.is_file(), f"driver in {report.parent} failed:\n{log[-5000:]}"
+    return json.loads(report.read_text())
+
+
+@dataclass
+class Golden:
+    codes: dict[str, Code]
+    dirs: dict[str, Path]  # code name -> its runs' working directory
+    reports: dict[str, dict]
+    resumed: Path  # the reference's stopped runs, resumed there by the current code
+    stopped_at: dict[str, list[int]]  # resume run -> the complete checkpoint steps the reference left
+    stopped_logs: dict[str, str]  # resume run -> the log.jsonl the reference left
+
+
+@pytest.fixture(scope="session")
+def reference_tree(tmp_path_factory) -> Path:
+    """The reference commit's packages/, export/ and pipelines/, extracted from git."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("the golden test rebuilds the reference code from git, and git is not installed")
+    if subprocess.run([git, "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True).returncode:
+        pytest.skip(f"{ROOT} is not a git checkout: the golden test rebuilds the reference code from its history")
+    if subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", f"{REFERENCE}^{{commit}}"],
+                      capture_output=True).returncode:
+        pytest.skip(f"the reference commit {REFERENCE} is not in this clone (a shallow clone? fetch main's full "
+                    "history, e.g. actions/checkout with fetch-depth: 0)")
+    archive = subprocess.run([git, "-C", str(ROOT), "archive", "--format=tar", REFERENCE, "packages", "export",
+                              "pipelines"], capture_output=True, check=True).stdout
+    dest = tmp_path_factory.mktemp("reference")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def golden(reference_tree, shards, tmp_path_factory) -> Golden:
+    """Both codes run ``golden_runs`` (in parallel); the reference also stops the resume runs after 2 steps and the
+    current code runs them straight; then the current code resumes copies of the stopped runs."""
+    base = tmp_path_factory.mktemp("golden")
+    codes = {"reference": reference_code(reference_tree), "current": current_code()}
+    dirs = {name: base / name for name in codes}
+    runs, resumes = golden_runs(shards), resume_runs(shards)
+    started = {
+        "reference": launch(codes["reference"], dirs["reference"],
+                            {**runs, **{f"cut-{n}": (s, [*a, "run.stop_after=2"]) for n, (s, a) in resumes.items()}}),
+        "current": launch(codes["current"], dirs["current"],
+                          {**runs, **{f"straight-{n}": r for n, r in resumes.items()}}),
+    }
+    reports = {name: finish(*started[name]) for name in codes}
+    resumed = base / "resumed"
+    resumed.mkdir()
+    stopped_at, stopped_logs = {}, {}
+    for name in resumes:
+        cut = dirs["reference"] / f"cut-{name}"
+        if cut.is_dir():
+            shutil.copytree(cut, resumed / f"cut-{name}", symlinks=True)
+            stopped_logs[name] = (cut / "log.jsonl").read_text() if (cut / "log.jsonl").is_file() else ""
+        stopped_at[name] = complete_steps(resumed / f"cut-{name}")
+    reports["resumed"] = finish(*launch(codes["current"], resumed,
+                                        {f"cut-{n}": (s, [*a, "run.resume=true"]) for n, (s, a) in resumes.items()}))
+    return Golden(codes, dirs, reports, resumed, stopped_at, stopped_logs)
+
+
+def complete_steps(run: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*") if (p / "COMPLETE").is_file())
+
+
+def outcome(report: dict, run: str, log: Path) -> str | None:
+    """None when ``run`` exited 0, else what went wrong (with the end of the driver's output)."""
+    result = report["runs"].get(run)
+    if result is not None and result["code"] == 0:
+        return None
+    return f"{run}: {result}\n{log.read_text(errors='replace')[-4000:]}"
+
+
+# --- comparing run directories ------------------------------------------------------------------------------------
+
+
+def same_value(a, b, where: str) -> list[str]:
+    """Where two loaded values differ: tensors and arrays exactly (dtype, shape, every element), containers item by
+    item, numbers exactly."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)):
+            return [f"{where}: tensor vs {type(b if torch.is_tensor(a) else a).__name__}"]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
+        if torch.equal(a, b):
+            return []
+        gap = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "-"
+        return [f"{where}: values differ (max |a - b| {gap})"]
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return [] if np.array_equal(np.asarray(a), np.asarray(b)) else [f"{where}: arrays differ"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))} in one only"]
+        return [d for k in a for d in same_value(a[k], b[k], f"{where}[{k!r}]")]
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and type(a) is type(b):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} vs {len(b)} items"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in same_value(x, y, f"{where}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
+    if type(a) is type(b) and a == b:
+        return []
+    if isinstance(a, str) and isinstance(b, str) and "\n" in a + b:  # text: its first differing line
+        pairs = zip_longest(a.splitlines(), b.splitlines(), fillvalue="(end)")
+        lines = [(i, x, y) for i, (x, y) in enumerate(pairs, 1) if x != y]
+        return [f"{where}: line {lines[0][0]}: {lines[0][1]!r} vs {lines[0][2]!r}" if lines
+                else f"{where}: line endings differ"]
+    return [f"{where}: {a!r} vs {b!r}"]
+
+
+def safetensors_of(path: Path) -> dict[str, dict]:
+    with safe_open(str(path), framework="pt") as f:
+        return {"tensors": {k: f.get_tensor(k) for k in f.keys()}, "metadata": f.metadata() or {}}  # noqa: SIM118
+
+
+def log_records(text: str) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in text.splitlines() if line]
+
+
+def substitutions(base: Path) -> dict[str, str]:
+    """What text may differ between two runs of the same training, by what it is written as before comparing: the
+    runs' working directory, and the sha256 of the pretrained weights a fine-tuning records. That file's bytes vary
+    from process to process for the same tensors (safetensors writes its metadata keys in a per-process random
+    order); its tensors are compared with the run that wrote it."""
+    found = {str(base): "<out>"}
+    weights = base / PRETRAINED / "model.safetensors"
+    if weights.is_file():
+        found[hashlib.sha256(weights.read_bytes()).hexdigest()] = f"<sha256 of {PRETRAINED}/model.safetensors>"
+    return found
+
+
+def loaded(path: Path, base: Path):
+    """A run file as its content: tensors, pickled states, parsed JSON / YAML / log records (timing left out), text
+    under ``substitutions``."""
+    suffix = path.suffix
+    if suffix == ".safetensors":
+        return safetensors_of(path)
+    if suffix in (".bin", ".pkl", ".pt"):
+        return torch.load(path, map_location="cpu", weights_only=False)
+    text = path.read_text(errors="replace")
+    for old, new in substitutions(base).items():
+        text = text.replace(old, new)
+    if suffix == ".jsonl":
+        return log_records(text)
+    if suffix == ".json" or path.name == "COMPLETE":
+        data = json.loads(text)
+        if path.name == "COMPLETE":  # the files it seals (their bytes: compared one by one as content)
+            data["files"] = sorted(data["files"])
+        return data
+    if suffix in (".yaml", ".yml"):
+        return yaml.safe_load(text)
+    return text
+
+
+def run_files(run: Path) -> dict[str, Path]:
+    return {str(p.relative_to(run)): p for p in sorted(run.rglob("*"))
+            if (p.is_file() or p.is_symlink()) and p.name != ".lock" and "tensorboard" not in p.parts}
+
+
+def differences(a: Path, b: Path, base_a: Path, base_b: Path, keep: Callable[[str], bool] = lambda _: True,
+                ) -> list[str]:
+    """How run directory ``b`` differs from ``a``: files present in one only, links, and every kept file's
+    content."""
+    files_a = {k: v for k, v in run_files(a).items() if keep(k)}
+    files_b = {k: v for k, v in run_files(b).items() if keep(k)}
+    found = [f"{name}: only in {'the first' if name in files_a else 'the second'}"
+             for name in sorted(files_a.keys() ^ files_b.keys())]
+    for name in sorted(files_a.keys() & files_b.keys()):
+        pa, pb = files_a[name], files_b[name]
+        if pa.is_symlink() or pb.is_symlink():
+            links = [os.readlink(p) if p.is_symlink() else None for p in (pa, pb)]
+            found += [] if links[0] == links[1] else [f"{name}: link {links[0]} vs {links[1]}"]
+            continue
+        found += same_value(loaded(pa, base_a), loaded(pb, base_b), name)
+    return found
+
+
+def shown(found: list[str], limit: int = 25) -> str:
+    return "\n".join(found[:limit] + ([f"... and {len(found) - limit} more"] if len(found) > limit else []))
+
+
+# --- the tests ----------------------------------------------------------------------------------------------------
+
+
+def test_each_process_ran_its_own_code(golden):
+    """The drivers imported the packages and pipelines of their own tree (PYTHONPATH first, whatever is installed):
+    the reference its archive, the current code the working tree; and every reference method is covered."""
+    for name, report in (("reference", golden.reports["reference"]), ("current", golden.reports["current"]),
+                         ("current", golden.reports["resumed"])):
+        root = golden.codes[name].root.resolve()
+        modules = report["modules"]
+        outside = {m: f for m, f in modules.items() if not Path(f).is_relative_to(root)}
+        assert not outside, f"the {name} run imported code from outside {root}: {outside}"
+        needed = ["patchplace.data", "patchplace.models", "patchplace.objectives", "patchplace.finetune",
+                  *golden.codes[name].modules.values()]
+        assert set(needed) <= modules.keys(), f"{name}: not imported: {sorted(set(needed) - modules.keys())}"
+    assert "core.engine" in golden.reports["reference"]["modules"], "the reference engine (pipelines/core) ran"
+    assert tuple(golden.reports["reference"]["methods"]) == tuple(sorted(METHODS)), \
+        "METHODS must list every pretraining method of the reference"
+
+
+@pytest.mark.parametrize("run", list(golden_runs(Path("shards"))))
+def test_the_current_code_trains_bit_identically_to_the_reference(golden, run):
+    """Weights (backbone, objective heads, the Accelerate state), optimizer and RNG states bit-identical; the
+    training log (timing aside), config.yaml, optimizer.json, checkpoint metadata and model cards equal."""
+    for name in ("reference", "current"):
+        problem = outcome(golden.reports[name], run, golden.dirs[name] / "driver.log")
+        assert problem is None, f"the {name} code failed: {problem}"
+    ref, cur = golden.dirs["reference"], golden.dirs["current"]
+    found = differences(ref / run, cur / run, ref, cur)
+    assert not found, f"{run}: the current code's run differs from the reference's:\n{shown(found)}"
+
+
+@pytest.mark.parametrize("run", list(resume_runs(Path("shards"))))
+def test_a_reference_run_resumes_with_the_current_code(golden, run):
+    """A run the reference code left after 2 of 4 steps, resumed by the current code, ends as the current code's
+    uninterrupted run: its checkpoints (weights, optimizer, RNG states, metadata) and every logged step."""
+    problem = outcome(golden.reports["reference"], f"cut-{run}", golden.dirs["reference"] / "driver.log")
+    assert problem is None, f"the reference code failed: {problem}"
+    assert golden.stopped_at[run] == [2], f"the reference left checkpoints {golden.stopped_at[run]}, expected [2]"
+    assert [r["step"] for r in log_records(golden.stopped_logs[run]) if "loss" in r] == [1, 2]
+    problem = outcome(golden.reports["current"], f"straight-{run}", golden.dirs["current"] / "driver.log")
+    assert problem is None, f"the current code failed: {problem}"
+    problem = outcome(golden.reports["resumed"], f"cut-{run}", golden.resumed / "driver.log")
+    assert problem is None, f"the current code did not resume the reference's run: {problem}"
+    straight, resumed = golden.dirs["current"] / f"straight-{run}", golden.resumed / f"cut-{run}"
+    # it continued the reference's run: the reference's records of steps 1-2 (timing included) are kept as written
+    assert (resumed / "log.jsonl").read_text().startswith(golden.stopped_logs[run]), "the run was not continued"
+    found = differences(straight, resumed, golden.dirs["current"], golden.resumed,
+                        keep=lambda name: name.startswith(("checkpoint", "log.jsonl")))
+    assert not found, f"{run}: resumed from the reference's step 2, it differs from a straight run:\n{shown(found)}"
