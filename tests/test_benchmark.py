@@ -162,14 +162,23 @@ def test_anchor_summary_pairs_the_seeds_both_loops_ran():
     assert anchor_summary(rows[:3]) == "No seed has both loops."
 
 
-def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(shards, tmp_path):
+def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(tmp_path):
     """The GPU speed ladder on a CPU stand-in (tiny ViT, toy shards, 3 steps): every rung really ran pretrain.py
     with its knobs (the runs sharing the device are as many processes), rates relative to the first rung, a peak
     fraction from the objective's FLOPs, and the fastest rung marked once; fine-tuning runs finetune.py."""
-    from benchmarks.speed import Setting, command
+    import numpy as np
 
+    from benchmarks.speed import STUDY_GPU_BATCH, Setting, command
+    from patchplace.data import SplitWriter
+
+    rng = np.random.default_rng(0)  # the first rung's batch (study_gpu.yaml's 256) needs as many images
+    with SplitWriter(tmp_path / "img", "train", dataset="toy", modality="image", classes=["a", "b", "c"],
+                     info={"image_size": [28, 28], "channels": 1}, source="test", recipe="test",
+                     recipe_version=1, max_count=128) as w:
+        for i in range(STUDY_GPU_BATCH):
+            w.add_image(f"{i:04d}", i % 3, rng.integers(0, 256, (28, 28), dtype=np.uint8))
     out = tmp_path / "bench"
-    argv = ["--suite", "speed", "--shards", str(shards / "img" / "train"), "--speed-methods", "mae",
+    argv = ["--suite", "speed", "--shards", str(tmp_path / "img" / "train"), "--speed-methods", "mae",
             "--speed-settings", "before", "compile", "processes", "--speed-steps", "3", "--speed-batch", "16",
             "--speed-processes", "2", "--speed-compile", "aot_eager", "--matmul-size", "64", "--out", str(out),
             "--pipelines-overrides", "model.preset=vit_micro", "objective.decoder_dim=32",

@@ -49,8 +49,8 @@ class RepeatedBatch:
 def _pure_step_data(build_data):
     """``engine.build_data`` whose train reader is a :class:`RepeatedBatch` (a streaming reader without workers
     underneath, so that it starts at once)."""
-    def build(cfg, accelerator, seed, augment=True, split_train=True):
-        data = build_data(cfg, accelerator, seed, augment=augment, split_train=split_train)
+    def build(cfg, accelerator, seed, **options):
+        data = build_data(cfg, accelerator, seed, **options)
         data.train = RepeatedBatch(data.train, cfg.batch_size, accelerator.device)
         data.path = {**data.path, "train": "pure_step"}
         return data
