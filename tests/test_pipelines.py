@@ -458,7 +458,8 @@ def test_every_help_line_fits_100_columns(capsys, monkeypatch, columns):
 
 def test_evaluate_help_lists_only_what_evaluation_reads_and_its_usage_intact(capsys):
     out = help_text(evaluate.main, [], capsys)
-    for unused in ("run.early_stop_patience", "run.log_every", "run.resume", "data.hflip", "model.preset", "optim."):
+    for unused in ("run.early_stop_patience", "run.log_every", "run.resume", "run.compile", "run.finite_check",
+                   "data.hflip", "model.preset", "optim."):
         assert f"  {unused} =" not in out and f"  {unused}." not in out, unused
     assert "run.early_stop_patience" in out.split("not read by this command")[1], "named as ignored"
     assert "  run.output = 'runs/evaluate' " in out and "  data.batch_size = 128 " in out
