@@ -54,9 +54,10 @@ from patchplace.models.hub import check_finite
 from patchplace.objectives import (
     MP3,
     DropPos,
-    DropPosConfig,
-    MP3Config,
+    MethodSpec,
+    get_method,
     jigsaw,
+    method_names,
     position_accuracy_grid,
     position_accuracy_vs_eta,
     reassemble,
@@ -110,6 +111,10 @@ class PrivacySection(AttackConfig):
             raise ConfigError("privacy.images and privacy.batch_size must be >= 1 and privacy.ratio in (0, 1)")
 
 
+# what evaluation reads of the run section: every other run.* field is training's (unused_fields below)
+RUN_READ = ("output", "seed", "overwrite")
+
+
 @dataclass
 class EvaluateConfig:
     eval: EvalSection = field(default_factory=EvalSection)
@@ -121,16 +126,13 @@ class EvaluateConfig:
     # accepted so that a config shared with training loads
     unused_fields: ClassVar[tuple[str, ...]] = (
         "data.scale", "data.hflip", "data.auto_augment", "data.re_prob", "data.noise_split", "model.preset",
-        "model.overrides", "run.mixed_precision", "run.grad_accum", "run.log_every", "run.checkpoint_every",
-        "run.eval_every", "run.resume", "run.stop_after", "run.tensorboard",
-        "run.find_unused_parameters", "run.keep_epochs", "run.early_stop_patience", "run.early_stop_metric")
+        "model.overrides", *(f"run.{f.name}" for f in fields(RunSection) if f.name not in RUN_READ))
 
     def validate(self) -> None:
         if not self.model.checkpoint:
             raise ConfigError("model.checkpoint is required: the checkpoint/ directory of a pretrain or finetune run")
 
 
-CURVE_METHODS = ("mp3", "droppos")  # the methods whose saved objective (objective.safetensors) gives curves
 # what an evaluation writes in run.output (run.overwrite=true replaces an earlier one's)
 RESULT_FILES = ("results.json", "report.md", "evaluation.png", "mp3_position_accuracy.png", "mp3_reassembled.png",
                 "privacy.png", "privacy.npz")
@@ -238,27 +240,36 @@ def preflight(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any
         raise ConfigError(f"--privacy needs an image classifier for {m.num_classes} classes; {checkpoint} is not one "
                           "(fine-tune it first)")
     extras = Path(checkpoint) / "objective.safetensors"
-    if m.modality == "image" and metadata.get("method") in CURVE_METHODS and extras.is_file():
+    if m.modality == "image" and curve_method(metadata) is not None and extras.is_file():
         objective_state(extras)
+
+
+def curve_method(metadata: dict[str, Any]) -> MethodSpec | None:
+    """The checkpoint's method when its saved objective gives evaluation curves (its registration says so)."""
+    method = metadata.get("method")
+    if method not in method_names():
+        return None
+    spec = get_method(method)
+    return spec if spec.curves else None
 
 
 def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tensor, out_dir: Path) -> dict:
     """MP3 eta curve + reassembled picture, or the DropPos grid, from the saved objective parameters (on the
     backbone's device; the images and the picture stay on the CPU)."""
-    method, extras = metadata.get("method"), checkpoint / "objective.safetensors"
-    if method not in CURVE_METHODS or not extras.is_file():
+    spec, extras = curve_method(metadata), checkpoint / "objective.safetensors"
+    if spec is None or not extras.is_file():
         return {}
-    if method == "mp3":
-        objective = MP3(backbone, MP3Config.from_dict(metadata.get("objective", {})))
-    else:
-        objective = DropPos(backbone, DropPosConfig.from_dict(metadata.get("objective", {})))
+    method, objective = spec.name, spec.build(backbone, metadata.get("objective", {}))
+    if not isinstance(objective, (MP3, DropPos)):
+        raise ModelError(f"evaluate has no curves for {method} ({type(objective).__name__}): register it with "
+                         "curves=False")
     state = objective_state(extras)
     missing, unexpected = objective.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("backbone.") for k in missing):
         raise ModelError(f"{extras} does not match the {method} objective")
     device = next(backbone.parameters()).device
     objective, on_device = objective.to(device), images.to(device)
-    if method == "droppos":
+    if isinstance(objective, DropPos):
         grid = position_accuracy_grid(objective, on_device, generator=torch.Generator().manual_seed(0))
         return {"droppos_grid": {("mean" if k == "mean" else f"gamma={k[0]},gamma_pos={k[1]}"): v
                                  for k, v in grid.items()}}

@@ -3,9 +3,9 @@
     accelerate launch pipelines/pretrain.py --config pipelines/configs/mp3_fashion_mnist.yaml [section.field=value ...]
     python pipelines/pretrain.py --config pipelines/configs/mp3_fashion_mnist.yaml optim.epochs=0.1
 
-Methods: mp3, mp3_speech, droppos, mae, ijepa, stop, randsac, mjp, supervised. MJP is a supervised training
-recipe (jigsaw + unknown PE + DAL, with labels); it runs here, from scratch, like ``supervised``. The backbone
-(``checkpoint/``) is what ``finetune.py`` and ``evaluate.py`` start from.
+Methods: those registered in ``patchplace.objectives`` (``--help`` lists them; each objective's file declares its
+own). MJP is a supervised training recipe (jigsaw + unknown PE + DAL, with labels); it runs here, from scratch, like
+``supervised``. The backbone (``checkpoint/``) is what ``finetune.py`` and ``evaluate.py`` start from.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 import yaml
 from torch import nn
 
-from core.config import ConfigError, DataSection, ModelSection, OptimSection, RunSection, describe
+from core.config import HELP_WIDTH, ConfigError, DataSection, ModelSection, OptimSection, RunSection, describe
 from core.engine import (
     USER_ERRORS,
     Data,
@@ -35,42 +36,14 @@ from core.engine import (
     start,
 )
 from patchplace.models import create_model, load_pretrained
-from patchplace.objectives import (
-    IJEPA,
-    MAE,
-    MJP,
-    MP3,
-    DropPos,
-    DropPosConfig,
-    IJEPAConfig,
-    MAEConfig,
-    MJPConfig,
-    MP3Config,
-    RandSAC,
-    RandSACConfig,
-    Supervised,
-    SupervisedConfig,
-)
-
-# method -> (objective class, config class, config defaults, backbone PE mode, needs a classifier head)
-METHODS: dict[str, tuple[type, type, dict[str, Any], str, bool]] = {
-    "mp3": (MP3, MP3Config, {}, "none", False),
-    "mp3_speech": (MP3, MP3Config, {"eta": 0.0, "anchor_ratio": 0.05}, "sincos1d", False),
-    "droppos": (DropPos, DropPosConfig, {}, "sincos2d", False),
-    "mae": (MAE, MAEConfig, {}, "sincos2d", False),
-    "ijepa": (IJEPA, IJEPAConfig, {}, "sincos2d", False),
-    "stop": (IJEPA, IJEPAConfig, {"stop": True}, "sincos2d", False),
-    "randsac": (RandSAC, RandSACConfig, {}, "sincos2d", False),
-    "mjp": (MJP, MJPConfig, {}, "learned", True),
-    "supervised": (Supervised, SupervisedConfig, {}, "learned", True),
-}
+from patchplace.objectives import get_method, method_names
 
 
 @dataclass
 class PretrainConfig:
     """``method`` picks the objective; ``objective`` holds its config fields (paper defaults otherwise)."""
 
-    method: str = "mp3"  # mp3 | mp3_speech | droppos | mae | ijepa | stop | randsac | mjp | supervised
+    method: str = "mp3"  # a registered method (listed at the end of --help)
     objective: dict[str, Any] = field(default_factory=dict)  # the method's fields (listed below), e.g. {eta: 0.5}
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -90,37 +63,38 @@ class PretrainConfig:
                 method = (yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}).get("method")
             except OSError:
                 method = None
-        method = method if method in METHODS else "mp3"
-        _, config_cls, defaults, _, _ = METHODS[method]
+        names = method_names()
+        method = method if method in names else "mp3"
+        spec = get_method(method)
         try:  # the values in force: the method's defaults under the config's objective section
-            objective = config_cls.from_dict({**defaults, **(config.objective if config is not None else {})})
+            objective = spec.config(config.objective if config is not None else {})
         except (ConfigError, TypeError, ValueError):
-            objective = config_cls.from_dict(defaults)
+            objective = spec.config()
         return [f"objective fields of method={method} (objective.field=value; another method: method=<name> "
-                "--help):", *describe(objective, "objective.", sources)]
+                "--help):", *describe(objective, "objective.", sources), "",
+                *textwrap.wrap(f"methods: {', '.join(names)}", HELP_WIDTH, break_on_hyphens=False)]
 
     def validate(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"method {self.method!r} is not one of {sorted(METHODS)}")
-        _, config_cls, defaults, _, _ = METHODS[self.method]
-        config_cls.from_dict({**defaults, **self.objective})  # unknown / out-of-range fields fail here
+        if self.method not in method_names():
+            raise ConfigError(f"method {self.method!r} is not one of {method_names()}")
+        get_method(self.method).config(self.objective)  # unknown / out-of-range fields fail here
 
 
 def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):
     """Backbone (preset + overrides, PE mode of the method) and the objective around it; with ``data``, the
     backbone is first checked against what the reader yields."""
-    objective_cls, config_cls, defaults, pos_embed, needs_head = METHODS[cfg.method]
+    spec = get_method(cfg.method)
     if cfg.model.checkpoint:
         backbone, _ = load_pretrained(cfg.model.checkpoint)
         source = f"model.checkpoint={cfg.model.checkpoint}"
     else:
-        overrides = {"pos_embed": pos_embed, "num_classes": num_classes if needs_head else 0,
+        overrides = {"pos_embed": spec.pos_embed, "num_classes": num_classes if spec.needs_head else 0,
                      **({"in_chans": in_chans} if modality == "image" else {}), **cfg.model.overrides}
         backbone = create_model(cfg.model.preset, **overrides)
         source = f"model.preset={cfg.model.preset}"
     if data is not None:
         check_inputs(backbone, data, source)
-    return objective_cls(backbone, config_cls.from_dict({**defaults, **cfg.objective})), backbone
+    return spec.build(backbone, cfg.objective), backbone
 
 
 @torch.no_grad()
@@ -164,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg, accelerator, data = start(PretrainConfig, __doc__, argv)
         m = data.manifest
         objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality, data)
-        metadata = {"method": cfg.method, "objective": cfg.objective, **data_metadata(data, cfg.data)}
+        paper = get_method(cfg.method).paper  # the model card's reference (patchplace.models knows no method)
+        metadata = {"method": cfg.method, "objective": cfg.objective, **({"paper": paper} if paper else {}),
+                    **data_metadata(data, cfg.data)}
 
         def evaluate(model: nn.Module, step: int) -> dict[str, Any]:  # run.eval_every and the end of training
             result = validate_objective(model, data, cfg.data.batch_size, accelerator.device, cfg.run.seed)

@@ -35,7 +35,7 @@ import pretrain  # noqa: E402
 
 from core import config as pipeline_config  # noqa: E402
 from core import engine  # noqa: E402
-from tests.pipeline_args import SMALL_HEADS, TINY, img  # noqa: E402
+from tests.pipeline_args import TINY, img, small_heads  # noqa: E402
 
 # evaluate.py with every part but the classification off (each call stays well under a second)
 QUICK = ["data.batch_size=16", "data.num_workers=0", "eval.linear_probe=false", "eval.knn=false",
@@ -215,7 +215,7 @@ def test_colour_images_in_a_gray_split_are_refused_naming_the_shard_and_sample(t
 # ---------------------------------------------------------------------------------------------- 6. exponents
 def test_floats_written_with_an_exponent_are_floats_in_every_section(shards, tmp_path, capsys):
     """objective.mask_ratio=1e-9 reached the objective as the string '1e-9' (YAML 1.1): a TypeError traceback."""
-    assert pretrain.main(["method=mae", *img(shards), *TINY, *SMALL_HEADS["mae"], "objective.mask_ratio=1e-9",
+    assert pretrain.main(["method=mae", *img(shards), *TINY, *small_heads("mae"), "objective.mask_ratio=1e-9",
                           "optim.max_steps=1", f"run.output={tmp_path / 'mae'}"]) == 2
     assert error_line(capsys).startswith("error: mask_ratio=1e-09 masks none of the 64 patches")
     config = tmp_path / "c.yaml"

@@ -17,12 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from patchplace.objectives import method_names
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
 
 import pretrain  # noqa: E402
 
-from tests.pipeline_args import SMALL_HEADS, TINY, audio, files_of, img, run_log, state_dir  # noqa: E402
+from tests.pipeline_args import TINY, files_of, img, method_args, run_log, small_heads, state_dir  # noqa: E402
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TRACE = str(ROOT / "tests" / "ddp_trace.py")
@@ -79,16 +81,14 @@ def mp3_two_process(shards, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+@pytest.mark.parametrize("method", method_names())
 def test_every_method_pretrains_under_two_processes(shards, tmp_path, method):
     """The README's command on pipelines/pretrain.py itself. Before issue 17, MP3, mp3_speech, I-JEPA, StoP,
     RandSAC (class token never fed) and MJP (E_unk unused on steps without the jigsaw) crashed here with DDP's
     unused-parameter error."""
     out = tmp_path / method
-    data = audio(shards) if method == "mp3_speech" else img(shards)
-    model = ["model.preset=audio_mp3"] if method == "mp3_speech" else []
-    run([str(ROOT / "pipelines" / "pretrain.py"), f"method={method}", *data, *TINY, *model,
-         *SMALL_HEADS.get(method, []), "optim.max_steps=3", f"run.output={out}"])
+    run([str(ROOT / "pipelines" / "pretrain.py"), *method_args(shards, method), "optim.max_steps=3",
+         f"run.output={out}"])
     records = log(out)
     assert all(r["world_size"] == 2 and r["ranks"] == [0, 1] for r in records), "two processes, ranks 0 and 1, ran"
     assert [r["step"] for r in records] == [1, 2, 3], "one log line per step: only the main process writes"
@@ -164,7 +164,7 @@ def test_mjp_leaves_unknown_pe_without_gradient_where_no_rank_shuffled(shards, t
 def test_a_killed_two_process_bf16_run_resumes_where_an_uninterrupted_run_ends(shards, tmp_path):
     """StoP (masks, noise, EMA target) in bf16: rank 0 is SIGKILLed right after its step-4 checkpoint; the launcher
     ends the job (rank 1 does not wait forever); ``run.resume=true`` then ends with the uninterrupted run's weights."""
-    args = [TRACE, "pretrain", "method=stop", *img(shards), *TINY, *SMALL_HEADS["stop"], "optim.max_steps=6",
+    args = [TRACE, "pretrain", "method=stop", *img(shards), *TINY, *small_heads("stop"), "optim.max_steps=6",
             "run.mixed_precision=bf16"]
     run([*args, f"run.output={tmp_path / 'straight'}"])
     killed = run([*args, f"run.output={tmp_path / 'cut'}", "run.checkpoint_every=2"], env={"TRACE_KILL": "0:4"},

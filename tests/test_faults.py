@@ -20,7 +20,7 @@ import pretrain  # noqa: E402
 
 from core import rundir  # noqa: E402
 from tests.fault_driver import same, strays, weights  # noqa: E402
-from tests.pipeline_args import SMALL_HEADS, TINY, files_of, img  # noqa: E402
+from tests.pipeline_args import TINY, files_of, img, small_heads  # noqa: E402
 
 DRIVER = str(ROOT / "tests" / "fault_driver.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -28,7 +28,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def stop_args(shards: Path, out: Path, steps: int = 6) -> list[str]:
     """StoP (masks, noise, EMA target): the method with the most state to lose."""
-    return ["method=stop", *img(shards), *TINY, *SMALL_HEADS["stop"], f"optim.max_steps={steps}",
+    return ["method=stop", *img(shards), *TINY, *small_heads("stop"), f"optim.max_steps={steps}",
             f"run.output={out}"]
 
 
@@ -183,7 +183,7 @@ def test_files_follow_the_umask(tmp_path):
         shards = tmp_path / "shards"
         out = tmp_path / "run"
         assert pretrain.main(["method=stop", f"data.train={shards / 'train'}", f"data.val={shards / 'train'}", *TINY,
-                              *SMALL_HEADS["stop"], "optim.max_steps=1", f"run.output={out}"]) == 0
+                              *small_heads("stop"), "optim.max_steps=1", f"run.output={out}"]) == 0
     finally:
         os.umask(previous)
     mode = lambda p: oct(p.stat().st_mode & 0o777)  # noqa: E731
@@ -603,7 +603,7 @@ def test_resume_names_an_empty_directory_and_follows_a_moved_or_respelled_one(sh
 
 
 def test_mae_with_a_mask_ratio_that_masks_nothing_is_refused(shards, tmp_path, capsys):
-    assert pretrain.main(["method=mae", *img(shards), *TINY, *SMALL_HEADS["mae"], "objective.mask_ratio=0",
+    assert pretrain.main(["method=mae", *img(shards), *TINY, *small_heads("mae"), "objective.mask_ratio=0",
                           "optim.max_steps=1", f"run.output={tmp_path / 'mae'}"]) == 2
     assert "mask_ratio=0 masks none of the 64 patches, so MAE's loss (over the masked patches) is 0" in \
         error_line(capsys)

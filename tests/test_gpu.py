@@ -19,12 +19,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import evaluate  # noqa: E402
 import finetune  # noqa: E402
 import pretrain  # noqa: E402
-from test_harness import method_args  # noqa: E402
 
 from patchplace.export.__main__ import main as export_main  # noqa: E402
 from patchplace.export.evaluate import main as ort_evaluate_main  # noqa: E402
 from patchplace.models import load_pretrained  # noqa: E402
-from tests.pipeline_args import TINY, img  # noqa: E402
+from patchplace.objectives import method_names  # noqa: E402
+from tests.pipeline_args import TINY, img, method_args  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu)")]
@@ -46,7 +46,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
-@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+@pytest.mark.parametrize("method", method_names())
 def test_every_method_pretrains_on_cuda(shards, tmp_path, method, precision):
     out = tmp_path / method
     peak = on_cuda(lambda: pretrain.main([*method_args(shards, method), "optim.max_steps=3",

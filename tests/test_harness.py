@@ -13,6 +13,7 @@ import torch
 
 from patchplace.finetune import extract_features, probe_feature_of
 from patchplace.models import load_pretrained
+from patchplace.objectives import get_method, method_names
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
@@ -22,7 +23,7 @@ import finetune  # noqa: E402
 import pretrain  # noqa: E402
 
 from core import config as pipeline_config  # noqa: E402
-from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, state_dir  # noqa: E402
+from tests.pipeline_args import TINY, audio, img, method_args, state_dir  # noqa: E402
 
 FT_CONFIG = str(ROOT / "pipelines" / "configs" / "finetune_fashion_mnist.yaml")
 # What must never be weight-decayed (docs/design.md): PE tables, class / mask / unknown tokens, relative bias tables;
@@ -32,28 +33,13 @@ NO_DECAY = ("cls_token", "pos_table", "unknown_pos_embed", "mask_token", "mask_p
 # The tokens each objective adds and must exempt (beside the backbone's).
 OWN_TOKENS = {"mae": "mask_token", "ijepa": "mask_token", "droppos": "mask_pos_token",
               "mjp": "backbone.unknown_pos_embed"}
-# docs/design.md: methods that never feed the class token are probed on the patch mean; MP3 (whose sequence holds the
-# class token, §3.1) on the mean of its patch outputs; the others on the class token.
-PROBE_FEATURE = {"mp3": "mean", "mp3_speech": "mean", "ijepa": "patch_mean", "stop": "patch_mean",
-                 "randsac": "patch_mean", "droppos": "cls", "mae": "cls", "mjp": "cls", "supervised": "cls"}
-# The pooling each method's own fine-tuning protocol puts the head on (recorded as ``finetune_pool``).
-FINETUNE_POOL = {"mp3": "cls", "mp3_speech": "cls", "mjp": "cls", "supervised": "cls", "mae": "mean",
-                 "droppos": "mean", "ijepa": "mean", "stop": "mean", "randsac": "mean"}
-
-
-def method_args(shards: Path, method: str) -> list[str]:
-    data = audio(shards) if method == "mp3_speech" else img(shards)
-    model = ["model.preset=audio_mp3", "data.batch_size=8"] if method == "mp3_speech" else []
-    return [f"method={method}", *data, *TINY, *model, *SMALL_HEADS.get(method, [])]
-
-
 def optimizer_state(run: Path) -> dict:
     """The optimizer state Accelerate saved (param groups with their lr / initial_lr / lr_scale / weight_decay)."""
     return torch.load(state_dir(run) / "optimizer.bin", weights_only=False)
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
-@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+@pytest.mark.parametrize("method", method_names())
 def test_pretraining_never_decays_pes_tokens_norms_or_biases(shards, tmp_path, method):
     out = tmp_path / method
     assert pretrain.main([*method_args(shards, method), "optim.max_steps=1", f"run.output={out}"]) == 0
@@ -140,21 +126,21 @@ def test_warmup_and_cosine_shape_the_logged_learning_rate(shards, tmp_path):
 # ---------------------------------------------------------------------------------------------- probes
 def _batch(method: str, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    if method == "mp3_speech":
+    if get_method(method).modality == "audio":
         return torch.randn(n, 101, 40, generator=g), torch.arange(n) % 12
     return torch.randn(n, 1, 32, 32, generator=g), torch.arange(n) % 3
 
 
-@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+@pytest.mark.parametrize("method", method_names())
 def test_probes_read_a_feature_that_pretraining_trained(shards, method):
     """One training step of the pipeline's objective: a ``cls`` or ``mean`` probe (a sequence holding the class
     token) needs a class token that received gradient; a ``patch_mean`` probe must not read or attend to the
     (untrained) class token at all."""
     cfg = pipeline_config.load(pretrain.PretrainConfig, None, method_args(shards, method))
-    modality = "audio" if method == "mp3_speech" else "image"
+    spec = get_method(method)
     torch.manual_seed(0)
-    objective, backbone = pretrain.build_objective(cfg, 12 if modality == "audio" else 3, 1, modality)
-    assert objective.probe_feature == PROBE_FEATURE[method]
+    objective, backbone = pretrain.build_objective(cfg, 12 if spec.modality == "audio" else 3, 1, spec.modality)
+    assert objective.probe_feature == spec.probe_feature_for(backbone)
     x, y = _batch(method)
     objective.train()
     objective((x, y), progress=0.5)["loss"].backward()
@@ -178,13 +164,14 @@ def test_probes_read_a_feature_that_pretraining_trained(shards, method):
 
 # ---------------------------------------------------------------------------------------------- fine-tuning pooling
 def test_every_method_declares_the_pooling_of_its_own_finetuning(shards):
-    """The class token for MP3 (§3.3), MJP and supervised (DeiT); average pooling for MAE (--global_pool), DropPos,
-    I-JEPA, StoP and RandSAC — on the backbones the pipeline builds (the checkpoint records it: test_pipelines)."""
-    for method in sorted(pretrain.METHODS):
+    """The pooling each registration declares (the papers' own: tests/test_registry.py), on the backbones the
+    pipeline builds (the checkpoint records it: test_pipelines)."""
+    for method in method_names():
         cfg = pipeline_config.load(pretrain.PretrainConfig, None, method_args(shards, method))
-        modality = "audio" if method == "mp3_speech" else "image"
-        objective, _ = pretrain.build_objective(cfg, 12 if modality == "audio" else 3, 1, modality)
-        assert objective.finetune_pool == FINETUNE_POOL[method], method
+        spec = get_method(method)
+        objective, backbone = pretrain.build_objective(cfg, 12 if spec.modality == "audio" else 3, 1, spec.modality)
+        assert objective.finetune_pool == spec.finetune_pool_for(backbone), method
+        assert objective.finetune_pool == ("mean" if spec.finetune_pool == "mean" else "cls"), method
 
 
 def test_finetune_pools_like_the_checkpoints_method_unless_told(shards, tmp_path, capsys):

@@ -17,6 +17,7 @@ from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import OnnxModel
 from patchplace.export.evaluate import main as ort_evaluate_main
 from patchplace.models import load_pretrained
+from patchplace.objectives import get_method, list_methods, method_names
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))
@@ -28,7 +29,7 @@ import pretrain  # noqa: E402
 
 from core import config as pipeline_config  # noqa: E402
 from reproduction import plan as study_plan  # noqa: E402
-from tests.pipeline_args import SMALL_HEADS, TINY, audio, img, run_log, state_dir  # noqa: E402
+from tests.pipeline_args import TINY, audio, img, method_args, run_log, small_heads, state_dir  # noqa: E402
 
 
 def test_every_shipped_config_loads_and_validates(shards):
@@ -121,7 +122,7 @@ def test_compiled_blocks_and_the_fused_optimizer_train_to_the_same_losses_and_ch
 
     runs = {"eager": [], "fast": ["run.compile=aot_eager", "optim.fused=true"]}
     for name, knobs in runs.items():
-        assert pretrain.main(["method=mae", *img(shards), *TINY, *SMALL_HEADS["mae"], "optim.max_steps=3", *knobs,
+        assert pretrain.main(["method=mae", *img(shards), *TINY, *small_heads("mae"), "optim.max_steps=3", *knobs,
                               f"run.output={tmp_path / name}"]) == 0
     assert "run.compile=aot_eager: 3 Transformer blocks compiled" in capsys.readouterr().out  # 2 encoder, 1 decoder
     losses = {name: [r["loss"] for r in run_log(tmp_path / name)] for name in runs}
@@ -145,7 +146,7 @@ def test_pretraining_validates_on_eval_every_and_changes_nothing_of_the_run(shar
     them; the weights trained are bit-identical to a run that evaluates only at its end."""
     from safetensors.torch import load_file
 
-    args = [f"method={method}", *img(shards), *TINY, *SMALL_HEADS.get(method, []), "optim.max_steps=4"]
+    args = [f"method={method}", *img(shards), *TINY, *small_heads(method), "optim.max_steps=4"]
     for every in (1, 0):
         assert pretrain.main([*args, f"run.eval_every={every}", f"run.output={tmp_path / str(every)}"]) == 0
     evals = [r for r in map(json.loads, (tmp_path / "1" / "log.jsonl").read_text().splitlines()) if "eval" in r]
@@ -166,14 +167,12 @@ def test_help_lists_every_field_with_its_default(capsys):
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
-@pytest.mark.parametrize("method", sorted(pretrain.METHODS))
+@pytest.mark.parametrize("method", method_names())
 def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     """fp32 and bf16 (CPU autocast through Accelerate) for every method."""
-    data = audio(shards) if method == "mp3_speech" else img(shards)
-    model = ["model.preset=audio_mp3", "data.batch_size=8"] if method == "mp3_speech" else []
     out = tmp_path / method
-    assert pretrain.main([f"method={method}", *data, *TINY, *model, *SMALL_HEADS.get(method, []),
-                          "optim.max_steps=3", f"run.mixed_precision={precision}", f"run.output={out}"]) == 0
+    assert pretrain.main([*method_args(shards, method), "optim.max_steps=3", f"run.mixed_precision={precision}",
+                          f"run.output={out}"]) == 0
     records, log = run_log(out, everything=True), run_log(out)
     assert [r["step"] for r in log] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in log)
     closing = [r for r in records if "eval" in r]  # the objective's own metrics on data.val at the end
@@ -181,11 +180,12 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     assert config_metrics(out) == {k: v for k, v in closing[0]["eval"].items() if isinstance(v, int | float)}
     config = json.loads((out / "checkpoint" / "config.json").read_text())
     assert config["metadata"]["method"] == method and config["metadata"]["data"]["dataset"] in ("toy", "kws")
-    expected = {"mp3": "mean", "mp3_speech": "mean", "ijepa": "patch_mean", "stop": "patch_mean",
-                "randsac": "patch_mean"}.get(method, "cls")
-    assert config["metadata"]["probe_feature"] == expected, "the checkpoint records the feature its training trained"
-    pool = "cls" if method in ("mp3", "mp3_speech", "mjp", "supervised") else "mean"
-    assert config["metadata"]["finetune_pool"] == pool, "and the pooling its method's own fine-tuning uses"
+    spec, (backbone, _) = get_method(method), load_pretrained(out / "checkpoint")
+    assert config["metadata"]["probe_feature"] == spec.probe_feature_for(backbone), \
+        "the checkpoint records the feature its training trained"
+    assert config["metadata"]["finetune_pool"] == spec.finetune_pool_for(backbone), \
+        "and the pooling its method's own fine-tuning uses"
+    assert config["metadata"].get("paper") == (spec.paper or None), "and its paper, for the model card"
 
 
 def config_metrics(out: Path) -> dict:
@@ -311,7 +311,7 @@ def test_evaluate_privacy_attacks_an_mjp_checkpoint_and_refuses_a_backbone(shard
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_resumed_run_ends_with_the_same_weights(shards, tmp_path, workers):
-    args = ["method=stop", *img(shards), *TINY, *SMALL_HEADS["stop"], f"data.num_workers={workers}",
+    args = ["method=stop", *img(shards), *TINY, *small_heads("stop"), f"data.num_workers={workers}",
             "optim.max_steps=6"]
     assert pretrain.main([*args, f"run.output={tmp_path / 'straight'}"]) == 0
     assert pretrain.main([*args, f"run.output={tmp_path / 'cut'}", "run.stop_after=4"]) == 0
@@ -372,9 +372,9 @@ def test_help_describes_every_field_and_the_chosen_objectives_fields(capsys):
     for cls in (pretrain.PretrainConfig, finetune.FinetuneConfig, evaluate.EvaluateConfig, study_plan.StudyConfig):
         bare = [line for line in describe(cls) if " # " not in line]
         assert not bare, f"{cls.__name__}: fields without a description: {bare}"
-    for method, (_, config_cls, defaults, _, _) in pretrain.METHODS.items():
-        bare = [line for line in describe(config_cls.from_dict(defaults)) if " # " not in line]
-        assert not bare, f"{method}: objective fields without a description: {bare}"
+    for spec in list_methods():
+        bare = [line for line in describe(spec.config()) if " # " not in line]
+        assert not bare, f"{spec.name}: objective fields without a description: {bare}"
     for argv, method, line in (
             (["method=droppos"], "droppos", "objective.tau = 0.1"),
             (["--config", str(ROOT / "pipelines" / "configs" / "stop_fashion_mnist.yaml")], "stop",
@@ -458,7 +458,8 @@ def test_every_help_line_fits_100_columns(capsys, monkeypatch, columns):
 
 def test_evaluate_help_lists_only_what_evaluation_reads_and_its_usage_intact(capsys):
     out = help_text(evaluate.main, [], capsys)
-    for unused in ("run.early_stop_patience", "run.log_every", "run.resume", "data.hflip", "model.preset", "optim."):
+    for unused in ("run.early_stop_patience", "run.log_every", "run.resume", "run.compile", "run.finite_check",
+                   "data.hflip", "model.preset", "optim."):
         assert f"  {unused} =" not in out and f"  {unused}." not in out, unused
     assert "run.early_stop_patience" in out.split("not read by this command")[1], "named as ignored"
     assert "  run.output = 'runs/evaluate' " in out and "  data.batch_size = 128 " in out

@@ -21,7 +21,7 @@ import pretrain  # noqa: E402
 
 from core import engine  # noqa: E402
 from tests.curve_driver import SCRIPT, folder_files, scripted_main, tensors  # noqa: E402
-from tests.pipeline_args import SMALL_HEADS, TINY, img  # noqa: E402
+from tests.pipeline_args import TINY, img, small_heads  # noqa: E402
 
 DRIVER = str(ROOT / "tests" / "curve_driver.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -57,7 +57,7 @@ def weights_of(state: dict) -> dict:
 def test_snapshots_keep_the_backbone_after_each_epoch(shards, tmp_path, monkeypatch, capsys):
     """MAE (its decoder goes to objective.safetensors), 2 epochs of 8 steps, snapshots after 0, 0.5, 1 and 2."""
     out = tmp_path / "mae"
-    args = ["method=mae", *img(shards), *TINY, *SMALL_HEADS["mae"], "optim.epochs=2", "run.keep_epochs=[0,0.5,1,2]",
+    args = ["method=mae", *img(shards), *TINY, *small_heads("mae"), "optim.epochs=2", "run.keep_epochs=[0,0.5,1,2]",
             f"run.output={out}"]
     saved = record_checkpoints(monkeypatch)
     assert pretrain.main(args) == 0

@@ -25,9 +25,13 @@ from typing import Any
 
 from benchmarks.common import STUDY, device_of
 from benchmarks.compute import peak_of
+from patchplace.objectives import method_names
 
 PIPELINES = Path(__file__).parents[1]
-SPEED_METHODS = ("supervised", "mp3", "droppos", "mae", "ijepa", "stop", "mjp", "randsac", "finetune")
+CONFIGS = PIPELINES / "configs"
+# every registered image method with a Fashion-MNIST config, and the supervised fine-tuning (finetune)
+SPEED_METHODS = (*(name for name in method_names("image") if (CONFIGS / f"{name}_fashion_mnist.yaml").is_file()),
+                 "finetune")
 STUDY_GPU_BATCH = 256  # study_gpu.yaml's data.batch_size: the setting the ladder starts from
 
 
@@ -73,7 +77,7 @@ def command(method: str, setting: Setting, args: argparse.Namespace, out: Path) 
     extra = [o for o in args.pipelines_overrides if method != "finetune" or not o.startswith("objective.")]
     decoders = min(8, (os.cpu_count() or 2) // 2) if gpu else 0  # processes decoding the split (startup only)
     val_limit = min(512, json.loads((val / "manifest.json").read_text())["num_samples"])  # the closing validation
-    return [sys.executable, str(PIPELINES / script), "--config", str(PIPELINES / "configs" / config),
+    return [sys.executable, str(PIPELINES / script), "--config", str(CONFIGS / config),
             f"data.train={args.shards}", f"data.val={val}", f"data.val_limit={val_limit}",
             f"model.preset={STUDY['preset']}", f"data.batch_size={setting.batch}", "data.in_memory=true",
             f"data.num_workers={decoders}",

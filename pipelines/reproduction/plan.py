@@ -3,10 +3,11 @@ its backbone is trained, how its classifier is obtained)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.config import ConfigError
+from patchplace.objectives import get_method
 
 # pipelines/configs, unresolved (as the pipelines directory was imported): the stages record these paths in their
 # DONE files, so a resumed study must build the very same strings
@@ -31,7 +32,8 @@ class StudyConfig:
     # epochs, its snapshots after each of curve_epochs (0: the random init) probed with 1% of the labels on
     # curve_val_samples validation images, beside the raw-pixel and random-init controls. () = no curves
     curve_epochs: tuple[float, ...] = ()
-    curve_rows: tuple[str, ...] = ("mp3", "droppos", "mae", "ijepa", "stop", "randsac")  # a curve per main row
+    # a curve per main row (default: every pretrained main row)
+    curve_rows: tuple[str, ...] = field(default_factory=lambda: pretrained_main_rows())
     curve_seed: int = 0  # the seed of the learning-curve pretrainings
     curve_val_samples: int = 5000  # validation images the curve probes are scored on
     controls: bool = True  # raw-pixel and random-init (per seed) probe controls on the study's sets and images
@@ -167,17 +169,27 @@ class Run:
         return self.finetune_pe is None
 
 
+def main_row(method: str) -> Run:
+    """The main-table row of a registered method, from its registration: its name (display), its Fashion-MNIST
+    pretraining config, fine-tuned with the checkpoint's PE (a learned one when it pretrains without any: MP3
+    Table 3's main row) and on the label fractions, or, when it trains through a classifier head (MJP: a supervised
+    recipe, not a pretraining), that classifier as its row, without label-efficiency rows."""
+    spec = get_method(method)
+    finetune_pe = None if spec.needs_head else "learned" if spec.pos_embed == "none" else "keep"
+    return Run(method, "main", spec.display, f"{method}_fashion_mnist", finetune_pe=finetune_pe, ort=True,
+               label_efficiency=not spec.needs_head)
+
+
+def pretrained_main_rows() -> tuple[str, ...]:
+    """The main rows whose backbone a pretraining trained (the default learning curves)."""
+    return tuple(r.name for r in RUNS if r.group == "main" and r.config and not r.classifier_only)
+
+
 RUNS: tuple[Run, ...] = (
-    # main table: same backbone, same data, same total epochs
-    # (MJP is a supervised recipe, not a pretraining: no label-efficiency rows)
-    Run("supervised", "main", "supervised", None, finetune_pe=None, ort=True, privacy=True, label_efficiency=True),
-    Run("mp3", "main", "MP3", "mp3_fashion_mnist", finetune_pe="learned", ort=True, label_efficiency=True),
-    Run("droppos", "main", "DropPos", "droppos_fashion_mnist", ort=True, label_efficiency=True),
-    Run("mae", "main", "MAE", "mae_fashion_mnist", ort=True, label_efficiency=True),
-    Run("ijepa", "main", "I-JEPA", "ijepa_fashion_mnist", ort=True, label_efficiency=True),
-    Run("stop", "main", "StoP", "stop_fashion_mnist", ort=True, label_efficiency=True),
-    Run("randsac", "main", "RandSAC", "randsac_fashion_mnist", ort=True, label_efficiency=True),
-    Run("mjp", "main", "MJP", "mjp_fashion_mnist", finetune_pe=None, ort=True),
+    # main table: same backbone, same data, same total epochs; the supervised baseline trains from scratch
+    Run("supervised", "main", get_method("supervised").display, None, finetune_pe=None, ort=True, privacy=True,
+        label_efficiency=True),
+    *map(main_row, ("mp3", "droppos", "mae", "ijepa", "stop", "randsac", "mjp")),
     # MP3 Table 3: fine-tuning PE of the MP3 backbone, and the supervised baseline with the same three PEs
     Run("mp3_ft_none", "mp3_pe", "MP3, no PE", "mp3_fashion_mnist", finetune_pe="none", pretrain_from="mp3"),
     Run("supervised_nope", "mp3_pe", "supervised, no PE", None, finetune_pe=None, scratch_pe="none",

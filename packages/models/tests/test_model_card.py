@@ -142,3 +142,16 @@ def test_card_license_front_matter_is_valid_by_the_hubs_spec(tmp_path):
     # the rules themselves: what the Hub refuses
     assert license_problems({"license": "other"}) and license_problems({"license": "apache 2"})
     assert license_problems({"license": "mit", "license_name": "x"})
+
+
+def test_the_card_cites_the_paper_the_pipeline_recorded(tmp_path):
+    """The paper comes from the metadata the pipeline writes from the method's registration (this package knows no
+    method): a pretraining's ``paper``, a fine-tune's pretraining's; none recorded, none cited."""
+    paper = "Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3)"
+    _, body, _ = _card(_finetune(tmp_path, pretrain_metadata={"method": "mp3", "step": 500, "paper": paper}))
+    assert f"- **Method**: mp3 — {paper}\n" in body
+    model = create_model("vit_micro", img_size=32, patch_size=4, in_chans=1, pos_embed="none")
+    for name, metadata in (("pre", {"method": "mp3", "paper": paper}), ("bare", {"method": "mp3"})):
+        _, body, _ = _card(save_pretrained(model, tmp_path / name, metadata={**metadata, **DATA, "step": 1}))
+        assert ("- **Method**: mp3 — " in body) == (name == "pre"), name
+        assert f"- **Method**: mp3 — {paper}\n" in body or name == "bare"

@@ -1,11 +1,17 @@
-"""Tiny backbones and structured images for the objectives' tests."""
+"""Tiny backbones, tiny objectives of every registered method and structured images for the objectives' tests."""
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import pytest
 import torch
 
 from patchplace.models import create_model
+from patchplace.objectives import MethodSpec, get_method
+
+# Per-method test settings beside the tiny widths: MJP's jigsaw on every step from the first, on 0.15 of the patches.
+TEST_FIELDS = {"mjp": {"ratio": 0.15, "apply_prob": 1.0, "warmup_fraction": 0.0}}
 
 
 def structured_images(n: int, size: int = 32, channels: int = 1, seed: int = 0) -> torch.Tensor:
@@ -39,3 +45,34 @@ def micro():
         return create_model("vit_micro", **{**args, **overrides})
 
     return make
+
+
+def tiny_config(spec: MethodSpec, **extra):
+    """``spec``'s config with a tiny decoder / predictor (by its config's fields) and its :data:`TEST_FIELDS`."""
+    names = {f.name for f in fields(spec.config_cls)}
+    small = {f"{part}_{what}": value for part in ("decoder", "predictor") if f"{part}_dim" in names
+             for what, value in (("dim", 32), ("depth", 1), ("heads", 2))}
+    small.update({"min_keep": 2} if "min_keep" in names else {})
+    return spec.config({**small, **TEST_FIELDS.get(spec.name, {}), **extra})
+
+
+@pytest.fixture
+def method_objective():
+    """Factory: registered method ``name`` on a tiny backbone of its modality (``vit_micro`` on 32 px, 1 channel,
+    3 classes when it trains through a head; ``audio_mp3``) with its PE mode, at :func:`tiny_config` widths."""
+
+    def make(name: str, **extra):
+        spec = get_method(name)
+        if spec.modality == "audio":
+            backbone = create_model("audio_mp3", pos_embed=spec.pos_embed, num_classes=0)
+        else:
+            backbone = create_model("vit_micro", in_chans=1, img_size=32, pos_embed=spec.pos_embed,
+                                    num_classes=3 if spec.needs_head else 0)
+        return spec.objective_cls(backbone, tiny_config(spec, **extra))
+
+    return make
+
+
+@pytest.fixture
+def tiny_method_config():
+    return tiny_config

@@ -1,5 +1,5 @@
 """bf16 autocast (``run.mixed_precision=bf16``; CPU autocast here, CUDA in tests/test_gpu.py) against fp32 on the
-same batch, masks and noise, for every objective the pipelines train.
+same batch, masks and noise, for every registered method.
 
 Stated tolerances: loss within 1% (relative) of fp32 and the gradient's cosine similarity to fp32's >= 0.99. Measured
 on tiny models at initialization (5 seeds): losses within 0.22% (RandSAC; MAE 0.18%, I-JEPA 0.08%, the
@@ -17,43 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from patchplace.models import create_model
-from patchplace.objectives import (
-    IJEPA,
-    MAE,
-    MJP,
-    MP3,
-    DropPos,
-    DropPosConfig,
-    IJEPAConfig,
-    MAEConfig,
-    MJPConfig,
-    MP3Config,
-    RandSAC,
-    RandSACConfig,
-    Supervised,
-)
-
-DECODER = dict(decoder_dim=32, decoder_depth=1, decoder_heads=2)
-PREDICTOR = dict(predictor_dim=32, predictor_depth=1, predictor_heads=2, min_keep=2)
-
-
-def image_backbone(pos: str, classes: int = 0):
-    return create_model("vit_micro", in_chans=1, img_size=32, pos_embed=pos, num_classes=classes)
-
-
-OBJECTIVES = {
-    "supervised": lambda: Supervised(image_backbone("learned", 3)),
-    "mp3": lambda: MP3(image_backbone("none")),
-    "mp3_speech": lambda: MP3(create_model("audio_mp3", pos_embed="sincos1d", num_classes=0),
-                              MP3Config(eta=0.0, anchor_ratio=0.05)),
-    "droppos": lambda: DropPos(image_backbone("sincos2d"), DropPosConfig(**DECODER)),
-    "mae": lambda: MAE(image_backbone("sincos2d"), MAEConfig(**DECODER)),
-    "ijepa": lambda: IJEPA(image_backbone("sincos2d"), IJEPAConfig(**PREDICTOR)),
-    "stop": lambda: IJEPA(image_backbone("sincos2d"), IJEPAConfig(stop=True, **PREDICTOR)),
-    "randsac": lambda: RandSAC(image_backbone("sincos2d"), RandSACConfig(**DECODER)),
-    "mjp": lambda: MJP(image_backbone("learned", 3), MJPConfig(ratio=0.15, apply_prob=1.0, warmup_fraction=0.0)),
-}
+from patchplace.objectives import get_method, method_names
 
 
 def step(objective, batch, seed: int, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +33,14 @@ def step(objective, batch, seed: int, bf16: bool) -> tuple[torch.Tensor, torch.T
     return loss.detach(), grad
 
 
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-def test_bf16_loss_and_gradient_stay_close_to_fp32(name, images):
+@pytest.mark.parametrize("name", method_names())
+def test_bf16_loss_and_gradient_stay_close_to_fp32(name, images, method_objective):
     for seed in (0, 1):
         torch.manual_seed(seed)
-        objective = OBJECTIVES[name]().train()
+        objective = method_objective(name).train()
         g = torch.Generator().manual_seed(seed)
-        x = torch.randn(16, 101, 40, generator=g) if name == "mp3_speech" else images(16, 32, 1, seed)
+        audio = get_method(name).modality == "audio"
+        x = torch.randn(16, 101, 40, generator=g) if audio else images(16, 32, 1, seed)
         batch = (x, torch.arange(16) % 3)
         loss32, grad32 = step(objective, batch, seed, bf16=False)
         loss16, grad16 = step(objective, batch, seed, bf16=True)
@@ -85,10 +50,10 @@ def test_bf16_loss_and_gradient_stay_close_to_fp32(name, images):
         assert F.cosine_similarity(grad16, grad32, dim=0) >= 0.99, name
 
 
-def test_targets_stay_fp32_under_autocast(images):
+def test_targets_stay_fp32_under_autocast(images, method_objective):
     x = images(4, 32, 1, 0)
-    ijepa = OBJECTIVES["stop"]()
-    droppos = OBJECTIVES["droppos"]()
+    ijepa = method_objective("stop")
+    droppos = method_objective("droppos")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert ijepa.targets(x).dtype == torch.float32  # LayerNorm'd EMA features: the regression target
         smoothed = droppos.smoothed_targets(torch.arange(16).expand(4, 16), sigma=0.5)

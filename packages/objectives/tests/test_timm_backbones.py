@@ -8,33 +8,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 from patchplace.models import sincos_2d
-from patchplace.objectives import (
-    IJEPA,
-    MAE,
-    MJP,
-    MP3,
-    DropPos,
-    DropPosConfig,
-    IJEPAConfig,
-    MAEConfig,
-    MJPConfig,
-    MP3Config,
-    RandSAC,
-    RandSACConfig,
-    Supervised,
-    SupervisedConfig,
-)
-
-SMALL = dict(decoder_dim=32, decoder_depth=1, decoder_heads=2)
-CASES = {
-    "mp3": (MP3, MP3Config(eta=0.5), "none"),
-    "droppos": (DropPos, DropPosConfig(decoder_dim=32, decoder_heads=2), "sincos2d"),
-    "mae": (MAE, MAEConfig(**SMALL), "sincos2d"),
-    "ijepa": (IJEPA, IJEPAConfig(stop=True, predictor_dim=32, predictor_depth=1, predictor_heads=2), "sincos2d"),
-    "randsac": (RandSAC, RandSACConfig(**SMALL), "sincos2d"),
-    "mjp": (MJP, MJPConfig(ratio=0.15, warmup_fraction=0.0, apply_prob=1.0), "learned"),
-    "supervised": (Supervised, SupervisedConfig(), "learned"),
-}
+from patchplace.objectives import get_method, method_names
 
 
 def timm_vit(num_classes: int = 10) -> TimmViT:
@@ -42,13 +16,15 @@ def timm_vit(num_classes: int = 10) -> TimmViT:
                    num_heads=2, fc_norm=False)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_an_objective_trains_a_timm_vit_in_place(name):
+@pytest.mark.parametrize("name", method_names("image"))
+def test_an_objective_trains_a_timm_vit_in_place(name, tiny_method_config):
+    """Every registered image method, on the PE its registration declares."""
     torch.manual_seed(0)
-    cls, config, mode = CASES[name]
+    spec = get_method(name)
+    mode = spec.pos_embed
     timm_model = timm_vit()
     before = {k: v.clone() for k, v in timm_model.state_dict().items()}
-    model = cls(timm_model, config)
+    model = spec.objective_cls(timm_model, tiny_method_config(spec))
     assert model.backbone.config.pos_embed == mode
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for step in range(2):
@@ -67,7 +43,7 @@ def test_an_objective_trains_a_timm_vit_in_place(name):
         assert torch.allclose(timm_model.pos_embed[0, 1:], sincos_2d((8, 8), 32))
     if mode == "learned":  # the learned PE is shared too
         assert timm_model.pos_embed is model.backbone.pos_table
-    if name in ("supervised", "mjp"):  # classifiers: timm's forward is the trained model's
+    if spec.needs_head:  # classifiers: timm's forward is the trained model's
         model.eval()
         x = torch.randn(4, 1, 32, 32)
         assert torch.allclose(timm_model.eval()(x), model.backbone(x), atol=1e-5)

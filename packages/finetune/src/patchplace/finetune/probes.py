@@ -13,28 +13,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchplace.models import Backbone
+from patchplace.objectives import get_method, method_names
 
 from .metrics import topk_correct
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
 
-# Which pooled feature a checkpoint's training trained (docs/design.md); objectives declare it as ``probe_feature`` and
-# the pipelines record it in the checkpoint metadata. "patch_mean" runs the patch tokens alone, without the class
-# token (methods that never feed it: its value is untrained; I-JEPA, StoP, RandSAC), "mean" / "cls" the full sequence
-# with it (MP3 feeds the class token since it follows §3.1: its checkpoints record "mean").
+# Which pooled feature a checkpoint's training trained (docs/design.md); each method declares it where it is
+# registered (``patchplace.objectives.register_method``) and the pipelines record it in the checkpoint metadata.
+# "patch_mean" runs the patch tokens alone, without the class token (methods that never feed it: its value is
+# untrained; I-JEPA, StoP, RandSAC), "mean" / "cls" the full sequence with it (MP3 feeds the class token since it
+# follows §3.1: its checkpoints record "mean").
 PROBE_FEATURES = ("cls", "mean", "patch_mean")
-# Checkpoints written before the metadata recorded it: the methods whose pretraining then never fed the class token
-# (MP3 included: its class token entered pretraining with harness v4).
-_PATCH_MEAN_METHODS = ("mp3", "mp3_speech", "ijepa", "stop", "randsac")
 
 
 def probe_feature_of(metadata: dict, backbone: Backbone) -> str:
-    """The feature to probe for a checkpoint: its recorded ``probe_feature``; for older checkpoints, ``patch_mean``
-    for MP3 / I-JEPA / StoP / RandSAC pretraining and the head's pooling (``global_pool``) otherwise."""
+    """The feature to probe for a checkpoint: its recorded ``probe_feature``. A checkpoint that does not record it
+    predates MP3 feeding its class token: ``patch_mean`` for the methods that average the patch outputs (registered
+    probe feature ``mean`` or ``patch_mean``, e.g. MP3, I-JEPA), the head's pooling (``global_pool``)
+    otherwise."""
     feature = metadata.get("probe_feature")
     if feature is None:
-        feature = "patch_mean" if metadata.get("method") in _PATCH_MEAN_METHODS else backbone.config.global_pool
+        method = metadata.get("method")
+        averaged = method in method_names() and get_method(method).probe_feature in ("mean", "patch_mean")
+        feature = "patch_mean" if averaged else backbone.config.global_pool
     check_feature(feature, backbone)
     return feature
 

@@ -45,15 +45,6 @@ HUB_LICENSES = frozenset((
 LICENSE_NAME = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")  # license_name: an id, e.g. my-license-1.0
 LICENSE_LINK = re.compile(r"^(https?://\S+|[\w.-]+(/[\w.-]+)*)$")  # a URL, or a file in the repository (LICENSE)
 
-PAPERS = {
-    "mp3": "Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3)",
-    "droppos": "Wang et al. 2023, DropPos: Pre-Training Vision Transformers by Reconstructing Dropped Positions",
-    "stop": "Bar et al. 2024, Stochastic positional embeddings improve masked image modeling (StoP)",
-    "ijepa": "Assran et al. 2023, Self-Supervised Learning from Images with a Joint-Embedding Predictive Architecture",
-    "mjp": "Ren et al. 2023, Masked Jigsaw Puzzle: A Versatile Position Embedding for Vision Transformers",
-    "randsac": "Hua et al. 2022, Self-supervision through Random Segments with Autoregressive Coding (RandSAC)",
-    "mae": "He et al. 2022, Masked Autoencoders Are Scalable Vision Learners",
-}
 # metric key -> (model-index type, pretty name) for a classifier's evaluation; other keys keep their own name
 CLASSIFIER_METRICS = {"top1": ("accuracy", "top-1 accuracy"), "top5": ("top_5_accuracy", "top-5 accuracy"),
                       "loss": ("loss", "cross-entropy loss")}
@@ -110,6 +101,15 @@ def _method(metadata: dict[str, Any]) -> str:
     base = method.split(":", 1)[-1]
     pretrained = (metadata.get("pretrain_metadata") or {}).get("method", base)
     return str(pretrained if method.startswith("finetune:") else base)
+
+
+def _paper(metadata: dict[str, Any]) -> str | None:
+    """The paper of the card's method (:func:`_method`), as the pretraining recorded it (``metadata["paper"]``,
+    written by the pipeline from the method's registration: this package knows no method)."""
+    source = metadata.get("pretrain_metadata") if str(metadata.get("method", "")).startswith("finetune:") \
+        else metadata
+    paper = (source or {}).get("paper")
+    return str(paper) if paper else None
 
 
 def _pipeline_tag(config: BackboneConfig) -> str:
@@ -194,7 +194,7 @@ def model_card(config: BackboneConfig, metadata: dict[str, Any], layout: str, nu
         if c.modality == "image" else f"{c.num_frames} MFCC frames x {c.in_features}"
     lines = ["---", yaml_dump(front_matter(c, metadata, layout), sort_keys=False).strip(), "---", "",
              f"# {metadata.get('method', method)} — patchplace {c.modality} backbone", "",
-             f"- **Method**: {method}" + (f" — {PAPERS[method]}" if method in PAPERS else ""),
+             f"- **Method**: {method}" + (f" — {_paper(metadata)}" if _paper(metadata) else ""),
              f"- **Backbone**: {c.embed_dim} wide, {c.depth} deep, {c.num_heads} heads, {size}, PE `{c.pos_embed}`, "
              f"pool `{c.global_pool}`, {num_params / 1e6:.2f}M parameters, {c.num_classes or 'no'} classes"]
     hub_id, local = base_model(metadata)

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -34,12 +35,13 @@ from patchplace.models.benchmark import block_flops
 
 from .block_masks import blockwise_masks, multiblock_masks
 from .common import ObjectiveError, num_kept
-from .droppos import DropPos, DropPosConfig
-from .ijepa import IJEPA, IJEPAConfig
-from .mae import MAE, MAEConfig
+from .droppos import DropPos
+from .ijepa import IJEPA
+from .mae import MAE
 from .mjp import MJP, MJPConfig
 from .mp3 import MP3, MP3Config
-from .randsac import RandSAC, RandSACConfig
+from .randsac import RandSAC
+from .registry import MethodSpec, list_methods
 from .supervised import Supervised
 
 # Decoder / predictor sizes. "study": the Fashion-MNIST configs of the study (pipelines/configs/*_fashion_mnist.yaml:
@@ -110,6 +112,13 @@ def train_flops(objective: nn.Module, batch: int = 64) -> int:
     raise TypeError(f"no FLOP model for {type(objective).__name__}")
 
 
+def _train_flops_or_none(objective: nn.Module, batch: int) -> int | None:
+    try:
+        return train_flops(objective, batch)
+    except TypeError:  # a method without a FLOP model: timed, its FLOP columns left empty
+        return None
+
+
 # ---------------------------------------------------------------------------------------------- masks
 def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
@@ -142,38 +151,41 @@ def default_objectives(preset: str = "vit_cpu", *, in_chans: int = 1, num_classe
                        img_size: int | None = None, widths: str = "study",
                        mp3_etas: tuple[float, ...] = MP3_ETAS, mae_ratios: tuple[float, ...] = (),
                        ) -> dict[str, Callable[[], nn.Module]]:
-    """Builders of every objective on backbone ``preset`` (``img_size`` / ``in_chans`` override the preset's), with
-    decoder / predictor sizes ``widths`` (see :data:`WIDTHS`): ``mp3_eta{eta}`` per ``mp3_etas``, ``mae`` (its
-    config's ratio) plus ``mae_ratio{r}`` per ``mae_ratios`` (MP3 Table 2's MAE rows)."""
+    """Builders of every registered image method on backbone ``preset`` (``img_size`` / ``in_chans`` override the
+    preset's; the method's PE mode, a head when it trains through one), with decoder / predictor sizes ``widths``
+    (see :data:`WIDTHS`), ``supervised`` first: MP3 as ``mp3_eta{eta}`` per ``mp3_etas``, ``mae`` (its config's
+    ratio) plus ``mae_ratio{r}`` per ``mae_ratios`` (MP3 Table 2's MAE rows), MJP with the jigsaw on every step (the
+    recipe shuffles half the batches after warm-up: the worst case), and ``stop_noema`` (StoP without its EMA
+    update)."""
     if widths not in WIDTHS:
         raise ObjectiveError(f"widths must be one of {sorted(WIDTHS)}, got {widths!r}")
     w = WIDTHS[widths]
     size = {} if img_size is None else {"img_size": img_size}
 
-    def backbone(pos: str, classes: int = 0) -> Backbone:
-        return create_model(preset, in_chans=in_chans, pos_embed=pos, num_classes=classes, **size)
-
-    def config(cls: type, **extra: Any):
-        """``cls`` at these widths (``paper()``, or the study's decoder / predictor sizes) + ``extra``."""
+    def build(spec: MethodSpec, **extra: Any) -> nn.Module:
+        """``spec``'s objective at these widths (``paper()``, or the study's decoder / predictor sizes) + ``extra``."""
+        backbone = create_model(preset, in_chans=in_chans, pos_embed=spec.pos_embed,
+                                num_classes=num_classes if spec.needs_head else 0, **size)
+        names = {f.name for f in fields(spec.config_cls)}
+        extra = {**spec.defaults, **extra}
         if w["decoder"] is None:
-            return cls.paper(**extra)
-        return cls(**(w["predictor"] if cls is IJEPAConfig else w["decoder"]), **extra)
+            config = spec.config_cls.paper(**extra)
+        else:
+            sized = w["predictor"] if "predictor_dim" in names else w["decoder"] if "decoder_dim" in names else {}
+            config = spec.config_cls(**{**sized, **extra}).validate()
+        return spec.objective_cls(backbone, config)
 
-    builders: dict[str, Callable[[], nn.Module]] = {
-        "supervised": lambda: Supervised(backbone("learned", num_classes)),
-        **{f"mp3_eta{eta:g}": lambda eta=eta: MP3(backbone("none"), MP3Config(eta=eta)) for eta in mp3_etas},
-        "droppos": lambda: DropPos(backbone("sincos2d"), config(DropPosConfig)),
-        "mae": lambda: MAE(backbone("sincos2d"), config(MAEConfig)),
-        **{f"mae_ratio{r:g}": lambda r=r: MAE(backbone("sincos2d"), config(MAEConfig, mask_ratio=r))
-           for r in mae_ratios},
-        # MJP with the jigsaw on every step (the recipe shuffles half the batches after warm-up): the worst case.
-        "mjp": lambda: MJP(backbone("learned", num_classes), MJPConfig(ratio=w["mjp_ratio"], apply_prob=1.0,
-                                                                       warmup_fraction=0.0)),
-        "randsac": lambda: RandSAC(backbone("sincos2d"), config(RandSACConfig)),
-        "ijepa": lambda: IJEPA(backbone("sincos2d"), config(IJEPAConfig)),
-        "stop": lambda: IJEPA(backbone("sincos2d"), config(IJEPAConfig, stop=True)),
-        "stop_noema": lambda: IJEPA(backbone("sincos2d"), config(IJEPAConfig, stop=True)),
+    specs = {spec.name: spec for spec in list_methods("image")}
+    variants: dict[str, dict[str, dict[str, Any]]] = {
+        "mp3": {f"mp3_eta{eta:g}": {"eta": eta} for eta in mp3_etas},
+        "mae": {"mae": {}, **{f"mae_ratio{r:g}": {"mask_ratio": r} for r in mae_ratios}},
+        "mjp": {"mjp": {"ratio": w["mjp_ratio"], "apply_prob": 1.0, "warmup_fraction": 0.0}},
+        "stop": {"stop": {}, "stop_noema": {}},
     }
+    builders: dict[str, Callable[[], nn.Module]] = {}
+    for name in sorted(specs, key=lambda n: n != "supervised"):
+        for label, extra in variants.get(name, {name: {}}).items():
+            builders[label] = lambda spec=specs[name], extra=extra: build(spec, **extra)
     return builders
 
 
@@ -245,14 +257,15 @@ def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64,
     base_f = train_flops(objectives["supervised"], batch)
     rows = []
     for name, obj in objectives.items():
-        t, f = statistics.median(times[name]), train_flops(obj, batch)
-        achieved = f * batch / t / 1e9
+        t, f = statistics.median(times[name]), _train_flops_or_none(obj, batch)
+        achieved = None if f is None else f * batch / t / 1e9
         row = {"name": f"pretrain_step/{name}", "step_ms": round(t * 1e3, 1),
-               "time_vs_supervised": round(t / base_t, 3), "gflops_per_sample": round(f / 1e9, 4),
-               "flop_ratio": round(f / base_f, 3), "samples_per_s": round(batch / t, 1),
-               "achieved_gflops": round(achieved, 2)}
+               "time_vs_supervised": round(t / base_t, 3),
+               "gflops_per_sample": None if f is None else round(f / 1e9, 4),
+               "flop_ratio": None if f is None else round(f / base_f, 3), "samples_per_s": round(batch / t, 1),
+               "achieved_gflops": None if achieved is None else round(achieved, 2)}
         if peak_gflops:
-            row["peak_fraction"] = round(achieved / peak_gflops, 3)
+            row["peak_fraction"] = None if achieved is None else round(achieved / peak_gflops, 3)
         row.update({"batch": batch, "threads": torch.get_num_threads(), "device": str(device), "amp": amp})
         rows.append(row)
     return rows

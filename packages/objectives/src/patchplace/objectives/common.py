@@ -110,6 +110,8 @@ class BackboneObjective(nn.Module):
     ``finetune_pool`` says which feature the method's own fine-tuning protocol puts its classifier head on (recorded
     in the checkpoint; ``finetune.global_pool: null`` reads it): ``"cls"`` (MP3 §3.3, MJP, DeiT) or ``"mean"``
     (average-pooled patch tokens: MAE's ``--global_pool``, DropPos, I-JEPA, StoP, RandSAC).
+
+    Both are declared once, where the objective's file registers its methods (:func:`.registry.register_method`).
     """
 
     backbone: Backbone
@@ -120,15 +122,21 @@ class BackboneObjective(nn.Module):
 
     @property
     def probe_feature(self) -> str:
-        """Default: the feature the classifier head reads (``cls`` or ``mean`` of a sequence that holds the class
-        token) — right for objectives that train through the head; the others set a class attribute."""
-        return self.backbone.config.global_pool
+        """The registered method's (:mod:`.registry`) on this backbone; an unregistered objective: the feature the
+        classifier head reads (``cls`` or ``mean`` of a sequence that holds the class token)."""
+        from .registry import spec_of
+
+        spec = spec_of(type(self))
+        return spec.probe_feature_for(self.backbone) if spec else self.backbone.config.global_pool
 
     @property
     def finetune_pool(self) -> str:
-        """Default: the pooling the classifier head reads (``cls`` or ``mean``), right for objectives that train
-        through the head; the others set a class attribute."""
-        return self.backbone.config.global_pool
+        """The registered method's (:mod:`.registry`) on this backbone; an unregistered objective: the pooling the
+        classifier head reads (``cls`` or ``mean``)."""
+        from .registry import spec_of
+
+        spec = spec_of(type(self))
+        return spec.finetune_pool_for(self.backbone) if spec else self.backbone.config.global_pool
 
     def freeze_class_token(self) -> None:
         """For objectives that never feed the class token (``probe_feature = "patch_mean"``): it can get no gradient

@@ -45,6 +45,7 @@ from .common import (
     squared_grid_distance,
     topk_accuracy,
 )
+from .registry import register_method
 
 
 @dataclass
@@ -82,6 +83,12 @@ class DropPosConfig(ObjectiveConfig):
         return self
 
 
+# §3, official code (MAE's): the fixed 2-D sin-cos PE, kept by the class token (Eq. 3), so probes read it; fine-tuning
+# follows MAE's code and its --global_pool (average pooling).
+@register_method("droppos", config=DropPosConfig, pos_embed="sincos2d", probe_feature="cls", finetune_pool="mean",
+                 curves=True, display="DropPos",
+                 paper="Wang et al. 2023, DropPos: Pre-Training Vision Transformers by Reconstructing Dropped "
+                 "Positions")
 class DropPos(BackboneObjective):
     """DropPos objective on a ``sincos2d`` backbone with a class token (paper §3, Alg. 1).
 
@@ -108,8 +115,6 @@ class DropPos(BackboneObjective):
     """
 
     no_weight_decay_tokens = ("mask_pos_token",)  # the [MASK] position token p_mask (Eq. 3)
-    probe_feature = "cls"  # CLS keeps its PE and is encoded with the visible tokens (Eq. 3)
-    finetune_pool = "mean"  # DropPos fine-tunes with MAE's code and its --global_pool (average pooling)
 
     def __init__(self, backbone: Backbone | nn.Module, config: DropPosConfig | None = None) -> None:
         super().__init__()

@@ -42,6 +42,7 @@ from .common import (
     require_pos_mode,
     split_batch,
 )
+from .registry import register_method
 
 NOISE_ON = ("masked", "context", "both")
 COVARIANCES = ("learned", "fixed")
@@ -92,6 +93,15 @@ class IJEPAConfig(ObjectiveConfig):
         return self
 
 
+# I-JEPA's and StoP's code: the fixed 2-D sin-cos PE. The context encoder never sees a class token: their linear
+# probes read the average of its final-normed patch outputs (docs/design.md), and they fine-tune on average-pooled
+# patch tokens.
+@register_method("ijepa", config=IJEPAConfig, pos_embed="sincos2d", probe_feature="patch_mean", finetune_pool="mean",
+                 display="I-JEPA", paper="Assran et al. 2023, Self-Supervised Learning from Images with a "
+                 "Joint-Embedding Predictive Architecture")
+@register_method("stop", config=IJEPAConfig, pos_embed="sincos2d", probe_feature="patch_mean", finetune_pool="mean",
+                 defaults={"stop": True}, display="StoP",
+                 paper="Bar et al. 2024, Stochastic positional embeddings improve masked image modeling (StoP)")
 class IJEPA(BackboneObjective):
     """I-JEPA / StoP on an image backbone with fixed ``sincos2d`` PE (the class token, if any, is not used here).
 
@@ -117,10 +127,6 @@ class IJEPA(BackboneObjective):
     """
 
     no_weight_decay_tokens = ("mask_token",)
-    # The context encoder never sees a class token: probe the average of its final-normed patch outputs, as the
-    # I-JEPA and StoP linear probes do (docs/design.md).
-    probe_feature = "patch_mean"
-    finetune_pool = "mean"  # I-JEPA and StoP fine-tune on average-pooled patch tokens (no class token trained)
 
     def __init__(self, backbone: Backbone | nn.Module, config: IJEPAConfig | None = None) -> None:
         super().__init__()

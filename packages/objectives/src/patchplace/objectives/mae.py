@@ -26,6 +26,7 @@ from .common import (
     require_pos_mode,
     split_batch,
 )
+from .registry import register_method
 
 
 @dataclass
@@ -67,6 +68,10 @@ def pixel_targets(images: torch.Tensor, patch_size: int, normalize: bool = True)
     return target
 
 
+# MAE's code: the fixed 2-D sin-cos PE; the encoder runs [CLS; visible] (its linear probe reads the class token);
+# fine-tuning with --global_pool, the average of the patch outputs.
+@register_method("mae", config=MAEConfig, pos_embed="sincos2d", probe_feature="cls", finetune_pool="mean",
+                 display="MAE", paper="He et al. 2022, Masked Autoencoders Are Scalable Vision Learners")
 class MAE(BackboneObjective):
     """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token.
 
@@ -88,8 +93,6 @@ class MAE(BackboneObjective):
     """
 
     no_weight_decay_tokens = ("mask_token",)
-    probe_feature = "cls"  # the encoder runs [CLS; visible] (MAE's linear probe reads the class token)
-    finetune_pool = "mean"  # MAE's fine-tuning code: --global_pool, the average of the patch outputs
 
     def __init__(self, backbone: Backbone | nn.Module, config: MAEConfig | None = None) -> None:
         super().__init__()

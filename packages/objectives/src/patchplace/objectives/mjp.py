@@ -44,6 +44,7 @@ from .common import (
     require_pos_mode,
     split_batch,
 )
+from .registry import register_method
 from .supervised import classification_loss
 
 DAL_KINDS = ("pca", "linear", "mlp")
@@ -268,6 +269,11 @@ def dal_loss(regressor: DALRegressor, pe_table: torch.Tensor, keep_mask: torch.T
 
 
 # ---------------------------------------------------------------------------------------------- objective
+# DeiT's recipe with labels: a learned, additive PE table (Eq. 3-5) and the classifier head, whose pooling probes
+# read; MJP trains and fine-tunes that classifier on the class token.
+@register_method("mjp", config=MJPConfig, pos_embed="learned", needs_head=True, probe_feature="head",
+                 finetune_pool="cls", display="MJP",
+                 paper="Ren et al. 2023, Masked Jigsaw Puzzle: A Versatile Position Embedding for Vision Transformers")
 class MJP(BackboneObjective):
     """MJP objective (Alg. 2) on an image backbone with an additive PE (``learned`` or ``sincos2d``) and a head.
 
@@ -306,11 +312,6 @@ class MJP(BackboneObjective):
     # skips it exactly as in one process. Feeding an all-False mask instead would give E_unk a zero gradient that
     # AdamW's momentum still turns into updates: a different trajectory.
     leaves_parameters_unused = True
-
-    @property
-    def finetune_pool(self) -> str:
-        """MJP trains and fine-tunes DeiT's classifier on the class token (average pooling without one)."""
-        return "cls" if self.backbone.cls_token is not None else "mean"
 
     def __init__(self, backbone: Backbone | nn.Module, config: MJPConfig | None = None) -> None:
         super().__init__()

@@ -37,6 +37,7 @@ from .common import (
     split_batch,
     topk_accuracy,
 )
+from .registry import register_method
 
 
 @dataclass
@@ -58,6 +59,16 @@ class MP3Config(ObjectiveConfig):
         return cls(eta=0.0, anchor_ratio=0.05)
 
 
+# §3: every position embedding is removed during pretraining; the class token (§3.1) enters without PE, so probes
+# read the mean of the patch outputs of a sequence holding it, and fine-tuning puts "a linear classifier head after
+# the cls token" (§3.3).
+@register_method("mp3", config=MP3Config, pos_embed="none", probe_feature="mean", finetune_pool="cls", curves=True,
+                 paper="Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3)",
+                 display="MP3")
+# §3.1, §4.3: speech keeps the true sinusoidal PE for its 5% anchors, and pretrains with full attention (eta 0).
+@register_method("mp3_speech", config=MP3Config, pos_embed="sincos1d", probe_feature="mean", finetune_pool="cls",
+                 modality="audio", defaults={"eta": 0.0, "anchor_ratio": 0.05}, display="MP3 speech",
+                 paper="Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3), §4.3")
 class MP3(BackboneObjective):
     """MP3 on any backbone of ``patchplace.models`` (ViT patches or audio frames), with or without a class token
     (with one, it is fed without PE and kept in every sample's context; the head reads the patch tokens only).
@@ -77,17 +88,6 @@ class MP3(BackboneObjective):
     >>> bool(torch.isfinite(out["loss"]))
     True
     """
-
-    # Probes read the average of the final-normed patch outputs (App. C's kNN, average-pooled) of the sequence the
-    # pretraining ran: "mean" with the class token in it (§3.1), "patch_mean" on a backbone without one.
-    @property
-    def probe_feature(self) -> str:
-        return "mean" if self.backbone.cls_token is not None else "patch_mean"
-
-    @property
-    def finetune_pool(self) -> str:
-        """§3.3: "a linear classifier head after the cls token" (average pooling without a class token)."""
-        return "cls" if self.backbone.cls_token is not None else "mean"
 
     def __init__(self, backbone: Backbone | nn.Module, config: MP3Config | None = None) -> None:
         super().__init__()

@@ -45,6 +45,7 @@ from .common import (
     split_batch,
 )
 from .mae import pixel_targets
+from .registry import register_method
 from .segments import blob_segments, patch_random_order, raster_order, serialize, square_segments
 
 SEGMENT_TYPES = ("blob", "square", "raster", "patch_random")
@@ -125,6 +126,12 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.norm3(x))
 
 
+# §3-4: the fixed 2-D sin-cos PE; the encoder runs the patch tokens alone (no class token), and App. B.2 ("we
+# directly use the averaged pooled feature out of the encoder for both fine-tuning and linear probing") probes and
+# fine-tunes the mean of its patch outputs.
+@register_method("randsac", config=RandSACConfig, pos_embed="sincos2d", probe_feature="patch_mean",
+                 finetune_pool="mean", display="RandSAC",
+                 paper="Hua et al. 2022, Self-supervision through Random Segments with Autoregressive Coding (RandSAC)")
 class RandSAC(BackboneObjective):
     """RandSAC pretraining on an image backbone with ``pos_embed='sincos2d'``.
 
@@ -146,12 +153,6 @@ class RandSAC(BackboneObjective):
     >>> model.backbone.forward_features(images).shape  # evaluation: no masks, no decoder; class token + 64 patches
     torch.Size([8, 65, 32])
     """
-
-    # The encoder runs the patch tokens alone (no class token); the paper's supplemental ("Different from ViT ... we
-    # directly use the averaged pooled feature out of the encoder for both fine-tuning and linear probing") probes
-    # the mean of the encoder's patch outputs.
-    probe_feature = "patch_mean"
-    finetune_pool = "mean"  # the same averaged pooled feature (App. B.2) for fine-tuning
 
     def __init__(self, backbone: Backbone | nn.Module, config: RandSACConfig | None = None) -> None:
         super().__init__()

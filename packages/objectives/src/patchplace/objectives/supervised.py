@@ -12,6 +12,7 @@ from torch import nn
 from patchplace.models import Backbone
 
 from .common import BackboneObjective, ObjectiveConfig, ObjectiveError, as_backbone, check_ratio, split_batch
+from .registry import register_method
 
 
 @dataclass
@@ -23,6 +24,10 @@ class SupervisedConfig(ObjectiveConfig):
         return self
 
 
+# The DeiT baseline: a learned PE, trained through the classifier head, whose pooling probes and fine-tuning read (a
+# fine-tune, this objective on a prepared checkpoint, records the pooling it fine-tuned with).
+@register_method("supervised", config=SupervisedConfig, pos_embed="learned", needs_head=True, probe_feature="head",
+                 finetune_pool="head")
 class Supervised(BackboneObjective):
     """``forward((images, labels))``: labels are class indices (B,) or soft targets (B, classes) from mixup.
 
@@ -41,12 +46,6 @@ class Supervised(BackboneObjective):
     >>> bool(torch.isfinite(out["loss"]))
     True
     """
-
-    @property
-    def finetune_pool(self) -> str:
-        """The pooling the head trains on: ``cls`` for the DeiT baseline (the default config); a fine-tune (this
-        objective on a prepared checkpoint) records the pooling it fine-tuned with, as ``probe_feature``."""
-        return self.backbone.config.global_pool
 
     def __init__(self, backbone: Backbone | nn.Module, config: SupervisedConfig | None = None) -> None:
         super().__init__()
