@@ -86,7 +86,8 @@ def test_checkpoint_is_self_describing_without_config_json(micro, tmp_path):
     directory = save_pretrained(model, tmp_path / "ckpt", metadata={
         "classes": list("abcde"), "pretrained": str(tmp_path / "somewhere" / "checkpoint"),
         "normalization": {"mean": [0.5] * 3, "std": [0.25] * 3}, "data": {"dataset": "toy", "fingerprint": "f00"},
-        "recipe": {"epochs": 2, "lr": 1e-3}, "method": "mp3"})
+        "recipe": {"epochs": 2, "lr": 1e-3}, "method": "mp3",
+        "paper": "Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3)"})
     raw = json.loads((directory / "config.json").read_text())
     assert raw["architecture"] == "vit_base_patch16_224" and raw["num_classes"] == 5
     assert raw["id2label"] == {str(i): c for i, c in enumerate("abcde")} and raw["label_names"] == list("abcde")
@@ -114,7 +115,8 @@ def test_hub_mixin_save_load_and_push(micro, tmp_path, monkeypatch):
     from patchplace.models import Backbone, VisionTransformer
 
     model = _trained_like(micro, pos_embed="sincos2d")
-    out = model.save_pretrained(tmp_path / "ckpt", metadata={"classes": list("abcde"), "method": "mae"})
+    paper = "He et al. 2022, Masked Autoencoders Are Scalable Vision Learners"
+    out = model.save_pretrained(tmp_path / "ckpt", metadata={"classes": list("abcde"), "method": "mae", "paper": paper})
     assert out == tmp_path / "ckpt"
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     loaded = Backbone.from_pretrained(tmp_path / "ckpt")
