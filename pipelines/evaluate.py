@@ -34,8 +34,9 @@ from safetensors.torch import load_file
 
 from core.config import HOLDOUT, ConfigError, DataSection, ModelSection, RunSection, load, one_line, parser
 from core.engine import USER_ERRORS, Data, check_inputs, classify, holdout_indices, start
-from core.evaluation import class_list, first_difference, first_images, plot_privacy_grid, probe
+from core.evaluation import first_images, plot_privacy_grid, probe
 from patchplace.data.atomic import atomic_file
+from patchplace.data.manifest import class_list, first_difference
 from patchplace.data.memory import MemoryReader, balanced_subset
 from patchplace.finetune import (
     AttackConfig,

@@ -25,23 +25,6 @@ def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.
     return torch.cat(xs)[:n], torch.cat(ys)[:n]
 
 
-def class_list(names: list[str], shown: int = 6) -> str:
-    """``[a, b, c]`` (``[a, b, ..., z] (N classes)`` when long), for one-line messages."""
-    names = [str(n) for n in names]
-    if len(names) <= shown:
-        return f"[{', '.join(names)}]"
-    return f"[{', '.join(names[:shown - 1])}, ..., {names[-1]}] ({len(names)} classes)"
-
-
-def first_difference(model: list[str], data: list[str]) -> str:
-    """Where two class lists first part: ``label 2 is 'c' for the model, 'z' in the data``."""
-    for i in range(max(len(model), len(data))):
-        mine, theirs = (repr(v[i]) if i < len(v) else "absent" for v in (model, data))
-        if mine != theirs:
-            return f"label {i} is {mine} for the model, {theirs} in the data"
-    return "the same"
-
-
 def probe(desc: str, *args: Any, epochs: int, **kwargs: Any) -> dict[str, float]:
     """:func:`linear_probe` with a progress bar over its epochs."""
     from tqdm import tqdm

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from patchplace.data import DataError, Manifest, ShardDataset, make_loader
+from patchplace.data.manifest import class_list, first_difference
 from patchplace.finetune import consistency_curve
 
 from .exporter import INT8_SUFFIX, Classifier, ExportError, check_writable, fp32_of, load_export, non_finite, ort
@@ -209,23 +210,6 @@ class OnnxModel:
             binding.bind_output(name, "cuda", index)
         self.session.run_with_iobinding(binding)
         return binding
-
-
-def class_list(names: list[str], shown: int = 6) -> str:
-    """``[a, b, c]`` (``[a, b, ..., z] (N classes)`` when long), for one-line messages."""
-    names = [str(n) for n in names]
-    if len(names) <= shown:
-        return f"[{', '.join(names)}]"
-    return f"[{', '.join(names[:shown - 1])}, ..., {names[-1]}] ({len(names)} classes)"
-
-
-def first_difference(model: list[str], data: list[str]) -> str:
-    """Where two class lists first part: ``label 2 is 'c' for the model, 'z' in the data``."""
-    for i in range(max(len(model), len(data))):
-        mine, theirs = (repr(v[i]) if i < len(v) else "absent" for v in (model, data))
-        if mine != theirs:
-            return f"label {i} is {mine} for the model, {theirs} in the data"
-    return "the same"
 
 
 def load_uint8(split: str | Path | Manifest, limit: int | None, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

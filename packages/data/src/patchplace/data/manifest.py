@@ -259,3 +259,20 @@ def _verify_remote(manifest: Manifest) -> list[str]:
         if problem:
             problems.append(f"{url}: {problem}")
     return problems
+
+
+def class_list(names: list[str], shown: int = 6) -> str:
+    """``[a, b, c]`` (``[a, b, ..., z] (N classes)`` when long), for one-line messages."""
+    names = [str(n) for n in names]
+    if len(names) <= shown:
+        return f"[{', '.join(names)}]"
+    return f"[{', '.join(names[:shown - 1])}, ..., {names[-1]}] ({len(names)} classes)"
+
+
+def first_difference(model: list[str], data: list[str]) -> str:
+    """Where two class lists first part: ``label 2 is 'c' for the model, 'z' in the data``."""
+    for i in range(max(len(model), len(data))):
+        mine, theirs = (repr(v[i]) if i < len(v) else "absent" for v in (model, data))
+        if mine != theirs:
+            return f"label {i} is {mine} for the model, {theirs} in the data"
+    return "the same"
