@@ -109,7 +109,7 @@ def test_every_split_is_normalized_with_the_checkpoints_training_statistics(shar
 # ---------------------------------------------------------------------------------------------- 2. hold-out
 def test_evaluation_refuses_the_images_a_checkpoint_trained_on(shards, checkpoints, tmp_path, capsys):
     """A checkpoint records its hold-out (split, size, seed); data.val=holdout is scored only on samples it held
-    out, data.val never on the split it trained on. Before, both were scored (exit 0)."""
+    out, data.val never on the split it trained on: neither is scored."""
     train = f"data.train={shards / 'img' / 'train'}"
     holdout = [train, "data.val=holdout", "data.holdout=12", *QUICK]
     assert evaluate.main([*holdout, f"model.checkpoint={checkpoints['all']}", f"run.output={tmp_path / 'a'}"]) == 2
@@ -149,8 +149,8 @@ def test_a_classifier_is_not_scored_on_another_datasets_classes(shards, checkpoi
 # ---------------------------------------------------------------------------------------------- 4. batch size
 def test_a_batch_larger_than_the_train_split_is_refused_and_throughput_counts_real_samples(shards, tmp_path, capsys,
                                                                                           monkeypatch):
-    """data.batch_size=100000 on 64 samples trained on batches of 64 and recorded global batch 100000 (exit 0);
-    the logged samples/s counted the asked batch, not the samples read (a short last batch too)."""
+    """data.batch_size=100000 on 64 samples is refused (no such batch can be formed, no global batch recorded);
+    the logged samples/s counts the samples read, not the asked batch (a short last batch too)."""
     common = ["method=supervised", *img(shards), *TINY]
     assert pretrain.main([*common, "data.batch_size=100000", "optim.max_steps=2", f"run.output={tmp_path / 'a'}"]) == 2
     assert error_line(capsys) == (
@@ -295,7 +295,7 @@ def test_an_evaluation_stage_retried_after_a_failed_attempt_replaces_its_files(s
 
 # ---------------------------------------------------------------------------------------------- 9. symlink
 def test_a_dangling_run_output_link_names_the_link_and_its_target(shards, tmp_path, capsys):
-    """Before: 'run.output ... cannot be written (File exists)'."""
+    """The line names the link and its missing target, not 'File exists'."""
     link = tmp_path / "run"
     os.symlink("missing/run", link)
     assert pretrain.main(["method=supervised", *img(shards), *TINY, "optim.max_steps=1", f"run.output={link}"]) == 2

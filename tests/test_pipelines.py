@@ -58,7 +58,7 @@ def test_every_shipped_config_loads_and_validates(shards):
     (["objective.eta=1.5"], r"eta must be in \[0, 1\)"),
     (["data.train=/nowhere/train"], "data.train: no manifest.json in /nowhere/train"),
     (["data.batch_size=many"], "data.batch_size: expected int"),
-    (["optim.max_steps=-5"], r"optim.max_steps must be >= 1 \(or null"),  # trained 0 steps with exit 0 before
+    (["optim.max_steps=-5"], r"optim.max_steps must be >= 1 \(or null"),  # 0 steps would train nothing
 ])
 def test_bad_configs_fail_with_one_line(shards, capsys, overrides, message):
     assert pretrain.main([*img(shards), *overrides]) == 2

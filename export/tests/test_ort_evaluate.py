@@ -156,7 +156,7 @@ def test_mismatched_models_and_data_are_refused(toy, tmp_path, capsys):
     assert main([str(root / "learned.onnx"), "--data", str(tmp_path / "s" / "test")]) == 2
     assert "the model's classes are [a, b, c] (its training data) but five/test holds [a, b, c, d, e] (label 3 is " \
            "absent for the model, 'd' in the data)" in capsys.readouterr().err
-    # as many classes, other names (or order): a top-1 with exit 0 before
+    # as many classes, other names (or order): a top-1 would compare unrelated labels
     with SplitWriter(tmp_path / "x", "test", dataset="xyz", modality="image", classes=["a", "c", "b"],
                      info={"image_size": [28, 28], "channels": 1}, source="t", recipe="t", recipe_version=1) as w:
         w.add_image("0", 0, np.zeros((28, 28), np.uint8))
