@@ -8,7 +8,7 @@ VENV     := .venv
 PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip --disable-pip-version-check
 APT_PKGS := dataset-fashion-mnist espeak-ng
-PACKAGES := packages/data packages/models packages/objectives packages/finetune export
+PACKAGES := packages/data packages/models packages/objectives packages/finetune export pipelines research
 # ONNX Runtime flavour of patchplace-export: cpu (onnxruntime) or gpu (onnxruntime-gpu: CUDA + CPU providers);
 # one of them, never both (`make setup ORT=gpu` on a CUDA machine switches an existing .venv over)
 ORT      ?= cpu
@@ -54,7 +54,7 @@ $(VENV)/.installed-$(ORT): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES
 	@# PATCHPLACE_SIBLING_SPEC empty: a sibling is required by name, so the -e of this same command provides it
 	@# (pip refuses an editable beside a direct reference to the same path: pypa/pip#10216); editable_mode=compat
 	@# is for the setuptools-built workspace root, hatchling's editables add src/ to sys.path by themselves
-	PATCHPLACE_SIBLING_SPEC= $(PIP) install -q --config-settings editable_mode=compat -e '.[dev,pipelines]' \
+	PATCHPLACE_SIBLING_SPEC= $(PIP) install -q --config-settings editable_mode=compat -e '.[dev]' \
 	  $(foreach p,$(filter-out export,$(PACKAGES)),-e '$(p)[test]') -e 'export[test,$(ORT)]'
 	@rm -f $(VENV)/.installed $(VENV)/.installed-*; touch $@
 
@@ -98,7 +98,7 @@ STUDY_GPU_JOBS ?= 4
 study-gpu: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_GPU_JOBS) --config pipelines/configs/study_gpu.yaml
 
-# The GPU study in sittings (a lent GPU machine for a bounded stretch; pipelines/gpu_sitting.sh): what a sitting
+# The GPU study in sittings (a lent GPU machine for a bounded stretch; research/gpu/gpu_sitting.sh): what a sitting
 # carries (.gpu/: the wheels the machine lacks, the Fashion-MNIST IDX files), and the report from every bundle
 # The lent machine's python3 (3.12) has torch, timm, scipy, scikit-image, numba, ...; these it lacks (same versions
 # as .venv; --no-deps: their other needs are there)
@@ -116,7 +116,7 @@ gpu-carry: setup
 study-gpu-merge: setup
 	$(PY) pipelines/study.py --config pipelines/configs/study_gpu.yaml --merge --bundles results/study_gpu_bundles
 
-# ONNX Runtime on CUDA on the lent machine (pipelines/gpu_onnx.sh): the onnxruntime-gpu wheel (~244 MiB) is larger than
+# ONNX Runtime on CUDA on the lent machine (research/gpu/gpu_onnx.sh): the onnxruntime-gpu wheel (~244 MiB) is larger than
 # a call carries (64 MiB), so it travels in parts of at most ORT_PART_MIB, one per call, each in its own directory
 # (.ort/p0/, .ort/p1/, ...; .ort/p0/MANIFEST.json: the wheel's and every part's sha256). Kept in .ort/download/ (never
 # carried); a wheel already in ORT_GPU_CACHE is reused. Nothing to do when the parts are there and intact.
@@ -126,7 +126,7 @@ ORT_PART_MIB    ?= 52
 ORT_GPU_CACHE   ?= /tmp/ortg
 gpu-ort-parts:
 	@if [ ! -f .ort/download/$(ORT_GPU_WHEEL) ] && \
-	  line=$$(python3 pipelines/gpu_parts.py status --parts .ort --verify --strict --expect $(ORT_GPU_WHEEL)); then \
+	  line=$$(python3 research/gpu/gpu_parts.py status --parts .ort --verify --strict --expect $(ORT_GPU_WHEEL)); then \
 	  echo "$$line: nothing to do"; exit 0; fi; \
 	mkdir -p .ort/download; \
 	if [ ! -f .ort/download/$(ORT_GPU_WHEEL) ]; then \
@@ -136,7 +136,7 @@ gpu-ort-parts:
 	  else \
 	    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	      --platform manylinux_2_28_x86_64 -d .ort/download onnxruntime-gpu==$(ORT_GPU_VERSION); fi; fi; \
-	python3 pipelines/gpu_parts.py split .ort/download/$(ORT_GPU_WHEEL) --out .ort --max-mib $(ORT_PART_MIB)
+	python3 research/gpu/gpu_parts.py split .ort/download/$(ORT_GPU_WHEEL) --out .ort --max-mib $(ORT_PART_MIB)
 
 benchmark: setup data
 	$(PY) pipelines/benchmark.py --suite all --out results

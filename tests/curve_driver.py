@@ -24,13 +24,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from safetensors import safe_open
+
+from patchplace.pipelines import (
+    engine,
+    pretrain,
+    rundir,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import pretrain  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
-from core import engine, rundir  # noqa: E402
 
 RUNDIR_FILE = str(Path(rundir.__file__).resolve())
 # top-1 by step: bests at 2, 4 and 8; 10, 12 (a tie is no better) and 14 are not: patience 3 stops at step 14

@@ -22,17 +22,15 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+import patchplace.objectives.mjp as mjp
+import patchplace.objectives.mp3 as mp3
+from patchplace.pipelines import engine
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-from accelerate import PartialState  # noqa: E402
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
-import patchplace.objectives.mjp as mjp  # noqa: E402
-import patchplace.objectives.mp3 as mp3  # noqa: E402
-from core import engine  # noqa: E402
 
 TRACE: dict = {"keys": [], "masks": [], "allreduce_calls": 0, "jigsaw": [], "unknown_grad": [], "sums": []}
 

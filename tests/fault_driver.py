@@ -31,14 +31,16 @@ import signal
 import sys
 from pathlib import Path
 
+from safetensors.torch import load_file
+
+from patchplace.pipelines import (
+    engine,
+    finetune,
+    pretrain,
+    rundir,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import finetune  # noqa: E402
-import pretrain  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from core import engine, rundir  # noqa: E402
 
 RUNDIR_FILE = str(Path(rundir.__file__).resolve())
 

@@ -8,7 +8,6 @@ import io
 import json
 import os
 import shutil
-import sys
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from pipeline_args import TINY, img, small_heads
 from safetensors.torch import save_file
 
 from patchplace.data import DataError, ShardDataset, SplitWriter
@@ -24,18 +24,16 @@ from patchplace.data.memory import InMemorySplit, MemoryReader
 from patchplace.export.evaluate import OnnxModel
 from patchplace.export.exporter import image_preprocessing
 from patchplace.models import create_model, load_pretrained, save_pretrained, timm_transform
+from patchplace.pipelines import config as pipeline_config
+from patchplace.pipelines import (
+    engine,
+    evaluate,
+    finetune,
+    pretrain,
+)
+from patchplace.research import controls
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import controls  # noqa: E402
-import evaluate  # noqa: E402
-import finetune  # noqa: E402
-import pretrain  # noqa: E402
-
-from core import config as pipeline_config  # noqa: E402
-from core import engine  # noqa: E402
-from tests.pipeline_args import TINY, img, small_heads  # noqa: E402
 
 # evaluate.py with every part but the classification off (each call stays well under a second)
 QUICK = ["data.batch_size=16", "data.num_workers=0", "eval.linear_probe=false", "eval.knn=false",
@@ -280,8 +278,8 @@ def test_evaluate_does_not_overwrite_earlier_results_unless_told(shards, checkpo
 def test_an_evaluation_stage_retried_after_a_failed_attempt_replaces_its_files(shards, checkpoints, tmp_path):
     """A study / demo evaluation stage killed after writing results.json (no DONE) runs again on the next invocation,
     while a DONE written without ``run.overwrite=`` still marks the same stage done."""
-    from core.stages import stage
-    from reproduction.runner import EVALUATE
+    from patchplace.pipelines.stages import stage
+    from patchplace.research.reproduction.runner import EVALUATE
 
     out = tmp_path / "eval"
     argv = [*EVALUATE, *img(shards), *QUICK, f"run.output={out}", f"model.checkpoint={checkpoints['held']}"]

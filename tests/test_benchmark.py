@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from pathlib import Path
 
+from patchplace.research import benchmark
+from patchplace.research.benchmarks.data import data_vs_training
+from patchplace.research.benchmarks.report import GPU_SECTION, anchor_summary
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import benchmark  # noqa: E402
-
-from benchmarks.data import data_vs_training  # noqa: E402
-from benchmarks.report import GPU_SECTION, anchor_summary  # noqa: E402
 
 
 def test_help_documents_every_suite(capsys):
@@ -168,8 +165,8 @@ def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(tm
     fraction from the objective's FLOPs, and the fastest rung marked once; fine-tuning runs finetune.py."""
     import numpy as np
 
-    from benchmarks.speed import STUDY_GPU_BATCH, Setting, command
     from patchplace.data import SplitWriter
+    from patchplace.research.benchmarks.speed import STUDY_GPU_BATCH, Setting, command
 
     rng = np.random.default_rng(0)  # the first rung's batch (study_gpu.yaml's 256) needs as many images
     with SplitWriter(tmp_path / "img", "train", dataset="toy", modality="image", classes=["a", "b", "c"],
@@ -204,7 +201,7 @@ def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(tm
 def test_profile_suite_names_where_each_step_goes_and_its_share_outside_compute(tmp_path):
     """torch.profiler over tiny steps: per objective the top operators by self time (shares of one total, largest
     first, matrix products counted as compute) and a closing row with the step's share outside compute."""
-    from benchmarks.profile import is_compute
+    from patchplace.research.benchmarks.profile import is_compute
 
     assert benchmark.main(["--suite", "profile", "--preset", "vit_micro", "--batch", "4", "--repeats", "2",
                            "--warmup", "1", "--objectives", "supervised", "mae", "--profile-top", "5", "--out",

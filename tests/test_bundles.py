@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from patchplace.pipelines import config as pipeline_config
+from patchplace.research import study
+from patchplace.research.reproduction.metrics import HARNESS_VERSION
+from patchplace.research.reproduction.plan import StudyConfig
+from patchplace.research.reproduction.sittings import bundles_of, merged_study, pending_units
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import study  # noqa: E402
-
-from core import config as pipeline_config  # noqa: E402
-from reproduction.metrics import HARNESS_VERSION  # noqa: E402
-from reproduction.plan import StudyConfig  # noqa: E402
-from reproduction.sittings import bundles_of, merged_study, pending_units  # noqa: E402
 
 
 def _args(tmp_path: Path) -> list[str]:

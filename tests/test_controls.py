@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from patchplace.data import SplitWriter
+from patchplace.research import controls
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import controls  # noqa: E402
-
-from patchplace.data import SplitWriter  # noqa: E402
 
 
 @pytest.fixture(scope="module")

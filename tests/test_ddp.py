@@ -15,16 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_args import TINY, files_of, img, method_args, run_log, small_heads, state_dir
 from safetensors.torch import load_file
 
 from patchplace.objectives import method_names
+from patchplace.pipelines import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import pretrain  # noqa: E402
-
-from tests.pipeline_args import TINY, files_of, img, method_args, run_log, small_heads, state_dir  # noqa: E402
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TRACE = str(ROOT / "tests" / "ddp_trace.py")
@@ -268,7 +265,7 @@ def test_two_processes_follow_the_lr_schedule_of_one_at_the_same_global_batch(sh
 def test_lr_scaling_follows_the_global_batch_and_is_recorded(shards, tmp_path):
     """``optim.lr_scaling=linear``: the lr tuned at one process's batch (8) doubles on 2 processes (global 16); the
     peak lr, the rule and the global batch are in optimizer.json and the model card. (``sqrt``: sqrt(2)x.)"""
-    from core.config import OptimSection
+    from patchplace.pipelines.config import OptimSection
 
     assert OptimSection(lr=1e-3, lr_scaling="sqrt").scaled_lr(16, default_base=8) == pytest.approx(1e-3 * 2**0.5)
     assert OptimSection(lr=1e-3, lr_scaling="linear", lr_base_batch=256).scaled_lr(2048, 8) == pytest.approx(8e-3)
@@ -368,7 +365,7 @@ def test_a_launch_that_starts_other_processes_than_asked_is_one_line(shards, tmp
 def test_rank_streams_never_coincide_across_seeds_and_ranks(shards, tmp_path, mp3_two_process):
     """Rank 0 of seed 1 drew exactly rank 1 of seed 0's masks (seed + rank); now every (seed, rank) pair of a study
     has its own stream, and one process keeps the seed itself."""
-    from core import engine
+    from patchplace.pipelines import engine
 
     seed1 = tmp_path / "seed1"
     run([*mp3_args(shards, seed1), "run.seed=1"])
@@ -386,8 +383,8 @@ def test_rank_seeds_are_distinct_for_every_accepted_seed_and_rank():
     each accepted (seed, rank) has a seed of its own, (rank - 1, seed) read back from it, below
     2**32 (torch's CPU generator keeps a seed's low 32 bits, numpy takes no more); rank 0 keeps any seed below
     2**31, and seeds of 2**20 or more on several processes, or more than 2048 processes, are refused."""
-    from core import engine
-    from core.config import MAX_SEED, ConfigError
+    from patchplace.pipelines import engine
+    from patchplace.pipelines.config import MAX_SEED, ConfigError
 
     rank_seed, top = engine.rank_seed, engine.SEEDS_PER_RANK - 1
     seeds = [0, 1, 2, 2**19 - 1, 2**19, 2**19 + 1, top - 1, top]

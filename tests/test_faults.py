@@ -12,15 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from fault_driver import same, strays, weights
+from pipeline_args import TINY, files_of, img, small_heads
+
+from patchplace.pipelines import (
+    pretrain,
+    rundir,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import pretrain  # noqa: E402
-
-from core import rundir  # noqa: E402
-from tests.fault_driver import same, strays, weights  # noqa: E402
-from tests.pipeline_args import TINY, files_of, img, small_heads  # noqa: E402
 
 DRIVER = str(ROOT / "tests" / "fault_driver.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -267,12 +267,12 @@ def test_inputs_the_model_cannot_take_are_one_line_before_training(shards, tmp_p
     assert "the data give 30 px images (data.img_size / data.pad_to) but model.preset=vit_micro takes 32 px: set " \
            "data.img_size=32" in error_line(capsys)
     # a speech checkpoint fine-tuned on images said "pos_embed 'sincos1d' is not available for image"
-    from tests.pipeline_args import audio
+    from pipeline_args import audio
 
     speech = tmp_path / "speech"
     assert pretrain.main(["method=mp3_speech", *audio(shards), *TINY, "model.preset=audio_mp3", "optim.max_steps=1",
                           f"run.output={speech}"]) == 0
-    import finetune
+    from patchplace.pipelines import finetune
 
     capsys.readouterr()
     assert finetune.main([*common, f"model.checkpoint={speech / 'checkpoint'}", f"run.output={tmp_path / 'b'}"]) == 2
@@ -390,7 +390,7 @@ def test_the_lazy_check_skips_exactly_the_non_finite_steps_update_inside_the_fus
 
     import torch
 
-    from core import engine
+    from patchplace.pipelines import engine
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
@@ -419,11 +419,10 @@ def test_a_nan_checkpoint_is_refused_by_finetune_evaluate_export_and_onnx_runtim
     """A checkpoint of NaN weights (planted: training no longer writes one): fine-tuning, evaluation, the ONNX
     export and ONNX Runtime's evaluation each stop with one line; no accuracy is reported, no file exported. Before
     issue 29: fine-tuning reported "val top-1 0.3438" (argmax of NaN) and the export's parity gate passed NaN."""
-    import evaluate
-    import finetune
     import torch
 
     from patchplace.models import load_pretrained, save_pretrained
+    from patchplace.pipelines import evaluate, finetune
 
     good = tmp_path / "good"
     assert finetune.main(finetune_args(shards, good, 2)) == 0
@@ -476,7 +475,7 @@ def test_a_finished_run_resumes_as_complete_without_touching_its_files(shards, t
     """The end-of-run metrics are sealed with the final checkpoint: before issue 29 they were written into
     config.json and the model card after COMPLETE, so ``run.resume=true`` (as the demo and study stages pass) called
     the finished run corrupt and suggested run.overwrite=true, which deletes it."""
-    import finetune
+    from patchplace.pipelines import finetune
 
     out = tmp_path / "ft"
     assert finetune.main(finetune_args(shards, out)) == 0

@@ -74,10 +74,10 @@ def reference_code(root: Path) -> Code:
 
 
 def current_code() -> Code:
-    """How the working tree's code runs; the one place to adapt when its layout changes (e.g. pipelines as
-    ``patchplace.pipelines``: put its src dir on the path and name its pretrain / finetune modules)."""
-    return Code("current", TREE, (*package_sources(TREE), TREE / "pipelines"),
-                {"pretrain": "pretrain", "finetune": "finetune"})
+    """How the working tree's code runs: every package's src dir, the pipelines as ``patchplace.pipelines``; the one
+    place to adapt when its layout changes."""
+    return Code("current", TREE, (*package_sources(TREE), TREE / "pipelines" / "src"),
+                {"pretrain": "patchplace.pipelines.pretrain", "finetune": "patchplace.pipelines.finetune"})
 
 
 # --- the runs -------------------------------------------------------------------------------------------------------
@@ -391,7 +391,7 @@ def test_each_process_ran_its_own_code(golden):
         needed = ["patchplace.data", "patchplace.models", "patchplace.objectives", "patchplace.finetune",
                   *golden.codes[name].modules.values()]
         assert set(needed) <= modules.keys(), f"{name}: not imported: {sorted(set(needed) - modules.keys())}"
-    assert "core.engine" in golden.reports["reference"]["modules"], "the reference engine (pipelines/core) ran"
+    assert "core.engine" in golden.reports["reference"]["modules"], "the reference engine (pipelines/core/) ran"
     assert tuple(golden.reports["reference"]["methods"]) == tuple(sorted(METHODS)), \
         "METHODS must list every pretraining method of the reference"
 

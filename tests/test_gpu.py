@@ -6,25 +6,23 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from pipeline_args import TINY, img, method_args
+
+from patchplace.export.__main__ import main as export_main
+from patchplace.export.evaluate import main as ort_evaluate_main
+from patchplace.models import load_pretrained
+from patchplace.objectives import method_names
+from patchplace.pipelines import (
+    evaluate,
+    finetune,
+    pretrain,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-sys.path.insert(0, str(Path(__file__).parent))
-
-import evaluate  # noqa: E402
-import finetune  # noqa: E402
-import pretrain  # noqa: E402
-
-from patchplace.export.__main__ import main as export_main  # noqa: E402
-from patchplace.export.evaluate import main as ort_evaluate_main  # noqa: E402
-from patchplace.models import load_pretrained  # noqa: E402
-from patchplace.objectives import method_names  # noqa: E402
-from tests.pipeline_args import TINY, img, method_args  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu)")]

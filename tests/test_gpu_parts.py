@@ -1,11 +1,12 @@
-"""The onnxruntime-gpu wheel in parts for the lent GPU (pipelines/gpu_parts.py, make gpu-ort-parts,
-pipelines/gpu_onnx.sh; docs/study.md "ONNX Runtime on CUDA, brought in parts"): split -> reassemble gives the same
+"""The onnxruntime-gpu wheel in parts for the lent GPU (research/gpu/gpu_parts.py, make gpu-ort-parts,
+research/gpu/gpu_onnx.sh; docs/study.md "ONNX Runtime on CUDA, brought in parts"): split -> reassemble gives the same
 bytes, a missing or damaged part stops the reassembly in one line naming it, a second split writes nothing; and the
 evaluator's provider option on a tiny random model, forced to the CPU provider (parity and latency measured), refusing
 CUDA where the session would not run on it. CPU only, a few seconds."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -15,16 +16,17 @@ import numpy as np
 import pytest
 import torch
 
+from patchplace.export import ExportError, export_checkpoint
+from patchplace.export.evaluate import check_provider
+from patchplace.export.evaluate import main as ort_evaluate_main
+from patchplace.export.exporter import ort
+from patchplace.models import create_model, save_pretrained
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import gpu_parts  # noqa: E402
-
-from patchplace.export import ExportError, export_checkpoint  # noqa: E402
-from patchplace.export.evaluate import check_provider  # noqa: E402
-from patchplace.export.evaluate import main as ort_evaluate_main  # noqa: E402
-from patchplace.export.exporter import ort  # noqa: E402
-from patchplace.models import create_model, save_pretrained  # noqa: E402
+# research/gpu/gpu_parts.py is a standalone script (the lent machine's bare python3 runs it): loaded by its path
+_spec = importlib.util.spec_from_file_location("gpu_parts", ROOT / "research" / "gpu" / "gpu_parts.py")
+gpu_parts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_parts)
 
 KIB = 1024
 
@@ -110,12 +112,13 @@ def test_splitting_and_reassembling_again_write_nothing(wheel, tmp_path, capsys)
 
 
 def test_the_device_script_documents_every_option():
-    done = subprocess.run(["bash", str(ROOT / "pipelines" / "gpu_onnx.sh"), "--help"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=30)
+    done = subprocess.run(["bash", str(ROOT / "research" / "gpu" / "gpu_onnx.sh"), "--help"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=30)
     assert done.returncode == 0
     for option in ("--prepare", "--provider", "--checkpoint", "--onnx", "--epochs", "--run", "--limit", "--repeats"):
         assert option in done.stdout
-    help_text = subprocess.run([sys.executable, str(ROOT / "pipelines" / "gpu_parts.py"), "reassemble", "--help"],
+    help_text = subprocess.run([sys.executable, str(ROOT / "research" / "gpu" / "gpu_parts.py"), "reassemble",
+                                "--help"],
                                capture_output=True, text=True, timeout=30).stdout
     assert "--parts" in help_text and "--out" in help_text
 

@@ -5,25 +5,22 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from pipeline_args import TINY, audio, img, method_args, state_dir
 
 from patchplace.finetune import extract_features, probe_feature_of
 from patchplace.models import load_pretrained
 from patchplace.objectives import get_method, method_names
+from patchplace.pipelines import config as pipeline_config
+from patchplace.pipelines import (
+    finetune,
+    pretrain,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-sys.path.insert(0, str(Path(__file__).parent))
-
-import finetune  # noqa: E402
-import pretrain  # noqa: E402
-
-from core import config as pipeline_config  # noqa: E402
-from tests.pipeline_args import TINY, audio, img, method_args, state_dir  # noqa: E402
 
 FT_CONFIG = str(ROOT / "pipelines" / "configs" / "finetune_fashion_mnist.yaml")
 # What must never be weight-decayed (docs/design.md): PE tables, class / mask / unknown tokens, relative bias tables;
@@ -285,7 +282,7 @@ def test_ema_knob_moves_the_target_encoder_through_the_pipeline(shards, tmp_path
 
 
 def test_harness_compare_pairs_the_seeds_both_studies_measured(tmp_path):
-    import harness_compare
+    from patchplace.research import harness_compare
 
     before = {"results": {"mp3": [{"seed": 0, "top1": 0.50, "linear_probe": 0.60}, {"seed": 1, "top1": 0.40}]}}
     after = {"harness": 2, "runs": {"mp3": {"label": "MP3"}},

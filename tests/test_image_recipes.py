@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data import cifar, fashion_mnist, image_folder
 from patchplace.data import DataError, ShardDataset
+from patchplace.pipelines.datasets import cifar, fashion_mnist, image_folder
 
 
 def read_back(split_dir: Path) -> dict[str, tuple[np.ndarray, int]]:

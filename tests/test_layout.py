@@ -16,7 +16,8 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"data": ROOT / "packages/data", "models": ROOT / "packages/models",
             "objectives": ROOT / "packages/objectives", "finetune": ROOT / "packages/finetune",
-            "export": ROOT / "export"}
+            "export": ROOT / "export", "pipelines": ROOT / "pipelines", "research": ROOT / "research"}
+LIBRARIES = ("data", "models", "objectives", "finetune", "export")  # plain PyTorch, with a tests/ folder each
 
 
 def _imports(source: Path) -> set[str]:
@@ -36,6 +37,8 @@ def _distribution(module: str) -> str | None:
     top = module.split(".")[0]
     if top in sys.stdlib_module_names:
         return None
+    if top in OPTIONAL:
+        return None
     if top == "patchplace":
         return "patchplace-" + module.split(".")[1]
     dists = _installed().get(top)
@@ -45,7 +48,10 @@ def _distribution(module: str) -> str | None:
 
 
 # Declared without being imported: runtime requirements of another dependency.
-RUNTIME_ONLY = {"setuptools": "imagecorruptions imports pkg_resources, which setuptools >= 81 removed"}
+RUNTIME_ONLY = {"setuptools": "imagecorruptions imports pkg_resources, which setuptools >= 81 removed",
+                "tensorboard": "Accelerate's TensorBoard tracker (run.tensorboard) writes the events with it"}
+# Imported only when installed, by code that measures them as an option.
+OPTIONAL = {"kornia": "research/benchmarks/data.py times its crop as one more augmentation candidate"}
 
 
 @functools.cache
@@ -71,7 +77,9 @@ def test_patchplace_is_a_pep420_namespace_everywhere():
 @pytest.mark.parametrize("name", sorted(PACKAGES))
 def test_package_layout(name):
     pkg = PACKAGES[name]
-    for needed in ("pyproject.toml", "README.md", f"src/patchplace/{name}/__init__.py", "tests"):
+    # the pipelines' and the research code's tests are end to end: the repository's tests/
+    for needed in ("pyproject.toml", "README.md", f"src/patchplace/{name}/__init__.py",
+                   *(["tests"] if name in LIBRARIES else [])):
         assert (pkg / needed).exists(), f"{pkg.relative_to(ROOT)} lacks {needed}"
 
 
@@ -96,33 +104,40 @@ def test_package_declares_exactly_what_it_imports(name):
 
 
 def test_only_pipelines_import_accelerate():
-    offenders = [str(p.relative_to(ROOT)) for d in [*PACKAGES.values(), ROOT / "data"] for p in d.rglob("*.py")
+    """The libraries are plain PyTorch, the research code is a client of the pipelines: neither imports accelerate
+    (nor do the dataset recipes)."""
+    roots = [*(PACKAGES[n] / "src" for n in LIBRARIES), RESEARCH, PIPELINES / "datasets"]
+    offenders = [str(p.relative_to(ROOT)) for d in roots for p in d.rglob("*.py")
                  if any(m.split(".")[0] == "accelerate" for m in _imports(p))]
-    assert not offenders, f"only pipelines/ may import accelerate: {offenders}"
+    assert not offenders, f"only patchplace.pipelines may import accelerate: {offenders}"
 
 
-# ------------------------------------------------------------------------------------------------ pipelines/
-PIPELINES = ROOT / "pipelines"
-ENTRY_POINTS = {"pretrain", "finetune", "evaluate", "controls", "demo", "study", "benchmark", "harness_compare",
-                "gpu_parts"}
-MACHINERY = ("core", "reproduction", "benchmarks")  # the packages beside the entry points
-# Imports of an entry point allowed, each to run that entry point's main() in-process: the study's stages, the
-# benchmark suites that time the pipelines end to end, the demo's stages. Nothing else imports an entry point (no
-# helper lives in one), and core/ imports only core/.
-RUNS_MAIN = {"reproduction.runner": {"pretrain", "finetune", "evaluate", "controls"},
-             "benchmarks.pipelines": {"pretrain", "finetune"},
-             "demo": {"pretrain", "finetune", "evaluate"}}
+# ------------------------------------------------------------------------------ patchplace.pipelines / .research
+PIPELINES = ROOT / "pipelines" / "src" / "patchplace" / "pipelines"
+RESEARCH = ROOT / "research" / "src" / "patchplace" / "research"
+# the command lines: each a module with main(argv) -> exit code, and a script of that name in pipelines/ (or data/)
+ENTRY_POINTS = {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "evaluate", "demo")} | {
+    "patchplace.research." + n for n in ("study", "controls", "benchmark", "harness_compare")}
+# Imports of an entry point allowed, each to run that entry point's main() in-process: the demo's stages, the
+# study's stages, the benchmark suites that time the pipelines end to end. Nothing else imports an entry point (no
+# helper lives in one).
+RUNS_MAIN = {"patchplace.pipelines.demo": {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "evaluate")},
+             "patchplace.research.reproduction.runner": {"patchplace.pipelines." + n for n in
+                                                         ("pretrain", "finetune", "evaluate")}
+             | {"patchplace.research.controls"},
+             "patchplace.research.benchmarks.pipelines": {"patchplace.pipelines.pretrain",
+                                                          "patchplace.pipelines.finetune"}}
 
 
-def pipeline_modules(root: Path) -> dict[str, Path]:
-    """{module name as the entry points import it (``pretrain``, ``core.engine``, ``core``): file} under ``root``."""
-    return {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
-            for p in sorted(root.rglob("*.py"))}
+def package_modules(*roots: Path) -> dict[str, Path]:
+    """{dotted module name (``patchplace.pipelines.engine``, ``patchplace.research.reproduction``): file}."""
+    return {".".join(p.relative_to(root.parents[1]).with_suffix("").parts).removesuffix(".__init__"): p
+            for root in roots for p in sorted(root.rglob("*.py"))}
 
 
-def pipeline_imports(root: Path) -> dict[str, set[str]]:
-    """{module of ``root``: the modules of ``root`` it imports, at the top or inside a function}."""
-    modules, graph = pipeline_modules(root), {}
+def package_imports(*roots: Path) -> dict[str, set[str]]:
+    """{module under ``roots``: the modules under ``roots`` it imports, at the top or inside a function}."""
+    modules, graph = package_modules(*roots), {}
     for name, path in modules.items():
         found = set()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -135,17 +150,16 @@ def pipeline_imports(root: Path) -> dict[str, set[str]]:
     return graph
 
 
-def layout_offenders(root: Path) -> list[str]:
-    """``importer -> imported (why)`` for every import across the roles that the layout does not allow."""
-    graph = pipeline_imports(root)
-    entry_points = {name for name in graph if "." not in name and (root / f"{name}.py").is_file()}
+def layout_offenders(graph: dict[str, set[str]], entry_points: set[str]) -> list[str]:
+    """``importer -> imported (why)`` for every import across the roles that the layout does not allow: an entry
+    point imported other than to run its main, the pipelines importing the research code."""
     offenders = []
     for importer, imported in sorted(graph.items()):
         for module in sorted(imported):
             if module in entry_points and module not in RUNS_MAIN.get(importer, set()):
                 offenders.append(f"{importer} -> {module} (an entry point, not run through its main)")
-            elif importer.split(".")[0] == "core" and module.split(".")[0] != "core":
-                offenders.append(f"{importer} -> {module} (core/ imports only core/)")
+            elif importer.startswith("patchplace.pipelines") and module.startswith("patchplace.research"):
+                offenders.append(f"{importer} -> {module} (the pipelines never import their clients)")
     return offenders
 
 
@@ -172,50 +186,66 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return [list(c) for c in sorted(cycles)]
 
 
-def test_pipelines_are_laid_out_by_role():
-    """Entry points at the top of pipelines/, the machinery in packages whose docstring names each of its modules."""
-    assert {p.stem for p in PIPELINES.glob("*.py")} == ENTRY_POINTS
-    assert any((PIPELINES / "configs").glob("*.yaml"))
-    for package in MACHINERY:
-        init = PIPELINES / package / "__init__.py"
-        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        unnamed = [p.name for p in sorted(init.parent.glob("*.py")) if p.name != "__init__.py" and p.name not in doc]
-        assert not unnamed, f"{init.relative_to(ROOT)}'s docstring does not name {unnamed}"
+def test_every_command_line_has_its_script():
+    """Each entry point's script in pipelines/ (the documented ``python pipelines/<name>.py``) runs its module's
+    main; the dataset recipes' in data/; nothing else sits there."""
+    scripts = {p.stem for p in (ROOT / "pipelines").glob("*.py")}
+    assert scripts == {m.rsplit(".", 1)[1] for m in ENTRY_POINTS} - {"harness_compare"}
+    for script in (ROOT / "pipelines").glob("*.py"):
+        assert "import main" in script.read_text() and len(script.read_text().splitlines()) < 12, script
+    recipes = {p.stem for p in (PIPELINES / "datasets").glob("*.py")} - {"__init__"}
+    assert {p.stem for p in (ROOT / "data").glob("*.py")} == recipes
+    assert any((ROOT / "pipelines" / "configs").glob("*.yaml"))
 
 
-def test_only_the_stage_runners_import_entry_points_and_core_imports_only_core():
-    assert not layout_offenders(PIPELINES)
+def test_no_code_edits_sys_path():
+    """Everything imports from installed packages: no sys.path edits, no top-level ``core`` / ``benchmarks`` /
+    ``reproduction`` / ``data`` modules."""
+    roots = [ROOT / "pipelines", ROOT / "research", ROOT / "tests", ROOT / "data", ROOT / "export",
+             *(ROOT / "packages").iterdir()]
+    offenders = [str(p.relative_to(ROOT)) for d in roots for p in d.rglob("*.py")
+                 if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()]
+    offenders.remove("tests/test_layout.py")  # (this test's own text)
+    assert not offenders
+    assert not [d for d in ("core", "benchmarks", "reproduction") if (ROOT / "pipelines" / d).exists()]
+    assert not (ROOT / "data" / "__init__.py").exists()
 
 
-def test_pipelines_have_no_import_cycles():
-    graph = pipeline_imports(PIPELINES)
-    assert {"core.engine", "reproduction.runner", "benchmarks.suites"} <= set(graph)  # the checker sees the packages
-    assert "core.config" in graph["core.engine"] and "pretrain" in graph["reproduction.runner"]
+def test_only_the_stage_runners_import_entry_points_and_pipelines_never_import_research():
+    assert not layout_offenders(package_imports(PIPELINES, RESEARCH), ENTRY_POINTS)
+
+
+def test_pipelines_and_research_have_no_import_cycles():
+    graph = package_imports(PIPELINES, RESEARCH)
+    assert {"patchplace.pipelines.engine", "patchplace.research.reproduction.runner"} <= set(graph)
+    assert "patchplace.pipelines.pretrain" in graph["patchplace.research.reproduction.runner"]
     assert not import_cycles(graph)
 
 
-def test_within_pipelines_only_core_imports_accelerate():
-    offenders = [str(p.relative_to(ROOT)) for p in PIPELINES.rglob("*.py")
-                 if p.parent.name != "core" and any(m.split(".")[0] == "accelerate" for m in _imports(p))]
-    assert not offenders, f"accelerate is imported by core/ only (engine.py, rundir.py): {offenders}"
-
-
 def test_the_layout_checks_catch_what_they_should(tmp_path):
-    """A helper imported from an entry point, core/ importing another role, and a cycle are reported; running a
-    stage's main from the study's runner is not."""
-    files = {"pretrain.py": "from core import engine\n", "controls.py": "from reproduction.plan import RUNS\n",
-             "evaluate.py": "from core.helpers import first_images\n", "core/__init__.py": "",
-             "core/engine.py": "import json\nfrom reproduction import plan\n",
-             "core/helpers.py": "def first_images():\n    import evaluate\n",
-             "reproduction/__init__.py": "", "reproduction/plan.py": "from core.engine import start\n",
-             "reproduction/runner.py": "import controls\nimport pretrain\n",
-             "reproduction/claims.py": "from controls import random_key\nfrom patchplace.export.evaluate import main\n"}
+    """A helper imported from an entry point, the pipelines importing the research code, and a cycle are reported;
+    running a stage's main from the study's runner is not."""
+    files = {"pipelines/pretrain.py": "from patchplace.pipelines import engine\n",
+             "pipelines/evaluate.py": "from patchplace.pipelines.helpers import first_images\n",
+             "pipelines/engine.py": "import json\nfrom patchplace.research.reproduction import plan\n",
+             "pipelines/helpers.py": "def first_images():\n    from patchplace.pipelines import evaluate\n",
+             "research/controls.py": "from patchplace.research.reproduction.plan import RUNS\n",
+             "research/reproduction/__init__.py": "",
+             "research/reproduction/plan.py": "from patchplace.pipelines.engine import start\n",
+             "research/reproduction/runner.py": "from patchplace.research import controls\n"
+                                                "from patchplace.pipelines import pretrain\n",
+             "research/reproduction/claims.py": "from patchplace.research.controls import random_key\n"}
     for name, text in files.items():
-        (tmp_path / name).parent.mkdir(exist_ok=True)
-        (tmp_path / name).write_text(text)
-    assert layout_offenders(tmp_path) == [
-        "core.engine -> reproduction.plan (core/ imports only core/)",
-        "core.helpers -> evaluate (an entry point, not run through its main)",
-        "reproduction.claims -> controls (an entry point, not run through its main)"]
-    assert import_cycles(pipeline_imports(tmp_path)) == [["core.engine", "reproduction.plan"],
-                                                         ["core.helpers", "evaluate"]]
+        path = tmp_path / "patchplace" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    graph = package_imports(tmp_path / "patchplace" / "pipelines", tmp_path / "patchplace" / "research")
+    entry = {"patchplace.pipelines.pretrain", "patchplace.pipelines.evaluate", "patchplace.research.controls"}
+    assert layout_offenders(graph, entry) == [
+        "patchplace.pipelines.engine -> patchplace.research.reproduction.plan (the pipelines never import their "
+        "clients)",
+        "patchplace.pipelines.helpers -> patchplace.pipelines.evaluate (an entry point, not run through its main)",
+        "patchplace.research.reproduction.claims -> patchplace.research.controls (an entry point, not run through "
+        "its main)"]
+    assert import_cycles(graph) == [["patchplace.pipelines.engine", "patchplace.research.reproduction.plan"],
+                                    ["patchplace.pipelines.evaluate", "patchplace.pipelines.helpers"]]

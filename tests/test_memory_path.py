@@ -5,24 +5,23 @@ counts and a resume point inside the second epoch."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from pipeline_args import TINY, img, run_log
 from safetensors.torch import load_file
 
+from patchplace.data import ShardDataset
+from patchplace.data.memory import MemoryReader
+from patchplace.pipelines import (
+    engine,
+    pretrain,
+)
+from patchplace.pipelines.config import ConfigError, DataSection
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import pretrain  # noqa: E402
-
-from core import engine  # noqa: E402
-from core.config import ConfigError, DataSection  # noqa: E402
-from patchplace.data import ShardDataset  # noqa: E402
-from patchplace.data.memory import MemoryReader  # noqa: E402
-from tests.pipeline_args import TINY, img, run_log  # noqa: E402
 
 log = run_log  # a run's training-step records
 
@@ -149,7 +148,7 @@ def test_a_validation_split_held_out_of_train_is_balanced_fixed_and_never_traine
                              accelerator, seed=0, augment=False, split_train=False)
     assert test.train.split.keys == kept.keys and len(test.val.split) == 32, \
         "a final evaluation on the test split keeps the same samples out of data.train"
-    import finetune
+    from patchplace.pipelines import finetune
 
     out = tmp_path / "ft"
     assert finetune.main([f"data.train={train}", "data.val=holdout", "data.holdout=12", "model.preset=vit_micro",

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-
-from tests.test_install import LOCAL, ROOT, clean_env, local_closure, requirement_name
+from test_install import LOCAL, ROOT, clean_env, local_closure, requirement_name
 
 # optional stacks: distribution -> the modules it provides
 STACKS = {"onnx": {"onnx"}, "onnxscript": {"onnxscript", "onnx_ir"}, "onnxruntime": {"onnxruntime"},

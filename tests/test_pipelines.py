@@ -4,12 +4,12 @@ and the demo orchestration (multi-process runs: test_ddp.py)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from pipeline_args import TINY, audio, img, method_args, run_log, small_heads, state_dir
 from safetensors.torch import load_file
 
 from patchplace.data.memory import InMemorySplit
@@ -18,22 +18,20 @@ from patchplace.export.evaluate import OnnxModel
 from patchplace.export.evaluate import main as ort_evaluate_main
 from patchplace.models import load_pretrained
 from patchplace.objectives import get_method, list_methods, method_names
+from patchplace.pipelines import config as pipeline_config
+from patchplace.pipelines import (
+    demo,
+    evaluate,
+    finetune,
+    pretrain,
+)
+from patchplace.research.reproduction import plan as study_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import demo  # noqa: E402
-import evaluate  # noqa: E402
-import finetune  # noqa: E402
-import pretrain  # noqa: E402
-
-from core import config as pipeline_config  # noqa: E402
-from reproduction import plan as study_plan  # noqa: E402
-from tests.pipeline_args import TINY, audio, img, method_args, run_log, small_heads, state_dir  # noqa: E402
 
 
 def test_every_shipped_config_loads_and_validates(shards):
-    import controls
+    from patchplace.research import controls
 
     classes = {"finetune": finetune.FinetuneConfig, "evaluate": evaluate.EvaluateConfig,
                "controls": controls.ControlsConfig}
@@ -117,8 +115,8 @@ def test_compiled_blocks_and_the_fused_optimizer_train_to_the_same_losses_and_ch
     """The GPU speed knobs change no number: ``run.compile`` (every Transformer block compiled in place; aot_eager
     traces the blocks as inductor would, without generating code) and ``optim.fused`` (AdamW's fused kernel) train
     MAE (backbone and decoder blocks) to eager / foreach's losses and weights, under the same parameter names."""
-    from core import engine
     from patchplace.models.backbone import Block
+    from patchplace.pipelines import engine
 
     runs = {"eager": [], "fast": ["run.compile=aot_eager", "optim.fused=true"]}
     for name, knobs in runs.items():
@@ -367,7 +365,7 @@ def test_tensorboard_scalars_are_namespaced_in_one_folder(shards, tmp_path):
 def test_help_describes_every_field_and_the_chosen_objectives_fields(capsys):
     """--help: each config field with its default and meaning (the comments of the config classes), and the
     objective fields of the method the command line picks (method=..., else the --config's, else mp3)."""
-    from core.config import describe
+    from patchplace.pipelines.config import describe
 
     for cls in (pretrain.PretrainConfig, finetune.FinetuneConfig, evaluate.EvaluateConfig, study_plan.StudyConfig):
         bare = [line for line in describe(cls) if " # " not in line]
@@ -447,9 +445,7 @@ def test_every_help_line_fits_100_columns(capsys, monkeypatch, columns):
         assert not long, f"{main.__module__} {argv}: {long}"
         # a wrapped meaning continues under its first line
         assert "  data.holdout = 0" in out and f"{'':44} # training never reads; data.val=holdout" in out
-    import benchmark
-    import controls
-    import study
+    from patchplace.research import benchmark, controls, study
 
     for main in (demo.main, controls.main, study.main, benchmark.main):  # the other entry points: width only
         long = [line for line in help_text(main, [], capsys).splitlines() if len(line) > 100]
@@ -475,7 +471,7 @@ def test_say_prints_clear_of_the_progress_bar(capsys):
     """engine.say: what the evaluate callbacks print while the Trainer's bar runs goes on its own line."""
     from tqdm.auto import tqdm
 
-    from core import engine
+    from patchplace.pipelines import engine
 
     with tqdm(total=10, desc="mp3") as bar:
         bar.update(3)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pipeline_args import TINY, img
 
 import patchplace.objectives as objectives
 from patchplace.models import load_pretrained
@@ -27,15 +28,13 @@ from patchplace.objectives import (
     registry,
     unregister_method,
 )
+from patchplace.pipelines import (
+    evaluate,
+    finetune,
+    pretrain,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import evaluate  # noqa: E402
-import finetune  # noqa: E402
-import pretrain  # noqa: E402
-
-from tests.pipeline_args import TINY, img  # noqa: E402
 
 CONFIGS = ROOT / "pipelines" / "configs"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,18 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_args import TINY, run_log
 
 from patchplace.data import DataError, Manifest, ShardDataset
 from patchplace.data.__main__ import main as data_main
 from patchplace.data.memory import InMemorySplit
 from patchplace.data.remote import Network, RemoteError
+from patchplace.pipelines import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import pretrain  # noqa: E402
-
-from tests.pipeline_args import TINY, run_log  # noqa: E402
 
 FAST = Network(timeout=5, retries=2, backoff=0.01)
 

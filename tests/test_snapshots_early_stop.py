@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from curve_driver import SCRIPT, folder_files, scripted_main, tensors
+from pipeline_args import TINY, img, small_heads
+
+from patchplace.pipelines import (
+    engine,
+    pretrain,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import pretrain  # noqa: E402
-
-from core import engine  # noqa: E402
-from tests.curve_driver import SCRIPT, folder_files, scripted_main, tensors  # noqa: E402
-from tests.pipeline_args import TINY, img, small_heads  # noqa: E402
 
 DRIVER = str(ROOT / "tests" / "curve_driver.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -205,8 +205,8 @@ def test_a_kill_anywhere_resumes_to_the_same_snapshots_best_and_stop(shards, tmp
 def test_two_processes_snapshot_and_stop_early_at_the_same_step(shards, tmp_path):
     """finetune.py under ``accelerate launch`` (2 CPU processes, 4 steps per epoch each): early stopping on the
     evaluation's sample count (constant: no evaluation after the first is better) stops both ranks at step 4."""
-    from tests.test_ddp import log as ddp_log
-    from tests.test_ddp import run as launch
+    from test_ddp import log as ddp_log
+    from test_ddp import run as launch
 
     out = tmp_path / "ddp"
     result = launch([str(ROOT / "pipelines" / "finetune.py"), *img(shards), *TINY, "finetune.mixup=0",

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import soundfile
 
-from data import speech_commands, spoken_keywords
 from patchplace.data.errors import DataError
 from patchplace.data.kws import KEYWORDS, KWS_CLASSES, SILENCE, UNKNOWN, speaker_id, which_set
 from patchplace.data.manifest import Manifest
+from patchplace.pipelines.datasets import speech_commands, spoken_keywords
 
 REPO = Path(__file__).resolve().parents[1]
 

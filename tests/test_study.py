@@ -13,18 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from patchplace.pipelines import config as pipeline_config
+from patchplace.pipelines import stages
+from patchplace.research import study
+from patchplace.research.reproduction.claims import on_par, stat, verdict
+from patchplace.research.reproduction.metrics import HARNESS_VERSION, collect
+from patchplace.research.reproduction.plan import GROUPS, RUNS, StudyConfig
+from patchplace.research.reproduction.report import commands_so_far
+from patchplace.research.reproduction.runner import Study
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "pipelines"))
-
-import study  # noqa: E402
-
-from core import config as pipeline_config  # noqa: E402
-from core import stages  # noqa: E402
-from reproduction.claims import on_par, stat, verdict  # noqa: E402
-from reproduction.metrics import HARNESS_VERSION, collect  # noqa: E402
-from reproduction.plan import GROUPS, RUNS, StudyConfig  # noqa: E402
-from reproduction.report import commands_so_far  # noqa: E402
-from reproduction.runner import Study  # noqa: E402
 
 
 def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
@@ -243,7 +241,7 @@ def test_a_report_without_runs_keeps_the_earlier_controls_curves_and_minutes_and
     """A report written where ``runs/`` was cleaned (or never ran those groups) keeps the earlier study.json's
     controls, learning curves and stage minutes beside its rows, says on which machines they were measured, and
     does not link a privacy figure that an older study left in results/ when no row has privacy results."""
-    from reproduction.report import report
+    from patchplace.research.reproduction.report import report
 
     cfg = pipeline_config.load(StudyConfig, None, [f"runs={tmp_path / 'runs'}", f"results={tmp_path}",
                                                    "compare_with=null"])
@@ -311,7 +309,7 @@ def test_on_par_claims_need_an_equivalence_test_with_their_margin():
 
 
 def test_skip_leaves_rows_out_of_their_groups_and_refuses_main_rows():
-    from reproduction.plan import runs_of
+    from patchplace.research.reproduction.plan import runs_of
 
     cfg = pipeline_config.load(StudyConfig, None, ["skip=[droppos_gamma0.9,randsac_square]"])
     names = [r.name for r in runs_of(("droppos", "randsac"), cfg.only, cfg.skip)]
@@ -324,7 +322,7 @@ def test_skip_leaves_rows_out_of_their_groups_and_refuses_main_rows():
 
 def test_a_stage_finished_in_a_resumed_attempt_is_flagged(tmp_path):
     """Its DONE records the last attempt's seconds only; the report marks it (two start-ups in its log)."""
-    from core.stages import stage_resumed
+    from patchplace.pipelines.stages import stage_resumed
 
     for name, startups in (("once", [3.0, 3.0]), ("twice", [3.0, 2.5]), ("unfinished", [3.0, 2.5])):
         d = tmp_path / name
@@ -343,8 +341,8 @@ def test_label_claims_read_learned_probes_say_where_training_hit_its_cap_and_kee
     validation top-1 was still its last evaluation is reported as a lower bound. Verdicts resting on a bound stay
     undecided: a frozen probe below the trained baseline (a fine-tune could close it), a row above a baseline that
     was still improving at its cap."""
-    from reproduction.metrics import still_improving
-    from reproduction.report import label_table
+    from patchplace.research.reproduction.metrics import still_improving
+    from patchplace.research.reproduction.report import label_table
 
     cfg = pipeline_config.load(StudyConfig, None, ["label_fractions=[0.01,0.1]", "label_finetune_epochs=[100,20]",
                                                     "label_patience=5", "label_finetune=false"])
@@ -388,7 +386,7 @@ def test_learned_gate_reads_the_column_a_number_comes_from():
     """A row is gated where its number is read: on a label subset, its probe on that subset against the random
     init's on the same images; on the all-label probe set, there. The same row can be learned at 1% and not on the
     probe set; a control without the subset's column falls back to the probe set."""
-    from reproduction.claims import learned_status
+    from patchplace.research.reproduction.claims import learned_status
 
     rows = {"mae": [{"seed": s, "linear_probe@0.01": 0.56 + 0.002 * s, "linear_probe": 0.64 + 0.001 * s,
                      "probe_pos_embed": "sincos2d", "probe_feature": "cls"} for s in range(3)]}
@@ -406,7 +404,7 @@ def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report
     (rows, device, torch, sitting; also to --bundles-out, the folder a lent machine sends back); the next sitting
     continues where the bundles stop; --merge rebuilds the report from the bundles alone; a damaged bundle leaves
     its unit pending."""
-    from reproduction.sittings import attempts_of, budget_of, bundles_of, estimate, pending_units
+    from patchplace.research.reproduction.sittings import attempts_of, budget_of, bundles_of, estimate, pending_units
 
     bundles, sent = tmp_path / "bundles", tmp_path / "out"
     sent.mkdir()
@@ -451,7 +449,7 @@ def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report
 def test_a_sitting_kills_a_unit_still_running_at_its_end(tmp_path):
     import time
 
-    from reproduction.sittings import _run_bounded
+    from patchplace.research.reproduction.sittings import _run_bounded
 
     start = time.monotonic()
     assert _run_bounded([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], 2.0,
@@ -465,8 +463,8 @@ def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_
     groups, then seed, then the group's rows; MP3 Table 3's fine-tunes of main's MP3 in the MP3 unit of their seed
     (or together where main has no such seed); the controls (every seed at once) a unit of their own; the curves
     one per row as ever; only / skip / speech_null respected."""
-    from reproduction.plan import runs_of
-    from reproduction.sittings import unit_id
+    from patchplace.research.reproduction.plan import runs_of
+    from patchplace.research.reproduction.sittings import unit_id
 
     cfg = pipeline_config.load(StudyConfig, None, ["unit_per_row=true", "seeds=[0,1]", "ablation_seeds=[0,1,2]",
                                                    "speech_seeds=[0]", "skip=[randsac_square]", "speech_null=false",
@@ -504,7 +502,7 @@ def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_
 def test_a_study_in_per_row_sittings_merges_rows_of_one_seed_and_the_controls(shards, tmp_path, capsys):
     """unit_per_row through --sitting and --merge: the controls unit and two row units of one seed, each a bundle
     of its own, merge into one report holding both rows on that seed and the controls."""
-    from reproduction.sittings import attempts_of, bundles_of, estimate, work_of
+    from patchplace.research.reproduction.sittings import attempts_of, bundles_of, estimate, work_of
 
     bundles = tmp_path / "bundles"
     args = [f"runs={tmp_path / 'unused'}", f"results={tmp_path / 'results'}", "preset=vit_micro", "batch_size=8",

@@ -34,7 +34,7 @@ def _images(channels, native, n=6):
 
 
 def _patchplace_data_transform(channels, native, pad_to, img_size):
-    """The transform the training pipeline evaluates with (core/engine.py: eval_options = pad_to, img_size)."""
+    """The transform the training pipeline evaluates with (patchplace.pipelines: eval_options = pad_to, img_size)."""
     data = pytest.importorskip("patchplace.data")
     from patchplace.data.transforms import ImageTransform, ImageTransformConfig
 

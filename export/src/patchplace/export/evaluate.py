@@ -78,7 +78,7 @@ def prepare_provider(provider: str) -> None:
     if "CUDAExecutionProvider" not in available:
         raise ExportError(f"CUDAExecutionProvider not active: {ort_package()} (from {Path(ort.__file__).parent}) "
                           f"has no CUDA provider (available: {', '.join(available)}): install onnxruntime-gpu "
-                          "instead of onnxruntime (on the lent GPU: bash pipelines/gpu_onnx.sh, docs/study.md)")
+                          "instead of onnxruntime (on the lent GPU: bash research/gpu/gpu_onnx.sh, docs/study.md)")
     if not torch.cuda.is_available():
         raise ExportError("CUDAExecutionProvider not active: torch sees no CUDA device here (no GPU, or no driver)")
     if hasattr(ort, "preload_dlls"):

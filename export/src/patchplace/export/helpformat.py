@@ -1,5 +1,5 @@
 """--help of the export commands in at most :data:`HELP_WIDTH` columns, whatever the terminal's width (the
-pipelines' --help keep the same width: pipelines/core/config.py)."""
+pipelines' --help keep the same width: pipelines/src/patchplace/pipelines/config.py)."""
 
 from __future__ import annotations
 

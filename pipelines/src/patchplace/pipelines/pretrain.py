@@ -1,0 +1,173 @@
+"""Pretrain a backbone with one of the methods, on WebDataset shards, with Accelerate.
+
+    accelerate launch pipelines/pretrain.py --config pipelines/configs/mp3_fashion_mnist.yaml [section.field=value ...]
+    python pipelines/pretrain.py --config pipelines/configs/mp3_fashion_mnist.yaml optim.epochs=0.1
+
+Methods: those registered in ``patchplace.objectives`` (``--help`` lists them; each objective's file declares its
+own). MJP is a supervised training recipe (jigsaw + unknown PE + DAL, with labels); it runs here, from scratch, like
+``supervised``. The backbone (``checkpoint/``) is what ``finetune.py`` and ``evaluate.py`` start from.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from patchplace.models import create_model, load_pretrained
+from patchplace.objectives import get_method, method_names
+from patchplace.pipelines.config import (
+    HELP_WIDTH,
+    ConfigError,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    RunSection,
+    describe,
+)
+from patchplace.pipelines.engine import (
+    USER_ERRORS,
+    Data,
+    NonFiniteOutput,
+    Trainer,
+    check_inputs,
+    command_line,
+    data_metadata,
+    report,
+    say,
+    start,
+)
+
+
+@dataclass
+class PretrainConfig:
+    """``method`` picks the objective; ``objective`` holds its config fields (paper defaults otherwise)."""
+
+    method: str = "mp3"  # a registered method (listed at the end of --help)
+    objective: dict[str, Any] = field(default_factory=dict)  # the method's fields (listed below), e.g. {eta: 0.5}
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1.5e-3, betas=(0.9, 0.95)))
+    run: RunSection = field(default_factory=lambda: RunSection(output="runs/pretrain"))
+
+    @staticmethod
+    def help_fields(argv: list[str], config: PretrainConfig | None = None,
+                    sources: dict[str, str] | None = None) -> list[str]:
+        """--help: the objective fields of the method in force (``config``: the command line's --config and
+        overrides; else ``method=`` / the --config file's; else mp3), with their values and what each means."""
+        method = config.method if config is not None else None
+        if method is None:
+            method = next((a.split("=", 1)[1] for a in argv if a.startswith("method=")), None)
+        if method is None and "--config" in argv[:-1]:
+            try:
+                method = (yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}).get("method")
+            except OSError:
+                method = None
+        names = method_names()
+        method = method if method in names else "mp3"
+        spec = get_method(method)
+        try:  # the values in force: the method's defaults under the config's objective section
+            objective = spec.config(config.objective if config is not None else {})
+        except (ConfigError, TypeError, ValueError):
+            objective = spec.config()
+        return [f"objective fields of method={method} (objective.field=value; another method: method=<name> "
+                "--help):", *describe(objective, "objective.", sources), "",
+                *textwrap.wrap(f"methods: {', '.join(names)}", HELP_WIDTH, break_on_hyphens=False)]
+
+    def validate(self) -> None:
+        if self.method not in method_names():
+            raise ConfigError(f"method {self.method!r} is not one of {method_names()}")
+        get_method(self.method).config(self.objective)  # unknown / out-of-range fields fail here
+
+
+def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):
+    """Backbone (preset + overrides, PE mode of the method) and the objective around it; with ``data``, the
+    backbone is first checked against what the reader yields."""
+    spec = get_method(cfg.method)
+    if cfg.model.checkpoint:
+        backbone, _ = load_pretrained(cfg.model.checkpoint)
+        source = f"model.checkpoint={cfg.model.checkpoint}"
+    else:
+        overrides = {"pos_embed": spec.pos_embed, "num_classes": num_classes if spec.needs_head else 0,
+                     **({"in_chans": in_chans} if modality == "image" else {}), **cfg.model.overrides}
+        backbone = create_model(cfg.model.preset, **overrides)
+        source = f"model.preset={cfg.model.preset}"
+    if data is not None:
+        check_inputs(backbone, data, source)
+    return spec.build(backbone, cfg.objective), backbone
+
+
+@torch.no_grad()
+def validate_objective(objective: nn.Module, data: Data, batch_size: int, device: torch.device,
+                       seed: int = 0) -> dict[str, Any]:
+    """The objective's own metrics on ``data.val`` (eval mode): the sample-weighted mean of every scalar its forward
+    returns — the loss, and e.g. MP3 / DropPos position accuracy, I-JEPA's context size; supervised and MJP's
+    classification accuracy as ``top1``. Masks come from a generator seeded with ``seed`` (the same draws at every
+    evaluation) and the global RNG is restored after, so evaluating changes nothing of the training run."""
+    was_training = objective.training
+    objective.eval()
+    sums: dict[str, float] = {}
+    count = 0
+    takes_generator = "generator" in inspect.signature(objective.forward).parameters
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for x, y in data.val.batches(batch_size, epoch=0):
+                x, y = x.to(device), y.to(device)
+                if data.frontend is not None:
+                    x = data.frontend(x)
+                out = objective((x, y), **({"generator": generator} if takes_generator else {}))
+                n = len(y)
+                for key, value in out.items():
+                    if torch.is_tensor(value) and value.numel() == 1:
+                        sums[key] = sums.get(key, 0.0) + float(value) * n
+                count += n
+    finally:
+        objective.train(was_training)
+    if not count:
+        return {"count": 0}
+    result = {("top1" if key == "acc" else key): value / count for key, value in sums.items()}
+    if not math.isfinite(result.get("loss", 0.0)):
+        raise NonFiniteOutput("the objective's validation loss is not finite (NaN / inf) on data.val: its weights "
+                              "hold NaN / inf; use an earlier checkpoint or a lower optim.lr")
+    return {**result, "count": count}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, accelerator, data = start(PretrainConfig, __doc__, argv)
+        m = data.manifest
+        objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality, data)
+        paper = get_method(cfg.method).paper  # the model card's reference (patchplace.models knows no method)
+        metadata = {"method": cfg.method, "objective": cfg.objective, **({"paper": paper} if paper else {}),
+                    **data_metadata(data, cfg.data)}
+
+        def evaluate(model: nn.Module, step: int) -> dict[str, Any]:  # run.eval_every and the end of training
+            result = validate_objective(model, data, cfg.data.batch_size, accelerator.device, cfg.run.seed)
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "count")
+            say(f"step {step}: val {shown} ({result['count']} samples)")
+            return result
+
+        trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
+                          evaluate=evaluate if data.val is not None else None,
+                          command=command_line(__file__, argv))
+    except USER_ERRORS as exc:
+        return report(exc)
+    _, code = trainer.train(cfg.data.batch_size)
+    if code:
+        return code
+    if accelerator.is_main_process:
+        print(f"checkpoint: {cfg.run.output}/checkpoint")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""patchplace.research: the project's own evidence, a client of patchplace.pipelines (its public API and its
+command lines as subprocesses), never a part of it.
+
+    study.py        the reproduction study (``python pipelines/study.py``; reproduction/: plan, runner, claims,
+                    report, sittings)
+    controls.py     raw-pixel and random-init controls for a study row (``python pipelines/controls.py``)
+    benchmark.py    speed and memory suites (``python pipelines/benchmark.py``; benchmarks/: one module a family)
+    harness_compare.py  two study harnesses' rows side by side
+
+The GPU-call logistics (a lent, bare machine) are scripts beside this package: research/gpu/.
+"""

@@ -1,0 +1,243 @@
+"""What the study measured: each (run, seed)'s numbers read from its stages' ``results.json`` files, merged with
+an earlier ``results/study.json`` measured at the same budget and harness version."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from patchplace.pipelines.stages import stage_resumed, stage_seconds
+from patchplace.research.reproduction.plan import RUNS, Run, StudyConfig, fraction_key
+from patchplace.research.reproduction.runner import Study
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def last_eval(log: Path) -> dict[str, Any] | None:
+    """The closing evaluation of a training stage (its ``log.jsonl``), or None when it has not finished."""
+    if not (log.parent / "DONE").is_file() or not log.is_file():
+        return None
+    evals = [row["eval"] for line in log.read_text().splitlines() if "eval" in (row := json.loads(line))]
+    return evals[-1] if evals else None
+
+
+def early_stop(log: Path) -> dict[str, Any] | None:
+    """The early-stop record of a finished training stage (``run.early_stop_patience``), or None."""
+    if not (log.parent / "DONE").is_file() or not log.is_file():
+        return None
+    stops = [row["early_stop"] for line in log.read_text().splitlines() if line.strip()
+             and "early_stop" in (row := json.loads(line))]
+    return stops[-1] if stops else None
+
+
+def still_improving(log: Path) -> bool:
+    """Whether a training stage's best validation top-1 is its last evaluation (it ran to its epoch cap while still
+    improving: its number is a lower bound of training to convergence)."""
+    tops = [row["eval"]["top1"] for line in log.read_text().splitlines() if line.strip()
+            and "top1" in (row := json.loads(line)).get("eval", {})] if log.is_file() else []
+    return bool(tops) and tops[-1] >= max(tops)
+
+
+def controls_of(study: Study) -> dict[str, Any] | None:
+    """The probe controls measured for this study (``runs/controls/controls.json``), else those of an earlier
+    ``study.json`` at this budget, or None."""
+    return read_json(study.root / "controls" / "controls.json") or earlier_study(study.cfg).get("controls")
+
+
+def curves_of(study: Study) -> dict[str, Any]:
+    """{row: {"points": {epoch: 1% probe top-1 on validation}, "knn": {...}, "controls": {...}}} of every finished
+    learning curve; a curve no longer below ``runs/`` comes from an earlier ``study.json`` at this budget."""
+    curves = {name: {**c, "points": {float(e): v for e, v in c["points"].items()},
+                     "knn": {float(e): v for e, v in c["knn"].items()}}
+              for name, c in (earlier_study(study.cfg).get("curves") or {}).items() if name in study.cfg.curve_rows}
+    for name in study.cfg.curve_rows:
+        measured = read_json(study.curve_dir(name) / "probes" / "controls.json")
+        if not measured:
+            continue
+        points = {float(r["epoch"]): r["linear"]["0.01"] for r in measured["checkpoints"].values()
+                  if r.get("epoch") is not None}
+        knn = {float(r["epoch"]): r["knn"]["0.01"] for r in measured["checkpoints"].values()
+               if r.get("epoch") is not None}
+        features = {r.get("pool") for r in measured["checkpoints"].values()} - {None}  # one run: one feature
+        curves[name] = {"points": dict(sorted(points.items())), "knn": dict(sorted(knn.items())),
+                        "feature": features.pop() if len(features) == 1 else None,
+                        "controls": {k: v.get("0.01") for k, v in measured["controls"].items()},
+                        "val_samples": measured["test_samples"],
+                        "minutes": (stage_seconds(study.curve_dir(name) / "pretrain") or 0) / 60,
+                        "resumed": stage_resumed(study.curve_dir(name) / "pretrain")}
+    return curves
+
+
+def label_metrics(study: Study, run: Run, seed: int, probe: dict[str, Any]) -> dict[str, Any]:
+    """Top-1 after fine-tuning (supervised: training from scratch) on each label fraction, and the linear probes
+    of the pretrained backbone on the same subsets."""
+    m: dict[str, Any] = {}
+    for fraction in study.cfg.label_fractions if run.label_efficiency else ():
+        d = study.dir(run, seed) / f"label{fraction:g}"
+        if study.cfg.holdout:  # v3: the best (or last) checkpoint tested once on the test split
+            test = read_json(d / "test" / "results.json")
+            ev = test["classification"] if test and "classification" in test else None
+            stopped = early_stop(d / "log.jsonl")
+            if ev is not None and stopped:
+                m[fraction_key("best_step", fraction)] = stopped["best_step"]
+            if ev is not None and study.cfg.label_patience:  # how the training stopped: early, or at the cap
+                m[fraction_key("stopped", fraction)] = "early" if stopped else (
+                    "cap, improving" if still_improving(d / "log.jsonl") else "cap")
+        else:  # v2: the closing evaluation of the training stage, on the test images
+            ev = last_eval(d / "log.jsonl")
+        if ev is not None:
+            m[fraction_key("top1", fraction)] = ev["top1"]
+            m[fraction_key("minutes", fraction)] = (stage_seconds(d) or 0) / 60
+        probe_f = probe.get("linear_probe_label_fraction", {}).get(f"{fraction:g}")
+        if probe_f is not None:
+            m[fraction_key("linear_probe", fraction)] = probe_f["top1"]
+    return m
+
+
+def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
+    """The numbers of one (run, seed), or None when none of its evaluations has finished."""
+    d = study.dir(run, seed)
+    ev = read_json(d / "eval" / "results.json")
+    source = study.source(run, seed)
+    probe = ev if run.speech else read_json(source / "probe" / "results.json") or {}
+    labels = label_metrics(study, run, seed, probe)
+    probes_only = study.probe_only(run) or not study.full_label(run, seed)
+    if ev is None and not (probes_only and probe) and not labels:
+        return None
+    ev = ev or {}
+    ort = read_json(d / "ort" / "results.json") or {}
+    pre, ft = study.epochs(run)
+    m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None, **labels}
+    if probes_only:
+        m.update(pretrain_epochs=pre, finetune_epochs=0.0, minutes=(stage_seconds(d / "pretrain") or 0) / 60,
+                 finetune_pe="(probes only)")
+    elif run.classifier_only:
+        m.update(pretrain_epochs=0.0, finetune_epochs=ft if run.speech else pre + ft,
+                 minutes=(stage_seconds(d / "train") or 0) / 60,
+                 finetune_pe=run.scratch_pe if not run.speech else "sincos1d")
+    else:
+        m.update(pretrain_epochs="1 step" if run.name == "speech_null" else pre, finetune_epochs=ft,
+                 minutes=((stage_seconds(source / "pretrain") or 0) + (stage_seconds(d / "finetune") or 0)) / 60,
+                 finetune_pe={"keep": "sincos1d" if run.speech else "sincos2d (kept)"}.get(run.finetune_pe,
+                                                                                           run.finetune_pe))
+    if "consistency" in ev:
+        m["consistency_curve"] = ev["consistency"]
+        if "0.15" in ev["consistency"]:
+            m["consistency"] = ev["consistency"]["0.15"]["consistency"]
+            m["diff_norm"] = ev["consistency"]["0.15"]["diff_norm"]
+    if "linear_probe" in probe:
+        m["linear_probe"] = probe["linear_probe"]["top1"]
+        m["linear_probe_1pct"] = probe["linear_probe_low_label"]["top1"]
+        # the random-init control it is read against: the same architecture (PE) and feature
+        m["probe_feature"], m["probe_pos_embed"] = probe.get("probe_feature"), probe.get("probe_pos_embed")
+    if "knn_per_layer" in probe:
+        layer, value = max(probe["knn_per_layer"].items(), key=lambda kv: kv[1])
+        m.update(knn=value, knn_layer=layer, knn_last=list(probe["knn_per_layer"].values())[-1])
+    if "position_probe" in probe:
+        m["position_probe"] = probe["position_probe"]["top1"]
+    if "mp3_position_accuracy" in probe:
+        m["mp3_eta_curve"] = probe["mp3_position_accuracy"]
+        eta = next((float(o.split("=")[1]) for o in run.objective if o.startswith("objective.eta=")), 0.5)
+        m["position_accuracy"] = probe["mp3_position_accuracy"][str(eta)]["top1"]
+    if "droppos_grid" in probe:
+        m["droppos_grid"] = probe["droppos_grid"]
+        m["position_accuracy"] = probe["droppos_grid"]["mean"]
+    privacy = (read_json(d / "privacy" / "results.json") or {}).get("privacy")
+    if privacy:
+        m["privacy"] = {attack: {s: {k: v[k] for k in ("mse", "psnr", "ssim", "fft2d")} for s, v in settings.items()}
+                        for attack, settings in privacy["metrics"].items()}
+        m["privacy_setup"] = {k: privacy[k] for k in ("images", "batch_size", "ratio", "attacks", "unknown_pe_given")}
+        m["privacy_setup"]["steps"] = privacy["attack"]["steps"]
+    if ort:
+        m["top1_ort"] = ort["accuracy"]["top1"]
+        if "robustness" in ort:
+            m["corruption_errors"] = {k: v["error"] for k, v in ort["robustness"]["errors"].items()}
+            m["mean_corruption_error"] = ort["robustness"]["mean_error"]
+            m["corruptions_failed"] = sorted(ort["robustness"]["failed"])
+    return m
+
+
+def add_mce(rows: dict[str, list[dict[str, Any]]]) -> None:
+    """mCE (ImageNet-C): mean over corruptions of error / the supervised run's error, seed by seed."""
+    reference = {m["seed"]: m.get("corruption_errors") for m in rows.get("supervised", [])}
+    for metrics in rows.values():
+        for m in metrics:
+            ref = reference.get(m["seed"])
+            if ref and "corruption_errors" in m:
+                m["mce"] = statistics.mean(e / ref[k] for k, e in m["corruption_errors"].items() if ref.get(k))
+
+
+# Fields that change a run's numbers: an earlier results/study.json is reused only when all of them match.
+BUDGET_FIELDS = ("preset", "holdout", "label_patience", "label_finetune", "pretrain_epochs", "finetune_epochs",
+                 "probe_only", "batch_size", "finetune_overrides",
+                 "probe_train_samples", "probe_val_samples", "probe_epochs", "curve_samples",
+                 "ort_consistency_samples", "robustness_samples", "speech_pretrain_epochs", "speech_finetune_epochs",
+                 "test_samples", "overrides", "speech_overrides", "label_fractions", "label_finetune_epochs",
+                 "label_subset_seed", "label_batch_size", "probe_extras")
+
+
+def earlier_study(cfg: StudyConfig) -> dict[str, Any]:
+    """An earlier ``results/study.json`` measured at this budget (another machine, or a ``runs/`` since cleaned),
+    or {}: its rows, controls, curves and stage minutes stand where ``runs/`` no longer holds them. A different
+    budget is ignored, with a note."""
+    path = Path(cfg.results) / f"{cfg.name}.json"
+    earlier = read_json(path)
+    if not earlier:
+        return {}
+    changed = budget_changes(earlier, cfg)
+    if changed:
+        print(f"[study] {path}: measured at another budget ({', '.join(changed)} differ); not reused")
+        return {}
+    return earlier
+
+
+def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
+    """Rows of an earlier ``study.json`` at this budget (``earlier_study``): seeds accumulate across study
+    invocations."""
+    path = Path(cfg.results) / f"{cfg.name}.json"
+    rows = earlier_study(cfg).get("results", {})
+    for metrics in rows.values():
+        for m in metrics:
+            m.pop("mce", None)  # recomputed against the supervised rows of the merged table
+            m.setdefault("source", str(path))
+    return rows
+
+
+# Version of the training / evaluation harness behind the numbers: rows measured by another version are never
+# merged. 1: before issue 16 (layer decay ignored, weight decay on PEs / tokens, probes of an untrained class token,
+# Diff. Norm of token 0); 2: optimizer on the backbone's groups with layer decay applied, probes of the trained
+# feature, one Diff. Norm (the head's input); 3: the in-memory data path with batched augmentation (issue 19);
+# 4: study v3 — MP3 pretraining feeds the class token, fine-tuning pools as each method's protocol does, the lr
+# schedule set once per optimizer step (issue 29), validation held out of the train split.
+HARNESS_VERSION = 4
+
+
+def budget_changes(earlier: dict[str, Any], cfg: StudyConfig) -> list[str]:
+    """The BUDGET_FIELDS in which an earlier ``study.json`` differs from ``cfg`` (and ``harness`` when it was
+    measured by another harness version)."""
+    now = asdict(cfg)
+    changed = [k for k in BUDGET_FIELDS if _normal(earlier.get("config", {}).get(k)) != _normal(now[k])]
+    return changed + (["harness"] if earlier and earlier.get("harness", 1) != HARNESS_VERSION else [])
+
+
+def _normal(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple | list) else value
+
+
+def collect(study: Study) -> dict[str, list[dict[str, Any]]]:
+    """Every (run, seed) measured below ``runs/`` (configured seeds), plus the earlier rows of ``study.json`` at
+    the same budget that are not measured here; ordered by seed."""
+    earlier = earlier_results(study.cfg)
+    rows = {}
+    for run in RUNS:
+        found = {m["seed"]: m for m in earlier.get(run.name, [])}
+        found.update({s: m for s in study.seeds(run) if (m := metrics_of(study, run, s)) is not None})
+        if found:
+            rows[run.name] = [found[s] for s in sorted(found)]
+    add_mce(rows)
+    return rows

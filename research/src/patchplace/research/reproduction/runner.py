@@ -1,0 +1,303 @@
+"""Runs the study's stages — learning curves, controls, pretraining, fine-tuning, probes, evaluation, ONNX export +
+ONNX Runtime, privacy — for each (run, seed) below ``runs/``; every stage is resumable (``core.stages.stage``).
+
+Protocol (study v3): every training stage validates on ``holdout`` images held out of the train split (training-time
+evaluation, early stopping); the test split is read once per final number, by an evaluation stage of the final (or
+best) checkpoint. Fine-tuning pools as each method's own protocol does (the checkpoint's ``finetune_pool``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from patchplace.data import Manifest
+from patchplace.export.__main__ import main as export_main
+from patchplace.export.evaluate import main as ort_evaluate_main
+from patchplace.pipelines import CONFIGS, evaluate, finetune, pretrain
+from patchplace.pipelines.stages import stage
+from patchplace.research import controls
+from patchplace.research.reproduction.plan import (
+    RUNS,
+    Run,
+    StudyConfig,
+    group_seeds,
+    measures_controls,
+    runs_of,
+)
+
+# an evaluation stage owns its run.output: a retry after a failed attempt replaces that attempt's files
+EVALUATE = ["--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), "run.overwrite=true"]
+
+
+class Study:
+    """Runs the stages of each (run, seed) below ``cfg.runs``; every stage is resumable (core.stages.stage)."""
+
+    def __init__(self, cfg: StudyConfig):
+        self.cfg = cfg
+        self.root = Path(cfg.runs)
+
+    def dir(self, run: Run, seed: int) -> Path:
+        return self.root / f"seed{seed}" / run.name
+
+    def seeds(self, run: Run) -> tuple[int, ...]:
+        return group_seeds(self.cfg, run.group)
+
+    def data(self, run: Run, evaluation: bool = False) -> list[str]:
+        """Split overrides (+ the user's extra overrides) of a training or evaluation stage."""
+        c = self.cfg
+        if run.speech:
+            root = Path(c.spoken_keywords)
+            val = root / ("test" if evaluation else "validation")
+            noise = [] if evaluation else [f"data.noise_split={root / 'background_noise'}"]
+            return [f"data.train={root / 'train'}", f"data.val={val}", *noise, f"data.num_workers={c.num_workers}",
+                    *c.speech_overrides]
+        root = Path(c.fashion_mnist)
+        # training validates on the held-out images, an evaluation reads the test split (with the same images held
+        # out of the train split, so its probe subsets are the ones training used)
+        val = [f"data.holdout={c.holdout}"] + ([f"data.val={root / 'test'}"] if evaluation else ["data.val=holdout"]) \
+            if c.holdout else [f"data.val={root / 'test'}"]
+        return [f"data.train={root / 'train'}", *val, f"data.num_workers={c.num_workers}", *c.overrides]
+
+    def common(self, run: Run, seed: int) -> list[str]:
+        c = self.cfg
+        args = [f"run.seed={seed}", "run.tensorboard=false", "run.resume=true", "run.checkpoint_every=50",
+                *self.data(run)]
+        # training-time validation only feeds the log (the eval stage measures the test set): 1,000 images
+        val = min(c.holdout or c.test_samples or 1000, 1000)
+        return args if run.speech else [*args, f"model.preset={c.preset}", f"data.batch_size={c.batch_size}",
+                                        f"data.val_limit={val}"]
+
+    def subset_steps(self, fraction: float, batch: int) -> float:
+        """Optimizer steps per epoch over a label fraction of the train split (what the holdout leaves)."""
+        n = Manifest.load(Path(self.cfg.fashion_mnist) / "train").num_samples - self.cfg.holdout
+        return max(1.0, fraction * n / batch)
+
+    def epochs(self, run: Run) -> tuple[float, float]:
+        c = self.cfg
+        return (c.speech_pretrain_epochs, c.speech_finetune_epochs) if run.speech else (c.pretrain_epochs,
+                                                                                         c.finetune_epochs)
+
+    # ------------------------------------------------------------------------------------------ stages
+    def probe_only(self, run: Run) -> bool:
+        return run.group in self.cfg.probe_only and run.group != "main"
+
+    def full_label(self, run: Run, seed: int) -> bool:
+        """Whether this (run, seed) is fine-tuned with all labels (``full_label_rows``: the others of main only on
+        the first seed, or not at all without ``first_seed_finetunes``)."""
+        rows = self.cfg.full_label_rows
+        if run.group == "main" and rows and run.name not in rows:
+            return self.cfg.first_seed_finetunes and seed == self.seeds(run)[0]
+        return True
+
+    def source(self, run: Run, seed: int) -> Path:
+        """The directory of the run whose pretraining this run fine-tunes (``pretrain_from``, else its own)."""
+        return self.dir(next(r for r in RUNS if r.name == run.pretrain_from), seed) if run.pretrain_from else \
+            self.dir(run, seed)
+
+    def supervised(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
+        """A classifier trained from scratch: supervised (the fine-tuning recipe without layer decay) or MJP (its
+        own supervised recipe, pretrain.py)."""
+        common = [f"run.output={out}", f"optim.epochs={epochs}", *self.common(run, seed)]
+        if run.config is None:
+            pe = "sincos1d" if run.speech else run.scratch_pe
+            if run.speech:
+                extra = [*self.speech_stopping(), *extra]
+            return stage(out, finetune.main, ["--config", str(self.finetune_config(run)), *common,
+                                              "optim.layer_decay=null", f"finetune.pos_embed={pe}",
+                                              *self.finetune_extra(run), *extra], label=f"{out} train")
+        return stage(out, pretrain.main, ["--config", str(CONFIGS / f"{run.config}.yaml"), *common, *run.objective,
+                                          *extra], label=f"{out} train")
+
+    def finetune(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
+        """Fine-tune this run's pretrained backbone (the fine-tuning recipe + ``finetune_overrides``)."""
+        pe = "null" if run.finetune_pe == "keep" else run.finetune_pe
+        checkpoint = self.source(run, seed) / "pretrain" / "checkpoint"
+        if run.speech:
+            extra = [*self.speech_stopping(), *extra]
+        return stage(out, finetune.main, [
+            "--config", str(self.finetune_config(run)), f"run.output={out}", f"optim.epochs={epochs}",
+            f"model.checkpoint={checkpoint}", f"finetune.pos_embed={pe}", *self.common(run, seed),
+            *self.finetune_extra(run), *extra], label=f"{out} finetune")
+
+    def finetune_config(self, run: Run) -> Path:
+        return CONFIGS / ("finetune_spoken_keywords.yaml" if run.speech else "finetune_fashion_mnist.yaml")
+
+    def finetune_extra(self, run: Run) -> list[str]:
+        return [] if run.speech else list(self.cfg.finetune_overrides)
+
+    def speech_stopping(self) -> list[str]:
+        """Speech training (MP3 §4.3: "early stopping is done based on validation accuracy"): evaluate every
+        ``speech_eval_epochs`` and stop after ``speech_patience`` evaluations without a better top-1."""
+        c = self.cfg
+        if not c.speech_patience:
+            return []
+        train = Manifest.load(Path(c.spoken_keywords) / "train").num_samples
+        batch = next((int(o.split("=")[1]) for o in c.speech_overrides if o.startswith("data.batch_size=")), 64)
+        every = max(1, round(c.speech_eval_epochs * train / batch))
+        return [f"run.eval_every={every}", f"run.early_stop_patience={c.speech_patience}"]
+
+    @staticmethod
+    def final(out: Path) -> Path:
+        """The checkpoint a training stage's final number reads: ``best/`` when it stopped on validation, else its
+        last checkpoint."""
+        return out / "best" if (out / "best").is_dir() else out / "checkpoint"
+
+    def train(self, run: Run, seed: int) -> tuple[Path, Path | None, dict[str, float]]:
+        """-> (backbone checkpoint to probe, classifier checkpoint (None: probes only), stage seconds)."""
+        d, (pre, ft) = self.dir(run, seed), self.epochs(run)
+        seconds = {}
+        if run.classifier_only:  # images: supervised / MJP from scratch, the same total epochs; speech: as many
+            seconds["train"] = self.supervised(run, seed, d / "train", ft if run.speech else pre + ft, [])
+            return self.final(d / "train"), self.final(d / "train"), seconds
+        source = self.source(run, seed)
+        null = run.name == "speech_null"  # the null-pretraining control: one step of pretraining
+        seconds["pretrain"] = stage(source / "pretrain", pretrain.main, [
+            "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
+            f"optim.epochs={pre}", *(["optim.max_steps=1"] if null else []), *run.objective,
+            *self.common(run, seed)], label=f"{source} pretrain")
+        if self.probe_only(run) or not self.full_label(run, seed):
+            return source / "pretrain" / "checkpoint", None, seconds
+        seconds["finetune"] = self.finetune(run, seed, d / "finetune", ft, [])
+        return source / "pretrain" / "checkpoint", self.final(d / "finetune"), seconds
+
+    def label_efficiency(self, run: Run, seed: int) -> dict[str, float]:
+        """Fine-tune the pretrained backbone (supervised: train from scratch) on each class-balanced label fraction,
+        for ``label_finetune_epochs`` over the subset; the stage's closing evaluation on the test images
+        (``test_samples`` of them, else all) is its top-1."""
+        c, seconds = self.cfg, {}
+        if not run.label_efficiency or not c.label_fractions or not (run.classifier_only or c.label_finetune):
+            return seconds
+        batch = c.label_batch_size or c.batch_size
+        for fraction, epochs in zip(c.label_fractions, c.label_finetune_epochs, strict=True):
+            out = self.dir(run, seed) / f"label{fraction:g}"
+            extra = [f"data.label_fraction={fraction}", f"data.label_subset_seed={c.label_subset_seed}",
+                     f"data.batch_size={batch}"]
+            if not c.holdout:  # v2: the closing evaluation on the test images is the number
+                extra.append(f"data.val_limit={c.test_samples or 'null'}")
+            elif c.label_patience:  # to convergence: early stopping on the validation split
+                every = max(1, round(c.label_eval_epochs * self.subset_steps(fraction, batch)))
+                extra += [f"run.eval_every={every}", f"run.early_stop_patience={c.label_patience}",
+                          f"data.val_limit={min(c.holdout, 2000)}"]
+            train = self.supervised if run.classifier_only else self.finetune
+            seconds[out.name] = train(run, seed, out, epochs, extra)
+            if c.holdout:  # the final number: the test split, read once
+                self.test(run, out / "test", self.final(out))
+        return seconds
+
+    def test(self, run: Run, out: Path, checkpoint: Path) -> None:
+        """Top-1 of a classifier on the test split (``test_samples`` of it), nothing else."""
+        c = self.cfg
+        stage(out, evaluate.main, [
+            *EVALUATE, f"run.output={out}",
+            f"model.checkpoint={checkpoint}", "eval.linear_probe=false", "eval.knn=false",
+            "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
+            *self.data(run, evaluation=True), *([f"data.val_limit={c.test_samples}"] if c.test_samples else [])],
+            label=f"{out} test")
+
+    def evaluate(self, run: Run, seed: int, backbone: Path, classifier: Path | None) -> None:
+        c, d = self.cfg, self.dir(run, seed)
+        data = self.data(run, evaluation=True)
+        if run.speech:  # one evaluation on the test split: top-1 + probes of the fine-tuned model
+            stage(d / "eval", evaluate.main, [
+                *EVALUATE, f"run.output={d / 'eval'}",
+                f"model.checkpoint={classifier}", "data.pad_to=null", "eval.position_probe=false",
+                f"eval.probe_epochs={c.probe_epochs}", *data], label=f"{d} eval")
+            return
+        limit = [f"data.val_limit={c.test_samples}"] if c.test_samples else []
+        if not run.pretrain_from:  # probes of the backbone (the pretrained one, or the classifier's own)
+            fractions = list(c.label_fractions) if run.label_efficiency and not run.classifier_only else []
+            stage(d / "probe", evaluate.main, [
+                *EVALUATE, f"run.output={d / 'probe'}",
+                f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
+                f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
+                f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]",
+                f"eval.label_fractions=[{','.join(map(str, fractions))}]",
+                *([] if c.probe_extras else ["eval.knn=false", "eval.position_probe=false"]),
+                f"data.label_subset_seed={c.label_subset_seed}", *data], label=f"{d} probe")
+        if classifier is None:
+            return
+        stage(d / "eval", evaluate.main, [
+            *EVALUATE, f"run.output={d / 'eval'}",
+            f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
+            "eval.position_probe=false", "eval.probe_train_samples=128", f"eval.max_eval_samples={c.curve_samples}",
+            *data, *limit], label=f"{d} eval")
+        if run.ort and c.ort:
+            onnx = d / "export" / "model.onnx"
+            stage(d / "export", export_main, [str(classifier), "--out", str(onnx)], label=f"{d} export")
+            stage(d / "ort", ort_evaluate_main, [
+                str(onnx), "--data", str(Path(c.fashion_mnist) / "test"), "--out", str(d / "ort"),
+                *(["--limit", str(c.test_samples)] if c.test_samples else []),
+                "--consistency-limit", str(c.ort_consistency_samples), "--robustness-limit",
+                str(c.robustness_samples), "--latency-repeats", "0", "--corruption-cache",
+                str(self.root / "corruptions")], label=f"{d} ort")
+        if run.privacy and c.privacy_images:  # MJP Table 5: the same images and attack budget for every model
+            stage(d / "privacy", evaluate.main, [
+                "--privacy", *EVALUATE, f"run.output={d / 'privacy'}",
+                f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
+                "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
+                f"privacy.images={c.privacy_images}", f"privacy.steps={c.privacy_steps}", *data,
+                f"data.val_limit={min(c.test_samples or 1000, 1000)}"], label=f"{d} privacy")
+
+    # ------------------------------------------------------------------------------ controls and curves
+    def controls(self) -> None:
+        """Raw-pixel and random-init probe controls on the study's probe sets and test images (one random-init
+        backbone per main seed): ``runs/controls``."""
+        c = self.cfg
+        if not c.controls:
+            return
+        image = next(r for r in RUNS if r.name == "supervised")
+        stage(self.root / "controls", controls.main, [
+            "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={self.root / 'controls'}",
+            f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
+            f"controls.label_fractions=[{','.join(map(str, c.label_fractions))}]",
+            f"controls.probe_train_samples={c.probe_train_samples}", f"controls.probe_epochs={c.probe_epochs}",
+            f"data.label_subset_seed={c.label_subset_seed}", *self.data(image, evaluation=True),
+            f"data.val_limit={c.probe_val_samples}"], label=f"{self.root / 'controls'}")
+
+    def curve_dir(self, name: str) -> Path:
+        return self.root / "curves" / name
+
+    def curve(self, run: Run) -> None:
+        """One pretraining of ``run`` (seed ``curve_seed``) to max(curve_epochs) epochs keeping its snapshots, then
+        their 1% linear probes on the validation split beside the controls (raw pixels, random init per seed):
+        ``runs/curves/<run>/``."""
+        c, d = self.cfg, self.curve_dir(run.name)
+        stage(d / "pretrain", pretrain.main, [
+            "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'pretrain'}",
+            f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
+            *run.objective, *self.common(run, c.curve_seed)], label=f"{d} pretrain")
+        snapshots = [d / "pretrain" / "snapshots" / f"epoch-{e:g}" for e in c.curve_epochs]
+        # the random-init control of this method's architecture and feature (its epoch-0 snapshot's PE and
+        # recorded probe_feature)
+        saved = json.loads((snapshots[0] / "config.json").read_text())
+        feature = f"{saved['backbone']['pos_embed']}/{saved['metadata'].get('probe_feature', 'mean')}"
+        stage(d / "probes", controls.main, [
+            "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'probes'}",
+            f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
+            f"controls.random_inits=[{feature}]",
+            "controls.label_fractions=[0.01]", "controls.probe_train_samples=0",
+            f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, snapshots))}]",
+            f"data.label_subset_seed={c.label_subset_seed}", *self.data(run),
+            f"data.val_limit={min(c.curve_val_samples, c.holdout) if c.holdout else c.curve_val_samples}"],
+            label=f"{d} probes")
+
+    def run_all(self) -> None:
+        if "curves" in self.cfg.groups and self.cfg.curve_epochs:
+            for name in self.cfg.curve_rows:
+                if not self.cfg.only or name in self.cfg.only:
+                    self.curve(next(r for r in RUNS if r.name == name))
+        first = self.cfg.seeds[0]
+        if measures_controls(self.cfg.groups, self.cfg.only) and (not self.cfg.only_seeds or first in
+                                                                   self.cfg.only_seeds):
+            self.controls()  # once, by the process that runs the first seed of main (only: () or [controls, ...])
+        for run in runs_of(self.cfg.groups, self.cfg.only, self.cfg.skip):
+            if run.name == "speech_null" and not self.cfg.speech_null:
+                continue
+            for seed in (s for s in self.seeds(run) if not self.cfg.only_seeds or s in self.cfg.only_seeds):
+                start = time.perf_counter()
+                backbone, classifier, _ = self.train(run, seed)
+                self.label_efficiency(run, seed)
+                self.evaluate(run, seed, backbone, classifier)
+                print(f"[study] {run.name} seed {seed}: {(time.perf_counter() - start) / 60:.1f} min this call",
+                      flush=True)

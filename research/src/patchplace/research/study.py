@@ -1,0 +1,230 @@
+"""Reproduction study: every method on the same data, backbone and budget, then the ablations that carry each
+paper's claim, in miniature; results (JSON, markdown tables, PNGs) go to ``results/``.
+
+    make study                                                         # = the line below
+    python pipelines/study.py --config pipelines/configs/study_fashion_mnist.yaml
+    python pipelines/study.py --config pipelines/configs/study_fashion_mnist.yaml groups=[main] seeds=[0,1,2]
+    python pipelines/study.py --config pipelines/configs/study_fashion_mnist.yaml --report-only
+
+Fashion-MNIST padded to 32 x 32, patch 4 (64 positions, the MP3 CIFAR setting), one small ViT (``preset``) for all
+methods. Each pretraining method is followed by the same fine-tuning recipe (``finetune_fashion_mnist.yaml`` +
+``finetune_overrides``); the supervised baseline and MJP (a supervised recipe) train from scratch for the same
+*total* epochs. Per run: PyTorch evaluation (top-1, MJP consistency / Diff. Norm over eval gamma), probes of the
+backbone (linear at 100% and 1% of the labels, kNN per layer, position probe, MP3 eta curve, DropPos grid), and for
+the main table the ONNX export + ONNX Runtime evaluation (top-1, corruption errors -> mCE vs the supervised run).
+
+Groups (``groups=[...]``): main, mp3_pe (MP3 Table 3), mp3_eta (Figs. 3 and 6), droppos (Tables 1, 3, 4), mjp
+(Table 3, Fig. 3), randsac (Tables 2, 5, 7), speech (MP3 Table 5). StoP vs I-JEPA (Tables 1, 6) is in main.
+
+Resumable: every stage of every run leaves ``DONE`` and a killed run resumes from its last checkpoint; two study
+processes may run different groups at once (a stage being run by one is refused to the other). The budget knobs are
+all in the config (epochs, seeds, probe sizes, threads); the defaults finish on a 2-core CPU in the time stated in
+``study_fashion_mnist.yaml``, and scale up by config on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from patchplace.pipelines.config import ConfigError, HelpFormatter, help_epilog, load
+from patchplace.pipelines.stages import StageError
+from patchplace.research.reproduction.plan import CONTROLS, StudyConfig, group_seeds, measures_controls, runs_of
+from patchplace.research.reproduction.report import report
+from patchplace.research.reproduction.runner import Study
+
+# The study in modules (reproduction/): plan (budget knobs, groups, runs), runner (the stages), metrics (the
+# numbers), claims (the verdicts), report (tables, figures, results files); this file: the command line.
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Groups run together on one seed by one study process (mp3_pe rides with main: it fine-tunes main's MP3);
+    a learning curve is a unit of its own, and with ``unit_per_row`` every row (``only``: the unit's rows, or
+    ``controls``)."""
+
+    groups: tuple[str, ...]
+    seed: int
+    only: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{'+'.join(self.groups)}{' ' + ','.join(self.only) if self.only else ''} seed {self.seed}"
+
+    def overrides(self) -> list[str]:
+        return [f"groups=[{','.join(self.groups)}]", f"only_seeds=[{self.seed}]",
+                *([f"only=[{','.join(self.only)}]"] if self.only else [])]
+
+
+def study_units(cfg: StudyConfig) -> list[Unit]:
+    """Every (groups, seed) unit once, in the priority order of ``cfg.groups``, then by seed; one unit per
+    learning curve. ``unit_per_row``: every (row, seed) instead (:func:`row_units`)."""
+    if cfg.unit_per_row:
+        return with_curves(cfg, row_units(cfg))
+    units: dict[tuple[str, int], list[str]] = {}
+    for group in cfg.groups:
+        if group == "curves":
+            continue
+        for seed in group_seeds(cfg, group):
+            host = ("main", seed) if group == "mp3_pe" and ("main", seed) in units else (group, seed)
+            units.setdefault(host, []).append(group)
+    return with_curves(cfg, [Unit(tuple(groups), seed) for (_, seed), groups in units.items()])
+
+
+def row_units(cfg: StudyConfig) -> list[Unit]:
+    """One unit per (row, seed) of the groups (``only`` / ``skip`` applied), in the order of the groups, then the
+    seed, then the group's rows. A row that fine-tunes another row's pretraining (``pretrain_from``: MP3 Table 3's
+    fine-tunes of main's MP3) joins that row's unit of its seed, or shares one with its siblings where that row
+    has no unit (a fresh run directory per unit: apart, each would pretrain again); main's probe controls (all
+    seeds at once) are a unit of their own on the first main seed, ahead of its rows."""
+    units: dict[tuple[str, int], tuple[list[str], list[str]]] = {}  # (host row, seed) -> (groups, rows)
+    for group in cfg.groups:
+        if group == "curves":
+            continue
+        for seed in group_seeds(cfg, group):
+            if group == "main" and seed == cfg.seeds[0] and cfg.controls and measures_controls(("main",), cfg.only):
+                units[(CONTROLS, seed)] = (["main"], [CONTROLS])
+            for run in runs_of((group,), cfg.only, cfg.skip):
+                if run.name == "speech_null" and not cfg.speech_null:
+                    continue
+                groups, rows = units.setdefault((run.pretrain_from or run.name, seed), ([], []))
+                groups += [] if group in groups else [group]
+                rows.append(run.name)
+    return [Unit(tuple(sorted(groups, key=cfg.groups.index)), seed, tuple(rows))
+            for (_, seed), (groups, rows) in units.items()]
+
+
+def with_curves(cfg: StudyConfig, ordered: list[Unit]) -> list[Unit]:
+    """``ordered`` with a unit per learning curve (``only``: its row) where the groups put the curves."""
+    if "curves" not in cfg.groups or not cfg.curve_epochs:
+        return ordered
+    curves = [Unit(("curves",), cfg.curve_seed, (name,)) for name in cfg.curve_rows]
+    at = cfg.groups.index("curves")
+    before = sum(1 for u in ordered if cfg.groups.index(u.groups[0]) < at)
+    return ordered[:before] + curves + ordered[before:]
+
+
+def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int] | None = None) -> int:
+    """Run the study as ``args.jobs`` processes at a time (each with cpu_count / jobs torch threads). The units
+    wait in one queue in priority order and a process takes the next one when it finishes its last, so finished
+    stages (a resumed study) and uneven units never leave a core idle; logs in runs/job<i>.log."""
+    import subprocess
+    import threading
+
+    call = call or subprocess.call
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    base = [sys.executable, __file__, *(["--config", args.config] if args.config else []), *args.overrides]
+    Path(cfg.runs).mkdir(parents=True, exist_ok=True)
+    queue, lock, failed = list(study_units(cfg)), threading.Lock(), []
+    print(f"[study] {len(queue)} units ({', '.join(map(str, queue))}) over {args.jobs} processes, {threads} "
+          f"thread(s) each; logs {Path(cfg.runs) / 'job<i>.log'}", flush=True)
+
+    def job(i: int) -> None:
+        log = Path(cfg.runs) / f"job{i}.log"
+        while True:
+            with lock:
+                if not queue or failed:
+                    return
+                unit = queue.pop(0)
+            print(f"[study] job {i}: {unit}", flush=True)
+            with log.open("a") as f:
+                code = call([*base, *unit.overrides(), f"threads={threads}"], stdout=f, stderr=subprocess.STDOUT)
+            if code != 0:
+                with lock:
+                    failed.append(f"{log} ({unit})")
+                return
+
+    workers = [threading.Thread(target=job, args=(i,)) for i in range(max(1, args.jobs))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if failed:
+        print(f"error: study job(s) failed, see {', '.join(failed)}; run the same command again (it resumes)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def sittings_main(args: argparse.Namespace, cfg: StudyConfig) -> int:
+    """--sitting: the pending units that fit, a bundle each; --merge: the report of every bundle. A file in --bundles
+    that is not a whole bundle of this config at its budget is one line (``reproduction.sittings``) and its unit
+    pending: measured again by a sitting, listed by --merge."""
+    import tempfile
+    from dataclasses import replace
+
+    from patchplace.data.atomic import write_json_atomic
+    from patchplace.research.reproduction.sittings import merged_study, pending_units, run_sitting, unit_id
+
+    if not args.bundles:
+        print("error: --sitting / --merge need --bundles DIR (where the sittings' bundles are kept)", file=sys.stderr)
+        return 2
+    bundles, units = Path(args.bundles), study_units(cfg)
+    merge_only = args.merge and args.sitting is None
+    if (bundles.exists() and not bundles.is_dir()) or (merge_only and not bundles.is_dir()):
+        print(f"error: --bundles {bundles} is {'a file' if bundles.exists() else 'not there'}: give the directory "
+              "the sittings' bundles are kept in", file=sys.stderr)
+        return 2
+    if args.sitting is not None:
+        command = [sys.executable, __file__, *(["--config", args.config] if args.config else []), *args.overrides]
+        run_sitting(cfg, units, command, bundles, args.sitting, Path(args.bundles_out) if args.bundles_out else None,
+                    args.max_units)
+    if args.merge:
+        ids = [unit_id(u.groups, u.seed, u.only) for u in units]
+        write_json_atomic(Path(cfg.results) / f"{cfg.name}.json", merged_study(cfg, bundles, ids))
+        with tempfile.TemporaryDirectory() as empty:  # every row from the bundles, none from a runs/ here
+            report(replace(cfg, runs=empty), ["--report-only"])
+        pending = pending_units(units, bundles, cfg)
+        print(f"[study] {cfg.results}/{cfg.name}.md from {len(units) - len(pending)} of {len(units)} units; pending: "
+              f"{', '.join(pending) or 'none'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    helping = bool({"-h", "--help"} & set(argv))  # the fields with the values this command line runs with
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
+                                     epilog=help_epilog(StudyConfig, argv) if helping else None)
+    parser.add_argument("--config", help="YAML file (pipelines/configs/study_fashion_mnist.yaml)")
+    parser.add_argument("--report-only", action="store_true", help="only (re)write the results from finished runs")
+    parser.add_argument("--jobs", type=int, default=1, help="study processes sharing the groups (default: 1)")
+    parser.add_argument("--sitting", type=float, metavar="MIN",
+                        help="run the pending units that fit MIN minutes, a bundle per finished unit in --bundles "
+                             "(a lent GPU's bounded stretch; see reproduction/sittings.py)")
+    parser.add_argument("--bundles", help="the sittings' bundles (e.g. results/study_gpu_bundles)")
+    parser.add_argument("--bundles-out", help="--sitting: also write each bundle here (e.g. $OUT of a lent machine)")
+    parser.add_argument("--max-units", type=int, help="--sitting: stop after this many finished units")
+    parser.add_argument("--merge", action="store_true",
+                        help="rebuild results/<name>.{json,md} from every bundle in --bundles, list what is pending")
+    parser.add_argument("overrides", nargs="*", help="field=value, e.g. seeds=[0,1,2] groups=[main]")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load(StudyConfig, args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if args.sitting is not None or args.merge:
+        return sittings_main(args, cfg)
+    if args.jobs > 1 and not args.report_only:
+        if run_jobs(args, cfg) != 0:
+            return 1
+    elif not args.report_only:
+        try:
+            Study(cfg).run_all()
+        except StageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    print(report(cfg, argv))
+    print(f"[study] results: {cfg.results}/{cfg.name}.md, {cfg.name}.json and {cfg.name}_*.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
