@@ -195,7 +195,8 @@ def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(tm
     assert "GPU speed" in (out / "benchmark_speed.md").read_text()
     args = benchmark.build_parser().parse_args(argv)
     finetune = command("finetune", Setting("before", 256, ()), args, tmp_path)
-    assert finetune[1].endswith("finetune.py") and not any(a.startswith("objective.") for a in finetune)
+    assert finetune[1:3] == ["-m", "patchplace.pipelines.finetune"]
+    assert not any(a.startswith("objective.") for a in finetune)
 
 
 def test_profile_suite_names_where_each_step_goes_and_its_share_outside_compute(tmp_path):
