@@ -1,10 +1,12 @@
 """Suites through the pipelines themselves: end-to-end pretrain.py per data path against the pure step
 (pipelines), pretrain.py on one process vs two (ddp), and finetune.py's supervised baseline against a plain timm
-loop (anchor). pretrain.py and finetune.py run in-process (their ``main``), or as processes for ddp."""
+loop (anchor). pretrain.py and finetune.py run in-process (their ``main``), or as processes for ddp; the pure step
+is pretrain.py's training built through its public API (:func:`pure_step_main`)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -44,15 +46,26 @@ class RepeatedBatch:
             yield self.batch
 
 
-def _pure_step_data(build_data):
-    """``engine.build_data`` whose train reader is a :class:`RepeatedBatch` (a streaming reader without workers
-    underneath, so that it starts at once)."""
-    def build(cfg, accelerator, seed, **options):
-        data = build_data(cfg, accelerator, seed, **options)
-        data.train = RepeatedBatch(data.train, cfg.batch_size, accelerator.device)
-        data.path = {**data.path, "train": "pure_step"}
-        return data
-    return build
+def pure_step_main(argv: list[str]) -> int:
+    """pretrain.py's training with the data path taken out: its config, objective and :class:`Trainer`, built as
+    ``pretrain.main`` builds them (``start``, ``build_objective``: the pipelines' public API), fed a
+    :class:`RepeatedBatch` of the train reader (streamed without workers, so that it starts at once); the log names
+    the train path ``pure_step``. No validation. -> exit code, as a pipeline's ``main``."""
+    from patchplace.pipelines import pretrain
+    from patchplace.pipelines.engine import USER_ERRORS, Trainer, report, start
+
+    try:
+        cfg, accelerator, data = start(pretrain.PretrainConfig, pretrain.__doc__, argv)
+        data = dataclasses.replace(data, train=RepeatedBatch(data.train, cfg.data.batch_size, accelerator.device),
+                                   path={**data.path, "train": "pure_step"})
+        m = data.manifest
+        objective, backbone = pretrain.build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)),
+                                                       m.modality, data)
+        trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, config=cfg,
+                          metadata={"method": cfg.method, "objective": cfg.objective}, command="pure step")
+    except USER_ERRORS as exc:
+        return report(exc)
+    return trainer.train(cfg.data.batch_size)[1]
 
 
 def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -64,7 +77,7 @@ def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dic
     startup_s, reported apart)."""
     import statistics
 
-    from patchplace.pipelines import engine, pretrain
+    from patchplace.pipelines import pretrain
 
     if not (args.shards / "manifest.json").is_file():
         print(f"pipelines: no shards at {args.shards}: skipped", flush=True)
@@ -74,7 +87,6 @@ def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dic
     methods = args.methods or ["supervised", "mp3", "droppos", "mae"]
     preset = args.pipelines_preset
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    build_data = engine.build_data
     for _ in range(args.pipelines_repeats):
         for method in methods:
             for path in PIPELINE_PATHS:
@@ -84,17 +96,13 @@ def pipelines_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dic
                              f"data.in_memory={'true' if path == 'memory' else 'false'}",
                              f"data.num_workers={0 if path == 'pure_step' else args.pipelines_workers}",
                              *([f"model.preset={preset}"] if preset else []), *args.pipelines_overrides]
-                engine.build_data = _pure_step_data(build_data) if path == "pure_step" else build_data
-                try:
-                    with tempfile.TemporaryDirectory() as tmp:
-                        code = pretrain.main(["--config", str(configs / f"{method}_fashion_mnist.yaml"),
-                                              f"run.output={tmp}", *overrides])
-                        if code != 0:
-                            raise SystemExit(f"pipelines: {method} ({path}) failed")
-                        last = [r for r in map(json.loads, (Path(tmp) / "log.jsonl").read_text().splitlines())
-                                if "loss" in r][-1]  # the last training step (pretraining then logs its validation)
-                finally:
-                    engine.build_data = build_data
+                run = pure_step_main if path == "pure_step" else pretrain.main
+                with tempfile.TemporaryDirectory() as tmp:
+                    if run(["--config", str(configs / f"{method}_fashion_mnist.yaml"), f"run.output={tmp}",
+                            *overrides]) != 0:
+                        raise SystemExit(f"pipelines: {method} ({path}) failed")
+                    last = [r for r in map(json.loads, (Path(tmp) / "log.jsonl").read_text().splitlines())
+                            if "loss" in r][-1]  # the last training step (pretraining then logs its validation)
                 assert last["data"]["train"] == path, last["data"]
                 runs.setdefault((method, path), []).append(last)
                 print(json.dumps({"method": method, "path": path, "samples_per_s": last["samples_per_s"],
