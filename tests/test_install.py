@@ -21,11 +21,12 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = {"patchplace-data": "packages/data", "patchplace-models": "packages/models",
          "patchplace-objectives": "packages/objectives", "patchplace-finetune": "packages/finetune",
-         "patchplace-export": "export"}
+         "patchplace-export": "export", "patchplace-pipelines": "pipelines", "patchplace-research": "research"}
 SPEC = "PATCHPLACE_SIBLING_SPEC"
 # hatchling and its build requirements, filled by `make setup`: what lets pip build the packages offline
 WHEELHOUSE = Path(sys.prefix) / "wheelhouse"
-DOCS = ["README.md", "docs/**/*.md", "packages/*/README.md", "export/README.md"]
+DOCS = ["README.md", "docs/**/*.md", "packages/*/README.md", "export/README.md", "pipelines/README.md",
+        "research/README.md"]
 
 
 def requirement_name(requirement: str) -> str:
