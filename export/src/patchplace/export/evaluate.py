@@ -77,8 +77,9 @@ def prepare_provider(provider: str) -> None:
     available = ort.get_available_providers()
     if "CUDAExecutionProvider" not in available:
         raise ExportError(f"CUDAExecutionProvider not active: {ort_package()} (from {Path(ort.__file__).parent}) "
-                          f"has no CUDA provider (available: {', '.join(available)}): install onnxruntime-gpu "
-                          "instead of onnxruntime (on the lent GPU: bash research/gpu/gpu_onnx.sh, docs/study.md)")
+                          f"has no CUDA provider (available: {', '.join(available)}): replace onnxruntime with "
+                          "onnxruntime-gpu (pip uninstall onnxruntime, then pip install onnxruntime-gpu: "
+                          "patchplace-export[gpu]), or evaluate on the CPU with --provider cpu")
     if not torch.cuda.is_available():
         raise ExportError("CUDAExecutionProvider not active: torch sees no CUDA device here (no GPU, or no driver)")
     if hasattr(ort, "preload_dlls"):
