@@ -1,5 +1,6 @@
 """pipelines/benchmark.py: suites run end to end at toy sizes and write JSON + markdown (hardware line on every table)
-+ the figure; no timing assertions."""
++ the figure; the measuring functions they call (FLOP model, step times, memory, saved bytes, masks, the attention
+block, the matmul peak, shard reads) on their own; no timing assertions."""
 
 from __future__ import annotations
 
@@ -7,9 +8,25 @@ import contextlib
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
+from patchplace.models import create_model
+from patchplace.objectives import MP3, MP3Config, Supervised
 from patchplace.research import benchmark
-from patchplace.research.benchmarks.data import data_vs_training
+from patchplace.research.benchmarks.compute import context_attention, matmul_peak
+from patchplace.research.benchmarks.data import data_vs_training, shard_read_throughput
+from patchplace.research.benchmarks.flops import block_flops, train_flops
 from patchplace.research.benchmarks.report import GPU_SECTION, anchor_summary
+from patchplace.research.benchmarks.steps import (
+    default_objectives,
+    mask_times,
+    saved_bytes,
+    saved_bytes_per_sample,
+    saved_bytes_table,
+    step_memory,
+    step_times,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,3 +255,83 @@ def test_update_keeps_what_this_run_did_not_measure(tmp_path):
     assert list(meta["updated"]) == ["speed/mp3"]
     assert benchmark.updated(tmp_path / "none.json", [{"name": "x"}], {"suite": "speed"}) == ([{"name": "x"}],
                                                                                               {"suite": "speed"})
+
+
+# ------------------------------------------------------------------------------ the measuring functions
+def micro(**overrides):
+    """A seeded 2-layer, 32-wide ViT on 16 x 16 images with patch 4 (16 positions)."""
+    torch.manual_seed(overrides.pop("seed", 0))
+    return create_model("vit_micro", **{"img_size": 16, "patch_size": 4, "in_chans": 1, **overrides})
+
+
+def test_flop_model_on_the_study_vit():
+    built = {name: build() for name, build in default_objectives("vit_cpu_narrow").items()}
+    base = train_flops(built["supervised"], 128)
+    ratio = {name: train_flops(obj, 128) / base for name, obj in built.items()}
+    # Only K/V and attention shrink under MP3, so its ratio falls with eta but stays above the MLP + Q/out share.
+    assert 0.75 < ratio["mp3_eta0.75"] < ratio["mp3_eta0.5"] < ratio["mp3_eta0"]
+    assert ratio["mp3_eta0"] == pytest.approx(1.0, abs=0.01)  # the same tokens; a D -> N head for the classifier
+    assert ratio["mae"] < ratio["droppos"] < 1.0  # DropPos adds the no-grad full-image reference forward
+    assert ratio["mjp"] > 1.0  # + the DAL regressor
+    assert ratio["stop"] == ratio["ijepa"] and ratio["randsac"] > 1.0
+    assert built["ijepa"].config.predictor_dim == 96 and built["mae"].config.decoder_dim == 128  # study configs
+
+
+def test_flop_model_on_vit_cpu_counts_the_class_token_as_an_mp3_query_and_key():
+    built = {name: build() for name, build in default_objectives().items()}
+    base = train_flops(built["supervised"])
+    # Only K/V and attention shrink under MP3 (N = 64 + the class token, D = 192): ~0.85 of the supervised step at
+    # eta = 0.75, the class token a query and always a key (§3.1).
+    assert train_flops(built["mp3_eta0.75"]) / base == pytest.approx(0.849, abs=0.005)
+    assert train_flops(built["mp3_eta0"]) > base  # the same N + 1 tokens, and its D -> N head on N tokens
+    # docs/design.md: only K/V and attention shrink, so eta = 0.75 at N = 64, D = 192 bounds a block's ratio at ~0.84.
+    assert block_flops(64, 16, 192) / block_flops(64, 64, 192) == pytest.approx(0.842, abs=1e-3)
+
+
+def test_step_rows_report_throughput_ratios_and_the_fraction_of_peak():
+    builders = {"supervised": lambda: Supervised(micro(num_classes=10)),
+                "mp3": lambda: MP3(micro(pos_embed="none"), MP3Config(eta=0.5))}
+    rows = step_times(builders, batch=4, repeats=1, warmup=0, peak_gflops=100.0)
+    assert [r["name"] for r in rows] == ["pretrain_step/supervised", "pretrain_step/mp3"]
+    assert rows[0]["time_vs_supervised"] == 1.0 and rows[1]["flop_ratio"] < 1.0
+    for row in rows:
+        assert row["samples_per_s"] > 0 and row["achieved_gflops"] > 0
+        assert row["peak_fraction"] == pytest.approx(row["achieved_gflops"] / 100.0, abs=1e-3)
+
+
+def test_memory_probe_mask_timer_attention_block_and_matmul_peak_return_positive_numbers():
+    row = step_memory("mp3_eta0.75", preset="vit_micro", batch=2, steps=1)
+    assert row["peak_rss_mb"] >= row["rss_before_mb"] > 0 and row["step_rss_mb"] >= 0
+    rows = mask_times((8, 8), 4, repeats=1)
+    assert [r["name"].split("/")[1] for r in rows] == ["ijepa_multiblock", "mjp_blockwise_0.15"]
+    assert all(r["ms"] > 0 for r in rows)
+    row = context_attention(batch=2, num_tokens=16, dim=32, num_heads=2, repeats=1, warmup=0)
+    assert row["context_tokens"] == 4 and row["full_ms"] > 0 and row["context_ms"] > 0
+    row = matmul_peak(size=64, repeats=2, warmup=0)
+    assert row["gflops"] >= row["median_gflops"] > 0 and row["size"] == 64 and row["device"] == "cpu"
+
+
+def test_shard_read_throughput_reads_the_whole_split(shards):
+    row = shard_read_throughput(shards / "img" / "train", num_workers=0, batch_size=5, pad_to=32)
+    assert row["samples"] == 64 and row["samples_per_s"] > 0
+
+
+def test_saved_bytes_count_what_backward_keeps():
+    """The measure sees precision and kernels: fp32 saves more than bf16 autocast, the materialised softmax more
+    than the fused kernel (its N x N probabilities), and a batch of 2 saves twice the activations of 1."""
+    model = Supervised(micro(num_classes=10))
+    bf16 = saved_bytes_per_sample(model)
+    assert saved_bytes_per_sample(model, amp="no") > 1.5 * bf16 > 0
+    assert saved_bytes_per_sample(model, kernel="math") > bf16
+    one, two, three = (saved_bytes(model, b) for b in (1, 2, 3))
+    assert two - one == three - two > 0, "activations grow linearly with the batch"
+
+
+def test_mp3_saves_less_than_supervised_at_vit_b_on_both_kernels():
+    """MP3 Table 2's memory claim, device-independent (bytes saved for backward per sample, ViT-B/16 at 224 px,
+    GPU autocast dtypes): at eta 0.75 MP3 keeps <= 0.95x the supervised step's activations with the fused kernel
+    and <= 0.72x (the paper's ratio) with the materialised softmax of the paper's time; less the higher eta."""
+    rows = saved_bytes_table("vit_base", etas=(0.5, 0.75))
+    ratio = {(r["kernel"], r["eta"]): r["vs_supervised"] for r in rows}
+    assert ratio[("sdpa", 0.75)] <= 0.95 and ratio[("math", 0.75)] <= 0.72, ratio
+    assert ratio[("sdpa", 0.75)] < ratio[("sdpa", 0.5)] < 1.0 and ratio[("math", 0.75)] < ratio[("math", 0.5)]

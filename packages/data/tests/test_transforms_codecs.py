@@ -83,10 +83,3 @@ def test_read_wav_downmixes_and_resamples_to_16k():
     assert abs(np.abs(wave[1000:-1000]).max() - 0.5) < 0.01
     with pytest.raises(DataError, match="sample-7: cannot read as WAV"):
         read_wav(b"RIFF0000WAVEjunk", key="sample-7")
-
-
-def test_read_benchmark_reads_the_whole_split(toy_split):
-    from patchplace.data.benchmark import shard_read_throughput
-
-    row = shard_read_throughput(toy_split[0], num_workers=0, batch_size=5, pad_to=12)
-    assert row["samples"] == 23 and row["samples_per_s"] > 0

@@ -1,415 +1,88 @@
-"""Pretraining step benchmarks (called by ``pipelines/benchmark.py --suite objectives`` and ``--suite masks``).
-
-Measures forward + backward + AdamW step time of each objective on the same backbone and batch, interleaved
-round-robin in one run so machine noise hits all alike, and reports each one's time ratio to the supervised
-step beside its FLOP ratio counted from the shapes (matmul FLOPs of projections, attention and MLPs; a training
-step = 3x the forward FLOPs of everything that gets gradients, 1x for no-grad passes such as DropPos's
-full-image reference forward and I-JEPA's target encoder), the training samples/s and the achieved FLOP/s.
-
-Peak memory (:func:`step_memory`) is measured per objective in a **fresh process** (:func:`isolated_step_memory`):
-a high-water mark never goes down, so in one process shared with other objectives it would only ever report the
-largest of them, and freed memory the allocator keeps would hide what a later objective needs.
-
-:func:`mask_times` times the mask generators. (The versions they replaced, and MJP / I-JEPA / StoP as they were
-before those optimizations, were timed against them in one run; those figures are in results/benchmark.md, the old
-code in git history.)
-"""
+"""The FLOP model the engine's ``tflops`` log field reads: the matmul FLOPs of a training step per sample, counted
+from the shapes (projections, attention and MLPs; a training step = 3x the forward FLOPs of everything that gets
+gradients, 1x for no-grad passes such as DropPos's full-image reference forward and I-JEPA's target encoder). Goes
+with that log field; the benchmarks have their own (``patchplace.research.benchmarks.flops``)."""
 
 from __future__ import annotations
-
-import contextlib
-import inspect
-import resource
-import statistics
-import sys
-import time
-from collections.abc import Callable
-from dataclasses import fields
-from typing import Any
 
 import torch
 from torch import nn
 
-from patchplace.models import Backbone, create_model
-from patchplace.models.benchmark import block_flops
+from patchplace.models import Backbone
 
-from .block_masks import blockwise_masks, multiblock_masks
-from .common import ObjectiveError, num_kept
+from .block_masks import multiblock_masks
+from .common import num_kept
 from .droppos import DropPos
 from .ijepa import IJEPA
 from .mae import MAE
-from .mjp import MJP, MJPConfig
-from .mp3 import MP3, MP3Config
+from .mjp import MJP
+from .mp3 import MP3
 from .randsac import RandSAC
-from .registry import MethodSpec, list_methods
 from .supervised import Supervised
 
-# Decoder / predictor sizes. "study": the Fashion-MNIST configs of the study (pipelines/configs/*_fashion_mnist.yaml:
-# decoders 128 x 2 x 4 heads, predictor 96 x 4 x 4 heads, MJP gamma 0.15). "paper": each config's ``paper()``
-# widths, the papers' ImageNet settings (MAE decoder 512 x 8, DropPos 512 x 2, RandSAC 512 x 4, I-JEPA / StoP
-# predictor 384 x 12), MJP gamma 0.03.
-WIDTHS: dict[str, dict[str, Any]] = {
-    "study": {"decoder": dict(decoder_dim=128, decoder_depth=2, decoder_heads=4),
-              "predictor": dict(predictor_dim=96, predictor_depth=4, predictor_heads=4), "mjp_ratio": 0.15},
-    "paper": {"decoder": None, "predictor": None, "mjp_ratio": MJPConfig().ratio},
-}
+
+def block_flops(num_tokens: int, num_keys: int, dim: int, mlp_ratio: float = 4.0) -> int:
+    """Forward multiply-add FLOPs (x2) of a block: Q/out projections and MLP over N tokens, K/V over M keys,
+    QK^T and AV over N x M."""
+    n, m, d = num_tokens, num_keys, dim
+    projections = 2 * n * d * d * 2 + 2 * m * d * d * 2  # Q + out proj on N, K + V on M
+    attention = 2 * n * m * d * 2  # scores and weighted sum
+    mlp = 2 * n * d * int(d * mlp_ratio) * 2
+    return projections + attention + mlp
 
 
-def _unwrap(objective: nn.Module) -> nn.Module:
+def unwrap(objective: nn.Module) -> nn.Module:
     return getattr(objective, "_orig_mod", objective)  # torch.compile's OptimizedModule
 
 
-def _encoder_flops(backbone: Backbone, tokens: int, keys: int | None = None) -> int:
+def encoder_flops(backbone: Backbone, tokens: int, keys: int | None = None) -> int:
     c = backbone.config
     patch = 2 * backbone.num_patches * (c.patch_size**2 * c.in_chans) * c.embed_dim
     return patch + c.depth * block_flops(tokens, tokens if keys is None else keys, c.embed_dim, c.mlp_ratio)
 
 
-def _decoder_flops(in_dim: int, dim: int, depth: int, tokens: int, out: int) -> int:
+def decoder_flops(in_dim: int, dim: int, depth: int, tokens: int, out: int) -> int:
     return 2 * tokens * in_dim * dim + depth * block_flops(tokens, tokens, dim) + 2 * tokens * dim * out
 
 
 def train_flops(objective: nn.Module, batch: int = 64) -> int:
-    """FLOPs of one training step of ``objective`` per sample (see module docstring for the model). I-JEPA's
+    """FLOPs of one training step of ``objective`` per sample (the module docstring gives the model). I-JEPA's
     context and target sizes vary with the masks: they are averaged over 16 draws of ``batch`` samples."""
-    objective = _unwrap(objective)
+    objective = unwrap(objective)
     bb = objective.backbone if hasattr(objective, "backbone") else objective
     n, d = bb.num_patches, bb.embed_dim
     if isinstance(objective, (Supervised, MJP)):
-        flops = 3 * (_encoder_flops(bb, n + 1) + 2 * d * bb.config.num_classes)
+        flops = 3 * (encoder_flops(bb, n + 1) + 2 * d * bb.config.num_classes)
         if isinstance(objective, MJP):  # + the DAL regressor on the N PE-table rows (mlp: D -> D -> D -> 2)
             flops += 3 * 2 * n * (2 * d * d + 2 * d)
         return flops
     if isinstance(objective, MP3):  # the class token (if any) is a query and always a key (§3.1), no target
         m, prefix = num_kept(n, objective.config.eta), bb.num_prefix_tokens
-        return 3 * (_encoder_flops(bb, n + prefix, m + prefix) + 2 * n * d * n)
+        return 3 * (encoder_flops(bb, n + prefix, m + prefix) + 2 * n * d * n)
     if isinstance(objective, MAE):
         c, k = objective.config, num_kept(n, objective.config.mask_ratio)
         out = bb.config.patch_size**2 * bb.config.in_chans
-        return 3 * (_encoder_flops(bb, k + 1) + _decoder_flops(d, c.decoder_dim, c.decoder_depth, n + 1, out))
+        return 3 * (encoder_flops(bb, k + 1) + decoder_flops(d, c.decoder_dim, c.decoder_depth, n + 1, out))
     if isinstance(objective, DropPos):
         c, k = objective.config, num_kept(n, objective.config.mask_ratio)
-        grad = _encoder_flops(bb, k + 1) + _decoder_flops(d, c.decoder_dim, c.decoder_depth, k + 1, n)
-        reference = 0 if c.tau == float("inf") else _encoder_flops(bb, n + 1)
+        grad = encoder_flops(bb, k + 1) + decoder_flops(d, c.decoder_dim, c.decoder_depth, k + 1, n)
+        reference = 0 if c.tau == float("inf") else encoder_flops(bb, n + 1)
         return 3 * grad + reference
     if isinstance(objective, IJEPA):
         c, gen, total = objective.config, torch.Generator().manual_seed(0), 0
-        for _ in range(16):  # the batched generator for every variant, so before / after count the same
+        for _ in range(16):  # the batched generator: every I-JEPA variant counts the same draws
             masks = multiblock_masks(batch, bb.grid, num_targets=c.num_targets, target_scale=c.target_scale,
                                      target_aspect=c.target_aspect, context_scale=c.context_scale,
                                      min_keep=c.min_keep, generator=gen)
             k, t = masks.context.shape[1], masks.targets.shape[2]
-            predictor = c.num_targets * _decoder_flops(d, c.predictor_dim, c.predictor_depth, k + t, 0)
+            predictor = c.num_targets * decoder_flops(d, c.predictor_dim, c.predictor_depth, k + t, 0)
             predictor += c.num_targets * 2 * t * c.predictor_dim * d
-            total += 3 * (_encoder_flops(bb, k) + predictor) + _encoder_flops(bb, n)  # + no-grad target encoder
+            total += 3 * (encoder_flops(bb, k) + predictor) + encoder_flops(bb, n)  # + no-grad target encoder
         return total // 16
     if isinstance(objective, RandSAC):
         c, out = objective.config, bb.config.patch_size**2 * bb.config.in_chans
         dd = c.decoder_dim
         cross = 2 * n * dd * dd * 2 + 2 * n * dd * dd * 2 + 2 * n * n * dd * 2  # Q + out, K + V, attention
         layer = block_flops(n, n, dd, c.decoder_mlp_ratio) + cross + 2 * n * d * dd  # + memory projection
-        return 3 * (_encoder_flops(bb, n) + c.decoder_depth * layer + 2 * n * dd * out)
+        return 3 * (encoder_flops(bb, n) + c.decoder_depth * layer + 2 * n * dd * out)
     raise TypeError(f"no FLOP model for {type(objective).__name__}")
-
-
-def _train_flops_or_none(objective: nn.Module, batch: int) -> int | None:
-    try:
-        return train_flops(objective, batch)
-    except TypeError:  # a method without a FLOP model: timed, its FLOP columns left empty
-        return None
-
-
-# ---------------------------------------------------------------------------------------------- masks
-def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def mask_times(grid: tuple[int, int], batch: int, *, repeats: int = 20, seed: int = 0) -> list[dict[str, Any]]:
-    """Milliseconds per batch of the mask generators: I-JEPA multi-block (batched tensor ops) and MJP block-wise at
-    gamma 0.15 (BEiT's sequential loop on NumPy arrays). Their before / after figures (the per-sample Python loop
-    and the torch-op versions they replaced) are in results/benchmark.md; the old code is in git history."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = f"grid={grid[0]}x{grid[1]}/batch={batch}"
-    generators = {"ijepa_multiblock": lambda: multiblock_masks(batch, grid, generator=gen),
-                  "mjp_blockwise_0.15": lambda: blockwise_masks(batch, grid, 0.15, generator=gen)}
-    return [{"name": f"masks/{name}/{shape}", "ms": round(_median_ms(make, repeats), 3), "batch": batch}
-            for name, make in generators.items()]
-
-
-# ---------------------------------------------------------------------------------------------- objectives
-MP3_ETAS = (0.0, 0.5, 0.75)  # the MP3 masking ratios benchmarked by default
-
-
-def default_objectives(preset: str = "vit_cpu", *, in_chans: int = 1, num_classes: int = 10,
-                       img_size: int | None = None, widths: str = "study",
-                       mp3_etas: tuple[float, ...] = MP3_ETAS, mae_ratios: tuple[float, ...] = (),
-                       ) -> dict[str, Callable[[], nn.Module]]:
-    """Builders of every registered image method on backbone ``preset`` (``img_size`` / ``in_chans`` override the
-    preset's; the method's PE mode, a head when it trains through one), with decoder / predictor sizes ``widths``
-    (see :data:`WIDTHS`), ``supervised`` first: MP3 as ``mp3_eta{eta}`` per ``mp3_etas``, ``mae`` (its config's
-    ratio) plus ``mae_ratio{r}`` per ``mae_ratios`` (MP3 Table 2's MAE rows), MJP with the jigsaw on every step (the
-    recipe shuffles half the batches after warm-up: the worst case), and ``stop_noema`` (StoP without its EMA
-    update)."""
-    if widths not in WIDTHS:
-        raise ObjectiveError(f"widths must be one of {sorted(WIDTHS)}, got {widths!r}")
-    w = WIDTHS[widths]
-    size = {} if img_size is None else {"img_size": img_size}
-
-    def build(spec: MethodSpec, **extra: Any) -> nn.Module:
-        """``spec``'s objective at these widths (``paper()``, or the study's decoder / predictor sizes) + ``extra``."""
-        backbone = create_model(preset, in_chans=in_chans, pos_embed=spec.pos_embed,
-                                num_classes=num_classes if spec.needs_head else 0, **size)
-        names = {f.name for f in fields(spec.config_cls)}
-        extra = {**spec.defaults, **extra}
-        if w["decoder"] is None:
-            config = spec.config_cls.paper(**extra)
-        else:
-            sized = w["predictor"] if "predictor_dim" in names else w["decoder"] if "decoder_dim" in names else {}
-            config = spec.config_cls(**{**sized, **extra}).validate()
-        return spec.objective_cls(backbone, config)
-
-    specs = {spec.name: spec for spec in list_methods("image")}
-    variants: dict[str, dict[str, dict[str, Any]]] = {
-        "mp3": {f"mp3_eta{eta:g}": {"eta": eta} for eta in mp3_etas},
-        "mae": {"mae": {}, **{f"mae_ratio{r:g}": {"mask_ratio": r} for r in mae_ratios}},
-        "mjp": {"mjp": {"ratio": w["mjp_ratio"], "apply_prob": 1.0, "warmup_fraction": 0.0}},
-        "stop": {"stop": {}, "stop_noema": {}},
-    }
-    builders: dict[str, Callable[[], nn.Module]] = {}
-    for name in sorted(specs, key=lambda n: n != "supervised"):
-        for label, extra in variants.get(name, {name: {}}).items():
-            builders[label] = lambda spec=specs[name], extra=extra: build(spec, **extra)
-    return builders
-
-
-def _input_shape(objective: nn.Module) -> tuple[int, int, int]:
-    c = _unwrap(objective).backbone.config
-    return c.in_chans, c.img_size, c.img_size
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _takes_generator(obj: nn.Module) -> bool:
-    return "generator" in inspect.signature(_unwrap(obj).forward).parameters
-
-
-AMP_DTYPES = {"no": None, "bf16": torch.bfloat16}
-
-
-def _autocast(device: torch.device, amp: str):
-    """``torch.autocast`` for ``amp`` ("bf16") on ``device``, or a no-op context for "no" (fp32)."""
-    if amp not in AMP_DTYPES:
-        raise ObjectiveError(f"amp must be one of {sorted(AMP_DTYPES)}, got {amp!r}")
-    dtype = AMP_DTYPES[amp]
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
-def _train_step(name: str, obj: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
-                generator: torch.Generator | None = None, amp: str = "no") -> None:
-    kwargs = {"generator": generator} if generator is not None and _takes_generator(obj) else {}
-    with _autocast(batch[0].device, amp):
-        loss = obj(batch, progress=0.5, **kwargs)["loss"]
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    if hasattr(obj, "update_target") and not name.endswith("_noema"):  # EMA target encoder (I-JEPA)
-        obj.update_target(0.5)
-
-
-def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64, img_size: int | None = None,
-               in_chans: int | None = None, num_classes: int = 10, repeats: int = 10, warmup: int = 2,
-               seed: int = 0, device: str | torch.device = "cpu", peak_gflops: float | None = None,
-               amp: str = "no") -> list[dict[str, Any]]:
-    """Median step time and FLOPs of each objective, with ratios to ``supervised`` (must be among them), training
-    samples/s and achieved GFLOP/s (FLOPs from the shapes / step time; as a fraction of ``peak_gflops`` when
-    given). Inputs default to the supervised backbone's shape. Objectives with an EMA target encoder also run its
-    update, unless their name ends in ``_noema``. ``amp="bf16"``: forward under bf16 autocast (AdamW in fp32)."""
-    device = torch.device(device)
-    torch.manual_seed(seed)
-    objectives = {name: build().to(device) for name, build in builders.items()}
-    c, h, _ = _input_shape(objectives["supervised"])
-    images = torch.randn(batch, in_chans or c, img_size or h, img_size or h, device=device)
-    labels = torch.randint(0, num_classes, (batch,), device=device)
-    optimizers = {name: torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-4)
-                  for name, obj in objectives.items()}
-    times: dict[str, list[float]] = {name: [] for name in objectives}
-    names = list(objectives)
-    for i in range(warmup + repeats):
-        for name in names[i % len(names):] + names[: i % len(names)]:  # rotated round-robin: shared noise, no
-            _sync(device)  # systematic advantage for whoever runs first in a round
-            gen = torch.Generator().manual_seed(seed + i)  # step i draws the same sizes in every variant
-            start = time.perf_counter()
-            _train_step(name, objectives[name], optimizers[name], (images, labels), gen, amp=amp)
-            _sync(device)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    base_t = statistics.median(times["supervised"])
-    base_f = train_flops(objectives["supervised"], batch)
-    rows = []
-    for name, obj in objectives.items():
-        t, f = statistics.median(times[name]), _train_flops_or_none(obj, batch)
-        achieved = None if f is None else f * batch / t / 1e9
-        row = {"name": f"pretrain_step/{name}", "step_ms": round(t * 1e3, 1),
-               "time_vs_supervised": round(t / base_t, 3),
-               "gflops_per_sample": None if f is None else round(f / 1e9, 4),
-               "flop_ratio": None if f is None else round(f / base_f, 3), "samples_per_s": round(batch / t, 1),
-               "achieved_gflops": None if achieved is None else round(achieved, 2)}
-        if peak_gflops:
-            row["peak_fraction"] = None if achieved is None else round(achieved / peak_gflops, 3)
-        row.update({"batch": batch, "threads": torch.get_num_threads(), "device": str(device), "amp": amp})
-        rows.append(row)
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------- memory
-def _proc_status_mb(field: str) -> float | None:
-    """``VmRSS`` / ``VmHWM`` of /proc/self/status in MiB (Linux); None elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _rss_mb() -> float:
-    """Current resident set size."""
-    rss = _proc_status_mb("VmRSS")
-    return rss if rss is not None else _peak_rss_mb()
-
-
-def _peak_rss_mb() -> float:
-    """Peak resident set size of this process image. Linux: ``VmHWM`` — not ``ru_maxrss``, which a spawned child
-    inherits from its parent's RSS at fork time (it survives exec), so it would report the parent's size."""
-    hwm = _proc_status_mb("VmHWM")
-    if hwm is not None:
-        return hwm
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
-
-
-def step_memory(name: str, *, preset: str = "vit_cpu", in_chans: int = 1, num_classes: int = 10,
-                img_size: int | None = None, widths: str = "study", batch: int = 64, steps: int = 2,
-                device: str = "cpu", threads: int | None = None, amp: str = "no",
-                mp3_etas: tuple[float, ...] = MP3_ETAS, mae_ratios: tuple[float, ...] = ()
-                ) -> dict[str, Any]:
-    """Memory of ``steps`` training steps of objective ``name`` (of :func:`default_objectives`) in THIS process:
-    ``rss_before_mb`` (RSS with the model, optimizer and batch built, before the first step), ``peak_rss_mb``
-    (the process's RSS high-water mark after the steps) and ``step_rss_mb`` = their difference (activations,
-    gradients, AdamW state, allocator caches); ``cuda_peak_mb`` (``torch.cuda.max_memory_allocated``) on CUDA.
-    Honest only in a fresh process: use :func:`isolated_step_memory`."""
-    if threads:
-        torch.set_num_threads(threads)
-    dev = torch.device(device)
-    torch.manual_seed(0)
-    builders = default_objectives(preset, in_chans=in_chans, num_classes=num_classes, img_size=img_size,
-                                  widths=widths, mp3_etas=mp3_etas,
-                                  mae_ratios=mae_ratios)
-    obj = builders[name]().to(dev)
-    c, h, _ = _input_shape(obj)
-    batch_data = (torch.randn(batch, c, h, h, device=dev), torch.randint(0, num_classes, (batch,), device=dev))
-    optimizer = torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-4)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    before = _rss_mb()
-    for _ in range(steps):
-        _train_step(name, obj, optimizer, batch_data, amp=amp)
-    _sync(dev)
-    peak = _peak_rss_mb()
-    row = {"name": f"memory/{name}", "rss_before_mb": round(before, 1), "peak_rss_mb": round(peak, 1),
-           "step_rss_mb": round(max(peak - before, 0.0), 1), "steps": steps, "batch": batch}
-    if dev.type == "cuda":
-        row["cuda_peak_mb"] = round(torch.cuda.max_memory_allocated(dev) / 2**20, 1)
-    return row
-
-
-def isolated_step_memory(name: str, **kwargs: Any) -> dict[str, Any]:
-    """:func:`step_memory` in a fresh (spawned) Python process, so the high-water mark is this objective's alone."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from patchplace.models import get_attention_kernel
-
-    kwargs.setdefault("threads", torch.get_num_threads())
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_with_kernel, get_attention_kernel(), step_memory, name, **kwargs).result()
-
-
-def _with_kernel(kernel: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn`` under the attention kernel of the parent process (a spawned process starts at the default)."""
-    from patchplace.models import attention_kernel
-
-    with attention_kernel(kernel):
-        return fn(*args, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------- saved bytes
-def saved_bytes(objective: nn.Module, batch: int, *, amp: str = "bf16", kernel: str = "sdpa", seed: int = 0,
-                device: str | torch.device = "cpu") -> int:
-    """Bytes of the activations autograd saves for backward in one training forward of ``objective`` on
-    ``batch`` samples: the distinct storages packed by ``torch.autograd.graph.saved_tensors_hooks`` (a view of
-    a saved tensor costs nothing more), parameters excluded. Under ``amp="bf16"`` the autocast dtypes are those
-    of GPU autocast for the ops of these models (LayerNorm in fp32, projections in bf16; the ``math`` kernel's
-    softmax in fp32), so the count does not depend on the device it runs on."""
-    from patchplace.models import attention_kernel
-
-    device = torch.device(device)
-    obj = _unwrap(objective).to(device).train()
-    params = {p.untyped_storage().data_ptr() for p in obj.parameters()}
-    c, h, w = _input_shape(obj)
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(batch, c, h, w, generator=g).to(device)
-    labels = torch.randint(0, 10, (batch,), generator=g).to(device)
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    kwargs = {"generator": torch.Generator().manual_seed(seed)} if _takes_generator(obj) else {}
-    with attention_kernel(kernel), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            _autocast(device, amp):
-        loss = obj((images, labels), progress=0.5, **kwargs)["loss"]
-    del loss
-    return sum(storages.values())
-
-
-def saved_bytes_per_sample(objective: nn.Module, **kwargs: Any) -> float:
-    """Activation bytes saved for backward per sample: :func:`saved_bytes` at batch 2 minus batch 1 (what does not
-    grow with the batch, e.g. low-precision copies of the weights, cancels)."""
-    return float(saved_bytes(objective, 2, **kwargs) - saved_bytes(objective, 1, **kwargs))
-
-
-def saved_bytes_table(preset: str = "vit_base", etas: tuple[float, ...] = (0.3, 0.5, 0.75, 0.9), *,
-                      kernels: tuple[str, ...] = ("sdpa", "math"), amp: str = "bf16", in_chans: int = 3,
-                      num_classes: int = 1000, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
-    """MP3 Table 2's memory column, device-independent: saved bytes per sample of MP3 at each eta and of the
-    supervised step (``preset``: ViT-B/16 at 224 px by default), per attention kernel, with their ratios."""
-    rows = []
-    for kernel in kernels:
-        torch.manual_seed(0)
-        base = saved_bytes_per_sample(Supervised(create_model(preset, in_chans=in_chans, num_classes=num_classes)),
-                                      amp=amp, kernel=kernel, device=device)
-        rows.append({"name": "supervised", "kernel": kernel, "eta": None, "mib_per_sample": round(base / 2**20, 2),
-                     "vs_supervised": 1.0})
-        for eta in etas:
-            torch.manual_seed(0)
-            mp3 = MP3(create_model(preset, in_chans=in_chans, pos_embed="none"), MP3Config(eta=eta))
-            got = saved_bytes_per_sample(mp3, amp=amp, kernel=kernel, device=device)
-            rows.append({"name": f"mp3_eta{eta:g}", "kernel": kernel, "eta": eta,
-                         "mib_per_sample": round(got / 2**20, 2), "vs_supervised": round(got / base, 3)})
-    return rows

@@ -92,7 +92,7 @@ def saved_bytes_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[d
     """MP3 Table 2's memory column without a GPU: activation bytes saved for backward per sample (saved-tensor
     hooks, GPU autocast dtypes under --amp bf16) of MP3 at --mp3-etas vs the supervised step, ViT-B/16 at 224 px
     (--preset to change), with each attention kernel (--kernels)."""
-    from patchplace.objectives.benchmark import saved_bytes_table
+    from patchplace.research.benchmarks.steps import saved_bytes_table
 
     preset = args.preset if args.preset != STUDY["preset"] else "vit_base"
     rows = saved_bytes_table(preset, tuple(args.mp3_etas), kernels=tuple(args.kernels), amp=args.amp or "bf16",

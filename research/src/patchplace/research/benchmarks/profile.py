@@ -28,7 +28,7 @@ def profile_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[
     operators by self time per step and each objective's non-compute share."""
     from torch.profiler import ProfilerActivity, profile
 
-    from patchplace.objectives.benchmark import _train_step, default_objectives
+    from patchplace.research.benchmarks.steps import default_objectives, train_step
 
     device = torch.device(device_of(args))
     preset = args.preset if (args.preset != STUDY["preset"] or device.type != "cuda") else "vit_base"
@@ -49,12 +49,12 @@ def profile_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[
         objective = builders[name]().to(device)
         optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=1e-4)
         for _ in range(args.warmup):
-            _train_step(name, objective, optimizer, (images, labels), amp=amp)
+            train_step(name, objective, optimizer, (images, labels), amp=amp)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         with profile(activities=activities) as prof:
             for _ in range(args.repeats):
-                _train_step(name, objective, optimizer, (images, labels), amp=amp)
+                train_step(name, objective, optimizer, (images, labels), amp=amp)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from patchplace.objectives import method_names
+from patchplace.models import load_pretrained
+from patchplace.objectives import Supervised, get_method, method_names
 from patchplace.pipelines import CONFIGS
 from patchplace.research.benchmarks.common import STUDY, device_of
 from patchplace.research.benchmarks.compute import peak_of
+from patchplace.research.benchmarks.flops import train_flops_or_none
 
 # every registered image method with a Fashion-MNIST config, and the supervised fine-tuning (finetune)
 SPEED_METHODS = (*(name for name in method_names("image") if (CONFIGS / f"{name}_fashion_mnist.yaml").is_file()),
@@ -85,12 +87,22 @@ def command(method: str, setting: Setting, args: argparse.Namespace, out: Path) 
             *setting.overrides, *extra]
 
 
-def rate_of(out: Path) -> tuple[float, float]:
-    """(samples/s, achieved TFLOP/s) of a run's last training-step log record (steady steps: startup and the first
-    step apart; FLOPs per sample counted from the shapes by the run)."""
+def flops_per_sample(out: Path, method: str) -> float | None:
+    """FLOPs of one training step per sample of the run in ``out`` (:func:`.flops.train_flops`, from the shapes):
+    its objective rebuilt from the checkpoint it saved at its end — the backbone, and pretrain.py's recorded method
+    and objective fields (finetune: the supervised classifier). None where the FLOP model has no formula."""
+    backbone, metadata = load_pretrained(out / "checkpoint")
+    objective = Supervised(backbone) if method == "finetune" else \
+        get_method(metadata["method"]).build(backbone, metadata.get("objective") or {})
+    return train_flops_or_none(objective, 64)
+
+
+def rate_of(out: Path, method: str) -> tuple[float, float]:
+    """(samples/s, achieved TFLOP/s) of a run: the rate of its last training-step log record (steady steps: startup
+    and the first step apart) x its FLOPs per sample (0 where the FLOP model has none)."""
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    last = [r for r in records if "samples_per_s" in r][-1]
-    return float(last["samples_per_s"]), float(last.get("tflops", 0.0))
+    rate = float([r for r in records if "samples_per_s" in r][-1]["samples_per_s"])
+    return rate, rate * (flops_per_sample(out, method) or 0.0) / 1e12
 
 
 def measure(method: str, setting: Setting, args: argparse.Namespace) -> dict[str, Any]:
@@ -106,7 +118,7 @@ def measure(method: str, setting: Setting, args: argparse.Namespace) -> dict[str
         if failed:
             i, code = failed[0]
             raise SystemExit(f"speed: {method} ({setting.name}) exited {code}; its output ends:\n{logs[i][-2000:]}")
-        measured = [rate_of(out) for out in outs]
+        measured = [rate_of(out, method) for out in outs]
     rates = [r for r, _ in measured]
     return {"rates": rates, "images_per_s": round(sum(rates), 1), "tflops": sum(t for _, t in measured)}
 
