@@ -16,6 +16,7 @@ The pipeline itself runs unchanged: this file only wraps engine functions.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -29,6 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 import patchplace.objectives.mjp as mjp
 import patchplace.objectives.mp3 as mp3
 from patchplace.pipelines import engine
+from patchplace.pipelines.engine import guards
+from patchplace.pipelines.engine import inputs as readers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,14 +48,14 @@ def _fault(name: str) -> int | None:
 
 
 def _install() -> None:
-    build_data = engine.build_data
+    build_data = readers.build_data  # (engine.start reads it from there)
 
     def traced_build_data(*args, **kwargs):
         data = build_data(*args, **kwargs)
         data.train.return_key = True  # batches become (x, y, keys)
         return data
 
-    engine.build_data = traced_build_data
+    readers.build_data = traced_build_data
 
     inputs = engine.Trainer._inputs
 
@@ -68,14 +71,14 @@ def _install() -> None:
 
     engine.Trainer._inputs = traced_inputs
 
-    flag = engine.Trainer._flag_nonfinite
+    flag = guards.FiniteCheck._flag  # run.finite_check=lazy's flag of a micro-step's loss
 
     def traced_flag(self, loss, step):
         if _fault("TRACE_NANLOSS") == step:
             loss = torch.full_like(loss, float("nan"))
         return flag(self, loss, step)
 
-    engine.Trainer._flag_nonfinite = traced_flag
+    guards.FiniteCheck._flag = traced_flag
 
     shuffle = mp3.random_shuffle
 
@@ -164,7 +167,7 @@ def counting_allreduce(state, bucket):
 def main() -> int:
     pipeline, *argv = sys.argv[1:]
     _install()
-    module = __import__(pipeline)
+    module = importlib.import_module(f"patchplace.pipelines.{pipeline}")
     code = module.main(argv)
     state = PartialState()
     output = next(a.split("=", 1)[1] for a in argv if a.startswith("run.output="))

@@ -394,17 +394,15 @@ def test_the_lazy_check_skips_exactly_the_non_finite_steps_update_inside_the_fus
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
-    trainer = types.SimpleNamespace(_flags=None, acc=types.SimpleNamespace(num_processes=1),
-                                    _diverged=lambda step, what: f"step {step}: {what}")
-    for name in ("_flag_nonfinite", "_skip_if_nonfinite", "_check_flags"):
-        setattr(trainer, name, getattr(engine.Trainer, name).__get__(trainer))
+    check = engine.FiniteCheck(types.SimpleNamespace(num_processes=1, device=torch.device("cpu")), "lazy",
+                               lambda step, what: f"step {step}: {what}")
     for step, value in ((1, 1.0), (2, float("nan")), (3, 1.0)):
         loss = (weight * value).sum()
-        trainer._flag_nonfinite(loss, step)
+        check.loss(loss, step)
         optimizer.zero_grad()
         loss.backward()
         before = (weight.detach().clone(), optimizer.state[weight].get("exp_avg", torch.zeros(3)).clone())
-        trainer._skip_if_nonfinite(optimizer, None, step)
+        check.before_update(optimizer, None, step)
         optimizer.step()
         moved = not torch.equal(weight.detach(), before[0])
         assert moved == (step != 2) and torch.isfinite(weight).all(), step
@@ -412,7 +410,7 @@ def test_the_lazy_check_skips_exactly_the_non_finite_steps_update_inside_the_fus
             assert torch.equal(optimizer.state[weight]["exp_avg"], before[1]) and optimizer.state[weight]["step"] == 1
     assert optimizer.state[weight]["step"] == 2
     with pytest.raises(engine.Diverged, match=r"step 2: the loss is nan on rank 0 \(seen at step 3"):
-        trainer._check_flags(3)
+        check.settle(3)
 
 
 def test_a_nan_checkpoint_is_refused_by_finetune_evaluate_export_and_onnx_runtime(shards, tmp_path, capsys):

@@ -20,6 +20,7 @@ from patchplace.pipelines import (
     engine,
     pretrain,
 )
+from patchplace.pipelines.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +123,7 @@ def test_the_best_tracker_follows_the_metric_and_replays_exactly():
     top1 = engine.BestTracker("top1", patience=3)
     top1.replay([{"step": s, "eval": {"top1": v}} for s, v in SCRIPT.items() if s <= 12] + [{"step": 12, "loss": 1}])
     assert (top1.best_step, top1.best, top1.since, top1.exhausted) == (8, 0.55, 2, False)
-    with pytest.raises(engine.ConfigError) as missing:
+    with pytest.raises(ConfigError) as missing:
         engine.BestTracker("top5", patience=1).update(3, {"top1": 0.1, "count": 3})
     assert str(missing.value) == "run.early_stop_metric=top5: the evaluation at step 3 gives None for it; it " \
                                  "reports count, top1"

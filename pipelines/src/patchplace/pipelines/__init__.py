@@ -4,7 +4,7 @@
                                                         ``accelerate launch pipelines/<name>.py``; console scripts
                                                         ``patchplace-<name>``)
     config.py      YAML configs + ``section.field=value`` overrides -> validated dataclasses; ``--help``
-    engine.py      the training engine (see docs/design.md#the-training-engine)
+    engine/        the training engine (see docs/design.md#5-pipelines-and-run-directories)
     rundir.py      one run per directory, and the crash-consistent checkpoint protocol
     stages.py      resumable multi-stage jobs (the demo; the study in patchplace.research)
     evaluation.py  the first images of a split, the linear probe, MJP's gradient-inversion grid

@@ -1,0 +1,56 @@
+"""The training engine of the pipelines: Accelerate set-up, readers, the training loop, run directories and
+checkpoints, shared by pretrain.py and finetune.py (evaluate.py uses its readers and ``classify``). What it does and
+what a run directory holds: docs/design.md#5-pipelines-and-run-directories.
+
+    launch.py       errors and their one-line report, each rank's seed, the Accelerator, ``start``
+    inputs.py       the readers (memory or streaming, hold-out, training statistics) and data metadata
+    optim.py        AdamW, the warm-up + cosine schedule, ``run.compile``
+    trainer.py      the Trainer: ``train_step`` and ``after_step``
+    checkpoints.py  the run directory: checks, checkpoints, snapshots, best/, resume
+    guards.py       the finite checks and the stop signals
+    logs.py         log.jsonl, the throughput record, printing clear of the progress bar
+    scoring.py      ``classify`` and early stopping's ``BestTracker``
+"""
+
+from patchplace.pipelines.engine.checkpoints import recipe, snapshot_steps
+from patchplace.pipelines.engine.guards import FiniteCheck, StopSignals
+from patchplace.pipelines.engine.inputs import (
+    Data,
+    build_data,
+    check_inputs,
+    data_fingerprints,
+    data_metadata,
+    holdout_indices,
+    memory_choice,
+    metrics_split,
+    training_statistics,
+)
+from patchplace.pipelines.engine.launch import (
+    MAX_PROCESSES,
+    RUN_ERRORS,
+    SEEDS_PER_RANK,
+    USER_ERRORS,
+    DiskFull,
+    Diverged,
+    Interrupted,
+    NonFiniteOutput,
+    check_seed,
+    make_accelerator,
+    rank_seed,
+    relaunch,
+    report,
+    start,
+)
+from patchplace.pipelines.engine.logs import JsonlLog, Throughput, command_line, read_log, say, truncate_log
+from patchplace.pipelines.engine.optim import StepSchedule, compile_blocks, make_optimizer, warmup_cosine
+from patchplace.pipelines.engine.scoring import BestTracker, classify
+from patchplace.pipelines.engine.trainer import Trainer
+
+__all__ = [
+    "MAX_PROCESSES", "RUN_ERRORS", "SEEDS_PER_RANK", "USER_ERRORS", "BestTracker", "Data", "DiskFull", "Diverged",
+    "FiniteCheck", "Interrupted", "JsonlLog", "NonFiniteOutput", "StepSchedule", "StopSignals", "Throughput",
+    "Trainer", "build_data", "check_inputs", "check_seed", "classify", "command_line", "compile_blocks",
+    "data_fingerprints", "data_metadata", "holdout_indices", "make_accelerator", "make_optimizer", "memory_choice",
+    "metrics_split", "rank_seed", "read_log", "recipe", "relaunch", "report", "say", "snapshot_steps", "start",
+    "training_statistics", "truncate_log", "warmup_cosine",
+]

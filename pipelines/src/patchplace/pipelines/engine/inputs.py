@@ -1,0 +1,251 @@
+"""The readers of a run (:class:`Data`: each split in memory or streamed, normalized with the training statistics,
+``data.holdout`` kept out of training), and what a checkpoint records about its data (classes, normalization,
+fingerprints, hold-out) and checks against the model (:func:`check_inputs`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from patchplace.data import Manifest, ShardDataset, build_transform
+from patchplace.data.batched import build_batched_transform
+from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset, decoded_bytes
+from patchplace.data.mfcc import MFCC
+from patchplace.models import Backbone
+from patchplace.pipelines.config import HOLDOUT, ConfigError, DataSection
+
+
+@dataclass
+class Data:
+    """The readers of one run — each a :class:`ShardDataset` (streaming) or a :class:`MemoryReader` (in memory,
+    batched augmentation on the training device), behind the same ``batches(batch_size, epoch, skip)`` — plus the
+    on-device speech frontend for audio manifests. ``path``: which one feeds each split, and why."""
+
+    train: ShardDataset | MemoryReader
+    val: ShardDataset | MemoryReader
+    manifest: Manifest
+    frontend: nn.Module | None
+    path: dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)  # when reading began (startup_s counts from here)
+    # the mean / std every image split is normalized with: the training statistics (:func:`training_statistics`)
+    normalization: dict[str, Any] | None = None
+    # data.holdout: the labels of the whole data.train split, in manifest order (a hold-out is drawn from them)
+    train_labels: torch.Tensor | None = None
+
+
+def memory_choice(cfg: DataSection, manifest: Manifest, budget: int, key: str, augment: bool) -> str | None:
+    """Why split ``key`` (``data.train`` / ``data.val``) must stream, or None when it can live in memory
+    (``data.in_memory``: auto picks memory whenever it can, true insists, false streams)."""
+    if cfg.in_memory is False:
+        return "data.in_memory=false"
+    need = decoded_bytes(manifest)
+    if need is None:
+        why = "its manifest gives no fixed image size / clip length"
+    elif need > budget:
+        why = (f"it takes {need / 2**20:.3g} MiB decoded, more than the {max(budget, 0) / 2**20:.3g} MiB left of "
+               f"data.memory_budget_mb={cfg.memory_budget_mb:g}")
+    elif key == "data.train" and augment and cfg.auto_augment:
+        why = "data.auto_augment runs per sample on PIL images"
+    else:
+        return None
+    if cfg.in_memory is True:
+        raise ConfigError(f"data.in_memory=true but {key} ({manifest.dataset}/{manifest.split}) cannot be held in "
+                          f"memory: {why}; set data.in_memory=auto to stream it")
+    return why
+
+
+def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: bool = True,
+               split_train: bool = True, checkpoint: str | None = None) -> Data:
+    """Train reader split across processes (by global rank, so across nodes too: each process reads its own
+    shards / samples); the validation reader is read whole by the main process. ``split_train=False``: the train
+    reader is read whole as well. Each split is held in memory (batched augmentation on the training device) when
+    ``data.in_memory`` and ``data.memory_budget_mb`` allow, else streamed from its shards; the choice is printed
+    and logged with every step. Every split is normalized with the training statistics
+    (:func:`training_statistics`: ``checkpoint``'s recorded ones, else data.train's), never its own."""
+    started = time.perf_counter()
+    holdout = cfg.val == HOLDOUT
+    manifest = Manifest.load(cfg.train, cfg.network())  # carries data.timeout / retries to its http(s) shards
+    val_manifest = manifest if holdout else Manifest.load(cfg.val, cfg.network())
+    if manifest.classes != val_manifest.classes:
+        raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
+    normalization = training_statistics(manifest, checkpoint)
+    if manifest.modality == "image":
+        options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, scale=cfg.scale, hflip=cfg.hflip,
+                       auto_augment=cfg.auto_augment, re_prob=cfg.re_prob)
+        eval_options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size)
+    else:
+        options, eval_options = {"noise_bank": cfg.noise_split}, {}
+    rank, world = (accelerator.process_index, accelerator.num_processes) if split_train else (0, 1)
+    budget = int(cfg.memory_budget_mb * 2**20)
+    readers, path, held, train_labels = {}, {}, None, None
+    for key, m, urls, train, opts in (("data.train", manifest, cfg.train_urls, True, options),
+                                      ("data.val", val_manifest, cfg.val_urls, False, eval_options)):
+        augmented = augment and train
+        why = None if holdout and not train else memory_choice(cfg, m, budget, key, augment)
+        if why is not None and train and cfg.holdout:
+            raise ConfigError(f"data.holdout={cfg.holdout} needs data.train in memory, but it streams ({why}); set "
+                              "data.in_memory=auto and enough data.memory_budget_mb")
+        if why is not None and train and cfg.label_fraction is not None:
+            raise ConfigError(f"data.label_fraction={cfg.label_fraction} needs data.train in memory, but it streams "
+                              f"({why}); set data.in_memory=auto and enough data.memory_budget_mb")
+        if why is None:
+            if holdout and not train:
+                split = held  # data.val=holdout: the samples held out of data.train
+            else:
+                split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt,
+                                           num_workers=cfg.num_workers, verify=cfg.verify_shards)  # in parallel
+                budget -= decoded_bytes(m)
+            if train and cfg.holdout:  # kept out of data.train whichever split validates (the same train images)
+                train_labels = split.labels
+                split, held = hold_out(split, cfg, accelerator)
+            if train and cfg.label_fraction is not None:  # the label-efficiency protocol: a fixed balanced subset
+                split = split.subset(balanced_subset(split.labels, cfg.label_fraction, cfg.label_subset_seed))
+                per_class = torch.bincount(split.labels, minlength=m.num_classes).tolist()
+                accelerator.print(f"data.train: {cfg.label_fraction:.4g} of the labels, {len(split)} samples "
+                                  f"({min(per_class)}-{max(per_class)} per class, data.label_subset_seed="
+                                  f"{cfg.label_subset_seed})")
+            readers[key] = MemoryReader(split, build_batched_transform(with_statistics(m, normalization),
+                                                                       augmented, **opts), seed=seed,
+                                        rank=rank if train else 0, world_size=world if train else 1, shuffle=train,
+                                        device=accelerator.device)
+            path[key.split(".")[1]] = "memory"
+            accelerator.print(f"{key}: in memory on {accelerator.device} ({m.dataset}/{m.split}, {len(split)} "
+                              f"samples, {decoded_bytes(m) / 2**20:.3g} MiB decoded), batched "
+                              f"{'augmentation' if augmented else 'preprocessing'} there")
+        else:
+            if train:
+                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(with_statistics(m, normalization),
+                                                                                    augment, **opts),
+                                            shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=rank, world_size=world,
+                                            num_workers=cfg.num_workers, seeded_transforms=True,
+                                            skip_corrupt=cfg.skip_corrupt, verify=cfg.verify_shards)
+            else:
+                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(with_statistics(m, normalization),
+                                                                                    False, **opts),
+                                            num_workers=cfg.num_workers, verify=cfg.verify_shards)
+            path[key.split(".")[1]] = "streaming"
+            accelerator.print(f"{key}: streaming from {len(m.shards)} shard(s) with {cfg.num_workers} worker(s) "
+                              f"({why})")
+    train, val = readers["data.train"], readers["data.val"]
+    for reader, key, limit in ((train, "data.train_limit", cfg.train_limit), (val, "data.val_limit", cfg.val_limit)):
+        if limit is not None:  # epoch_length, checked here so that the message names the config key
+            available = len(reader)
+            if not 1 <= limit <= available:
+                raise ConfigError(f"{key}={limit}: each process can read at most {available} samples per epoch of "
+                                  f"{reader.manifest.dataset}/{reader.manifest.split} with "
+                                  f"{reader.world_size} process(es); set it in [1, {available}] or null")
+            reader.epoch_length = limit
+    frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
+    return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
+
+
+def training_statistics(manifest: Manifest, checkpoint: str | None) -> dict[str, Any] | None:
+    """The mean / std every split of a run is normalized with: those ``checkpoint`` (fine-tuning, evaluation)
+    records, which its export (model.json, the ONNX evaluator) and timm's transform of it use too; else (training
+    from scratch) the train split's. A split's own statistics (a test split's ``computed_on: test``) never count:
+    the deployed model is given the training ones. Recorded statistics for another channel count are left to
+    :func:`check_inputs`, which names that mismatch."""
+    own = manifest.normalization
+    if manifest.modality != "image" or not checkpoint:
+        return own
+    from patchplace.models.hub import read_config
+
+    recorded = read_config(checkpoint)[1].get("normalization")
+    channels = int(manifest.info.get("channels", 3))
+    if not recorded or len(recorded.get("mean") or []) != channels:
+        return own
+    return {"mean": list(recorded["mean"]), "std": list(recorded["std"]),
+            "computed_on": recorded.get("computed_on", "the checkpoint's training data")}
+
+
+def with_statistics(manifest: Manifest, normalization: dict[str, Any] | None) -> Manifest:
+    """``manifest`` whose transforms normalize with ``normalization`` (the reader keeps the manifest as it is)."""
+    if manifest.modality != "image" or normalization is None or normalization == manifest.normalization:
+        return manifest
+    return dataclasses.replace(manifest, normalization=normalization)
+
+
+def hold_out(split: InMemorySplit, cfg: DataSection, accelerator: Accelerator) -> tuple[InMemorySplit,
+                                                                                        InMemorySplit]:
+    """(train without the held-out samples, the held-out samples): ``data.holdout`` class-balanced samples drawn
+    by ``data.holdout_seed`` alone, so every method and run validates on the same images and never trains on
+    them. Label subsets (``data.label_fraction``) are drawn from what remains."""
+    if not 0 < cfg.holdout < len(split):
+        raise ConfigError(f"data.holdout={cfg.holdout}: data.train holds {len(split)} samples; hold out fewer")
+    held = holdout_indices(split.labels, cfg.holdout, cfg.holdout_seed)
+    keep = torch.ones(len(split), dtype=torch.bool)
+    keep[held] = False
+    use = "for validation" if cfg.val == HOLDOUT else f"(unused here: data.val={cfg.val})"
+    accelerator.print(f"data.holdout: {len(held)} class-balanced samples of data.train held out {use} "
+                      f"(data.holdout_seed={cfg.holdout_seed}); data.train reads the other {int(keep.sum())}")
+    return split.subset(keep.nonzero().flatten()), split.subset(held)
+
+
+def holdout_indices(labels: torch.Tensor, size: int, seed: int) -> torch.Tensor:
+    """The indices (into a whole split, in manifest order) of its ``data.holdout=size`` samples drawn by
+    ``data.holdout_seed=seed``: what :func:`hold_out` keeps out of training, and evaluation recomputes from a
+    checkpoint's record (:func:`data_metadata`). Empty for size 0."""
+    if size <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return balanced_subset(labels, size / len(labels), seed)
+
+
+def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
+    """What a checkpoint records about its data (classes, the normalization every split was given, manifest
+    fingerprint, input layout) and its hold-out: the ``data.holdout`` samples of that split it never trained on
+    (size and seed: :func:`hold_out` draws the same ones again), so evaluation can refuse the images it trained on."""
+    m = data.manifest
+    # native_size: the images' size before pad_to (timm's pretrained_cfg reproduces the padding from it)
+    return {"classes": m.classes, "normalization": data.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
+            "img_size": cfg.img_size, "native_size": m.info.get("image_size") if m.modality == "image" else None,
+            "data": {"dataset": m.dataset, "split": m.split, "fingerprint": m.fingerprint(),
+                     "holdout": {"size": cfg.holdout, "seed": cfg.holdout_seed}}}
+
+
+def data_fingerprints(data: Data, cfg: DataSection) -> dict[str, str]:
+    """What ``data.train`` and ``data.val`` hold: their manifests' fingerprints (shard hashes, classes, layout; not
+    their paths), ``holdout`` for data.val=holdout. Every checkpoint records them; a resume compares them."""
+    found = {"data.train": data.manifest.fingerprint()}
+    if cfg.val == HOLDOUT:
+        found["data.val"] = HOLDOUT
+    elif data.val is not None:
+        found["data.val"] = data.val.manifest.fingerprint()
+    return found
+
+
+def metrics_split(cfg: DataSection) -> str:
+    """The split a run's evaluations measure (a checkpoint's ``metrics_split``, named in its model card):
+    ``holdout`` (held out of data.train) or data.val's last path component (``shards/fashion_mnist/test`` ->
+    ``test``), with ``[:N]`` under data.val_limit (Hugging Face's slice notation)."""
+    name = HOLDOUT if cfg.val == HOLDOUT else Path(str(cfg.val)).name
+    limit = getattr(cfg, "val_limit", None)
+    return f"{name}[:{limit}]" if limit else name
+
+
+def check_inputs(backbone: Backbone, data: Data, source: str) -> None:
+    """The backbone takes what the train reader yields (modality, image side, channels) — checked before training,
+    so a mismatch is one line naming both instead of a shape error inside the model at step 1. ``source`` names
+    where the backbone comes from (a checkpoint path or ``model.preset=...``)."""
+    m, c = data.manifest, backbone.config
+    if c.modality != m.modality:
+        raise ConfigError(f"{source} is a model for {c.modality} but data.train ({m.dataset}/{m.split}) holds "
+                          f"{m.modality}: use a {m.modality} checkpoint / preset, or {c.modality} data")
+    if m.modality != "image":
+        return
+    side = getattr(data.train.transform, "size", None)
+    if side is not None and side != c.img_size:
+        raise ConfigError(f"the data give {side} px images (data.img_size / data.pad_to) but {source} takes "
+                          f"{c.img_size} px: set data.img_size={c.img_size}"
+                          + ("" if source.startswith("model.checkpoint") else
+                             f", or build the model for {side} px with model.overrides={{img_size: {side}}}"))
+    channels = int(m.info.get("channels", 3))
+    if channels != c.in_chans:
+        raise ConfigError(f"data.train images have {channels} channel(s) but {source} takes {c.in_chans}: use a "
+                          "checkpoint / preset with the data's channels")

@@ -1,0 +1,119 @@
+"""What a run writes as it goes: the JSON-lines log (:class:`JsonlLog`; read back, and cut back on resume), the
+per-step throughput record (:class:`Throughput`), lines printed clear of the progress bar, and the command line a
+resume hint repeats."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from patchplace.data.atomic import atomic_file
+
+
+def say(text: str, file: Any = None) -> None:
+    """Print a line clear of the progress bars (``tqdm.write``: the Trainer's bar is cleared, the line printed,
+    the bar drawn again below it), flushed; ``file``: default stdout. For what prints while a bar runs, e.g. the
+    ``evaluate`` callbacks a pipeline hands the :class:`Trainer`."""
+    stream = sys.stdout if file is None else file
+    tqdm.write(text, file=stream)
+    stream.flush()
+
+
+class JsonlLog:
+    """Append-only JSON-lines log, written by the main process only. Each record is one ``write`` of a whole line;
+    a line torn by a full disk or a kill is dropped on resume (:func:`truncate_log`)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path, self.enabled = path, enabled
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as exc:  # a buffered write's error names no file: name it
+                raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """``pipelines/<script> <arguments>`` as the user typed them (``run.resume`` / ``run.overwrite`` left out), for
+    the resume hint printed on SIGTERM / Ctrl-C."""
+    args = sys.argv[1:] if argv is None else argv
+    kept = [a for a in args if not a.startswith(("run.resume=", "run.overwrite="))]
+    return " ".join(shlex.quote(a) for a in [f"pipelines/{Path(script).name}", *kept])
+
+
+def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a ``log.jsonl`` and how many lines could not be read (a line torn by a full disk or a kill,
+    or damaged later): those are skipped, never a traceback."""
+    records, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            torn += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step", 0), int):
+            records.append(record)
+        else:
+            torn += 1
+    return records, torn
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the records of ``log.jsonl`` up to ``step`` (a resumed run logs the later steps again: each once);
+    unreadable lines are dropped with a warning."""
+    if not path.is_file():
+        return
+    records, torn = read_log(path)
+    if torn:
+        print(f"warning: {path}: dropped {torn} unreadable line(s) (torn by a full disk or a kill)", file=sys.stderr)
+    with atomic_file(path) as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step))
+
+
+class Throughput:
+    """The throughput a training step's log record reports: samples/s and the share of the time spent waiting for
+    data (``data_share``), measured from the end of this session's first step; what came before it (reading the
+    data from ``started`` on, building the model, spawning workers, that first step) is ``startup_s``."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started  # when reading the data began
+        self.start = self.fetch = time.perf_counter()
+        self.startup = self.waited = 0.0
+        self.samples = 0  # samples this process trained on since ``start`` (a last batch may be short)
+
+    def waiting(self) -> None:
+        """The loop waits for its next batch from now on (logging, checkpoints and evaluation are not data time)."""
+        self.fetch = time.perf_counter()
+
+    def arrived(self, samples: int) -> None:
+        """A batch of ``samples`` arrived."""
+        self.samples += samples
+        self.waited += time.perf_counter() - self.fetch
+
+    def first_step_done(self) -> None:
+        """The session's first optimizer step ended: the rates count from here."""
+        self.start = time.perf_counter()
+        self.waited, self.samples = 0.0, 0
+        self.startup = self.start - self.started
+
+    def record(self, processes: int, flops_per_sample: float | None = None) -> dict[str, float]:
+        """``startup_s``, and from the second step of the session on ``data_share`` and ``samples_per_s`` over
+        ``processes`` (every rank reads as many samples)."""
+        elapsed = time.perf_counter() - self.start
+        seen = self.samples * processes
+        found = {"startup_s": round(self.startup, 2)}
+        if seen:
+            found.update(data_share=round(self.waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
+            if flops_per_sample:  # achieved training TFLOP/s, from the shapes
+                found["tflops"] = round(seen / elapsed * flops_per_sample / 1e12, 5)
+        return found

@@ -1,0 +1,85 @@
+"""The optimizer and its lr schedule: AdamW on the objective's parameter groups, the warm-up + cosine factor set
+before every optimizer step (:class:`StepSchedule`), and ``run.compile``'s regional compilation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from patchplace.finetune import build_optimizer
+from patchplace.models.backbone import Block
+from patchplace.pipelines.config import ConfigError, OptimSection
+
+
+def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
+                   device: torch.device | None = None) -> torch.optim.Optimizer:
+    """AdamW on the objective's parameter groups (``patchplace.finetune.build_optimizer``): no weight decay on norms,
+    biases, PEs, class / mask / unknown tokens; layer-wise lr decay (each group's lr pre-scaled) if configured.
+    ``lr``: the peak lr (default ``cfg.lr``; the Trainer passes it scaled to the global batch). ``optim.fused``
+    null: the fused kernel when ``device`` (where the run trains) is a GPU."""
+    fused = cfg.fused if cfg.fused is not None else (device is not None and device.type == "cuda")
+    try:
+        return build_optimizer(model, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
+                               betas=cfg.betas, layer_decay=cfg.layer_decay, fused=fused)
+    except ValueError as exc:
+        raise ConfigError(f"optim.layer_decay: {exc}") from None
+
+
+def training_flops(objective: nn.Module) -> float | None:
+    """FLOPs of one training step per sample, counted from the shapes (``patchplace.objectives.benchmark``): with
+    samples/s, the achieved rate the log reports (``tflops``); None where that FLOP model has no formula."""
+    from patchplace.objectives.benchmark import train_flops
+
+    try:
+        return float(train_flops(objective))
+    except Exception:  # a model outside the FLOP model's cases: no rate, training goes on
+        return None
+
+
+def compile_blocks(model: nn.Module, mode: str) -> int:
+    """``run.compile``: torch.compile every Transformer block of ``model`` in place (``nn.Module.compile``: regional
+    compilation, the blocks of the backbone and of any decoder / predictor; parameter names and checkpoints
+    unchanged). Returns how many blocks were compiled."""
+    if mode == "no":
+        return 0
+    kwargs = {"backend": "aot_eager"} if mode == "aot_eager" else {"mode": mode}
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compile(**kwargs)
+    return len(blocks)
+
+
+def warmup_cosine(total_steps: int, warmup_fraction: float, min_ratio: float) -> Callable[[int], float]:
+    """The lr factor of optimizer step ``step`` (0-based): linear warm-up, then cosine down to ``min_ratio``."""
+    warmup = round(warmup_fraction * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, total_steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+    return factor
+
+
+class StepSchedule:
+    """The lr of every parameter group as a function of the optimizer step alone: ``base lr x factor(step)``, set
+    before each optimizer step (as nanoGPT's ``get_lr(it)``). Nothing to checkpoint, and nothing a wrapper can step
+    twice: Accelerate's scheduler wrapper steps a prepared scheduler once per *process* per optimizer step
+    (``split_batches=False``), which ran the schedule P times too fast under P processes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float]) -> None:
+        self.optimizer, self.factor = optimizer, factor
+        for group in optimizer.param_groups:  # peak lr x the group's layer-decay scale (torch's name for it)
+            group.setdefault("initial_lr", group["lr"])
+        self.base = [group["initial_lr"] for group in optimizer.param_groups]
+
+    def set(self, step: int) -> float:
+        """Give every group its lr for optimizer step ``step`` (0-based); returns the factor."""
+        factor = self.factor(step)
+        for group, base in zip(self.optimizer.param_groups, self.base, strict=True):
+            group["lr"] = base * factor
+        return factor
