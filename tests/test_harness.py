@@ -1,5 +1,5 @@
 """The harness around the methods, through the real pipelines: the optimizer each run really builds (layer decay,
-weight decay), the feature each checkpoint's probes read, and every recipe knob having its effect (issue 16)."""
+weight decay), the feature each checkpoint's probes read, and every recipe knob having its effect."""
 
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def test_finetune_pools_like_the_checkpoints_method_unless_told(shards, tmp_path
     assert pool(f"model.checkpoint={tmp_path / 'mp3' / 'checkpoint'}") == "cls"
     assert pool(f"model.checkpoint={mae}", "finetune.global_pool=cls") == "cls"
     assert pool() == "cls"  # from scratch
-    legacy = load_pretrained(mae)[0]  # a checkpoint written before finetune_pool was recorded
+    legacy = load_pretrained(mae)[0]  # a checkpoint that records no finetune_pool
     assert finetune.finetune_pool(None, legacy, {"method": "mae"}, True)[0] == legacy.config.global_pool == "cls"
     with pytest.raises(pipeline_config.ConfigError, match=r"finetune\.global_pool must be one of"):
         pipeline_config.load(finetune.FinetuneConfig, FT_CONFIG, [*img(shards), "finetune.global_pool=avg"])

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     """The main table, MP3 Table 3 (fine-tunes of the main pretraining), speech with two seeds and its null control,
-    the RandSAC ablations probed only, learning curves and controls, under the v3 protocol (a validation split
+    the RandSAC ablations probed only, learning curves and controls, under the held-out protocol (a validation split
     held out of train, the test split read once per final number), on tiny data."""
     args = ["--config", str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"), f"runs={tmp_path / 'runs'}",
             f"results={tmp_path / 'results'}", "preset=vit_micro", "pretrain_epochs=0.25", "finetune_epochs=0.25",
@@ -91,7 +91,7 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert "Decided " in text and "pretraining beats supervised" in text.lower()
     assert "## Does it learn here?" in text and "## Controls beside every method" in text
     assert "control: raw pixels, linear probe" in text and "> raw pixels from epoch" in text
-    assert "### The same claims judged on the earlier study" in text  # the shipped config compares with v1
+    assert "### The same claims judged on the earlier study" in text  # the shipped config's compare_with
     spent = text.split("## Wall-clock per part")[1]
     assert "| main |" in spent and "| speech |" in spent and "label efficiency" in spent
     claim = next(line for line in text.splitlines() if line.startswith("| MP3 Table 4 / Fig. 5: MP3 pretraining"))
@@ -225,7 +225,7 @@ def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
     assert rows["mp3"][0]["source"] == str(tmp_path / "study.json")
     assert " ± " in stat(rows["supervised"], "top1")  # two seeds: mean ± std
 
-    del earlier["harness"]  # measured by the harness before issue 16 (no version recorded): not merged
+    del earlier["harness"]  # no harness version recorded: not merged
     (tmp_path / "study.json").write_text(json.dumps(earlier))
     assert collect(Study(cfg)) == {}
     assert "harness differ" in capsys.readouterr().out
@@ -271,10 +271,10 @@ def test_a_report_without_runs_keeps_the_earlier_controls_curves_and_minutes_and
 
 
 def test_study_claims_are_decided_by_a_paired_test_at_alpha_005():
-    """Issue 30: a claim is decided only by a two-sided paired t-test over shared seeds at alpha 0.05, reported with
-    its 95% CI, p and seed count; one seed, or p >= 0.05, is "undecided". The v2 rule (|mean| > max(0.5 pt, sd))
-    decided a 3-seed difference of -4.5 +- 3.0 pt (p ~ 0.12): no longer. Values checked against scipy's
-    ttest_rel."""
+    """A claim is decided only by a two-sided paired t-test over shared seeds at alpha 0.05, reported with its 95%
+    CI, p and seed count; one seed, or p >= 0.05, is "undecided". A 3-seed difference of -4.5 +- 3.0 pt (p ~ 0.12),
+    which a rule on the mean alone (|mean| > max(0.5 pt, sd)) would decide, stays undecided. Values checked against
+    scipy's ttest_rel."""
     from scipy.stats import ttest_rel
 
     three, one = {0: 0.50, 1: 0.60, 2: 0.70}, {0: 0.52}

@@ -160,7 +160,7 @@ def test_the_evaluator_reports_no_top1_for_non_finite_logits(pairs, tmp_path, ca
 
 def test_a_model_beside_another_exports_sidecar_is_refused(pairs, tmp_path, capsys):
     path = _copy_pair(pairs / "a" / "model.onnx", tmp_path / "mixed")
-    shutil.copy(pairs / "b" / "model.onnx", path)  # what a kill between the two renames used to leave
+    shutil.copy(pairs / "b" / "model.onnx", path)  # a model beside the sidecar of another export
     with pytest.raises(ExportError, match=r"come from different exports .* re-run the export") as caught:
         OnnxModel(path)
     assert "\n" not in str(caught.value)

@@ -224,7 +224,8 @@ def test_transform_rejects_bad_args():
 
 
 def test_non_finite_samples_are_refused_naming_the_clip(tmp_path):
-    """Issue 18 case 8: NaN samples of a float WAV were written as a full-scale click."""
+    """A float WAV with NaN samples is refused, naming the clip and the first bad index (never written, e.g. as a
+    full-scale click)."""
     import numpy as np
     import pytest
 

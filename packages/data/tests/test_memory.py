@@ -1,4 +1,4 @@
-"""In-memory splits (issue 19, first part): the same samples as streaming, the memory budget, corrupt shards by
+"""In-memory splits: the same samples as streaming, the memory budget, corrupt shards by
 name, and per-rank epoch indices that are disjoint, deterministic and change with the epoch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 32.4: the modules of ``patchplace.models`` import one another one way (no import circle, counting imports
+"""The modules of ``patchplace.models`` import one another one way (no import circle, counting imports
 inside functions too), each imports alone in a fresh interpreter, and every public name stays importable."""
 
 from __future__ import annotations

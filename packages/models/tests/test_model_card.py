@@ -1,4 +1,4 @@
-"""Issue 32.4: Hub-grade model cards — YAML front matter with license, the base model of a fine-tune and a
+"""Hub-grade model cards — YAML front matter with license, the base model of a fine-tune and a
 ``model-index`` (task, dataset with the split the metrics were measured on, metrics) that huggingface_hub's own
 parser reads; the body's metrics table names the split; a pretraining checkpoint's card shows its objective's
 metrics."""

@@ -1,4 +1,4 @@
-"""Issue 32.4: timm's data pipeline reproduces the training preprocessing. A 1-channel model for 28 px images
+"""timm's data pipeline reproduces the training preprocessing. A 1-channel model for 28 px images
 zero-padded to 32 px (Fashion-MNIST): ``timm.data.create_transform(**timm.data.resolve_data_config({},
 model=model))`` gives exactly patchplace's eval tensor through each route the README documents; the route that
 cannot (a file overlay without the checkpoint's ``pretrained_cfg``) and the preprocessing timm cannot express (pad
@@ -80,7 +80,7 @@ def test_timm_data_config_reproduces_the_zero_padding_exactly(tmp_path, channels
         got = torch.stack([transform(to_pil_image(x)) for x in images])
         torch.testing.assert_close(got, expected, atol=0, rtol=0, msg=route)
         assert torch.equal(timm_model.eval()(got).argmax(1), model(expected).argmax(1)), route
-    # what config.json said before: crop_pct 1 resizes 28 -> 32 instead of padding
+    # crop_pct 1 in the data config would resize 28 -> 32 instead of padding
     before = timm.data.create_transform(**{**timm_data_config(directory), "crop_pct": 1.0})
     assert not torch.equal(torch.stack([before(to_pil_image(x)) for x in images]), expected)
 

@@ -1,4 +1,4 @@
-"""A checkpoint directory through timm's own loading routes (issue 21.1): ``local-dir:``,
+"""A checkpoint directory through timm's own loading routes: ``local-dir:``,
 ``pretrained_cfg_overlay=dict(file=...)`` and ``checkpoint_path=`` give the same outputs as patchplace for every PE
 mode timm can express, and fail loudly (never a silently wrong model) for the others."""
 

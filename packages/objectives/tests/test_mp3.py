@@ -81,7 +81,7 @@ def test_reassemble_pastes_patches_at_predicted_positions_and_averages_collision
 
 
 def test_mp3_learns_positions_on_structured_images(images):
-    """Learning check (issue 4): >= 90% position accuracy at eta = 0. Measured: 0.99 after 250 steps (~10 s)."""
+    """Learning check: >= 90% position accuracy at eta = 0. Measured: 0.99 after 250 steps (~10 s)."""
     torch.manual_seed(0)
     x = images(32, size=32)
     backbone = create_model("vit_micro", img_size=32, patch_size=4, in_chans=1, embed_dim=64, depth=3,

@@ -1,7 +1,7 @@
 """patchplace.export — ONNX export with a PyTorch-vs-ONNX-Runtime parity check (docs/design.md).
 
 ``python -m patchplace.export CHECKPOINT --out model.onnx`` or :func:`export_checkpoint`. The ONNX Runtime evaluator
-(accuracy, consistency, robustness, latency) is the rest of issue 7.
+of an exported model (accuracy, consistency, robustness, latency): ``python -m patchplace.export.evaluate``.
 """
 
 from .exporter import (

@@ -17,8 +17,7 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               process (peak RSS, the part of it the steps added, and CUDA max_memory_allocated on a GPU).
               Decoders / predictors: the study configs' sizes (--widths study: 128 x 2, predictor 96 x 4) for the
               32 px presets, the papers' defaults (--widths paper) otherwise. --compile NAME adds NAME+compile
-              (torch.compile) rows. (The before / after rows of the mask-generator optimization are kept in
-              results/; the old code is in git history.)
+              (torch.compile) rows.
   masks       mask generation per batch: I-JEPA multi-block (batched tensor ops), MJP block-wise (NumPy).
   data        shard read throughput (decode + train transform) with each --workers count; batched augmentation
               (the in-memory path) vs the per-sample timm / PIL transform, and the ways to crop-and-resize a batch

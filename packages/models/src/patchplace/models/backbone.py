@@ -58,7 +58,7 @@ class PatchEmbed(nn.Module):
                              f"{tuple(x.shape)}: check in_chans / img_size of the model against the data")
         # contiguous (B, N, D): a transposed view would carry its strides through every residual add of a path
         # with no class-token cat or PE add (MP3), and each LayerNorm would copy it (measured on an H100, ViT-B
-        # bf16: the MP3 step 11% slower than supervised before, see results/benchmark.md's GPU section)
+        # bf16: the MP3 step 11% slower than supervised with the view, see results/benchmark.md's GPU section)
         return self.proj(x).flatten(2).transpose(1, 2).contiguous()
 
 

@@ -17,7 +17,7 @@ ONNX_GRAPHS = ("plain", "optimized", "int8")  # before: the plain graph on a def
 
 
 def _onnx_sessions(checkpoint: Path, out: Path, threads: int) -> tuple[dict[str, Any], dict[str, Any], float]:
-    """Sessions on the plain graph (a default ONNX Runtime session, as before this optimization), the optimized
+    """Sessions on the plain graph (a default ONNX Runtime session: the baseline), the optimized
     graph and its int8 variant (both through ``onnx_session``), with ``threads`` intra-op threads each; -> (sessions,
     the optimized export's ``graph`` record, its export seconds)."""
     import onnxruntime as ort

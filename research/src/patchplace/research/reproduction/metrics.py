@@ -79,7 +79,7 @@ def label_metrics(study: Study, run: Run, seed: int, probe: dict[str, Any]) -> d
     m: dict[str, Any] = {}
     for fraction in study.cfg.label_fractions if run.label_efficiency else ():
         d = study.dir(run, seed) / f"label{fraction:g}"
-        if study.cfg.holdout:  # v3: the best (or last) checkpoint tested once on the test split
+        if study.cfg.holdout:  # the best (or last) checkpoint tested once on the test split
             test = read_json(d / "test" / "results.json")
             ev = test["classification"] if test and "classification" in test else None
             stopped = early_stop(d / "log.jsonl")
@@ -88,7 +88,7 @@ def label_metrics(study: Study, run: Run, seed: int, probe: dict[str, Any]) -> d
             if ev is not None and study.cfg.label_patience:  # how the training stopped: early, or at the cap
                 m[fraction_key("stopped", fraction)] = "early" if stopped else (
                     "cap, improving" if still_improving(d / "log.jsonl") else "cap")
-        else:  # v2: the closing evaluation of the training stage, on the test images
+        else:  # no held-out split: the closing evaluation of the training stage, on the test images
             ev = last_eval(d / "log.jsonl")
         if ev is not None:
             m[fraction_key("top1", fraction)] = ev["top1"]
@@ -208,12 +208,11 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
     return rows
 
 
-# Version of the training / evaluation harness behind the numbers: rows measured by another version are never
-# merged. 1: before issue 16 (layer decay ignored, weight decay on PEs / tokens, probes of an untrained class token,
-# Diff. Norm of token 0); 2: optimizer on the backbone's groups with layer decay applied, probes of the trained
-# feature, one Diff. Norm (the head's input); 3: the in-memory data path with batched augmentation (issue 19);
-# 4: study v3 — MP3 pretraining feeds the class token, fine-tuning pools as each method's protocol does, the lr
-# schedule set once per optimizer step (issue 29), validation held out of the train split.
+# Version of the training / evaluation harness behind the numbers, recorded with every result and bundle: rows
+# measured by another version are never merged. This one: the optimizer on the backbone's parameter groups with
+# layer decay applied, probes of the feature the training trained, one Diff. Norm (the head's input), the in-memory
+# data path with batched augmentation, MP3 pretraining feeding the class token, fine-tuning pooled as each method's
+# protocol does, the lr schedule set once per optimizer step, validation held out of the train split.
 HARNESS_VERSION = 4
 
 

@@ -22,7 +22,7 @@ class StudyConfig:
     seeds: tuple[int, ...] = (0,)  # main table
     # validation: this many class-balanced images held out of the train split (data.holdout); every training stage
     # validates on them (training-time evaluation, early stopping), the test split is read once per final number;
-    # label subsets and probe sets are drawn from the rest. 0: validate on the test split (the v2 protocol)
+    # label subsets and probe sets are drawn from the rest. 0: validate on the test split (no held-out split)
     holdout: int = 5000
     # learning curves ("does it learn here?"): one pretraining per curve row (seed curve_seed) to max(curve_epochs)
     # epochs, its snapshots after each of curve_epochs (0: the random init) probed with 1% of the labels on
