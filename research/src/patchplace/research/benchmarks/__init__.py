@@ -2,11 +2,15 @@
 
     common.py     what the suites share: the study's model and loader sizes (``STUDY``), the device, a preset's
                   image setting
-    compute.py    matmul (the peak), objectives (every pretraining step vs supervised), masks, models
+    compute.py    matmul (the peak), objectives (every pretraining step vs supervised), masks, models (the
+                  context-only attention block)
+    steps.py      what a pretraining step costs: the objectives at the study's / the papers' widths, step times,
+                  memory in a fresh process, saved activation bytes, mask-generator times
+    flops.py      the FLOP model: FLOPs of a training step per sample, counted from the shapes
     data.py       data (shard reads, batched augmentation, MFCC) and the loader vs training consumption
     onnx.py       onnx: PyTorch eager vs ONNX Runtime inference
-    pipelines.py  pipelines (end-to-end pretrain.py per data path), ddp (1 vs 2 processes), anchor (finetune.py vs a
-                  plain timm loop): the suites that run the entry points
+    pipelines.py  pipelines (end-to-end pretrain.py per data path against the pure step), ddp (1 vs 2 processes),
+                  anchor (finetune.py vs a plain timm loop): the suites that run the entry points
     mp3.py        mp3_table2 (MP3 Table 2 and every objective's step on a GPU, both attention kernels) and
                   saved_bytes (its memory column on any machine)
     speed.py      speed: the study ViT's images/s per method up a ladder of GPU settings (fused AdamW, batch,
