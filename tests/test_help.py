@@ -95,3 +95,58 @@ def test_every_entry_point_is_checked():
     scripts = {p.stem for p in (ROOT / "pipelines").glob("*.py")} | {p.stem for p in GPU.glob("*.py")}
     assert scripts <= {m.rsplit(".", 1)[-1] for m, _ in PYTHON}, "a new entry point: add it to PYTHON"
     assert {p.name for p in GPU.glob("*.sh")} == set(SHELL), "a new shell script: add it to SHELL"
+
+
+def test_evaluate_help_lists_only_fields_an_evaluation_reads(shards, tmp_path, monkeypatch, capsys):
+    """Every field evaluate --help lists is read by an evaluation (training's fields it never reads are named as
+    such): reads of the config's fields are traced through two evaluations that take every path of a field, a
+    classifier with every part on (probes, label fractions, method curves, --privacy, a hold-out) in memory, and a
+    streamed one. Reads while building, validating or describing the config do not count."""
+    import re
+    import sys
+    import typing
+    from dataclasses import fields
+
+    from pipeline_args import TINY, img
+
+    from patchplace.pipelines import config, evaluate, pretrain
+
+    checkpoint = tmp_path / "mjp"
+    assert pretrain.main(["method=mjp", *img(shards), *TINY, "model.overrides={embed_dim: 128, num_heads: 2}",
+                          "optim.max_steps=1", f"run.output={checkpoint}"]) == 0
+    read: set[str] = set()
+
+    def counted() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_code.co_name
+            if name == "validate" or (frame.f_globals.get("__name__") == config.__name__ and name in (
+                    "build", "describe")):
+                return False
+            frame = frame.f_back
+        return True
+
+    def traced(section: str, cls: type):
+        names = {f.name for f in fields(cls)}
+
+        def getattribute(self, name):
+            if name in names and counted():
+                read.add(f"{section}.{name}")
+            return object.__getattribute__(self, name)
+
+        return getattribute
+
+    for section, cls in typing.get_type_hints(evaluate.EvaluateConfig).items():
+        if isinstance(cls, type) and fields(cls):
+            monkeypatch.setattr(cls, "__getattribute__", traced(section, cls))
+    common = [*img(shards), "data.batch_size=8", "data.num_workers=0", f"model.checkpoint={checkpoint / 'checkpoint'}",
+              "eval.probe_train_samples=16", "eval.probe_epochs=1", "eval.max_eval_samples=8"]
+    assert evaluate.main(["--privacy", *common, "data.holdout=6", "eval.label_fractions=[0.5]", "privacy.images=2",
+                          "privacy.steps=1", f"run.output={tmp_path / 'ev'}"]) == 0
+    assert evaluate.main([*common, "data.in_memory=false", f"run.output={tmp_path / 'streamed'}"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        evaluate.main(["--help"])
+    listed = set(re.findall(r"^  (\w+\.\w+) = ", capsys.readouterr().out, flags=re.M))
+    assert listed and not listed - read, f"evaluate --help lists fields no evaluation reads: {sorted(listed - read)}"
+    assert not listed & set(config.unread_fields(evaluate.EvaluateConfig))

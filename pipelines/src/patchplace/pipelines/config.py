@@ -1,10 +1,12 @@
 """Pipeline configs: YAML files in ``pipelines/configs/`` + ``section.field=value`` overrides on the command line,
-loaded into validated dataclasses. Unknown keys, bad ranges and missing datasets fail up front with one line.
+loaded into validated dataclasses by OmegaConf (the dataclasses are its structured-config schema: :func:`build`).
+Unknown keys, wrong types, bad ranges and missing datasets fail up front with one line naming the key.
 
 ``--help`` (:func:`parser`) lists the fields with the values that command line would run with (``--config`` and
-overrides applied, each such value marked) in at most :data:`HELP_WIDTH` columns. A command's config class may
-declare ``unused_fields: ClassVar[tuple[str, ...]]``: fields (``section.field``) or whole sections it accepts but
-never reads (a config shared with training still loads), left out of its --help."""
+overrides applied, each such value marked) in at most :data:`HELP_WIDTH` columns. A command that reads a section of
+a training config in part declares its own smaller section class and ``shares: ClassVar[dict[str, type]]``
+({section: the training section class}): a shared config file still loads, the fields it never reads
+(:func:`unread_fields`) are accepted, ignored and named at the end of its --help."""
 
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ import textwrap
 import tokenize
 import typing
 from collections.abc import Collection
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from patchplace.data.manifest import dataset_dir_hint
 from patchplace.data.remote import Network, is_remote
@@ -200,7 +204,6 @@ class RunSection:
     eval_every: int = 0  # steps; 0 = only at the end
     resume: bool = False  # continue from the newest complete checkpoint in output/checkpoints (if any)
     overwrite: bool = False  # replace the run already in run.output (without it, reusing a directory is an error)
-    stop_after: int | None = None  # leave after this many steps, as if interrupted (resume tests and demos)
     tensorboard: bool = True  # events in output/tensorboard/ (train/*, val/*)
     # DDP's find_unused_parameters; null = only for objectives whose steps may leave a trainable parameter without
     # gradient (MJP's E_unk). True costs a graph traversal per step (results/benchmark.md, ddp suite).
@@ -248,83 +251,11 @@ class RunSection:
                               "run.eval_every=0 evaluates only at the end: set run.eval_every (steps) too")
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Check / convert a YAML value against a (simple) type hint."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, option, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}: {value!r} is not a {hint}")
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[float, ...]: any length
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return tuple(_coerce(v, args[0], key) for v in value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(v, a, key) for v, a in zip(value, args, strict=True))
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if hint in (int, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
-        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r}")
-    if hint is Any:
-        return value
-    return value
-
-
-def build(cls: type, raw: dict[str, Any], prefix: str = "", base: Any = None) -> Any:
-    """Instantiate dataclass ``cls`` from a nested dict; unknown keys and wrong types are errors.
-
-    A section given in part keeps its owner's defaults for the rest: ``optim.max_steps=5`` on the pretraining
-    config leaves its ``OptimSection(lr=1.5e-3, betas=(0.9, 0.95))``, not the section class's own defaults.
-    ``base``: the instance whose values the missing keys take (the owner's default for this section)."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown config key(s) {[prefix + u for u in unknown]}; known: {sorted(known)}")
-    values = {}
-    for name, value in raw.items():
-        hint = hints[name]
-        if is_dataclass(hint):
-            values[name] = build(hint, value, f"{prefix}{name}.", base=_default(known[name], base))
-        else:
-            values[name] = _coerce(value, hint, prefix + name)
-    return replace(base, **values) if base is not None else cls(**values)
-
-
-def _default(f: Any, owner: Any) -> Any:
-    """The default value of field ``f``: the owner instance's when there is one, else the field's own default."""
-    if owner is not None:
-        return getattr(owner, f.name)
-    if f.default_factory is not MISSING:
-        return f.default_factory()
-    return None if f.default is MISSING else f.default
-
-
 class _Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2's booleans and floats: only true / false (any case) are bools, so
-    ``run.mixed_precision=no`` stays the string "no" instead of YAML 1.1's False (yes / no / on / off); a number
-    with an exponent is a float with or without a dot or an exponent sign (``1e-9``, ``1e3``, ``2.5E4``), which
-    YAML 1.1 reads as strings — in every section, ``objective`` and ``model.overrides`` included."""
+    """YAML with YAML 1.2's booleans and floats, for the files and the override values: only true / false (any
+    case) are bools, so ``run.mixed_precision=no`` stays the string "no" (OmegaConf's own loader reads YAML 1.1's
+    yes / no / on / off as bools); a number with an exponent is a float with or without a dot or an exponent sign
+    (``1e-9``, ``1e3``, ``2.5E4``), in every section, ``objective`` and ``model.overrides`` included."""
 
 
 _REPLACED = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
@@ -346,33 +277,157 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
 
 
-def set_dotted(raw: dict[str, Any], assignment: str) -> None:
-    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested dict."""
-    if "=" not in assignment:
-        raise ConfigError(f"override {assignment!r} must look like section.field=value")
-    key, text = assignment.split("=", 1)
-    node = raw
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {key}: {part} is not a section")
-    node[parts[-1]] = parse_yaml(text)
+def _leaves(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of the leaves of a nested mapping (``{a: {b: 1}}`` -> ``{"a.b": 1}``; an empty mapping
+    is a leaf)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _within(key: str, prefix: str) -> bool:
+    """Whether dotted ``key`` is ``prefix`` or lies under it."""
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def unread_fields(cls: type) -> list[str]:
+    """The fields (``section.field``) of the sections ``cls`` shares with other commands that it never reads:
+    ``cls.shares`` maps a section to the shared class (a training config's), whose fields ``cls``'s own, smaller
+    section class lacks. A shared config file loads; these are accepted and ignored."""
+    hints = typing.get_type_hints(cls)
+    return [f"{section}.{f.name}" for section, shared in getattr(cls, "shares", {}).items()
+            for f in fields(shared) if f.name not in {g.name for g in fields(hints[section])}]
+
+
+def given_values(cls: type, path: str | None, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({dotted key: value} the ``--config`` file gives, the same for the ``section.field=value`` overrides). An
+    override replaces what the file gives at its key (a mapping as a whole); :func:`unread_fields` are left out."""
+    file: dict[str, Any] = {}
+    if path:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} not found; see pipelines/configs/ for the shipped ones")
+        raw = parse_yaml(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path}: expected a mapping (section: {{field: value}}), got {raw!r}")
+        file = _leaves(raw)
+    given: dict[str, Any] = {}
+    for assignment in overrides:
+        if "=" not in assignment:
+            raise ConfigError(f"override {assignment!r} must look like section.field=value")
+        key, text = assignment.split("=", 1)
+        key = key.strip()
+        for leaves in (file, given):
+            for old in [k for k in leaves if _within(k, key) or _within(key, k)]:
+                del leaves[old]
+        given.update(_leaves({key: parse_yaml(text)}))
+    unread = unread_fields(cls)
+    file, given = ({k: v for k, v in leaves.items() if not any(_within(k, u) for u in unread)}
+                   for leaves in (file, given))
+    return file, given
+
+
+def build(cls: type, given: dict[str, Any]) -> Any:
+    """The ``cls`` instance (not validated) with the values ``given`` ({dotted key: value}) over its defaults.
+
+    ``OmegaConf.structured(cls)`` is the schema and holds the owner's defaults (a section given in part keeps them:
+    ``optim.max_steps=5`` on the pretraining config keeps its ``OptimSection(lr=1.5e-3, betas=(0.9, 0.95))``);
+    each value goes in by ``OmegaConf.update``, which names the key it refuses (unknown, or a value it cannot
+    convert); ``OmegaConf.to_object`` gives the dataclasses back. Strings are taken as written (:func:`_literal`).
+    Beyond OmegaConf: a value must have its field's
+    type already (an int or a number's string for a float, a list for a tuple aside: OmegaConf would take "yes" or 1
+    for a bool and 3 for a str), and a field nothing sets keeps its default object (OmegaConf holds
+    ``memory_budget_mb: float = 4096`` as 4096.0, which config.yaml would show)."""
+    schema, unknown = OmegaConf.structured(cls), []
+    for key, value in given.items():
+        try:
+            OmegaConf.update(schema, key, _literal(value), merge=True)
+        except (ConfigAttributeError, ConfigKeyError) as exc:
+            unknown.append(exc.full_key or key)
+        except (OmegaConfBaseException, TypeError, ValueError) as exc:
+            raise ConfigError(_wrong(cls, exc.full_key or key, given)) from None
+    if unknown:
+        section = _section(cls, unknown[0].rpartition(".")[0])
+        raise ConfigError(f"unknown config key(s) {unknown}; known: {sorted(f.name for f in fields(section))}")
+    try:
+        config = OmegaConf.to_object(schema)
+    except OmegaConfBaseException as exc:  # e.g. "???", OmegaConf's missing value
+        raise ConfigError(f"{exc.full_key}: {str(exc).splitlines()[0]}") from None
+    for key, value in given.items():
+        if not _kept(value, _at(config, key)):
+            raise ConfigError(_wrong(cls, key, given))
+    _defaults_kept(config, cls(), given)
+    return config
 
 
 def load(cls: type, path: str | None, overrides: list[str]) -> Any:
     """YAML file (optional) + overrides -> validated ``cls`` instance."""
-    raw: dict[str, Any] = {}
-    if path:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file {file} not found; see pipelines/configs/ for the shipped ones")
-        raw = parse_yaml(file.read_text()) or {}
-    for assignment in overrides:
-        set_dotted(raw, assignment)
-    config = build(cls, raw)
+    file, given = given_values(cls, path, overrides)
+    config = build(cls, {**file, **given})
     validate(config)
     return config
+
+
+def _section(cls: type, key: str) -> Any:
+    """The section class at dotted ``key`` of config class ``cls`` ("": ``cls``); None inside a mapping field."""
+    for part in filter(None, key.split(".")):
+        cls = typing.get_type_hints(cls).get(part) if is_dataclass(cls) else None
+    return cls if is_dataclass(cls) else None
+
+
+def _literal(value: Any) -> Any:
+    """``value`` with its strings taken as written: escaped from OmegaConf's ``${...}`` interpolation (e.g. a shell
+    variable in a pipe: URL)."""
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, list):
+        return [_literal(v) for v in value]
+    return {k: _literal(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def _at(config: Any, key: str) -> Any:
+    """The value at dotted ``key`` of a config instance (sections, then mapping fields)."""
+    for part in key.split("."):
+        config = config[part] if isinstance(config, dict) else getattr(config, part)
+    return config
+
+
+def _kept(value: Any, typed: Any) -> bool:
+    """Whether OmegaConf took ``value`` with its own type: an int or a number's string for a float, a list for a
+    tuple (item by item) and a mapping for a section are the only changes allowed."""
+    if isinstance(value, list):
+        return isinstance(typed, list | tuple) and all(map(_kept, value, typed))
+    if isinstance(value, dict):
+        return isinstance(typed, dict) or is_dataclass(typed)
+    return type(value) is type(typed) or (type(typed) is float and type(value) in (int, str))
+
+
+def _wrong(cls: type, key: str, given: dict[str, Any]) -> str:
+    """``key: expected <the field's type>, got <the value given>``."""
+    parent, _, name = key.rpartition(".")
+    section = _section(cls, parent)
+    hint = next((f.type for f in fields(section) if f.name == name), None) if section else None
+    if _section(cls, key):
+        expected = "a mapping"
+    elif hint is None:  # inside a mapping field: a value YAML has and OmegaConf lacks
+        expected = "a number, string, bool, list or mapping"
+    else:
+        expected = hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
+    value = given[key] if key in given else {k[len(key) + 1:]: v for k, v in given.items() if _within(k, key)}
+    return f"{key}: expected {expected}, got {value!r}"
+
+
+def _defaults_kept(config: Any, default: Any, given: Collection[str], prefix: str = "") -> None:
+    """Every field of ``config`` that no key of ``given`` sets back to the object ``default`` holds."""
+    for f in fields(config):
+        name, value = prefix + f.name, getattr(config, f.name)
+        if is_dataclass(value):
+            _defaults_kept(value, getattr(default, f.name), given, name + ".")
+        elif not any(_within(k, name) for k in given):
+            setattr(config, f.name, getattr(default, f.name))
 
 
 def validate(config: Any) -> None:
@@ -419,22 +474,17 @@ def field_docs(cls: type) -> dict[str, str]:
     return {k: v for k, v in docs.items() if v}
 
 
-def describe(config: Any, prefix: str = "", sources: dict[str, str] | None = None,
-             skip: Collection[str] = ()) -> list[str]:
+def describe(config: Any, prefix: str = "", sources: dict[str, str] | None = None) -> list[str]:
     """One entry per field with its value and what it means (for --help); ``config`` is a dataclass type or
     instance. An entry fits :data:`HELP_WIDTH` columns and may span lines: the meaning wraps under itself (from
     :data:`HELP_COLUMN`, below the value when the value is too wide to leave room beside it). ``sources``:
-    {dotted key: where its value comes from} (:func:`help_values`), shown after the value; ``skip``: fields
-    (``section.field``) or whole sections left out (a command's ``unused_fields``)."""
+    {dotted key: where its value comes from} (:func:`help_values`), shown after the value."""
     instance = config() if isinstance(config, type) else config
     docs, lines = field_docs(type(instance)), []
     for f in fields(instance):
-        name = prefix + f.name
-        if name in skip:
-            continue
-        value = getattr(instance, f.name)
+        name, value = prefix + f.name, getattr(instance, f.name)
         if is_dataclass(value):
-            lines += describe(value, f"{name}.", sources, skip)
+            lines += describe(value, f"{name}.", sources)
         else:
             lines.append(field_entry(name, value, docs.get(f.name), source_of(sources or {}, name)))
     return lines
@@ -483,47 +533,27 @@ def help_values(cls: type, argv: list[str]) -> tuple[Any, dict[str, str], str]:
     header = "config fields (override with section.field=value)"
     if not path and not overrides:
         return cls(), {}, header + ":"
-    sources: dict[str, str] = {}
     try:
-        raw = parse_yaml(Path(path).read_text()) if path else {}
-        raw = raw or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping")
-        sources.update(dict.fromkeys(_keys(raw), "from file"))
-        given: dict[str, Any] = {}
-        for assignment in overrides:
-            set_dotted(raw, assignment)
-            set_dotted(given, assignment)
-        sources.update(dict.fromkeys(_keys(given), "override"))
-        config = build(cls, raw)
+        file, given = given_values(cls, path, overrides)
+        config = build(cls, {**file, **given})
     except (OSError, yaml.YAMLError, ValueError, TypeError) as exc:
         what = " and ".join([*([f"--config {path}"] if path else []), *(["the overrides"] if overrides else [])])
         return cls(), {}, f"{header}; the code defaults ({what} not applied: {one_line(exc)}):"
     marks = [*([f'"(from file)" by --config {path}'] if path else []), *(['"(override)" by the command line']
                                                                           if overrides else [])]
+    sources = {**dict.fromkeys(file, "from file"), **dict.fromkeys(given, "override")}
     return config, sources, f"{header} with the values in force: the code defaults, changed where marked " \
                             f"{' and '.join(marks)}:"
 
 
-def _keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
-    """The dotted keys of the leaves of a nested mapping (``{a: {b: 1}}`` -> ``["a.b"]``)."""
-    keys = []
-    for key, value in raw.items():
-        if isinstance(value, dict) and value:
-            keys += _keys(value, f"{prefix}{key}.")
-        else:
-            keys.append(f"{prefix}{key}")
-    return keys
-
-
 def help_epilog(cls: type, argv: list[str]) -> str:
-    """The config part of --help: every field a command reads (``cls.unused_fields`` are left out, named at the
-    end) with its value in force (:func:`help_values`) and meaning, then what the class adds for this command line
+    """The config part of --help: every field a command reads (its :func:`unread_fields` named at the end) with
+    its value in force (:func:`help_values`) and meaning, then what the class adds for this command line
     (``help_fields(argv)``, e.g. the chosen objective's fields; ``help_fields(argv, config, sources)`` when it takes
     the values in force too)."""
     config, sources, header = help_values(cls, argv)
-    unused = tuple(getattr(cls, "unused_fields", ()))
-    lines = [header, *describe(config, sources=sources, skip=unused)]
+    unused = unread_fields(cls)
+    lines = [header, *describe(config, sources=sources)]
     if unused:
         lines += ["", *textwrap.wrap("not read by this command (accepted, so that a shared config loads): "
                                + ", ".join(unused), HELP_WIDTH, break_on_hyphens=False)]

@@ -62,6 +62,7 @@ from patchplace.objectives import (
 )
 from patchplace.pipelines.config import (
     HOLDOUT,
+    MAX_SEED,
     ConfigError,
     DataSection,
     ModelSection,
@@ -121,22 +122,56 @@ class PrivacySection(AttackConfig):
             raise ConfigError("privacy.images and privacy.batch_size must be >= 1 and privacy.ratio in (0, 1)")
 
 
-# what evaluation reads of the run section: every other run.* field is training's (unused_fields below)
-RUN_READ = ("output", "seed", "overwrite")
+@dataclass
+class EvalDataSection(DataSection):
+    """The splits and their reading, as for training; every split is read unaugmented: these class values stand in
+    for training's augmentation fields (not fields here, so not read from a config)."""
+
+    scale: ClassVar[tuple[float, float]] = (1.0, 1.0)
+    hflip: ClassVar[float] = 0.0
+    auto_augment: ClassVar[str | None] = None
+    re_prob: ClassVar[float] = 0.0
+    noise_split: ClassVar[str | None] = None
+
+
+@dataclass
+class EvalModelSection:
+    """The checkpoint evaluated; it brings its architecture (no preset, no overrides)."""
+
+    checkpoint: str | None = None  # required: the checkpoint/ (or best/) directory of a pretrain or finetune run
+    attention: str = "sdpa"  # attention kernel: sdpa | math (the materialised softmax); the same numbers either way
+
+    def validate(self) -> None:
+        ModelSection.validate(self)  # model.attention, as for training
+
+
+@dataclass
+class EvalRunSection:
+    """Where the results go, and the seed. Evaluation runs in full precision, without gradient accumulation or
+    TensorBoard: the class values below stand in for training's fields of the Accelerator."""
+
+    output: str = "runs/evaluate"  # results.json, report.md and the plots
+    seed: int = 0  # every RNG (random, numpy, torch) and the data readers start from it
+    overwrite: bool = False  # replace the results of an earlier evaluation in run.output (without it: refused)
+    mixed_precision: ClassVar[str] = "no"
+    grad_accum: ClassVar[int] = 1
+    tensorboard: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        if not 0 <= self.seed < MAX_SEED:
+            raise ConfigError(f"run.seed must be in [0, 2**31), got {self.seed}")
 
 
 @dataclass
 class EvaluateConfig:
     eval: EvalSection = field(default_factory=EvalSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
-    data: DataSection = field(default_factory=DataSection)
-    model: ModelSection = field(default_factory=ModelSection)
-    run: RunSection = field(default_factory=lambda: RunSection(output="runs/evaluate", tensorboard=False))
-    # what evaluation never reads (the checkpoint brings its model, nothing trains or augments): left out of --help,
-    # accepted so that a config shared with training loads
-    unused_fields: ClassVar[tuple[str, ...]] = (
-        "data.scale", "data.hflip", "data.auto_augment", "data.re_prob", "data.noise_split", "model.preset",
-        "model.overrides", *(f"run.{f.name}" for f in fields(RunSection) if f.name not in RUN_READ))
+    data: EvalDataSection = field(default_factory=EvalDataSection)
+    model: EvalModelSection = field(default_factory=EvalModelSection)
+    run: EvalRunSection = field(default_factory=EvalRunSection)
+    # the training sections these stand for: a training config loads too, the fields evaluation's sections lack are
+    # accepted, ignored and named at the end of --help (config.unread_fields)
+    shares: ClassVar[dict[str, type]] = {"data": DataSection, "model": ModelSection, "run": RunSection}
 
     def validate(self) -> None:
         if not self.model.checkpoint:
