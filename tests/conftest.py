@@ -6,8 +6,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from accelerate.state import AcceleratorState, GradientState
 
 from patchplace.data import SplitWriter
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Accelerate keeps one state per process and refuses an Accelerator with another mixed precision once it is
+    set: each test starts from none (accelerate's own test idiom, ``AccelerateTestCase.tearDown``), so tests that
+    run pipelines in-process may each ask for their own ``run.mixed_precision``."""
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,13 @@
         The inputs of optimizer step STEP are NaN (so is its loss).
 
 ``kills`` runs ``pipelines/finetune.py`` instead when the arguments start with ``finetune``, and with KILL_SAVE=last
-kills only in the run's last save (the one that seals the end-of-run metrics).
+kills only in the run's last save (the one that seals the end-of-run metrics). In-process tests stop a run at a
+given step as a user does, with :func:`sigterm_at`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -190,6 +192,26 @@ def nan_at(step: int, args: list[str]) -> int:
 
     engine.Trainer._inputs = poisoned
     return pretrain.main(args)
+
+
+@contextlib.contextmanager
+def sigterm_at(step: int):
+    """Within the block, a run in this process gets SIGTERM during optimizer step ``step`` (counted from the run's
+    start, resumed runs included), as from a user's ``kill``: it finishes that step, saves it and exits 143."""
+    train_step = engine.Trainer.train_step
+    sent = []
+
+    def signalled(trainer, batch, done):
+        if done + 1 == step and not sent:  # once: a second SIGTERM would end the process at once
+            sent.append(step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(trainer, batch, done)
+
+    engine.Trainer.train_step = signalled
+    try:
+        yield
+    finally:
+        engine.Trainer.train_step = train_step
 
 
 def signal_at(name: str, step: int, args: list[str]) -> int:

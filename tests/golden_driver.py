@@ -19,6 +19,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from accelerate.state import AcceleratorState, GradientState
+
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
@@ -37,6 +39,10 @@ def main(spec_path: str) -> int:
             results[run["name"]] = {"code": None, "error": traceback.format_exc()}
         sys.stdout.flush()
         sys.stderr.flush()
+        # Accelerate keeps one state per process, which refuses another mixed precision: each run starts afresh
+        # (accelerate's own test idiom), as it would in a process of its own
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
     loaded = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
     files = {name: str(Path(file).resolve()) for name, file in loaded.items()
              if file and name.split(".")[0] in spec["prefixes"]}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_driver import sigterm_at
 from pipeline_args import TINY, files_of, img, method_args, run_log, small_heads, state_dir
 from safetensors.torch import load_file
 
@@ -87,7 +88,7 @@ def test_every_method_pretrains_under_two_processes(shards, tmp_path, method):
     run([str(ROOT / "pipelines" / "pretrain.py"), *method_args(shards, method), "optim.max_steps=3",
          f"run.output={out}"])
     records = log(out)
-    assert all(r["world_size"] == 2 and r["ranks"] == [0, 1] for r in records), "two processes, ranks 0 and 1, ran"
+    assert all(r["world_size"] == 2 for r in records), "two processes ran (each wrote its random state, below)"
     assert [r["step"] for r in records] == [1, 2, 3], "one log line per step: only the main process writes"
     assert records[-1]["samples_per_s"] > 0 and (out / "checkpoint" / "model.safetensors").is_file()
     assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {"random_states_0.pkl",
@@ -113,8 +114,8 @@ def test_ranks_share_weights_read_disjoint_samples_and_draw_their_own_masks(shar
         assert a["keys"] == b["keys"] and all(torch.equal(x, y) for x, y in zip(a["masks"], b["masks"], strict=True))
         assert same_weights(a["final"], b["final"])
     assert log(again) == log(mp3_two_process) or all(  # equal up to the measured rates
-        {k: v for k, v in x.items() if k not in ("samples_per_s", "data_share", "startup_s", "tflops")}
-        == {k: v for k, v in y.items() if k not in ("samples_per_s", "data_share", "startup_s", "tflops")}
+        {k: v for k, v in x.items() if k not in ("samples_per_s", "data_share", "startup_s")}
+        == {k: v for k, v in y.items() if k not in ("samples_per_s", "data_share", "startup_s")}
         for x, y in zip(log(again), log(mp3_two_process), strict=True))
 
 
@@ -136,7 +137,7 @@ def test_two_machines_on_loopback_split_the_shards_by_node(shards, tmp_path):
     shards0, shards1 = ({int(k) // 16 for k in flat(t["keys"])} for t in (node0, node1))  # 16 samples a shard
     assert shards0 and shards1 and not shards0 & shards1, f"nodes read disjoint shards: {shards0} vs {shards1}"
     assert same_weights(node0["final"], traces(one_machine)[0]["final"])
-    assert [r["step"] for r in log(out)] == [1, 2, 3] and log(out)[0]["ranks"] == [0, 1]
+    assert [r["step"] for r in log(out)] == [1, 2, 3] and log(out)[0]["world_size"] == 2
     assert log(out)[-1]["data"] == {"train": "streaming", "val": "streaming"}
 
 
@@ -292,10 +293,12 @@ def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_pat
     for wrote, resumes in ((2, 1), (1, 2)):
         out = tmp_path / f"from{wrote}"
         args = ["method=mp3", *img(shards), *TINY, "optim.max_steps=4", f"run.output={out}"]
-        if wrote == 2:
-            run([script, *args, "run.stop_after=2"])
+        if wrote == 2:  # stopped as a user does, by SIGTERM (here to rank 0 during step 2)
+            stopped = run([TRACE, "pretrain", *args], env={"TRACE_SIGTERM": "0:2"}, check=False)
+            assert "interrupted by SIGTERM at step 2" in stopped.stderr, stopped.stderr[-2000:]
         else:
-            assert pretrain.main([*args, "run.stop_after=2"]) == 0
+            with sigterm_at(2):
+                assert pretrain.main(args) == 143
         before = files_of(out)
         capsys.readouterr()
         if resumes == 1:

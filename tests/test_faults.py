@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fault_driver import same, strays, weights
+from fault_driver import same, sigterm_at, strays, weights
 from pipeline_args import TINY, files_of, img, small_heads
 
 from patchplace.pipelines import (
@@ -71,25 +71,23 @@ def test_a_kill_at_any_line_of_a_save_loses_nothing(shards, tmp_path):
 
 def test_the_rename_windows_and_leftovers_resume_from_the_newest_checkpoint(shards, tmp_path):
     """Deterministic versions of the kill windows: a new step committed while the ``checkpoint`` link still points
-    at the old one; the old step already renamed to trash; plus leftovers of the previous layout (issue 18 case 1:
-    a half-deleted ``.state.old`` made every later save fail)."""
+    at the old one; the old step already renamed to trash; plus a partial step directory a killed save left."""
     straight = tmp_path / "straight"
     assert pretrain.main(stop_args(shards, straight)) == 0
     for window in ("link_not_swapped", "old_step_trashed"):
         out = tmp_path / window
-        assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.stop_after=2"]) == 0
+        with sigterm_at(2):
+            assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2"]) == 143
         two = out / "checkpoints" / "step-00000002"
         keep = tmp_path / f"{window}-step2"
         shutil.copytree(two, keep)
-        assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.stop_after=4",
-                              "run.resume=true"]) == 0
+        with sigterm_at(4):
+            assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.resume=true"]) == 143
         if window == "link_not_swapped":
             shutil.copytree(keep, two)
             rundir.point_checkpoint_link(out, two / "checkpoint")
         else:
             shutil.copytree(keep, out / "checkpoints" / ".trash-step-00000002-1")
-        (out / ".state.old").mkdir()
-        (out / ".state.old" / "x").touch()
         (out / "checkpoints" / ".partial-step-00000005").mkdir()
         assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.resume=true"]) == 0
         assert same(weights(out), weights(straight)), window
@@ -155,7 +153,8 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(shards, tmp_path)
 
 def test_a_corrupt_checkpoint_file_stops_the_resume_naming_it(shards, tmp_path, capsys):
     out = tmp_path / "run"
-    assert pretrain.main([*stop_args(shards, out), "run.stop_after=2"]) == 0
+    with sigterm_at(2):
+        assert pretrain.main(stop_args(shards, out)) == 143
     rng_state = out / "checkpoints" / "step-00000002" / "state" / "random_states_0.pkl"
     data = bytearray(rng_state.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -536,7 +535,8 @@ def test_damaged_checkpoints_are_refused_in_one_line_and_left_alone(shards, tmp_
     import pickle
 
     base = tmp_path / "base"
-    assert pretrain.main([*stop_args(shards, base), "run.checkpoint_every=2", "run.stop_after=4"]) == 0
+    with sigterm_at(4):
+        assert pretrain.main([*stop_args(shards, base), "run.checkpoint_every=2"]) == 143
 
     def refused(out: Path) -> tuple[str, str]:
         """(the error line, all of stderr) of a resume that must stop with exit 2."""
@@ -586,11 +586,12 @@ def test_resume_names_an_empty_directory_and_follows_a_moved_or_respelled_one(sh
     """run.resume=true with nothing to resume says so; the same directory spelled relative / absolute / with a
     trailing slash, or moved elsewhere, resumes (before: refused as 'run.output differs' or restarted)."""
     monkeypatch.chdir(tmp_path)
-    assert pretrain.main([*stop_args(shards, Path("rel")), "run.checkpoint_every=2", "run.stop_after=2",
-                          "run.resume=true"]) == 0
+    with sigterm_at(2):
+        assert pretrain.main([*stop_args(shards, Path("rel")), "run.checkpoint_every=2", "run.resume=true"]) == 143
     assert "run.resume=true: rel holds no checkpoint yet; starting at step 0" in capsys.readouterr().out
-    assert pretrain.main([*stop_args(shards, Path("rel")), "run.checkpoint_every=2", "run.stop_after=4",
-                          f"run.output={tmp_path / 'rel'}/", "run.resume=true"]) == 0
+    with sigterm_at(4):
+        assert pretrain.main([*stop_args(shards, Path("rel")), "run.checkpoint_every=2",
+                              f"run.output={tmp_path / 'rel'}/", "run.resume=true"]) == 143
     (tmp_path / "rel").rename(tmp_path / "moved")
     assert pretrain.main([*stop_args(shards, tmp_path / "moved"), "run.checkpoint_every=2", "run.resume=true"]) == 0
     straight = tmp_path / "straight"
@@ -613,7 +614,8 @@ def test_a_refused_resume_changes_no_file_of_the_run(shards, tmp_path, capsys):
     import time
 
     out = tmp_path / "run"
-    assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.stop_after=2"]) == 0
+    with sigterm_at(2):
+        assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2"]) == 143
     before = files_of(out)
     time.sleep(1.1)  # (a lock taken now would record another start time)
     capsys.readouterr()
@@ -646,7 +648,8 @@ def test_a_resume_compares_the_data_by_fingerprint_not_by_path(shards, tmp_path,
     shutil.copytree(shards / "img", original / "img")
     run, other = tmp_path / "run", tmp_path / "other"
     for out in (run, other):
-        assert pretrain.main([*stop_args(original, out), "run.checkpoint_every=2", "run.stop_after=2"]) == 0
+        with sigterm_at(2):
+            assert pretrain.main([*stop_args(original, out), "run.checkpoint_every=2"]) == 143
     recorded = json.loads((run / "checkpoints" / "step-00000002" / "state" / "trainer.json").read_text())["data"]
     train = original / "img" / "train"
     old = Manifest.load(train).fingerprint()

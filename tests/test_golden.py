@@ -47,7 +47,13 @@ TREE = Path(os.environ.get("PATCHPLACE_GOLDEN_TREE", ROOT)).resolve()
 # The reference's pretrain.METHODS (checked against it below).
 METHODS = ("mp3", "mp3_speech", "droppos", "mae", "ijepa", "stop", "randsac", "mjp", "supervised")
 # Log fields that measure time, not training.
-TIMING = {"startup_s", "data_share", "samples_per_s", "tflops"}
+TIMING = {"startup_s", "data_share", "samples_per_s"}
+# Per-step log fields the reference writes and the current code does not (they served benchmarks only): the achieved
+# TFLOP/s and the list of ranks that ran (the world size stays in every record).
+DROPPED = {"tflops", "ranks"}
+# config.yaml fields the reference writes and the current code does not: run.stop_after (a stop for tests only;
+# they stop a run by SIGTERM, as a user does).
+DROPPED_CONFIG = {"run": ("stop_after",)}
 # Top-level module names whose files the drivers report (the code each process imported).
 PREFIXES = ["patchplace", "core", "pretrain", "finetune", "reproduction", "benchmarks"]
 
@@ -293,7 +299,8 @@ def safetensors_of(path: Path) -> dict[str, dict]:
 
 
 def log_records(text: str) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in text.splitlines() if line]
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING | DROPPED} for line in text.splitlines()
+            if line]
 
 
 def substitutions(base: Path) -> dict[str, str]:
@@ -328,7 +335,8 @@ def without_additions(data):
 
 def loaded(path: Path, base: Path):
     """A run file as its content: tensors, pickled states, parsed JSON / YAML / log records (timing left out), text
-    under ``substitutions``; the current code's additions (:data:`ADDED_METADATA`) left out."""
+    under ``substitutions``; the current code's additions (:data:`ADDED_METADATA`) and the reference's dropped fields
+    (:data:`DROPPED`, :data:`DROPPED_CONFIG`) left out."""
     suffix = path.suffix
     if suffix == ".safetensors":
         return safetensors_of(path)
@@ -345,7 +353,11 @@ def loaded(path: Path, base: Path):
             data["files"] = sorted(data["files"])
         return without_additions(data)
     if suffix in (".yaml", ".yml"):
-        return yaml.safe_load(text)
+        data = yaml.safe_load(text)
+        for section, keys in DROPPED_CONFIG.items():
+            for key in keys:
+                (data.get(section) or {}).pop(key, None)
+        return data
     return ADDED_CARD_LINE.sub(r"\1", text) if path.name == "README.md" else text
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fault_driver import sigterm_at
 from pipeline_args import TINY, img, run_log
 from safetensors.torch import load_file
 
@@ -96,7 +97,8 @@ def test_in_memory_training_is_bit_identical_across_runs_workers_and_resume(shar
     assert pretrain.main([*common, f"run.output={tmp_path / 'a'}"]) == 0
     assert pretrain.main([*common, f"run.output={tmp_path / 'b'}"]) == 0
     assert pretrain.main([*common, "data.num_workers=2", f"run.output={tmp_path / 'workers'}"]) == 0
-    assert pretrain.main([*common, "run.stop_after=10", f"run.output={tmp_path / 'resumed'}"]) == 0
+    with sigterm_at(10):
+        assert pretrain.main([*common, f"run.output={tmp_path / 'resumed'}"]) == 143
     assert pretrain.main([*common, "run.resume=true", f"run.output={tmp_path / 'resumed'}"]) == 0
     reference = weights(tmp_path / "a")
     assert log(tmp_path / "a")[-1]["data"]["train"] == "memory" and log(tmp_path / "a")[-1]["epoch"] == 1

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fault_driver import sigterm_at
 from pipeline_args import TINY, audio, img, method_args, run_log, small_heads, state_dir
 from safetensors.torch import load_file
 
@@ -108,13 +109,14 @@ def test_config_values_keep_their_types_and_strings_stay_as_written(shards, tmp_
         pipeline_config.load(evaluate.EvaluateConfig, str(shared), [*img(shards), "run.complie=default"])
 
 
-def test_stages_in_one_process_may_each_ask_for_their_own_mixed_precision(shards, tmp_path):
-    """Accelerate keeps one process-wide state; the demo, the study and these tests run stages in one process."""
-    for i, precision in enumerate(["no", "bf16", "no"]):
-        assert pretrain.main(["method=supervised", *img(shards), *TINY, "optim.max_steps=1",
-                              f"run.mixed_precision={precision}", f"run.output={tmp_path / str(i)}"]) == 0
-        config = (tmp_path / str(i) / "config.yaml").read_text()
-        assert f"mixed_precision: {precision if precision != 'no' else repr('no')}" in config
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_a_run_trains_at_its_mixed_precision_and_records_it(shards, tmp_path, precision):
+    """One precision per process (Accelerate's state; ``conftest.fresh_accelerate_state`` gives each test its own),
+    recorded in config.yaml."""
+    assert pretrain.main(["method=supervised", *img(shards), *TINY, "optim.max_steps=1",
+                          f"run.mixed_precision={precision}", f"run.output={tmp_path}"]) == 0
+    config = (tmp_path / "config.yaml").read_text()
+    assert f"mixed_precision: {precision if precision != 'no' else repr('no')}" in config
 
 
 def test_the_attention_kernel_is_a_setting_that_changes_no_number(shards, tmp_path):
@@ -334,7 +336,8 @@ def test_a_resumed_run_ends_with_the_same_weights(shards, tmp_path, workers):
     args = ["method=stop", *img(shards), *TINY, *small_heads("stop"), f"data.num_workers={workers}",
             "optim.max_steps=6"]
     assert pretrain.main([*args, f"run.output={tmp_path / 'straight'}"]) == 0
-    assert pretrain.main([*args, f"run.output={tmp_path / 'cut'}", "run.stop_after=4"]) == 0
+    with sigterm_at(4):
+        assert pretrain.main([*args, f"run.output={tmp_path / 'cut'}"]) == 143
     assert json.loads((state_dir(tmp_path / "cut") / "trainer.json").read_text())["step"] == 4
     assert pretrain.main([*args, f"run.output={tmp_path / 'cut'}", "run.resume=true"]) == 0
     for name in ("model.safetensors", "objective.safetensors"):

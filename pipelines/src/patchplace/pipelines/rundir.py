@@ -43,15 +43,13 @@ CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 LOCK = ".lock"
 # What a training run leaves in its directory (run.overwrite=true removes exactly these).
-RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "checkpoint", "state", "tensorboard",
-               "snapshots", "best")
-# Leftovers of the layout before checkpoints/ (issue 18), removed once a save succeeds.
-LEGACY_LEFTOVERS = (".state.tmp", ".state.old")
+RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "checkpoint", "tensorboard", "snapshots",
+               "best")
 # Config fields a resumed run may change: they do not change what is trained (run.output: the same directory
 # spelled another way, relative / absolute / a trailing slash, or the run moved elsewhere).
-RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.stop_after", "run.log_every",
-                     "run.checkpoint_every", "run.eval_every", "run.tensorboard", "run.find_unused_parameters",
-                     "data.num_workers", "data.verify_shards", "data.timeout", "data.retries")
+RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.log_every", "run.checkpoint_every",
+                     "run.eval_every", "run.tensorboard", "run.find_unused_parameters", "data.num_workers",
+                     "data.verify_shards", "data.timeout", "data.retries")
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -116,7 +114,7 @@ def _read_all(fd: int) -> bytes:
 def holds_run(directory: Path) -> bool:
     """Whether ``directory`` holds (part of) a training run: a log, checkpoints, or a checkpoint link."""
     return any((directory / name).exists() or (directory / name).is_symlink() for name in
-               ("log.jsonl", CHECKPOINTS, "checkpoint", "state"))
+               ("log.jsonl", CHECKPOINTS, "checkpoint"))
 
 
 def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config: dict[str, Any],
@@ -288,13 +286,9 @@ def complete_steps(directory: Path) -> list[tuple[int, Path]]:
 
 
 def latest_step(directory: Path) -> int | None:
+    """The step of the newest complete checkpoint, or None."""
     steps = complete_steps(directory)
-    if steps:
-        return steps[-1][0]
-    legacy = Path(directory) / "state" / "trainer.json"
-    if legacy.is_file() and not Path(directory, "state").is_symlink():
-        return int(json.loads(legacy.read_text())["step"])
-    return None
+    return steps[-1][0] if steps else None
 
 
 def commit(partial: Path, step: int) -> Path:
@@ -360,13 +354,11 @@ def point_checkpoint_link(directory: Path, target: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     os.symlink(os.path.relpath(target, directory), tmp)
-    if link.is_dir() and not link.is_symlink():  # a run from before checkpoints/: its real directory goes
-        os.replace(link, Path(directory) / f".trash-checkpoint-{os.getpid()}")
     os.replace(tmp, link)
 
 
 def clean(directory: Path, keep: Path) -> None:
-    """Remove every checkpoint but ``keep`` and whatever a killed save left (partials, trash, legacy temp dirs)."""
+    """Remove every checkpoint but ``keep`` and whatever a killed save left (partials, trash, link temp files)."""
     directory = Path(directory)
     root = directory / CHECKPOINTS
     for path in list(root.iterdir()) if root.is_dir() else []:
@@ -378,15 +370,11 @@ def clean(directory: Path, keep: Path) -> None:
             path = trash
         shutil.rmtree(path, ignore_errors=True)
     for path in directory.iterdir():
-        if path.name.startswith((".trash-", ".checkpoint.link-", ".checkpoint.partial-", ".checkpoint.old-")) or \
-                path.name in LEGACY_LEFTOVERS:
+        if path.name.startswith((".trash-", ".checkpoint.link-")):
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
-    legacy = directory / "state"
-    if legacy.is_dir() and not legacy.is_symlink():
-        shutil.rmtree(legacy, ignore_errors=True)
 
 
 def verify(step_path: Path) -> dict[str, Any]:

@@ -139,9 +139,8 @@ class Checkpointing:
         run, found, recorded = self.run, None, {}
         if run.resume and not run.overwrite:
             found = self._newest_state()
-            if found is not None and found[1] is not None:
-                verify(found[1])
             if found is not None:
+                verify(found[1])
                 recorded = recorded_data(found[0])
         moved = tuple(name for key in recorded for name in (key, f"{key}_urls"))
         prepare_directory(self.out, resume=run.resume, overwrite=run.overwrite, config=to_dict(self.config),
@@ -169,7 +168,7 @@ class Checkpointing:
                     "compared, not the path), or train on this data in a new run (another run.output, or "
                     "run.overwrite=true)")
 
-    def _newest_state(self) -> tuple[Path, Path | None] | None:
+    def _newest_state(self) -> tuple[Path, Path] | None:
         """(state/, its checkpoint directory) of the newest complete checkpoint, or None when there is none yet. A
         newer ``step-*`` directory without its ``COMPLETE`` record is refused (damage: a save writes ``COMPLETE``
         before the directory gets its name)."""
@@ -181,11 +180,7 @@ class Checkpointing:
                 f"{unsealed[-1]} has no {unsealed[-1] / 'COMPLETE'} record, so it cannot be verified (it was removed "
                 "or the directory was copied in part): restore the record, or delete that directory to resume from "
                 + (f"step {newest}" if steps else "scratch") + ", or start over with run.overwrite=true")
-        if steps:
-            return steps[-1][1] / "state", steps[-1][1]
-        if (self.out / "state" / "trainer.json").is_file():  # the legacy layout: state/ in the run directory
-            return self.out / "state", None
-        return None
+        return (steps[-1][1] / "state", steps[-1][1]) if steps else None
 
     def save_checkpoint(self, step: int, metrics: dict[str, Any] | None = None,
                         stopped_early: dict[str, Any] | None = None) -> None:

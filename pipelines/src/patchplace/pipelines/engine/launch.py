@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.state import AcceleratorState
 from accelerate.utils import ProjectConfiguration, set_seed
 
 from patchplace.data import DataError
@@ -189,10 +188,6 @@ def make_accelerator(run: RunSection) -> Accelerator:
     except OSError as exc:
         raise ConfigError(f"run.output {run.output} cannot be written ({exc.strerror}): choose a directory you can "
                           "write, e.g. run.output=runs/my_run") from None
-    # Accelerate keeps one process-wide state and refuses a second Accelerator with another mixed precision; stages
-    # run in one process (tests, the demo and study orchestration) may each ask for their own, so start it afresh.
-    if AcceleratorState._shared_state.get("_mixed_precision") not in (None, run.mixed_precision):
-        AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision=run.mixed_precision, gradient_accumulation_steps=run.grad_accum,
                               log_with="tensorboard" if run.tensorboard else None,
                               # accelerate writes to <logging_dir>/<run name>: the events land in <output>/tensorboard/

@@ -106,7 +106,7 @@ class Throughput:
         self.waited, self.samples = 0.0, 0
         self.startup = self.start - self.started
 
-    def record(self, processes: int, flops_per_sample: float | None = None) -> dict[str, float]:
+    def record(self, processes: int) -> dict[str, float]:
         """``startup_s``, and from the second step of the session on ``data_share`` and ``samples_per_s`` over
         ``processes`` (every rank reads as many samples)."""
         elapsed = time.perf_counter() - self.start
@@ -114,6 +114,4 @@ class Throughput:
         found = {"startup_s": round(self.startup, 2)}
         if seen:
             found.update(data_share=round(self.waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
-            if flops_per_sample:  # achieved training TFLOP/s, from the shapes
-                found["tflops"] = round(seen / elapsed * flops_per_sample / 1e12, 5)
         return found

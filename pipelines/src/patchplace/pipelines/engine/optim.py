@@ -28,17 +28,6 @@ def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
         raise ConfigError(f"optim.layer_decay: {exc}") from None
 
 
-def training_flops(objective: nn.Module) -> float | None:
-    """FLOPs of one training step per sample, counted from the shapes (``patchplace.objectives.benchmark``): with
-    samples/s, the achieved rate the log reports (``tflops``); None where that FLOP model has no formula."""
-    from patchplace.objectives.benchmark import train_flops
-
-    try:
-        return float(train_flops(objective))
-    except Exception:  # a model outside the FLOP model's cases: no rate, training goes on
-        return None
-
-
 def compile_blocks(model: nn.Module, mode: str) -> int:
     """``run.compile``: torch.compile every Transformer block of ``model`` in place (``nn.Module.compile``: regional
     compilation, the blocks of the backbone and of any decoder / predictor; parameter names and checkpoints
@@ -69,7 +58,7 @@ class StepSchedule:
     """The lr of every parameter group as a function of the optimizer step alone: ``base lr x factor(step)``, set
     before each optimizer step (as nanoGPT's ``get_lr(it)``). Nothing to checkpoint, and nothing a wrapper can step
     twice: Accelerate's scheduler wrapper steps a prepared scheduler once per *process* per optimizer step
-    (``split_batches=False``), which ran the schedule P times too fast under P processes."""
+    (``split_batches=False``), which would run the schedule P times too fast under P processes."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float]) -> None:
         self.optimizer, self.factor = optimizer, factor

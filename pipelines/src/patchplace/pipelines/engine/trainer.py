@@ -45,13 +45,7 @@ from patchplace.pipelines.engine.launch import (
     report,
 )
 from patchplace.pipelines.engine.logs import JsonlLog, Throughput
-from patchplace.pipelines.engine.optim import (
-    StepSchedule,
-    compile_blocks,
-    make_optimizer,
-    training_flops,
-    warmup_cosine,
-)
+from patchplace.pipelines.engine.optim import StepSchedule, compile_blocks, make_optimizer, warmup_cosine
 from patchplace.pipelines.engine.scoring import BestTracker
 from patchplace.pipelines.rundir import RunLock, disk_error, disk_message, latest_step
 
@@ -91,7 +85,6 @@ class Trainer(Checkpointing):
         self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
         # here, so a knob without effect fails before training
         self.optimizer = make_optimizer(objective, optim, self.peak_lr, accelerator.device)
-        self.flops_per_sample = training_flops(objective)
         if run.finite_check == "lazy" and not self.optimizer.defaults.get("fused"):
             raise ConfigError("run.finite_check=lazy skips a non-finite step inside AdamW's fused kernel: set "
                               "optim.fused=true (null means fused on a GPU only), or run.finite_check=step")
@@ -212,10 +205,6 @@ class Trainer(Checkpointing):
                 self.meter.waiting()
             if self.stopped:
                 break
-            if run.stop_after and step >= run.stop_after and step < self.total:
-                self.bar.close()
-                self.save_checkpoint(step)  # as a periodic checkpoint would have been
-                return {}
             if batches == 0 and step < self.total:
                 raise DataError(f"epoch {epoch} of data.train yielded {batches} batch(es), none left to train on "
                                 f"(skipped shards: {self.data.train.skipped or 'none'}); check the split with "
@@ -256,8 +245,6 @@ class Trainer(Checkpointing):
             "layer_decay": optim.layer_decay, "weight_decay": optim.weight_decay, "parameters": self.groups})
         if acc.is_main_process and self.run.tensorboard:
             acc.init_trackers("tensorboard")
-        # which processes really run this job (world size and the distinct ranks, gathered from every process)
-        self.ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
         self.bar = tqdm(total=self.total, initial=step, disable=not acc.is_main_process,
                         desc=self.metadata.get("method"))
         self.meter = Throughput(self.data.started)
@@ -330,7 +317,7 @@ class Trainer(Checkpointing):
             self.finite.settle(step)
             self.save_checkpoint(step)
             raise self._interrupted(step, stop)
-        return step >= total or bool(run.stop_after and step >= run.stop_after)
+        return step >= total
 
     def _checkpoints(self, step: int) -> bool:
         """Whether ``step`` is a periodic checkpoint step (``run.checkpoint_every``)."""
@@ -344,8 +331,7 @@ class Trainer(Checkpointing):
         """Whether anything of ``step`` may be logged, saved or evaluated."""
         run = self.run
         return bool(step % run.log_every == 0 or step >= self.total or step in self.snapshots
-                    or (run.stop_after and step >= run.stop_after) or self._checkpoints(step)
-                    or self._evaluates(step))
+                    or self._checkpoints(step) or self._evaluates(step))
 
     def _log_step(self, step: int, epoch: int, out: dict[str, Any], lr_factor: float) -> None:
         """The step's record in log.jsonl (and TensorBoard's train/*): the objective's scalars averaged over ranks,
@@ -354,11 +340,10 @@ class Trainer(Checkpointing):
         scalars = {k: float(acc.reduce(v.detach().float(), "mean")) for k, v in out.items()
                    if torch.is_tensor(v) and v.numel() == 1}
         scalars.update(lr=self.peak_lr * lr_factor, epoch=epoch)
-        scalars.update(self.meter.record(acc.num_processes, self.flops_per_sample))
+        scalars.update(self.meter.record(acc.num_processes))
         if self.data.train.skipped:  # data.skip_corrupt (counted in this process; workers warn)
             scalars["skipped_shards"] = len(set(self.data.train.skipped))
-        self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "ranks": self.ranks,
-                        "data": self.data.path})
+        self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "data": self.data.path})
         if self.run.tensorboard:  # namespaced as TensorBoard groups them: train/loss, train/lr, ...
             acc.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
         self.bar.set_postfix(loss=f"{scalars['loss']:.4f}")
