@@ -224,7 +224,7 @@ def trained_on(metadata: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 def check_unseen(cfg: DataSection, data: Data, metadata: dict[str, Any], checkpoint: str) -> None:
     """Refuse to score ``checkpoint`` on images it (or the checkpoint it was fine-tuned from) trained on: data.val
     being the split it trained on, or ``data.val=holdout`` drawing samples outside the hold-out it recorded (its
-    size and seed give the same samples again: :func:`~core.engine.holdout_indices`)."""
+    size and seed give the same samples again: :func:`~patchplace.pipelines.engine.holdout_indices`)."""
     if cfg.val != HOLDOUT:
         m = data.val.manifest
         fingerprint = m.fingerprint()
