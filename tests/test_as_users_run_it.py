@@ -165,7 +165,7 @@ def test_a_batch_larger_than_the_train_split_is_refused_and_throughput_counts_re
             yield batch
 
     monkeypatch.setattr(MemoryReader, "batches", counted)
-    monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(engine.logs, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # the rates' clock
     # batches of 48 then 16 (the epoch's rest), then 48: steps 2 and 3 read 64 samples, not 2 x 48
     assert pretrain.main([*common, "data.batch_size=48", "optim.max_steps=3", f"run.output={tmp_path / 'b'}"]) == 0
     log = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
