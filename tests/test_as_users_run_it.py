@@ -1,4 +1,4 @@
-"""Inputs as users give them (issue 42): one preprocessing for every split, evaluation that refuses what it cannot
+"""Inputs as users give them: one preprocessing for every split, evaluation that refuses what it cannot
 score honestly (images a checkpoint trained on, another dataset's classes, inputs the model cannot take, results
 it would overwrite), and bad settings or data stopped in one line (exit 2, no traceback)."""
 

@@ -81,9 +81,9 @@ def mp3_two_process(shards, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("method", method_names())
 def test_every_method_pretrains_under_two_processes(shards, tmp_path, method):
-    """The README's command on pipelines/pretrain.py itself. Before issue 17, MP3, mp3_speech, I-JEPA, StoP,
-    RandSAC (class token never fed) and MJP (E_unk unused on steps without the jigsaw) crashed here with DDP's
-    unused-parameter error."""
+    """The README's command on pipelines/pretrain.py itself, for every method, including those that leave a
+    parameter without gradient on some steps (RandSAC's class token is never fed; MJP's E_unk is unused on steps
+    without the jigsaw), which DDP refuses unless told (run.find_unused_parameters)."""
     out = tmp_path / method
     run([str(ROOT / "pipelines" / "pretrain.py"), *method_args(shards, method), "optim.max_steps=3",
          f"run.output={out}"])
@@ -246,8 +246,8 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp
 
 def test_two_processes_follow_the_lr_schedule_of_one_at_the_same_global_batch(shards, tmp_path):
     """The lr of every optimizer step, 1 process x batch 64 vs 2 processes x batch 32: the same warm-up + cosine
-    trace (before issue 29, Accelerate's scheduler wrapper stepped the schedule once per process: the 2-process
-    run reached its minimum at step 4 of 8), and, as every global batch is the whole 64-sample split (supervised:
+    trace (a schedule prepared by Accelerate would be stepped once per process: the 2-process run would reach its
+    minimum at step 4 of 8), and, as every global batch is the whole 64-sample split (supervised:
     no per-rank randomness), the same weights."""
     common = ["method=supervised", *img(shards), *TINY, "optim.max_steps=8", "optim.lr=1e-3",
               "optim.warmup_fraction=0.25", "optim.min_lr_ratio=0.0", "data.hflip=0", "data.scale=[1.0,1.0]"]

@@ -1,4 +1,4 @@
-"""Runs that survive faults (issue 18): kills at every line of the checkpoint protocol and at random points of the
+"""Runs that survive faults: kills at every line of the checkpoint protocol and at random points of the
 save path, the rename windows, one run per directory, reuse / overwrite / changed-config resume, SIGTERM and Ctrl-C,
 a full disk, a corrupt checkpoint. Real processes and real signals; ``fault_driver.py`` places the faults."""
 
@@ -166,8 +166,8 @@ def test_a_corrupt_checkpoint_file_stops_the_resume_naming_it(shards, tmp_path, 
 
 
 def test_files_follow_the_umask(tmp_path):
-    """Issue 18 case 9: with umask 022, split directories / checkpoints were created 0700 and manifest.json /
-    optimizer.json 0600 (tempfile's modes), unreadable by the rest of a shared cluster."""
+    """With umask 022, split directories / checkpoints are 0755 and manifest.json / optimizer.json 0644, readable
+    by the rest of a shared cluster (tempfile's own modes, 0700 / 0600, would not be)."""
     import numpy as np
 
     from patchplace.data import SplitWriter
@@ -310,7 +310,7 @@ def test_data_settings_that_cannot_work_name_the_key_and_the_fix(shards, tmp_pat
     assert f"{manifest}: a field has the wrong type or shape" in error_line(capsys)
 
 
-# ---------------------------------------------------------------------------------------------- issue 29
+# ---------------------------------------------------------------------------------- non-finite values, a full disk
 def reseal(step: Path) -> None:
     """Rewrite a checkpoint's COMPLETE record to match its files as they are now: damage the seal cannot see."""
     record = json.loads((step / "COMPLETE").read_text())
@@ -329,10 +329,9 @@ def finetune_args(shards: Path, out: Path, steps: int = 4) -> list[str]:
 
 
 def test_a_nan_loss_stops_the_run_in_one_line_and_keeps_the_last_good_checkpoint(shards, tmp_path, capsys):
-    """Before issue 29, optim.lr=1e9 trained NaN weights and exited 0. A NaN at step 5 (injected into the inputs)
-    stops the run before it reaches the weights: one line naming the step, the loss and what to try; the step-4
-    checkpoint stays and is finite; the run resumes from it (the NaN came from outside: the resumed run ends with
-    an uninterrupted run's weights)."""
+    """A NaN at step 5 (injected into the inputs) stops the run before it reaches the weights: one line naming the step,
+    the loss and what to try; the step-4 checkpoint stays and is finite; the run resumes from it (the NaN came from
+    outside: the resumed run ends with an uninterrupted run's weights)."""
     out = tmp_path / "run"
     result = drive("nan", "5", args=[*stop_args(shards, out, 8), "run.checkpoint_every=2"])
     assert result.returncode == 2, result.stderr[-2000:]
@@ -413,9 +412,9 @@ def test_the_lazy_check_skips_exactly_the_non_finite_steps_update_inside_the_fus
 
 
 def test_a_nan_checkpoint_is_refused_by_finetune_evaluate_export_and_onnx_runtime(shards, tmp_path, capsys):
-    """A checkpoint of NaN weights (planted: training no longer writes one): fine-tuning, evaluation, the ONNX
-    export and ONNX Runtime's evaluation each stop with one line; no accuracy is reported, no file exported. Before
-    issue 29: fine-tuning reported "val top-1 0.3438" (argmax of NaN) and the export's parity gate passed NaN."""
+    """A checkpoint of NaN weights (planted: training never writes one): fine-tuning, evaluation, the ONNX export
+    and ONNX Runtime's evaluation each stop with one line; no accuracy is reported (an argmax of NaN would still
+    "score" a class), no file exported (a parity gate comparing NaN with NaN must not pass)."""
     import torch
 
     from patchplace.models import load_pretrained, save_pretrained
@@ -469,9 +468,9 @@ def test_a_nan_checkpoint_is_refused_by_finetune_evaluate_export_and_onnx_runtim
 
 
 def test_a_finished_run_resumes_as_complete_without_touching_its_files(shards, tmp_path, capsys):
-    """The end-of-run metrics are sealed with the final checkpoint: before issue 29 they were written into
-    config.json and the model card after COMPLETE, so ``run.resume=true`` (as the demo and study stages pass) called
-    the finished run corrupt and suggested run.overwrite=true, which deletes it."""
+    """The end-of-run metrics are sealed with the final checkpoint (written into config.json and the model card
+    before COMPLETE), so ``run.resume=true`` (as the demo and study stages pass) finds the finished run intact and
+    complete, never corrupt (whose remedy, run.overwrite=true, would delete it)."""
     from patchplace.pipelines import finetune
 
     out = tmp_path / "ft"
@@ -509,8 +508,8 @@ def test_a_kill_in_the_last_save_of_a_finetune_keeps_its_metrics_sealed(shards, 
 
 def test_a_full_disk_while_logging_is_one_line_and_the_torn_line_does_not_stop_the_resume(shards, tmp_path,
                                                                                           capsys):
-    """RLIMIT_FSIZE lets the step-5 log record be written only in part (a full disk): before issue 29 that was a
-    traceback, and every later resume failed with a JSONDecodeError beside a valid checkpoint."""
+    """RLIMIT_FSIZE lets the step-5 log record be written only in part (a full disk): one line, not a traceback,
+    and a later resume drops the torn line instead of failing to read the log beside a valid checkpoint."""
     out = tmp_path / "run"
     args = [*stop_args(shards, out, 8), "run.checkpoint_every=2"]
     result = drive("logfull", "5", args=args)

@@ -37,8 +37,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("golden_driver.py")
 
-# The pre-refactor reference (issue 43: pipelines/ as the package patchplace.pipelines): main's HEAD before the
-# engine was moved. PATCHPLACE_GOLDEN_REFERENCE=<sha> compares against another commit.
+# The reference: the commit whose pipelines ran from pipelines/core/ as top-level modules, with the engine in one
+# file. PATCHPLACE_GOLDEN_REFERENCE=<sha> compares against another commit.
 REFERENCE = os.environ.get("PATCHPLACE_GOLDEN_REFERENCE", "e53e835af134bddce31feb52dfcdc1720651cf05")
 # The tree whose code is compared with the reference: this one, or PATCHPLACE_GOLDEN_TREE (e.g. a perturbed copy, to
 # see the test fail).
@@ -315,7 +315,7 @@ def substitutions(base: Path) -> dict[str, str]:
     return found
 
 
-# What the current code writes beyond the reference, by design (issue 43, the method registry): a checkpoint's
+# What the current code writes beyond the reference, by design (the method registry): a checkpoint's
 # metadata records its method's paper for the model card (``paper``; a fine-tune's under ``pretrain_metadata``), and
 # the card of an MP3 speech checkpoint cites that paper (the reference's card table had no entry for mp3_speech).
 # Left out of both sides before comparing; everything else must still match.

@@ -1,4 +1,4 @@
-"""The in-memory data path through the pipelines (issue 19): the memory budget picks the path (and says so), the
+"""The in-memory data path through the pipelines: the memory budget picks the path (and says so), the
 two paths feed evaluation bit-identical inputs, and in-memory training is bit-identical across runs, worker
 counts and a resume point inside the second epoch."""
 

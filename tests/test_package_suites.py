@@ -15,7 +15,7 @@ from test_install import LOCAL, ROOT, clean_env, local_closure, requirement_name
 STACKS = {"onnx": {"onnx"}, "onnxscript": {"onnxscript", "onnx_ir"}, "onnxruntime": {"onnxruntime"},
           "onnxruntime-gpu": {"onnxruntime"}, "accelerate": {"accelerate"}}
 
-# Loaded at start-up from PYTHONPATH: the path finder no longer finds the blocked modules, as if not installed
+# Loaded at start-up from PYTHONPATH: the path finder does not find the blocked modules, as if not installed
 # (find_spec returns None, import raises ModuleNotFoundError).
 BLOCKER = '''
 import sys

@@ -75,8 +75,8 @@ def test_overrides_read_yes_no_on_off_as_words_and_only_true_false_as_bools(shar
 
 
 def test_a_section_given_in_part_keeps_the_pipelines_defaults_for_the_rest(shards):
-    """``optim.max_steps=5`` used to rebuild OptimSection from the class defaults: pretraining silently ran at lr 1e-3
-    and betas (0.9, 0.999) instead of its 1.5e-3 and (0.9, 0.95), and the speech config (which sets no betas) too."""
+    """``optim.max_steps=5`` keeps the rest of the pretraining OptimSection (lr 1.5e-3, betas (0.9, 0.95)), not the
+    section class's defaults (lr 1e-3, betas (0.9, 0.999)), and so does the speech config (which sets no betas)."""
     cfg = pipeline_config.load(pretrain.PretrainConfig, None, [*img(shards), "optim.max_steps=5", "run.seed=3"])
     assert (cfg.optim.lr, cfg.optim.betas, cfg.optim.max_steps) == (1.5e-3, (0.9, 0.95), 5)
     assert (cfg.run.output, cfg.run.seed) == ("runs/pretrain", 3)
