@@ -118,13 +118,11 @@ RESEARCH = ROOT / "research" / "src" / "patchplace" / "research"
 # the command lines: each a module with main(argv) -> exit code, and a script of that name in pipelines/ (or data/)
 ENTRY_POINTS = {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "evaluate", "demo")} | {
     "patchplace.research." + n for n in ("study", "controls", "benchmark", "harness_compare")}
-# Imports of an entry point allowed, each to run that entry point's main() in-process: the demo's stages, the
-# study's stages, the benchmark suites that time the pipelines end to end. Nothing else imports an entry point (no
-# helper lives in one).
+# Imports of an entry point allowed, each to run that entry point's main() in-process (or, for the pure step, to
+# build pretrain.py's training from its public API): the demo's stages (one mixed precision for all of them) and
+# the benchmark suites that time the pipelines end to end. The study runs its stages as processes of their own.
+# Nothing else imports an entry point (no helper lives in one).
 RUNS_MAIN = {"patchplace.pipelines.demo": {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "evaluate")},
-             "patchplace.research.reproduction.runner": {"patchplace.pipelines." + n for n in
-                                                         ("pretrain", "finetune", "evaluate")}
-             | {"patchplace.research.controls"},
              "patchplace.research.benchmarks.pipelines": {"patchplace.pipelines.pretrain",
                                                           "patchplace.pipelines.finetune"}}
 
@@ -218,13 +216,13 @@ def test_only_the_stage_runners_import_entry_points_and_pipelines_never_import_r
 def test_pipelines_and_research_have_no_import_cycles():
     graph = package_imports(PIPELINES, RESEARCH)
     assert {"patchplace.pipelines.engine", "patchplace.research.reproduction.runner"} <= set(graph)
-    assert "patchplace.pipelines.pretrain" in graph["patchplace.research.reproduction.runner"]
+    assert "patchplace.pipelines.pretrain" in graph["patchplace.pipelines.demo"]
     assert not import_cycles(graph)
 
 
 def test_the_layout_checks_catch_what_they_should(tmp_path):
     """A helper imported from an entry point, the pipelines importing the research code, and a cycle are reported;
-    running a stage's main from the study's runner is not."""
+    running a stage's main from the demo is not."""
     files = {"pipelines/pretrain.py": "from patchplace.pipelines import engine\n",
              "pipelines/evaluate.py": "from patchplace.pipelines.helpers import first_images\n",
              "pipelines/engine.py": "import json\nfrom patchplace.research.reproduction import plan\n",
@@ -232,8 +230,7 @@ def test_the_layout_checks_catch_what_they_should(tmp_path):
              "research/controls.py": "from patchplace.research.reproduction.plan import RUNS\n",
              "research/reproduction/__init__.py": "",
              "research/reproduction/plan.py": "from patchplace.pipelines.engine import start\n",
-             "research/reproduction/runner.py": "from patchplace.research import controls\n"
-                                                "from patchplace.pipelines import pretrain\n",
+             "pipelines/demo.py": "from patchplace.pipelines import evaluate, pretrain\n",
              "research/reproduction/claims.py": "from patchplace.research.controls import random_key\n"}
     for name, text in files.items():
         path = tmp_path / "patchplace" / name

@@ -204,6 +204,56 @@ def test_study_jobs_pull_units_from_one_queue_and_stages_refuse_a_busy_directory
     assert not (tmp_path / "x" / "DONE").exists() and not (tmp_path / "x" / "LOCK").exists()
 
 
+PROBE_STAGE = """import os, signal, sys, time
+from pathlib import Path
+out, got = Path(sys.argv[1]), []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+(out / "threads").write_text(os.environ.get("OMP_NUM_THREADS", ""))
+(out / "ready").write_text("")
+deadline = time.monotonic() + 30
+while not got and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(0.5)  # a second delivery would land here
+(out / "signals").write_text(str(len(got)))
+sys.exit(143 if got else 3)
+"""
+
+
+def test_a_stage_as_a_process_trains_with_this_process_threads_and_gets_its_signals_once(tmp_path, monkeypatch):
+    """stages.as_process: ``python -m <module>`` with this process's torch threads, its exit code returned; a SIGTERM
+    to this process reaches the stage once (the stage saves and ends as when run directly), and this process's
+    handlers come back after."""
+    import signal
+    import time
+
+    import torch
+
+    (tmp_path / "probe_stage.py").write_text(PROBE_STAGE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+    def terminate_when_ready():
+        for _ in range(600):
+            if (tmp_path / "ready").exists():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    def swallow(signum, frame):  # were it not forwarded: not this test's end
+        pass
+
+    ours = signal.signal(signal.SIGTERM, swallow)
+    try:
+        threading.Thread(target=terminate_when_ready, daemon=True).start()
+        assert stages.as_process("probe_stage")([str(tmp_path)]) == 143
+        assert (tmp_path / "signals").read_text() == "1"
+        assert (tmp_path / "threads").read_text() == str(torch.get_num_threads())
+        assert signal.getsignal(signal.SIGTERM) is swallow
+    finally:
+        signal.signal(signal.SIGTERM, ours)
+    with pytest.raises(stages.StageError, match="failed"):  # a stage process that fails: no DONE
+        stages.stage(tmp_path / "fails", stages.as_process("probe_stage"), [str(tmp_path / "missing")])
+    assert not (tmp_path / "fails" / "DONE").exists()
+
 def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
     """Seeds accumulate: rows of an earlier study.json (another machine, runs/ cleaned) join the rows measured now;
     measured rows win, mCE is recomputed over the merged table, and another budget is not reused."""

@@ -1,4 +1,6 @@
-"""Resumable multi-stage jobs (demo, study): a stage runs once, then leaves ``<dir>/DONE`` with its wall-clock."""
+"""Resumable multi-stage jobs (demo, study): a stage runs once, then leaves ``<dir>/DONE`` with its wall-clock.
+A stage's ``run`` is a command line's ``main`` in this process, or :func:`as_process`: the command line as a process
+of its own."""
 
 from __future__ import annotations
 
@@ -6,6 +8,10 @@ import hashlib
 import json
 import os
 import platform
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +52,48 @@ def stage(directory: Path, run: Callable[[list[str]], int], argv: list[str], lab
         record = {"seconds": round(seconds, 1), "argv": list(argv)}
         done.write_text(json.dumps(record | ({"config": settings} if settings else {})))
     return seconds
+
+
+def as_process(module: str) -> Callable[[list[str]], int]:
+    """A stage's ``run``: ``python -m <module> <argv>`` (this interpreter) as a process of its own; returns its exit
+    code. Every such stage starts afresh: its own Accelerate state (mixed precision included), memory and CUDA
+    context. It trains with this process's torch thread count (``OMP_NUM_THREADS``). The SIGINT / SIGTERM this
+    process receives reach it once each (it runs in its own process group; Ctrl-C: a checkpoint at its next step,
+    a second Ctrl-C stops it at once, as for the command line run directly), and on Linux it receives SIGTERM when
+    this process dies."""
+    def run(argv: list[str]) -> int:
+        return _run_process([sys.executable, "-m", module, *argv])
+
+    run.__name__ = run.__qualname__ = f"as_process({module!r})"
+    return run
+
+
+def _run_process(command: list[str]) -> int:
+    import torch
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    forward = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread only
+    child = subprocess.Popen(command, env=env, start_new_session=forward,
+                             preexec_fn=_stop_with_parent if forward and sys.platform == "linux" else None)
+    previous: dict[int, object] = {}
+    try:
+        if forward:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if child.poll() is None:  # this process is leaving on an error of its own: the stage goes with it
+            child.terminate()
+            child.wait()
+
+
+def _stop_with_parent() -> None:
+    """In the stage process before it starts (Linux): SIGTERM when the process that started it dies."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def what_it_computes(argv: list[str]) -> list[str]:

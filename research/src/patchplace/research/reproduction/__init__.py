@@ -1,8 +1,9 @@
 """The reproduction study; ``pipelines/study.py`` is its command line.
 
     plan.py     the budget knobs (``StudyConfig``), the groups, one ``Run`` per table row, ``CONFIGS``
-    runner.py   the stages of each (run, seed) below ``runs/``: pretrain.py, finetune.py, evaluate.py and
-                controls.py run in-process (their ``main``), ONNX export + ONNX Runtime; each stage resumable
+    runner.py   the stages of each (run, seed) below ``runs/``: pretrain.py, finetune.py, evaluate.py,
+                controls.py, ONNX export + ONNX Runtime, each its command line as a process of its own
+                (``python -m ...``); each stage resumable
     metrics.py  the numbers the stages left (results.json, logs), merged with an earlier study.json
     claims.py   the papers' claims decided by seed-paired tests, the statistics helpers of the tables, the
                 random-init control a row is read against
@@ -10,5 +11,5 @@
     sittings.py the study in bounded sittings (a lent GPU): the pending units that fit, a bundle per finished
                 unit, the report merged from every bundle
 
-Only runner.py imports entry points, to run their ``main`` (tests/test_layout.py checks it).
+Nothing here imports an entry point: the stages are processes (tests/test_layout.py checks it).
 """

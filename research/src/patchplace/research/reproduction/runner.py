@@ -1,9 +1,11 @@
 """Runs the study's stages — learning curves, controls, pretraining, fine-tuning, probes, evaluation, ONNX export +
-ONNX Runtime, privacy — for each (run, seed) below ``runs/``; every stage is resumable (``core.stages.stage``).
+ONNX Runtime, privacy — for each (run, seed) below ``runs/``; every stage is resumable
+(``patchplace.pipelines.stages.stage``) and runs its command line as a process of its own.
 
-Protocol (study v3): every training stage validates on ``holdout`` images held out of the train split (training-time
-evaluation, early stopping); the test split is read once per final number, by an evaluation stage of the final (or
-best) checkpoint. Fine-tuning pools as each method's own protocol does (the checkpoint's ``finetune_pool``)."""
+Protocol (``holdout`` > 0): every training stage validates on ``holdout`` images held out of the train split
+(training-time evaluation, early stopping); the test split is read once per final number, by an evaluation stage of
+the final (or best) checkpoint. Fine-tuning pools as each method's own protocol does (the checkpoint's
+``finetune_pool``)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,8 @@ import time
 from pathlib import Path
 
 from patchplace.data import Manifest
-from patchplace.export.__main__ import main as export_main
-from patchplace.export.evaluate import main as ort_evaluate_main
-from patchplace.pipelines import CONFIGS, evaluate, finetune, pretrain
-from patchplace.pipelines.stages import stage
-from patchplace.research import controls
+from patchplace.pipelines import CONFIGS
+from patchplace.pipelines.stages import as_process, stage
 from patchplace.research.reproduction.plan import (
     RUNS,
     Run,
@@ -26,12 +25,22 @@ from patchplace.research.reproduction.plan import (
     runs_of,
 )
 
+# Every stage is its command line run as a process of its own (python -m ...): each starts with its own Accelerate
+# state (the stages differ in mixed precision), memory and CUDA context.
+pretrain = as_process("patchplace.pipelines.pretrain")
+finetune = as_process("patchplace.pipelines.finetune")
+evaluate = as_process("patchplace.pipelines.evaluate")
+controls = as_process("patchplace.research.controls")
+export = as_process("patchplace.export")
+evaluate_onnx = as_process("patchplace.export.evaluate")
+
 # an evaluation stage owns its run.output: a retry after a failed attempt replaces that attempt's files
 EVALUATE = ["--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), "run.overwrite=true"]
 
 
 class Study:
-    """Runs the stages of each (run, seed) below ``cfg.runs``; every stage is resumable (core.stages.stage)."""
+    """Runs the stages of each (run, seed) below ``cfg.runs``; every stage is resumable
+    (``patchplace.pipelines.stages.stage``) and runs as a process of its own."""
 
     def __init__(self, cfg: StudyConfig):
         self.cfg = cfg
@@ -103,10 +112,10 @@ class Study:
             pe = "sincos1d" if run.speech else run.scratch_pe
             if run.speech:
                 extra = [*self.speech_stopping(), *extra]
-            return stage(out, finetune.main, ["--config", str(self.finetune_config(run)), *common,
+            return stage(out, finetune, ["--config", str(self.finetune_config(run)), *common,
                                               "optim.layer_decay=null", f"finetune.pos_embed={pe}",
                                               *self.finetune_extra(run), *extra], label=f"{out} train")
-        return stage(out, pretrain.main, ["--config", str(CONFIGS / f"{run.config}.yaml"), *common, *run.objective,
+        return stage(out, pretrain, ["--config", str(CONFIGS / f"{run.config}.yaml"), *common, *run.objective,
                                           *extra], label=f"{out} train")
 
     def finetune(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
@@ -115,7 +124,7 @@ class Study:
         checkpoint = self.source(run, seed) / "pretrain" / "checkpoint"
         if run.speech:
             extra = [*self.speech_stopping(), *extra]
-        return stage(out, finetune.main, [
+        return stage(out, finetune, [
             "--config", str(self.finetune_config(run)), f"run.output={out}", f"optim.epochs={epochs}",
             f"model.checkpoint={checkpoint}", f"finetune.pos_embed={pe}", *self.common(run, seed),
             *self.finetune_extra(run), *extra], label=f"{out} finetune")
@@ -152,7 +161,7 @@ class Study:
             return self.final(d / "train"), self.final(d / "train"), seconds
         source = self.source(run, seed)
         null = run.name == "speech_null"  # the null-pretraining control: one step of pretraining
-        seconds["pretrain"] = stage(source / "pretrain", pretrain.main, [
+        seconds["pretrain"] = stage(source / "pretrain", pretrain, [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
             f"optim.epochs={pre}", *(["optim.max_steps=1"] if null else []), *run.objective,
             *self.common(run, seed)], label=f"{source} pretrain")
@@ -173,7 +182,7 @@ class Study:
             out = self.dir(run, seed) / f"label{fraction:g}"
             extra = [f"data.label_fraction={fraction}", f"data.label_subset_seed={c.label_subset_seed}",
                      f"data.batch_size={batch}"]
-            if not c.holdout:  # v2: the closing evaluation on the test images is the number
+            if not c.holdout:  # no held-out split: the closing evaluation on the test images is the number
                 extra.append(f"data.val_limit={c.test_samples or 'null'}")
             elif c.label_patience:  # to convergence: early stopping on the validation split
                 every = max(1, round(c.label_eval_epochs * self.subset_steps(fraction, batch)))
@@ -188,7 +197,7 @@ class Study:
     def test(self, run: Run, out: Path, checkpoint: Path) -> None:
         """Top-1 of a classifier on the test split (``test_samples`` of it), nothing else."""
         c = self.cfg
-        stage(out, evaluate.main, [
+        stage(out, evaluate, [
             *EVALUATE, f"run.output={out}",
             f"model.checkpoint={checkpoint}", "eval.linear_probe=false", "eval.knn=false",
             "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
@@ -199,7 +208,7 @@ class Study:
         c, d = self.cfg, self.dir(run, seed)
         data = self.data(run, evaluation=True)
         if run.speech:  # one evaluation on the test split: top-1 + probes of the fine-tuned model
-            stage(d / "eval", evaluate.main, [
+            stage(d / "eval", evaluate, [
                 *EVALUATE, f"run.output={d / 'eval'}",
                 f"model.checkpoint={classifier}", "data.pad_to=null", "eval.position_probe=false",
                 f"eval.probe_epochs={c.probe_epochs}", *data], label=f"{d} eval")
@@ -207,7 +216,7 @@ class Study:
         limit = [f"data.val_limit={c.test_samples}"] if c.test_samples else []
         if not run.pretrain_from:  # probes of the backbone (the pretrained one, or the classifier's own)
             fractions = list(c.label_fractions) if run.label_efficiency and not run.classifier_only else []
-            stage(d / "probe", evaluate.main, [
+            stage(d / "probe", evaluate, [
                 *EVALUATE, f"run.output={d / 'probe'}",
                 f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
                 f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
@@ -217,22 +226,22 @@ class Study:
                 f"data.label_subset_seed={c.label_subset_seed}", *data], label=f"{d} probe")
         if classifier is None:
             return
-        stage(d / "eval", evaluate.main, [
+        stage(d / "eval", evaluate, [
             *EVALUATE, f"run.output={d / 'eval'}",
             f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
             "eval.position_probe=false", "eval.probe_train_samples=128", f"eval.max_eval_samples={c.curve_samples}",
             *data, *limit], label=f"{d} eval")
         if run.ort and c.ort:
             onnx = d / "export" / "model.onnx"
-            stage(d / "export", export_main, [str(classifier), "--out", str(onnx)], label=f"{d} export")
-            stage(d / "ort", ort_evaluate_main, [
+            stage(d / "export", export, [str(classifier), "--out", str(onnx)], label=f"{d} export")
+            stage(d / "ort", evaluate_onnx, [
                 str(onnx), "--data", str(Path(c.fashion_mnist) / "test"), "--out", str(d / "ort"),
                 *(["--limit", str(c.test_samples)] if c.test_samples else []),
                 "--consistency-limit", str(c.ort_consistency_samples), "--robustness-limit",
                 str(c.robustness_samples), "--latency-repeats", "0", "--corruption-cache",
                 str(self.root / "corruptions")], label=f"{d} ort")
         if run.privacy and c.privacy_images:  # MJP Table 5: the same images and attack budget for every model
-            stage(d / "privacy", evaluate.main, [
+            stage(d / "privacy", evaluate, [
                 "--privacy", *EVALUATE, f"run.output={d / 'privacy'}",
                 f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
                 "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
@@ -247,7 +256,7 @@ class Study:
         if not c.controls:
             return
         image = next(r for r in RUNS if r.name == "supervised")
-        stage(self.root / "controls", controls.main, [
+        stage(self.root / "controls", controls, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={self.root / 'controls'}",
             f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
             f"controls.label_fractions=[{','.join(map(str, c.label_fractions))}]",
@@ -263,7 +272,7 @@ class Study:
         their 1% linear probes on the validation split beside the controls (raw pixels, random init per seed):
         ``runs/curves/<run>/``."""
         c, d = self.cfg, self.curve_dir(run.name)
-        stage(d / "pretrain", pretrain.main, [
+        stage(d / "pretrain", pretrain, [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'pretrain'}",
             f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
             *run.objective, *self.common(run, c.curve_seed)], label=f"{d} pretrain")
@@ -272,7 +281,7 @@ class Study:
         # recorded probe_feature)
         saved = json.loads((snapshots[0] / "config.json").read_text())
         feature = f"{saved['backbone']['pos_embed']}/{saved['metadata'].get('probe_feature', 'mean')}"
-        stage(d / "probes", controls.main, [
+        stage(d / "probes", controls, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'probes'}",
             f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
             f"controls.random_inits=[{feature}]",
