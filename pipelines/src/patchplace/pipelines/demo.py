@@ -35,7 +35,7 @@ SHORT_RECIPE = ["finetune.mixup=0.0", "finetune.cutmix=0.0", "optim.layer_decay=
 
 
 def stage(out: Path, name: str, run, argv: list[str]) -> float:
-    """One demo stage (``<out>/<name>/DONE`` when finished; see core.stages.stage)."""
+    """One demo stage (``<out>/<name>/DONE`` when finished; see ``patchplace.pipelines.stages.stage``)."""
     try:
         return run_stage(out / name, run, argv, label=f"demo {name}")
     except StageError as exc:
