@@ -34,6 +34,7 @@ from patchplace.pipelines import (
 from patchplace.research import controls
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
 
 # evaluate.py with every part but the classification off (each call stays well under a second)
 QUICK = ["data.batch_size=16", "data.num_workers=0", "eval.linear_probe=false", "eval.knn=false",

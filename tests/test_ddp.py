@@ -23,6 +23,7 @@ from patchplace.objectives import method_names
 from patchplace.pipelines import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TRACE = str(ROOT / "tests" / "ddp_trace.py")

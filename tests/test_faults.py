@@ -21,6 +21,7 @@ from patchplace.pipelines import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
 
 DRIVER = str(ROOT / "tests" / "fault_driver.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

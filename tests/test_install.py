@@ -68,6 +68,7 @@ def test_the_readme_installs_each_package_by_its_path_alone():
         assert [re.sub(r"\[.*\]$", "", a).removeprefix("./") for a in args] == [LOCAL[name]], name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["patchplace-objectives", "patchplace-export"])
 def test_one_package_resolves_from_a_clean_slate_with_its_readme_line(name, tmp_path):
     report = tmp_path / "report.json"
@@ -89,6 +90,7 @@ def third_party_view(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_the_design_card_command_installs_into_a_fresh_venv_offline(tmp_path):
     """``pip install packages/objectives`` into a fresh venv: patchplace-models comes along, built from its path."""
     env = offline_env()
@@ -129,6 +131,7 @@ def requires_dist(wheel: zipfile.ZipFile) -> list[str]:
     return Parser().parsestr(wheel.read(metadata).decode()).get_all("Requires-Dist")
 
 
+@pytest.mark.slow
 def test_wheels_require_siblings_by_path_and_for_an_index_by_version(tmp_path):
     local = build_wheel("packages/finetune", tmp_path / "local")
     published = build_wheel("packages/finetune", tmp_path / "index", **{SPEC: "==0.1.0"})
@@ -143,6 +146,7 @@ def test_wheels_require_siblings_by_path_and_for_an_index_by_version(tmp_path):
         f"{name}==0.1.0" for name in siblings}
 
 
+@pytest.mark.slow
 def test_make_setup_installs_editables_beside_the_sibling_references():
     """pip refuses an editable beside a direct reference to the same path (pypa/pip#10216): `make setup` empties
     the sibling spec, so siblings are required by name and the -e of the same command provides them."""

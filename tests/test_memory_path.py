@@ -23,6 +23,7 @@ from patchplace.pipelines import (
 from patchplace.pipelines.config import ConfigError, DataSection
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
 
 log = run_log  # a run's training-step records
 

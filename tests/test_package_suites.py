@@ -11,6 +11,8 @@ import pytest
 import tomllib
 from test_install import LOCAL, ROOT, clean_env, local_closure, requirement_name
 
+pytestmark = pytest.mark.slow  # a pytest process per package
+
 # optional stacks: distribution -> the modules it provides
 STACKS = {"onnx": {"onnx"}, "onnxscript": {"onnxscript", "onnx_ir"}, "onnxruntime": {"onnxruntime"},
           "onnxruntime-gpu": {"onnxruntime"}, "accelerate": {"accelerate"}}

@@ -29,6 +29,7 @@ from patchplace.pipelines import (
 from patchplace.research.reproduction import plan as study_plan
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
 
 
 def test_every_shipped_config_loads_and_validates(shards):

@@ -23,6 +23,7 @@ from patchplace.pipelines import (
 from patchplace.pipelines.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
 
 DRIVER = str(ROOT / "tests" / "curve_driver.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -206,6 +206,7 @@ def test_stale_temporary_directories_of_killed_exports_are_removed(pairs, tmp_pa
     assert left == sorted(["model.json", "model.onnx", *kept.values()]), left
 
 
+@pytest.mark.slow
 def test_a_kill_anywhere_in_the_commit_leaves_a_consistent_or_refused_pair(pairs, tmp_path):
     """SIGKILL at every line event of the commit (the writes and renames at the end of the export), starting from an
     older export of another checkpoint: the evaluator's loader accepts the old or the new pair or refuses in one

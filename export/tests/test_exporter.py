@@ -69,6 +69,7 @@ def test_mjp_classifier_takes_unknown_pos(tmp_path):
     np.testing.assert_allclose(got, model(x, marked).detach().numpy(), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_feature_extractor_and_speech_exports(tmp_path):
     _, ckpt = _checkpoint(tmp_path, "backbone", img_size=16, num_classes=0)
     with pytest.raises(ExportError, match="no classifier head"):

@@ -54,6 +54,7 @@ def test_module_import_graph_has_no_cycle():
     assert "hub" in graph["backbone"], "the backbone saves / loads through hub (one way)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", MODULES)
 def test_each_module_imports_alone_in_a_fresh_interpreter(module):
     code = f"import importlib; importlib.import_module('patchplace.models.{module}')"

@@ -40,6 +40,7 @@ def test_vit_exports_and_matches_onnx_runtime(micro, tmp_path, mode):
         np.testing.assert_allclose(got, model(x).detach().numpy(), atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_audio_transformer_exports_and_matches_onnx_runtime(tmp_path):
     torch.manual_seed(0)
     model = create_model("audio_mp3").eval()

@@ -80,6 +80,7 @@ def test_reassemble_pastes_patches_at_predicted_positions_and_averages_collision
     assert (out[:4, 4:8] == 0).all(), "a position nobody predicted stays empty"
 
 
+@pytest.mark.slow
 def test_mp3_learns_positions_on_structured_images(images):
     """Learning check: >= 90% position accuracy at eta = 0. Measured: 0.99 after 250 steps (~10 s)."""
     torch.manual_seed(0)
