@@ -219,6 +219,28 @@ sys.exit(143 if got else 3)
 """
 
 
+def test_a_stage_runs_in_process_in_float32_and_as_its_own_process_at_another_precision(tmp_path, monkeypatch):
+    """by_precision: the study's fp32 stages call their main here (one Accelerate precision per process, the default
+    one), a stage at another precision (the GPU study's bf16) gets a process of its own."""
+    config = tmp_path / "c.yaml"
+    config.write_text("run: {mixed_precision: bf16}\n")
+    assert stages.stage_precision(["--config", str(config)]) == "bf16"
+    assert stages.stage_precision(["--config", str(config), "run.mixed_precision=no"]) == "no"
+    assert stages.stage_precision(["run.mixed_precision=fp16", "x=1"]) == "fp16"
+    assert stages.stage_precision(["x=1"]) == "no"
+    started: list[list[str]] = []
+    monkeypatch.setattr(stages, "_run_process", lambda command: started.append(command) or 0)
+    module = tmp_path / "fake_stage_module.py"
+    module.write_text("CALLS = []\ndef main(argv):\n    CALLS.append(argv)\n    return 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = stages.by_precision("fake_stage_module")
+    assert run(["a=1"]) == 0 and run(["run.mixed_precision=bf16"]) == 0
+    import fake_stage_module
+
+    assert fake_stage_module.CALLS == [["a=1"]]
+    assert started == [[sys.executable, "-m", "fake_stage_module", "run.mixed_precision=bf16"]]
+
+
 def test_a_stage_as_a_process_trains_with_this_process_threads_and_gets_its_signals_once(tmp_path, monkeypatch):
     """stages.as_process: ``python -m <module>`` with this process's torch threads, its exit code returned; a SIGTERM
     to this process reaches the stage once (the stage saves and ends as when run directly), and this process's

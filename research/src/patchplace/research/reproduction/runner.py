@@ -15,7 +15,7 @@ from pathlib import Path
 
 from patchplace.data import Manifest
 from patchplace.pipelines import CONFIGS
-from patchplace.pipelines.stages import as_process, stage
+from patchplace.pipelines.stages import by_precision, stage
 from patchplace.research.reproduction.plan import (
     RUNS,
     Run,
@@ -25,14 +25,15 @@ from patchplace.research.reproduction.plan import (
     runs_of,
 )
 
-# Every stage is its command line run as a process of its own (python -m ...): each starts with its own Accelerate
-# state (the stages differ in mixed precision), memory and CUDA context.
-pretrain = as_process("patchplace.pipelines.pretrain")
-finetune = as_process("patchplace.pipelines.finetune")
-evaluate = as_process("patchplace.pipelines.evaluate")
-controls = as_process("patchplace.research.controls")
-export = as_process("patchplace.export")
-evaluate_onnx = as_process("patchplace.export.evaluate")
+# Every stage is its command line's main: run in this process when it trains in float32, else as a process of its
+# own (python -m ...) with its own Accelerate state (the GPU study trains in bf16 and evaluates in float32). The ONNX
+# stages import no accelerate.
+pretrain = by_precision("patchplace.pipelines.pretrain")
+finetune = by_precision("patchplace.pipelines.finetune")
+evaluate = by_precision("patchplace.pipelines.evaluate")
+controls = by_precision("patchplace.research.controls")
+export = by_precision("patchplace.export.__main__")
+evaluate_onnx = by_precision("patchplace.export.evaluate")
 
 # an evaluation stage owns its run.output: a retry after a failed attempt replaces that attempt's files
 EVALUATE = ["--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), "run.overwrite=true"]
