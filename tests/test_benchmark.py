@@ -70,6 +70,7 @@ def test_masks_suite_and_data_vs_training(tmp_path):
     assert row["headroom_supervised"] == 3.0 and row["fastest_objective"] == "mae" and row["headroom_fastest"] == 2.0
 
 
+@pytest.mark.slow
 def test_onnx_suite_times_before_and_after_in_one_run(tmp_path):
     """The plain graph (before), the optimized graph and its int8 variant (after) against PyTorch, same threads."""
     assert benchmark.main(["--suite", "onnx", "--onnx-preset", "vit_micro", "--onnx-batches", "1", "2",
@@ -97,6 +98,7 @@ def test_markdown_heads_every_table_with_the_hardware_line():
     assert "torch" in meta["hardware"] and ("GPU" in meta["hardware"])
 
 
+@pytest.mark.slow
 def test_mp3_table2_suite_reports_ratios_beside_the_paper_per_kernel_and_keeps_its_gpu_section(tmp_path):
     """CPU stand-in for the GPU run (tiny ViT, bf16 autocast): paper ratios, memory ratios and time / FLOP ratios of
     MP3, MAE and another objective on both attention kernels, and benchmark.md's GPU section written once, replaced
@@ -176,6 +178,7 @@ def test_anchor_summary_pairs_the_seeds_both_loops_ran():
     assert anchor_summary(rows[:3]) == "No seed has both loops."
 
 
+@pytest.mark.slow
 def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(tmp_path):
     """The GPU speed ladder on a CPU stand-in (tiny ViT, toy shards, 3 steps): every rung really ran pretrain.py
     with its knobs (the runs sharing the device are as many processes), rates relative to the first rung, a peak
@@ -327,6 +330,7 @@ def test_saved_bytes_count_what_backward_keeps():
     assert two - one == three - two > 0, "activations grow linearly with the batch"
 
 
+@pytest.mark.slow
 def test_mp3_saves_less_than_supervised_at_vit_b_on_both_kernels():
     """MP3 Table 2's memory claim, device-independent (bytes saved for backward per sample, ViT-B/16 at 224 px,
     GPU autocast dtypes): at eta 0.75 MP3 keeps <= 0.95x the supervised step's activations with the fused kernel

@@ -25,6 +25,7 @@ from patchplace.research.reproduction.runner import Study
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     """The main table, MP3 Table 3 (fine-tunes of the main pretraining), speech with two seeds and its null control,
     the RandSAC ablations probed only, learning curves and controls, under the held-out protocol (a validation split
@@ -112,6 +113,7 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     assert "done before, skipping" in out and "] --config" not in out
 
 
+@pytest.mark.slow
 def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seeds(shards, tmp_path):
     """full_label_rows: the other main rows are fine-tuned with all labels on the first seed only, while their
     pretraining, probes and label-efficiency runs take every seed."""
@@ -471,6 +473,7 @@ def test_learned_gate_reads_the_column_a_number_comes_from():
     assert learned_status(rows, "supervised", both, 0.01) is None  # trained with labels: never gated
 
 
+@pytest.mark.slow
 def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report(shards, tmp_path, capsys):
     """A sitting runs the pending units that fit its budget, each atomic, and writes a bundle per finished unit
     (rows, device, torch, sitting; also to --bundles-out, the folder a lent machine sends back); the next sitting
@@ -571,6 +574,7 @@ def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_
         pipeline_config.load(StudyConfig, None, ["skip=[controls]"])
 
 
+@pytest.mark.slow
 def test_a_study_in_per_row_sittings_merges_rows_of_one_seed_and_the_controls(shards, tmp_path, capsys):
     """unit_per_row through --sitting and --merge: the controls unit and two row units of one seed, each a bundle
     of its own, merge into one report holding both rows on that seed and the controls."""
