@@ -145,8 +145,12 @@ benchmark: setup data
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# the suite on TEST_WORKERS processes (pytest-xdist), a test file per worker at a time (its module fixtures built
+# once); every test runs one intra-op thread (conftest.py). `$(PY) -m pytest -m "not slow"`: the unit and package
+# tests alone (~2.5 min on 2 cores)
+TEST_WORKERS ?= 2
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(SHARDS) $(CORPORA) .pytest_cache
