@@ -8,7 +8,8 @@ VENV     := .venv
 PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip --disable-pip-version-check
 APT_PKGS := dataset-fashion-mnist espeak-ng
-PACKAGES := packages/data packages/models packages/objectives packages/finetune export pipelines research
+LIBRARIES := packages/data packages/models packages/objectives packages/finetune
+PACKAGES := $(LIBRARIES) export pipelines research
 # ONNX Runtime flavour of patchplace-export: cpu (onnxruntime) or gpu (onnxruntime-gpu: CUDA + CPU providers);
 # one of them, never both (`make setup ORT=gpu` on a CUDA machine switches an existing .venv over)
 ORT      ?= cpu
@@ -54,8 +55,11 @@ $(VENV)/.installed-$(ORT): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES
 	@# PATCHPLACE_SIBLING_SPEC empty: a sibling is required by name, so the -e of this same command provides it
 	@# (pip refuses an editable beside a direct reference to the same path: pypa/pip#10216); editable_mode=compat
 	@# is for the setuptools-built workspace root, hatchling's editables add src/ to sys.path by themselves
+	@# The libraries first; the pipelines and the research code, which require patchplace-export by name, once it
+	@# is installed (a fresh venv's pip 23.2 found no patchplace-export for them beside the `-e 'export[...]'` of one command)
 	PATCHPLACE_SIBLING_SPEC= $(PIP) install -q --config-settings editable_mode=compat -e '.[dev]' \
-	  $(foreach p,$(filter-out export,$(PACKAGES)),-e '$(p)[test]') -e 'export[test,$(ORT)]'
+	  $(foreach p,$(LIBRARIES),-e '$(p)[test]') -e 'export[test,$(ORT)]'
+	PATCHPLACE_SIBLING_SPEC= $(PIP) install -q -e 'pipelines[test]' -e 'research[test]'
 	@rm -f $(VENV)/.installed $(VENV)/.installed-*; touch $@
 
 # ---------------------------------------------------------------------------------------------- demo
