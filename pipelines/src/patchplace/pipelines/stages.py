@@ -73,9 +73,11 @@ def by_precision(module: str) -> Callable[[list[str]], int]:
     one mixed precision per process, and every in-process stage keeps the default ``no``), else :func:`as_process`.
     A stage's precision is the last ``run.mixed_precision=`` of its argv, else its ``--config`` file's, else ``no``.
     In-process stages save the start of a Python process and its imports (seconds each, hundreds of stages)."""
+    own_process = as_process(module)
+
     def run(argv: list[str]) -> int:
         if stage_precision(argv) != "no":
-            return _run_process([sys.executable, "-m", module, *argv])
+            return own_process(argv)
         import importlib
 
         return importlib.import_module(module).main(list(argv))
