@@ -317,9 +317,10 @@ def substitutions(base: Path) -> dict[str, str]:
 
 # What the current code writes beyond the reference, by design (the method registry): a checkpoint's
 # metadata records its method's paper for the model card (``paper``; a fine-tune's under ``pretrain_metadata``), and
-# the card of an MP3 speech checkpoint cites that paper (the reference's card table had no entry for mp3_speech).
+# the card of an MP3 speech checkpoint cites that paper (the reference's card table had no entry for mp3_speech); the
+# precision a run trained in and the processor it detected (``compute``: run.mixed_precision=auto's record).
 # Left out of both sides before comparing; everything else must still match.
-ADDED_METADATA = ("paper",)
+ADDED_METADATA = ("paper", "compute")
 ADDED_CARD_LINE = re.compile(r"^(- \*\*Method\*\*: mp3_speech) — .*$", re.M)
 
 

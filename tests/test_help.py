@@ -27,6 +27,7 @@ PYTHON = [
     ("patchplace.pipelines.demo", None),
     ("patchplace.research.benchmark", None),
     ("patchplace.research.harness_compare", None),
+    ("patchplace.research.emulated_bf16", None),
     ("gpu_parts", None),
     ("patchplace.export.__main__", None),
     ("patchplace.export.evaluate", None),

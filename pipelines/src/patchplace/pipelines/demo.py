@@ -23,9 +23,10 @@ from pathlib import Path
 
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
-from patchplace.pipelines import CONFIGS, evaluate, finetune, pretrain
+from patchplace.pipelines import CONFIGS, evaluate
 from patchplace.pipelines.config import HelpFormatter
-from patchplace.pipelines.stages import StageError
+from patchplace.pipelines.engine.hardware import Precision, precision_line, resolve_precision
+from patchplace.pipelines.stages import StageError, by_precision
 from patchplace.pipelines.stages import stage as run_stage
 
 # MP3 2 + fine-tune 3 epochs: calibrated so that fine-tuned top-1 clears 0.85 (2 + 2 measured 0.856) in ~20 min
@@ -96,7 +97,7 @@ def versus_supervised(out: Path, seconds: dict[str, float], pretrained_top1: flo
             "`make study` measures three).", ""]
 
 
-def report(out: Path, seconds: dict[str, float]) -> str:
+def report(out: Path, seconds: dict[str, float], precision: Precision) -> str:
     ft = json.loads((out / "evaluate_finetuned" / "results.json").read_text())
     pre = json.loads((out / "evaluate_pretrained" / "results.json").read_text())
     onnx_parity = json.loads((out / "export" / "model.json").read_text())["parity"]["max_abs_diff"]
@@ -104,7 +105,9 @@ def report(out: Path, seconds: dict[str, float]) -> str:
     pretrain_log = [json.loads(line) for line in (out / "pretrain" / "log.jsonl").read_text().splitlines()]
     last = [r for r in pretrain_log if "pos_acc" in r][-1]
     lines = ["# patchplace demo: MP3 on Fashion-MNIST", "",
-             "MP3 pretraining (no PE, context-only attention) -> fine-tuning with a learned PE -> evaluation.", ""]
+             "MP3 pretraining (no PE, context-only attention) -> fine-tuning with a learned PE -> evaluation.", "",
+             f"Training precision: {'float32' if precision.value == 'no' else precision.value} ({precision.why}).",
+             ""]
     lines += versus_supervised(out, seconds, ft["classification"]["top1"])
     lines += ["| stage | wall-clock | result |", "| --- | --- | --- |",
              f"| pretrain (MP3) | {seconds['pretrain'] / 60:.1f} min | train position accuracy {last['pos_acc']:.3f} "
@@ -143,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patch-size", type=int, default=8, help="patch side in pixels (default: %(default)s)")
     parser.add_argument("--no-supervised", action="store_true",
                         help="skip the same-budget supervised ViT trained from scratch beside the pretrained one")
+    parser.add_argument("--precision", choices=["auto", "no", "bf16"], default="auto",
+                        help="training precision: auto (bf16 only where the device has bf16 units and bf16 "
+                        "training passed its equivalence test, else float32; docs/benchmarks.md) | no | bf16 "
+                        "(default: %(default)s)")
     parser.add_argument("--ort-robustness-limit", type=int, default=500,
                         help="test images for the ONNX Runtime corruption sweep (default: %(default)s)")
     parser.add_argument("--ort-latency-repeats", type=int, default=20, help="timed runs per batch size")
@@ -152,27 +159,34 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     model = [f"model.preset={args.preset}", f"model.overrides={{patch_size: {args.patch_size}}}"]
     # eval.* only reach the evaluations; the recipe and crop scale go first so that overrides win
-    extra = ["data.scale=[0.8, 1.0]", *[o for o in args.overrides if not o.startswith("eval.")]]
-    recipe = [*SHORT_RECIPE, *extra]
+    evaluation = ["data.scale=[0.8, 1.0]", *[o for o in args.overrides if not o.startswith("eval.")]]
     eval_extra = [o for o in args.overrides if o.startswith("eval.")]
+    precision = resolve_precision(args.precision)
+    print(f"[demo] {precision_line(precision)}" if args.precision == "auto" else
+          f"[demo] --precision {args.precision} (forced)", flush=True)
+    # the training stages name their precision unless float32 (a stage done before keeps its arguments); a bf16
+    # stage runs as a process of its own (Accelerate keeps one precision per process)
+    extra = [*evaluation, *([f"run.mixed_precision={precision.value}"] if precision.value != "no" else [])]
+    recipe = [*SHORT_RECIPE, *extra]
+    train = {name: by_precision(f"patchplace.pipelines.{name}") for name in ("pretrain", "finetune")}
     out.mkdir(parents=True, exist_ok=True)
     seconds = {
-        "pretrain": stage(out, "pretrain", pretrain.main, [
+        "pretrain": stage(out, "pretrain", train["pretrain"], [
             "--config", str(CONFIGS / "mp3_fashion_mnist.yaml"), f"run.output={out / 'pretrain'}", "run.resume=true",
             f"optim.epochs={args.pretrain_epochs}", *model, *extra]),
     }
-    seconds["finetune"] = stage(out, "finetune", finetune.main, [
+    seconds["finetune"] = stage(out, "finetune", train["finetune"], [
         "--config", str(CONFIGS / "finetune_fashion_mnist.yaml"), f"run.output={out / 'finetune'}", "run.resume=true",
         f"model.checkpoint={out / 'pretrain' / 'checkpoint'}", f"optim.epochs={args.finetune_epochs}", *recipe])
     if not args.no_supervised:  # the same ViT from scratch, same total epochs and recipe (no layer decay)
-        seconds["supervised"] = stage(out, "supervised", finetune.main, [
+        seconds["supervised"] = stage(out, "supervised", train["finetune"], [
             "--config", str(CONFIGS / "finetune_fashion_mnist.yaml"), f"run.output={out / 'supervised'}",
             "run.resume=true", *model, f"optim.epochs={args.pretrain_epochs + args.finetune_epochs}", *recipe])
     for name, checkpoint in (("evaluate_finetuned", "finetune"), ("evaluate_pretrained", "pretrain")):
         (out / name).mkdir(exist_ok=True)
         seconds[name] = stage(out, name, evaluate.main, [
             "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), "run.overwrite=true", f"run.output={out / name}",
-            f"model.checkpoint={out / checkpoint / 'checkpoint'}", *extra, *eval_extra])
+            f"model.checkpoint={out / checkpoint / 'checkpoint'}", *evaluation, *eval_extra])
     seconds["export"] = stage(out, "export", export_main, [
         str(out / "finetune" / "checkpoint"), "--out", str(out / "export" / "model.onnx")])
     val = next((o.split("=", 1)[1] for o in extra if o.startswith("data.val=")), "shards/fashion_mnist/test")
@@ -185,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     for picture in ("mp3_position_accuracy.png", "mp3_reassembled.png"):
         if (out / "evaluate_pretrained" / picture).is_file():
             shutil.copy(out / "evaluate_pretrained" / picture, out / picture)
-    text = report(out, seconds)
+    text = report(out, seconds, precision)
     (out / "report.md").write_text(text)
     print(text)
     print(f"[demo] report: {out / 'report.md'}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -87,15 +86,18 @@ def by_precision(module: str) -> Callable[[list[str]], int]:
 
 
 def stage_precision(argv: list[str]) -> str:
-    """The ``run.mixed_precision`` a stage's command line asks for (``no`` when neither it nor its config sets it)."""
+    """The precision a stage's command line trains in: its ``run.mixed_precision`` (``auto`` resolved on this
+    machine), ``no`` when neither it nor its config sets it."""
+    from patchplace.pipelines.engine.hardware import resolve_precision
+
     given = [a.split("=", 1)[1] for a in argv if a.startswith("run.mixed_precision=")]
     if given:
-        return given[-1].strip()
+        return resolve_precision(given[-1].strip()).value
     if "--config" in argv[:-1]:
         settings = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}
         run = settings.get("run") if isinstance(settings, dict) else None
         if isinstance(run, dict) and run.get("mixed_precision") not in (None, "no", False):
-            return str(run["mixed_precision"])
+            return resolve_precision(str(run["mixed_precision"])).value
     return "no"
 
 
@@ -188,15 +190,10 @@ def stage_resumed(directory: Path) -> bool:
 
 def hardware_line() -> str:
     """'<CPU model>, <n> cores, torch <v> (<threads> threads), <GPU or no GPU>' for the head of result tables."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
 
+    from patchplace.pipelines.engine.hardware import cpu_info
+
+    cpu = cpu_info().name
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), {gpu}"

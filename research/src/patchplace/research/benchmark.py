@@ -58,6 +58,19 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               (--speed-processes such runs at once, summed): each rate over the
               first rung's and as a fraction of the matmul peak (bf16 on a GPU). Writes
               <out>/benchmark_speed.{json,md}; needs the shards. A GPU suite: every rung on a CPU takes minutes.
+  cpu_speed   the CPU ladder: images/s of --cpu-speed-methods (study ViT) and --cpu-speed-vits-methods (ViT-S,
+              224 px, batch 8) through pretrain.py / finetune.py, a process per run on the in-memory path, at each
+              rung: fp32 eager -> bf16 autocast -> compiled blocks (inductor) -> both -> 1 thread -> 2 one-thread
+              processes at once (summed); each over the fp32 rung's and as a fraction of the fp32 and bf16 matmul
+              peaks of the same run, headed by the CPU's name and bf16-relevant flags. On a CPU without bf16 units
+              the bf16 rungs run --cpu-speed-slow-steps steps, for --cpu-speed-slow-methods only. Writes
+              <out>/benchmark_cpu_speed.{json,md} (--update: replace the measured methods' rows); needs the shards.
+  cpu_equivalence  bf16 vs fp32 training through the study's own stages (study_fashion_mnist.yaml +
+              --equivalence-study): --equivalence-methods x --equivalence-seeds, both precisions from the same
+              seed, the 1% linear probe and the fine-tuned top-1 on the validation split; a seed-paired TOST at
+              alpha 0.05, margin +-1 pt, per method and measure. bf16 runs natively on a CPU with bf16 units,
+              else with emulated bf16 matmuls (patchplace.research.emulated_bf16). Resumable runs below
+              --equivalence-runs; writes <out>/benchmark_cpu_equivalence.{json,md}.
   profile     where a step's time goes: torch.profiler over --repeats training steps of each --objectives
               (default supervised mae; ViT-B/16 224 px on a GPU unless --preset says otherwise, the study ViT on a
               CPU), the --profile-top operators by self time per step (device time on a GPU) and the share of the
@@ -110,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="attention kernel of every model: sdpa (fused, default) or math (the materialised "
                              "softmax of the papers' time), e.g. for MP3 Table 2 in its setting")
     parser.add_argument("--update", action="store_true",
-                        help="replace this suite's rows in <out>/benchmark.json, keep the other suites' rows (speed: "
-                        "the measured methods' rows in <out>/benchmark_speed.json, keep the other methods')")
+                        help="replace this suite's rows in <out>/benchmark.json, keep the other suites' rows (speed, "
+                        "cpu_speed: the measured methods' rows in <out>/benchmark_<suite>.json, keep the others')")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="objectives / matmul device (default: cuda when available)")
     g = parser.add_argument_group("matmul")
@@ -198,6 +211,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speed-compile", default="default",
                    help="run.compile of the compile / processes rungs: default | reduce-overhead | max-autotune | "
                    "aot_eager (default: %(default)s)")
+    g = parser.add_argument_group("cpu_speed")
+    g.add_argument("--cpu-speed-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
+                   help="methods laddered on the study ViT (finetune: the supervised fine-tuning; default: all)")
+    g.add_argument("--cpu-speed-vits-methods", nargs="+", default=["supervised", "mp3", "finetune"],
+                   metavar="METHOD", help="methods laddered on ViT-S at 224 px, batch 8 (default: %(default)s)")
+    g.add_argument("--cpu-speed-rungs", nargs="+", default=None, metavar="RUNG",
+                   help="only these rungs of: fp32, bf16, compile, bf16+compile, '1 thread', '2 x 1 thread' "
+                   "(default: all)")
+    g.add_argument("--cpu-speed-steps", type=int, default=8,
+                   help="optimizer steps per run; the rate is over all but the first (default: %(default)s)")
+    g.add_argument("--cpu-speed-slow-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
+                   help="on a CPU without bf16 units, the bf16 rungs only for these methods (each such step runs "
+                   "through a scalar fallback; default: all)")
+    g.add_argument("--cpu-speed-slow-steps", type=int, default=3,
+                   help="steps of a bf16 rung on a CPU without bf16 units (default: %(default)s)")
+    g = parser.add_argument_group("cpu_equivalence")
+    g.add_argument("--equivalence-methods", nargs="+", default=["mp3", "droppos"], metavar="METHOD",
+                   help="study rows trained in float32 and bf16 (default: %(default)s)")
+    g.add_argument("--equivalence-seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="seeds of each pair (default: 0 1 2)")
+    g.add_argument("--equivalence-study", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="overrides of study_fashion_mnist.yaml for these runs (default: none: the study's budget)")
+    g.add_argument("--equivalence-finetune", nargs="*", default=None, metavar="METHOD",
+                   help="methods also fine-tuned and compared on fine-tuned top-1 (default: every method; none: "
+                   "probes only)")
+    g.add_argument("--equivalence-precisions", nargs="+", choices=["fp32", "bf16"], default=None,
+                   help="train only these (e.g. one per process, then a call with both reads them and tests; "
+                   "default: both)")
+    g.add_argument("--equivalence-runs", type=Path, default=Path("runs/cpu_equivalence"),
+                   help="run directories: <runs>/<fp32|bf16>/seed<k>/<method>/ (resumable; default: %(default)s)")
     g.add_argument("--ddp-repeats", type=int, default=2,
                    help="ddp: alternated runs of every setting, medians reported (default: %(default)s)")
     return parser
@@ -240,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"suite": args.suite, "hardware": hardware_line(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
             "python": platform.python_version(), "matmul_peak": state.get("matmul_peak"),
+            **{k: state[k] for k in ("bf16_matmul_peak", "cpu", "equivalent") if k in state},
             "attention": ",".join(args.kernels) if args.suite in ("mp3_table2", "saved_bytes") else args.attention,
             "seconds": {**state.get("seconds", {}), "total": round(time.perf_counter() - start, 1)},
             "argv": argv if argv is not None else sys.argv[1:]}
@@ -250,9 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out.mkdir(parents=True, exist_ok=True)
-    own_file = ("mp3_table2", "ddp", "saved_bytes", "speed", "profile")  # suites with a file of their own
+    own_file = ("mp3_table2", "ddp", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence",
+                "profile")  # suites with a file of their own
     stem = f"benchmark_{args.suite}" if args.suite in own_file else "benchmark"
-    if args.update and args.suite != "all" and (args.suite not in own_file or args.suite == "speed"):
+    if args.update and args.suite != "all" and (args.suite not in own_file or args.suite in ("speed", "cpu_speed")):
         rows, meta = updated(out / f"{stem}.json", rows, meta)
     markdown = to_markdown(rows, meta)
     files = {f"{stem}.json": json.dumps({"meta": meta, "results": rows}, indent=2) + "\n", f"{stem}.md": markdown}

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from patchplace.pipelines.config import ConfigError, HelpFormatter, help_epilog, load
+from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.stages import StageError
 from patchplace.research.reproduction.plan import CONTROLS, StudyConfig, group_seeds, measures_controls, runs_of
 from patchplace.research.reproduction.report import report
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if not args.report_only and not args.merge:
+        print(f"[study] {precision_line(resolve_precision(cfg.precision))}" if cfg.precision == "auto" else
+              f"[study] precision={cfg.precision} (forced)", flush=True)
     if args.sitting is not None or args.merge:
         return sittings_main(args, cfg)
     if args.jobs > 1 and not args.report_only:

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import ProjectConfiguration, parse_flag_from_env, set_seed
 
 from patchplace.data import DataError
 from patchplace.models import ModelError, set_attention_kernel
 from patchplace.objectives import ObjectiveError
 from patchplace.pipelines.config import MAX_SEED, ConfigError, RunSection, load, one_line, parser
 from patchplace.pipelines.engine import inputs
+from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 
 
 class Diverged(ValueError):
@@ -188,11 +189,14 @@ def make_accelerator(run: RunSection) -> Accelerator:
     except OSError as exc:
         raise ConfigError(f"run.output {run.output} cannot be written ({exc.strerror}): choose a directory you can "
                           "write, e.g. run.output=runs/my_run") from None
-    accelerator = Accelerator(mixed_precision=run.mixed_precision, gradient_accumulation_steps=run.grad_accum,
+    precision = resolve_precision(run.mixed_precision, "cpu" if parse_flag_from_env("ACCELERATE_USE_CPU") else None)
+    accelerator = Accelerator(mixed_precision=precision.value, gradient_accumulation_steps=run.grad_accum,
                               log_with="tensorboard" if run.tensorboard else None,
                               # accelerate writes to <logging_dir>/<run name>: the events land in <output>/tensorboard/
                               project_config=ProjectConfiguration(project_dir=run.output, logging_dir=run.output))
     check_launch(accelerator)
+    if run.mixed_precision == "auto":
+        accelerator.print(precision_line(precision))
     return accelerator
 
 

@@ -34,6 +34,7 @@ from patchplace.models import Backbone
 from patchplace.pipelines.config import ConfigError, OptimSection, RunSection
 from patchplace.pipelines.engine.checkpoints import Checkpointing, recipe, snapshot_steps
 from patchplace.pipelines.engine.guards import FiniteCheck, StopSignals
+from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.engine.inputs import Data, data_fingerprints
 from patchplace.pipelines.engine.launch import (
     RUN_ERRORS,
@@ -79,7 +80,9 @@ class Trainer(Checkpointing):
         self.metadata = {**metadata, "probe_feature": getattr(objective, "probe_feature", backbone.config.global_pool),
                          "finetune_pool": getattr(objective, "finetune_pool", backbone.config.global_pool),
                          "recipe": {**recipe(config, accelerator.num_processes), "global_batch": self.global_batch,
-                                    "peak_lr": self.peak_lr}}
+                                    "peak_lr": self.peak_lr},
+                         # the precision it trained in, and why (run.mixed_precision=auto: what was detected)
+                         "compute": resolve_precision(run.mixed_precision, accelerator.device.type).record()}
         self.batch_transform, self.evaluate = batch_transform, evaluate
         self.out = Path(run.output)
         self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)

@@ -68,6 +68,17 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("images/s", "images_per_s"), ("vs before", "vs_first"), ("GFLOP/image", "gflops_per_image"),
         ("of peak", "peak_fraction"), ("fastest", "fastest"), ("autocast", "amp"), ("device", "device"),
         ("overrides", "overrides")]),
+    "cpu_speed": ("The CPU speed ladder: images/s of each method's training per rung (a process per run, in-memory "
+                  "path, steady steps), over the fp32 rung's, and the fraction of the fp32 / bf16 matmul peaks", [
+        ("model / method", "name"), ("rung", "rung"), ("images/s", "images_per_s"), ("vs fp32", "vs_fp32"),
+        ("threads", "threads"), ("processes", "processes"), ("GFLOP/image", "gflops_per_image"),
+        ("achieved GFLOP/s", "achieved_gflops"), ("of fp32 peak", "of_fp32_peak"),
+        ("of bf16 peak", "of_bf16_peak"), ("fastest", "fastest"), ("steps", "steps"), ("batch", "batch")]),
+    "cpu_equivalence": ("bf16 vs float32 training, seed-paired on the validation split: TOST at alpha 0.05, "
+                        "margin +-1 pt (bf16 - float32)", [
+        ("method", "name"), ("measure", "measure"), ("fp32 per seed", "fp32"), ("bf16 per seed", "bf16"),
+        ("mean diff", "mean_diff"), ("90% CI", "ci90"), ("95% CI", "ci95"), ("p (difference)", "p_difference"),
+        ("margin", "margin"), ("equivalent", "equivalent"), ("bf16 kernels", "bf16_kernels")]),
     "profile": ("Where a training step's time goes (torch.profiler; self time per step, device time on a GPU)", [
         ("objective", "name"), ("operator", "op"), ("ms / step", "ms_per_step"), ("share", "share"),
         ("calls / step", "calls_per_step"), ("compute", "compute"), ("outside compute", "non_compute_share"),
@@ -98,9 +109,14 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     hardware = f"_Hardware: {meta['hardware']}"
     if meta.get("matmul_peak"):
         dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(meta["matmul_peak"].get("name", "/float32").split("/")[1])
-        hardware += f"; {dtype} matmul peak {meta['matmul_peak']['gflops']} GFLOP/s_"
-    else:
-        hardware += "_"
+        hardware += f"; {dtype} matmul peak {meta['matmul_peak']['gflops']} GFLOP/s"
+    if meta.get("bf16_matmul_peak"):
+        hardware += f"; bf16 matmul peak {meta['bf16_matmul_peak']['gflops']} GFLOP/s"
+    if meta.get("cpu"):
+        cpu = meta["cpu"]
+        hardware += (f"; CPU {cpu['name']}, flags {' '.join(cpu['flags']) or 'none'}, bf16 units: "
+                     f"{cpu['bf16_units'] or 'none'}")
+    hardware += "_"
     lines = [f"# Benchmarks (`--suite {meta['suite']}`)", ""]
     for suite, (title, columns) in TABLES.items():
         chunk = [r for r in rows if r.get("suite") == suite]

@@ -14,7 +14,9 @@ from patchplace.research.benchmarks.compute import (
     objectives_suite,
     run_objectives,
 )
+from patchplace.research.benchmarks.cpu_speed import cpu_speed_suite
 from patchplace.research.benchmarks.data import data_suite, data_vs_training
+from patchplace.research.benchmarks.equivalence import equivalence_suite
 from patchplace.research.benchmarks.mp3 import mp3_table2_suite, saved_bytes_suite
 from patchplace.research.benchmarks.onnx import onnx_suite
 from patchplace.research.benchmarks.pipelines import anchor_suite, ddp_suite, pipelines_suite
@@ -52,5 +54,6 @@ def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
 SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks_suite, "data": data_suite,
           "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "mp3_table2": mp3_table2_suite,
           "ddp": ddp_suite, "anchor": anchor_suite, "saved_bytes": saved_bytes_suite, "speed": speed_suite,
+          "cpu_speed": cpu_speed_suite, "cpu_equivalence": equivalence_suite,
           "profile": profile_suite,
           "all": all_suite}

@@ -75,6 +75,9 @@ class StudyConfig:
     batch_size: int = 128  # image stages, per process
     num_workers: int = 1  # data.num_workers of every stage (decoding shards; streaming workers)
     threads: int = 0  # torch threads per study process (0: torch's default)
+    # the training stages' run.mixed_precision: auto (resolved once at start on this machine, engine/hardware.py:
+    # bf16 only where the device has bf16 units and bf16 training passed its equivalence test) | no | bf16
+    precision: str = "auto"
     finetune_overrides: tuple[str, ...] = ("finetune.mixup=0.0", "finetune.cutmix=0.0")  # on the recipe
     probe_train_samples: int = 2000  # train images of the (all-label) linear / kNN / position probes
     probe_val_samples: int = 2000  # test images the probes are scored on
@@ -110,6 +113,8 @@ class StudyConfig:
                               f"{list(self.probe_only)}")
         if not self.seeds or not self.ablation_seeds or not self.speech_seeds:
             raise ConfigError("seeds, ablation_seeds and speech_seeds need at least one seed each")
+        if self.precision not in ("auto", "no", "bf16"):
+            raise ConfigError(f"precision must be auto, no or bf16, got {self.precision!r}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         for knob, names in (("only", self.only), ("skip", self.skip)):

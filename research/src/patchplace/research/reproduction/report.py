@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from patchplace.data.atomic import atomic_file, write_json_atomic
+from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.evaluation import plot_privacy_grid
 from patchplace.pipelines.stages import hardware_line, stage_resumed, stage_seconds
 from patchplace.research.reproduction.claims import (
@@ -494,7 +495,11 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                 "drawn from the other train images, and the test split is read once per final number (an "
                 "evaluation of the final or best checkpoint)." if cfg.holdout else
                 "Validation: the test split (the v2 protocol: no held-out split).")
-    lines = ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "", protocol, "",
+    precision = resolve_precision(cfg.precision)
+    how = f"precision=auto: {precision.why}" if cfg.precision == "auto" else f"forced by precision={cfg.precision}"
+    lines = ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "",
+             f"Training precision: {'float32' if precision.value == 'no' else precision.value} ({how})", "",
+             protocol, "",
              f"Fashion-MNIST padded to 32 px, patch 4 (64 positions); backbone `{cfg.preset}` for every image run; "
              f"pretraining {cfg.pretrain_epochs} epoch(s) + fine-tuning {cfg.finetune_epochs} epoch(s) "
              f"(supervised and MJP: {cfg.pretrain_epochs + cfg.finetune_epochs} from scratch); fine-tuning recipe "
@@ -634,7 +639,8 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
     minutes = stage_minutes(study)
     text = markdown(cfg, rows, figures, hardware, minutes, controls, curve_lines)
     payload = {"harness": HARNESS_VERSION, "commands": commands_so_far(cfg, argv), "config": asdict(cfg),
-               "hardware": hardware, "python": platform.python_version(), "torch": torch.__version__,
+               "hardware": hardware, "precision": resolve_precision(cfg.precision).record(),
+               "python": platform.python_version(), "torch": torch.__version__,
                "runs": {r.name: {"group": r.group, "label": r.label, "config": r.config,
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,
                                  "pretrain_from": r.pretrain_from} for r in RUNS},

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from patchplace.data import Manifest
 from patchplace.pipelines import CONFIGS
+from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.stages import by_precision, stage
 from patchplace.research.reproduction.plan import (
     RUNS,
@@ -43,9 +45,15 @@ class Study:
     """Runs the stages of each (run, seed) below ``cfg.runs``; every stage is resumable
     (``patchplace.pipelines.stages.stage``) and runs as a process of its own."""
 
-    def __init__(self, cfg: StudyConfig):
+    def __init__(self, cfg: StudyConfig, *, train_with: dict[str, Callable[[list[str]], int]] | None = None):
         self.cfg = cfg
         self.root = Path(cfg.runs)
+        # how a training stage runs pretrain.py / finetune.py (e.g. under emulated bf16 matmuls: the CPU
+        # equivalence test)
+        self.launch = {"pretrain": pretrain, "finetune": finetune, **(train_with or {})}
+        # resolved once: every training stage's argv names the precision it trains in (float32: none, so a stage
+        # done in float32 before ``precision`` existed is still the same stage)
+        self.precision = resolve_precision(cfg.precision)
 
     def dir(self, run: Run, seed: int) -> Path:
         return self.root / f"seed{seed}" / run.name
@@ -71,8 +79,9 @@ class Study:
 
     def common(self, run: Run, seed: int) -> list[str]:
         c = self.cfg
+        precision = [] if self.precision.value == "no" else [f"run.mixed_precision={self.precision.value}"]
         args = [f"run.seed={seed}", "run.tensorboard=false", "run.resume=true", "run.checkpoint_every=50",
-                *self.data(run)]
+                *self.data(run), *precision]
         # training-time validation only feeds the log (the eval stage measures the test set): 1,000 images
         val = min(c.holdout or c.test_samples or 1000, 1000)
         return args if run.speech else [*args, f"model.preset={c.preset}", f"data.batch_size={c.batch_size}",
@@ -113,10 +122,11 @@ class Study:
             pe = "sincos1d" if run.speech else run.scratch_pe
             if run.speech:
                 extra = [*self.speech_stopping(), *extra]
-            return stage(out, finetune, ["--config", str(self.finetune_config(run)), *common,
+            return stage(out, self.launch["finetune"], ["--config", str(self.finetune_config(run)), *common,
                                               "optim.layer_decay=null", f"finetune.pos_embed={pe}",
                                               *self.finetune_extra(run), *extra], label=f"{out} train")
-        return stage(out, pretrain, ["--config", str(CONFIGS / f"{run.config}.yaml"), *common, *run.objective,
+        return stage(out, self.launch["pretrain"], ["--config", str(CONFIGS / f"{run.config}.yaml"), *common,
+                                                    *run.objective,
                                           *extra], label=f"{out} train")
 
     def finetune(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
@@ -125,7 +135,7 @@ class Study:
         checkpoint = self.source(run, seed) / "pretrain" / "checkpoint"
         if run.speech:
             extra = [*self.speech_stopping(), *extra]
-        return stage(out, finetune, [
+        return stage(out, self.launch["finetune"], [
             "--config", str(self.finetune_config(run)), f"run.output={out}", f"optim.epochs={epochs}",
             f"model.checkpoint={checkpoint}", f"finetune.pos_embed={pe}", *self.common(run, seed),
             *self.finetune_extra(run), *extra], label=f"{out} finetune")
@@ -162,7 +172,7 @@ class Study:
             return self.final(d / "train"), self.final(d / "train"), seconds
         source = self.source(run, seed)
         null = run.name == "speech_null"  # the null-pretraining control: one step of pretraining
-        seconds["pretrain"] = stage(source / "pretrain", pretrain, [
+        seconds["pretrain"] = stage(source / "pretrain", self.launch["pretrain"], [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
             f"optim.epochs={pre}", *(["optim.max_steps=1"] if null else []), *run.objective,
             *self.common(run, seed)], label=f"{source} pretrain")
@@ -273,7 +283,7 @@ class Study:
         their 1% linear probes on the validation split beside the controls (raw pixels, random init per seed):
         ``runs/curves/<run>/``."""
         c, d = self.cfg, self.curve_dir(run.name)
-        stage(d / "pretrain", pretrain, [
+        stage(d / "pretrain", self.launch["pretrain"], [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'pretrain'}",
             f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
             *run.objective, *self.common(run, c.curve_seed)], label=f"{d} pretrain")
