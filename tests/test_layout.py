@@ -216,7 +216,7 @@ def test_only_the_stage_runners_import_entry_points_and_pipelines_never_import_r
 def test_pipelines_and_research_have_no_import_cycles():
     graph = package_imports(PIPELINES, RESEARCH)
     assert {"patchplace.pipelines.engine", "patchplace.research.reproduction.runner"} <= set(graph)
-    assert "patchplace.pipelines.pretrain" in graph["patchplace.pipelines.demo"]
+    assert "patchplace.pipelines.evaluate" in graph["patchplace.pipelines.demo"]
     assert not import_cycles(graph)
 
 
