@@ -356,6 +356,7 @@ def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
     assert "test top-1" in report and (tmp_path / "demo" / "losses.png").is_file()
     assert "max |ONNX Runtime - PyTorch|" in report and (tmp_path / "demo" / "export" / "model.onnx").is_file()
     assert "ONNX Runtime (CPUExecutionProvider): test top-1" in report
+    assert "Training precision: " in report  # --precision auto: what this machine trains in, and why
     # the same ViT from scratch for the same total epochs, beside the pretrained one
     assert "| supervised from scratch |" in report and "| MP3 pretraining + fine-tuning |" in report
     used = pipeline_config.yaml.safe_load((tmp_path / "demo" / "supervised" / "config.yaml").read_text())
