@@ -214,16 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("cpu_speed")
     g.add_argument("--cpu-speed-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
                    help="methods laddered on the study ViT (finetune: the supervised fine-tuning; default: all)")
-    g.add_argument("--cpu-speed-vits-methods", nargs="+", default=["supervised", "mp3", "finetune"],
+    g.add_argument("--cpu-speed-vits-methods", nargs="+", default=["supervised", "mp3"],
                    metavar="METHOD", help="methods laddered on ViT-S at 224 px, batch 8 (default: %(default)s)")
     g.add_argument("--cpu-speed-rungs", nargs="+", default=None, metavar="RUNG",
                    help="only these rungs of: fp32, bf16, compile, bf16+compile, '1 thread', '2 x 1 thread' "
                    "(default: all)")
-    g.add_argument("--cpu-speed-steps", type=int, default=8,
+    g.add_argument("--cpu-speed-steps", type=int, default=6,
                    help="optimizer steps per run; the rate is over all but the first (default: %(default)s)")
-    g.add_argument("--cpu-speed-slow-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
+    g.add_argument("--cpu-speed-slow-methods", nargs="+", default=["supervised", "mp3"], metavar="METHOD",
                    help="on a CPU without bf16 units, the bf16 rungs only for these methods (each such step runs "
-                   "through a scalar fallback; default: all)")
+                   "through a scalar fallback; default: %(default)s)")
     g.add_argument("--cpu-speed-slow-steps", type=int, default=3,
                    help="steps of a bf16 rung on a CPU without bf16 units (default: %(default)s)")
     g = parser.add_argument_group("cpu_equivalence")
