@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     precision = resolve_precision(args.precision)
     print(f"[demo] {precision_line(precision)}" if args.precision == "auto" else
           f"[demo] --precision {args.precision} (forced)", flush=True)
-    # the training stages name their precision unless float32 (a stage done before keeps its arguments); a bf16
+    # the training stages name their precision unless float32 (a float32 stage's DONE record stays valid); a bf16
     # stage runs as a process of its own (Accelerate keeps one precision per process)
     extra = [*evaluation, *([f"run.mixed_precision={precision.value}"] if precision.value != "no" else [])]
     recipe = [*SHORT_RECIPE, *extra]

@@ -51,8 +51,8 @@ class Study:
         # how a training stage runs pretrain.py / finetune.py (e.g. under emulated bf16 matmuls: the CPU
         # equivalence test)
         self.launch = {"pretrain": pretrain, "finetune": finetune, **(train_with or {})}
-        # resolved once: every training stage's argv names the precision it trains in (float32: none, so a stage
-        # done in float32 before ``precision`` existed is still the same stage)
+        # resolved once: a training stage's argv names its precision when it is not float32 (a float32 stage's
+        # argv has no precision argument, so its DONE record matches on any machine that trains in float32)
         self.precision = resolve_precision(cfg.precision)
 
     def dir(self, run: Run, seed: int) -> Path:
