@@ -618,3 +618,32 @@ def test_a_study_in_per_row_sittings_merges_rows_of_one_seed_and_the_controls(sh
         dataclasses.asdict(dataclasses.replace(cfg, only=(), groups=("main",), results="x")))
     assert work != work_of(dataclasses.asdict(dataclasses.replace(cfg, ort=False)))
     assert all(a["work"] == work for a in attempts_of(bundles))
+
+
+@pytest.mark.slow
+def test_the_gate_probes_validation_at_every_budget_and_row_seeds_add_seeds(shards, tmp_path):
+    """The learned gate's stage probes every ladder budget (a kept snapshot) and the final checkpoint on the
+    validation split beside the same seed's random init; the snapshot is probed on test too; ``close_rows`` run
+    ``close_seeds``, ``row_pretrain_epochs`` lengthens its pretraining; the MP3 eta curve has eval eta 0.55."""
+    args = ["--config", str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"), f"runs={tmp_path / 'runs'}",
+            f"results={tmp_path / 'results'}", "preset=vit_micro", "pretrain_epochs=0.25", "batch_size=8",
+            "num_workers=0", f"fashion_mnist={shards / 'img'}", "groups=[main,mp3_eta]", "only=[stop,mp3_eta0]",
+            "close_rows=[stop]", "close_seeds=[0,1]", "row_pretrain_epochs.stop=0.5", "gate_budgets=[0.25]",
+            "holdout=12",
+            "gate_val_samples=12", "probe_train_samples=32", "probe_val_samples=32", "probe_epochs=2",
+            "test_samples=32", "curve_samples=16", "label_fractions=[0.5]", "label_finetune_epochs=[1]",
+            "seeds=[0]", "ablation_seeds=[0]", "controls=false", "reuse_results=false", "compare_with=null",
+            "overrides=[data.shuffle_buffer=16]"]
+    assert study.main(args) == 0
+    rows = json.loads((tmp_path / "results" / "study.json").read_text())["results"]
+    assert [m["seed"] for m in rows["stop"]] == [0, 1] and [m["seed"] for m in rows["mp3_eta0"]] == [0]
+    for m in rows["stop"]:
+        assert m["pretrain_epochs"] == 0.5 and set(m["gate"]["probe"]) == {"0.25", "0.5"}
+        assert m["gate"]["val_samples"] == 12 and m["gate"]["random_init"] == "sincos2d/patch_mean"
+        assert set(m["budgets"]) == {"0.25"} and "linear_probe" in m["budgets"]["0.25"]
+        assert (tmp_path / "runs" / f"seed{m['seed']}" / "stop" / "pretrain" / "snapshots" / "epoch-0.25").is_dir()
+    eta0 = rows["mp3_eta0"][0]
+    assert set(eta0["gate"]["probe"]) == {"0.25"} and "budgets" not in eta0
+    assert "0.55" in eta0["mp3_eta_curve"]
+    gate = json.loads((tmp_path / "runs" / "seed0" / "stop" / "gate" / "controls.json").read_text())
+    assert gate["test_split"] == "holdout" and gate["seeds"] == [0], "the gate reads validation, on the row's seed"

@@ -120,7 +120,8 @@ def report(out: Path, seconds: dict[str, float], precision: Precision) -> str:
     if "mp3_position_accuracy" in pre:
         lines += ["MP3 test-set position accuracy vs evaluation masking ratio (Fig. 3):", "",
                   "| eta | top-1 | top-5 |", "| --- | --- | --- |"]
-        lines += [f"| {e} | {v['top1']:.3f} | {v['top5']:.3f} |" for e, v in pre["mp3_position_accuracy"].items()]
+        curve = pre["mp3_position_accuracy"]
+        lines += [f"| {e} | {curve[e]['top1']:.3f} | {curve[e]['top5']:.3f} |" for e in sorted(curve, key=float)]
         lines += [""]
     knn = ", ".join(f"L{k} {v:.3f}" for k, v in pre["knn_per_layer"].items())
     lines += [f"kNN top-1 per layer (pretrained): {knn}",

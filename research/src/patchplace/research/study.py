@@ -36,7 +36,14 @@ import torch
 from patchplace.pipelines.config import ConfigError, HelpFormatter, help_epilog, load
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.stages import StageError
-from patchplace.research.reproduction.plan import CONTROLS, StudyConfig, group_seeds, measures_controls, runs_of
+from patchplace.research.reproduction.plan import (
+    CONTROLS,
+    StudyConfig,
+    group_seeds,
+    measures_controls,
+    run_seeds,
+    runs_of,
+)
 from patchplace.research.reproduction.report import report
 from patchplace.research.reproduction.runner import Study
 
@@ -71,10 +78,16 @@ def study_units(cfg: StudyConfig) -> list[Unit]:
     for group in cfg.groups:
         if group == "curves":
             continue
-        for seed in group_seeds(cfg, group):
+        for seed in seeds_of_group(cfg, group):
             host = ("main", seed) if group == "mp3_pe" and ("main", seed) in units else (group, seed)
             units.setdefault(host, []).append(group)
     return with_curves(cfg, [Unit(tuple(groups), seed) for (_, seed), groups in units.items()])
+
+
+def seeds_of_group(cfg: StudyConfig, group: str) -> list[int]:
+    """Every seed a row of ``group`` runs (its group's seeds and the rows' ``row_seeds``), ascending."""
+    return sorted({*group_seeds(cfg, group), *(s for run in runs_of((group,), cfg.only, cfg.skip)
+                                                for s in run_seeds(cfg, run))})
 
 
 def row_units(cfg: StudyConfig) -> list[Unit]:
@@ -87,17 +100,18 @@ def row_units(cfg: StudyConfig) -> list[Unit]:
     for group in cfg.groups:
         if group == "curves":
             continue
-        for seed in group_seeds(cfg, group):
+        for seed in seeds_of_group(cfg, group):
             if group == "main" and seed == cfg.seeds[0] and cfg.controls and measures_controls(("main",), cfg.only):
                 units[(CONTROLS, seed)] = (["main"], [CONTROLS])
             for run in runs_of((group,), cfg.only, cfg.skip):
-                if run.name == "speech_null" and not cfg.speech_null:
+                if (run.name == "speech_null" and not cfg.speech_null) or seed not in run_seeds(cfg, run):
                     continue
                 groups, rows = units.setdefault((run.pretrain_from or run.name, seed), ([], []))
                 groups += [] if group in groups else [group]
                 rows.append(run.name)
+    done = Study(cfg).measured_before()  # reuse_results: (row, seed)s a results file holds whole
     return [Unit(tuple(sorted(groups, key=cfg.groups.index)), seed, tuple(rows))
-            for (_, seed), (groups, rows) in units.items()]
+            for (_, seed), (groups, rows) in units.items() if not all((row, seed) in done for row in rows)]
 
 
 def with_curves(cfg: StudyConfig, ordered: list[Unit]) -> list[Unit]:

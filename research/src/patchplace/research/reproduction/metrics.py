@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from patchplace.pipelines.stages import stage_resumed, stage_seconds
-from patchplace.research.reproduction.plan import RUNS, Run, StudyConfig, fraction_key
+from patchplace.research.reproduction.plan import CONTROLS, RUNS, Run, StudyConfig, fraction_key
 from patchplace.research.reproduction.runner import Study
 
 
@@ -130,6 +130,13 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
         if "0.15" in ev["consistency"]:
             m["consistency"] = ev["consistency"]["0.15"]["consistency"]
             m["diff_norm"] = ev["consistency"]["0.15"]["diff_norm"]
+    gate = gate_of(study, run, seed)
+    if gate:
+        m["gate"] = gate
+    budgets = {f"{b:g}": numbers for b in study.budgets(run) if study.gated(run)
+               and (numbers := probe_numbers(read_json(d / f"probe_e{b:g}" / "results.json") or {}))}
+    if budgets:
+        m["budgets"] = budgets
     if "linear_probe" in probe:
         m["linear_probe"] = probe["linear_probe"]["top1"]
         m["linear_probe_1pct"] = probe["linear_probe_low_label"]["top1"]
@@ -160,6 +167,30 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
             m["mean_corruption_error"] = ort["robustness"]["mean_error"]
             m["corruptions_failed"] = sorted(ort["robustness"]["failed"])
     return m
+
+
+def probe_numbers(probe: dict[str, Any]) -> dict[str, float]:
+    """The linear probes of one probe stage: all-label probe set and each label fraction."""
+    numbers = {"linear_probe": probe["linear_probe"]["top1"]} if "linear_probe" in probe else {}
+    for fraction, result in probe.get("linear_probe_label_fraction", {}).items():
+        numbers[fraction_key("linear_probe", float(fraction))] = result["top1"]
+    return numbers
+
+
+def gate_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
+    """The learned gate's numbers of one (row, seed) on the validation split (``<run>/gate``): the linear probe
+    of its features at each budget (ladder snapshots and the final checkpoint, by epochs), the random init of the
+    same architecture and feature on this seed, and raw pixels; None before the gate stage finished."""
+    measured = read_json(study.dir(run, seed) / "gate" / "controls.json")
+    if not measured:
+        return None
+    by_path = {str(study.snapshot(run, seed, b)): b for b in study.budgets(run)}
+    final = study.epochs(run)[0]
+    probes = {f"{by_path.get(path, final):g}": r["linear"]["probe_set"] for path, r in measured["checkpoints"].items()}
+    controls = measured["controls"]
+    return {"probe": dict(sorted(probes.items(), key=lambda kv: float(kv[0]))),
+            "random": controls["random_linear"]["probe_set"][0], "random_init": measured["random_inits"][0],
+            "pixels": controls["pixels_linear"]["probe_set"][0], "val_samples": measured["test_samples"]}
 
 
 def add_mce(rows: dict[str, list[dict[str, Any]]]) -> None:
@@ -228,13 +259,42 @@ def _normal(value: Any) -> Any:
     return list(value) if isinstance(value, tuple | list) else value
 
 
+def earlier_rows(study: Study) -> dict[str, dict[int, dict[str, Any]]]:
+    """{row: {seed: metrics}} of an earlier ``study.json`` at this budget (:func:`earlier_results`), without the
+    rows pretrained for other epochs than this study's (``row_pretrain_epochs``: another budget)."""
+    rows = {}
+    for run in RUNS:
+        pre = study.epochs(run)[0]
+        found = {m["seed"]: m for m in earlier_results(study.cfg).get(run.name, []) if run.classifier_only
+                 or run.speech or not isinstance(m.get("pretrain_epochs"), int | float) or m["pretrain_epochs"] == pre}
+        if found:
+            rows[run.name] = found
+    return rows
+
+
+def measured_before(study: Study) -> set[tuple[str, int]]:
+    """The (row, seed)s an earlier ``study.json`` at this budget holds whole (a gated row with its gate at every
+    budget), and ("controls", first seed) when it holds the probe controls of these seeds: ``reuse_results`` runs
+    none of them again (another machine, or a ``runs/`` since cleaned)."""
+    done = set()
+    for run in RUNS:
+        for seed, m in earlier_rows(study).get(run.name, {}).items():
+            needs = {f"{b:g}" for b in (*study.budgets(run), study.epochs(run)[0])} if study.gated(run) else set()
+            if needs <= set((m.get("gate") or {}).get("probe", {})):
+                done.add((run.name, seed))
+    controls = earlier_study(study.cfg).get("controls") or {}
+    if controls.get("seeds") == list(study.cfg.seeds):
+        done.add((CONTROLS, study.cfg.seeds[0]))
+    return done
+
+
 def collect(study: Study) -> dict[str, list[dict[str, Any]]]:
     """Every (run, seed) measured below ``runs/`` (configured seeds), plus the earlier rows of ``study.json`` at
     the same budget that are not measured here; ordered by seed."""
-    earlier = earlier_results(study.cfg)
+    earlier = earlier_rows(study)
     rows = {}
     for run in RUNS:
-        found = {m["seed"]: m for m in earlier.get(run.name, [])}
+        found = dict(earlier.get(run.name, {}))
         found.update({s: m for s in study.seeds(run) if (m := metrics_of(study, run, s)) is not None})
         if found:
             rows[run.name] = [found[s] for s in sorted(found)]

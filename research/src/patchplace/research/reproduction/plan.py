@@ -4,6 +4,7 @@ its backbone is trained, how its classifier is obtained)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from patchplace.objectives import get_method
 from patchplace.pipelines.config import ConfigError
@@ -60,6 +61,24 @@ class StudyConfig:
     label_subset_seed: int = 0  # which balanced subsets (the same for every method and seed)
     label_batch_size: int | None = None  # batch of the label-efficiency stages (None: batch_size); smaller = more steps
     ablation_seeds: tuple[int, ...] = (0,)  # seeds of the ablation groups
+    # rows that run close_seeds instead of their group's seeds (e.g. 5 where a claim is close to decidable); a main
+    # row's extra seeds are pretrained, probed and gated only (full-label fine-tunes and label subsets stay on seeds)
+    close_rows: tuple[str, ...] = ()
+    close_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    # pretraining epochs of named rows instead of pretrain_epochs: {row: epochs}; rows compared by a claim get the
+    # same budget (e.g. StoP and I-JEPA)
+    row_pretrain_epochs: dict[str, Any] = field(default_factory=dict)
+    # the learned gate (claims.gate): every pretrained row's frozen features, linear probe on the all-label probe
+    # set scored on gate_val_samples validation images, beside the random init of its architecture and feature (same
+    # seed); a row is learned where a one-sided Welch test over >= 3 seeds beats that control at alpha 0.05
+    gate: bool = True
+    # run no (row, seed) that results/<name>.json measured whole at this budget (another machine, a cleaned
+    # runs/): its numbers are merged as they are
+    reuse_results: bool = False
+    gate_val_samples: int = 5000
+    # budget ladder: a row pretrained longer than a budget here keeps a snapshot at it, gated and probed on test too;
+    # a claim reads the smallest budget at which every row it compares passes the gate
+    gate_budgets: tuple[float, ...] = ()
     groups: tuple[str, ...] = GROUPS  # in priority order: each process runs its groups in this order
     # run names to restrict the groups to (e.g. add seeds to some rows), "controls" for main's probe controls
     # (measured only when only is () or names them); () = all
@@ -144,6 +163,17 @@ class StudyConfig:
             raise ConfigError("label_patience, speech_patience and holdout must be >= 0")
         if not self.name or "/" in self.name:
             raise ConfigError(f"name must be a plain file stem (e.g. study_gpu), got {self.name!r}")
+        rows = {r.name for r in RUNS}
+        unknown = sorted((set(self.close_rows) | set(self.row_pretrain_epochs)) - rows)
+        if unknown:
+            raise ConfigError(f"close_rows / row_pretrain_epochs: unknown run(s) {unknown}; known: {sorted(rows)}")
+        if self.close_rows and not self.close_seeds:
+            raise ConfigError("close_seeds needs at least one seed")
+        for name, epochs in self.row_pretrain_epochs.items():
+            if not isinstance(epochs, int | float) or epochs <= 0:
+                raise ConfigError(f"row_pretrain_epochs.{name}: epochs > 0, got {epochs!r}")
+        if any(b <= 0 for b in self.gate_budgets) or self.gate_val_samples < 1:
+            raise ConfigError("gate_budgets must be > 0 and gate_val_samples >= 1")
         if self.privacy_images < 0 or self.privacy_steps < 1:
             raise ConfigError("privacy_images must be >= 0 and privacy_steps >= 1")
 
@@ -240,6 +270,12 @@ def group_seeds(cfg: StudyConfig, group: str) -> tuple[int, ...]:
     ``ablation_seeds``."""
     return {"main": cfg.seeds, "speech": cfg.speech_seeds, "curves": (cfg.curve_seed,)}.get(group,
                                                                                           cfg.ablation_seeds)
+
+
+def run_seeds(cfg: StudyConfig, run: Run) -> tuple[int, ...]:
+    """The seeds a row runs: ``close_seeds`` for the ``close_rows``, else its group's (:func:`group_seeds`); a row
+    that fine-tunes another's pretraining runs that row's seeds."""
+    return tuple(cfg.close_seeds) if (run.pretrain_from or run.name) in cfg.close_rows else group_seeds(cfg, run.group)
 
 
 def runs_of(groups: tuple[str, ...], only: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> list[Run]:

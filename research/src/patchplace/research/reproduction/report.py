@@ -280,7 +280,7 @@ def label_table(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]],
                 probed |= by_probe and bool(per_seed(rows, name, probe))
                 judged = verdict(per_seed(rows, name, probe) if by_probe else ours,
                                  per_seed(rows, "supervised", top1), True)
-                capped = any(m.get(fraction_key("stopped", f)) == "cap, improving" for m in rows["supervised"])
+                capped = any(m.get(fraction_key("stopped", f)) == "cap, improving" for m in rows.get("supervised", []))
                 judged = bounded(judged, by_probe, capped)
                 judged += " (linear probe)" if by_probe and judged != "not run" else ""
                 verdicts.append(judged)

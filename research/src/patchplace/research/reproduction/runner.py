@@ -19,11 +19,12 @@ from patchplace.pipelines import CONFIGS
 from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.stages import by_precision, stage
 from patchplace.research.reproduction.plan import (
+    CONTROLS,
     RUNS,
     Run,
     StudyConfig,
-    group_seeds,
     measures_controls,
+    run_seeds,
     runs_of,
 )
 
@@ -59,7 +60,7 @@ class Study:
         return self.root / f"seed{seed}" / run.name
 
     def seeds(self, run: Run) -> tuple[int, ...]:
-        return group_seeds(self.cfg, run.group)
+        return run_seeds(self.cfg, run)
 
     def data(self, run: Run, evaluation: bool = False) -> list[str]:
         """Split overrides (+ the user's extra overrides) of a training or evaluation stage."""
@@ -94,8 +95,19 @@ class Study:
 
     def epochs(self, run: Run) -> tuple[float, float]:
         c = self.cfg
-        return (c.speech_pretrain_epochs, c.speech_finetune_epochs) if run.speech else (c.pretrain_epochs,
-                                                                                         c.finetune_epochs)
+        if run.speech:
+            return c.speech_pretrain_epochs, c.speech_finetune_epochs
+        return float(c.row_pretrain_epochs.get(run.pretrain_from or run.name, c.pretrain_epochs)), c.finetune_epochs
+
+    def budgets(self, run: Run) -> tuple[float, ...]:
+        """The ladder budgets (``gate_budgets``) below this row's pretraining epochs: snapshots it keeps, gates and
+        probes beside its final checkpoint."""
+        pre = self.epochs(run)[0]
+        return tuple(sorted(b for b in self.cfg.gate_budgets if b < pre))
+
+    def gated(self, run: Run) -> bool:
+        """Whether the learned gate reads this row: its own image pretraining (not speech, not a classifier)."""
+        return self.cfg.gate and not run.speech and not run.classifier_only and not run.pretrain_from
 
     # ------------------------------------------------------------------------------------------ stages
     def probe_only(self, run: Run) -> bool:
@@ -105,8 +117,10 @@ class Study:
         """Whether this (run, seed) is fine-tuned with all labels (``full_label_rows``: the others of main only on
         the first seed, or not at all without ``first_seed_finetunes``)."""
         rows = self.cfg.full_label_rows
+        if run.group == "main" and seed not in self.cfg.seeds:  # a close_seeds extra: pretrained, probed, gated
+            return False
         if run.group == "main" and rows and run.name not in rows:
-            return self.cfg.first_seed_finetunes and seed == self.seeds(run)[0]
+            return self.cfg.first_seed_finetunes and seed == self.cfg.seeds[0]
         return True
 
     def source(self, run: Run, seed: int) -> Path:
@@ -175,6 +189,7 @@ class Study:
         seconds["pretrain"] = stage(source / "pretrain", self.launch["pretrain"], [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
             f"optim.epochs={pre}", *(["optim.max_steps=1"] if null else []), *run.objective,
+            *([f"run.keep_epochs=[{','.join(f'{b:g}' for b in self.budgets(run))}]"] if self.budgets(run) else []),
             *self.common(run, seed)], label=f"{source} pretrain")
         if self.probe_only(run) or not self.full_label(run, seed):
             return source / "pretrain" / "checkpoint", None, seconds
@@ -187,6 +202,8 @@ class Study:
         (``test_samples`` of them, else all) is its top-1."""
         c, seconds = self.cfg, {}
         if not run.label_efficiency or not c.label_fractions or not (run.classifier_only or c.label_finetune):
+            return seconds
+        if run.group == "main" and seed not in c.seeds:  # a close_seeds extra: no label-subset training
             return seconds
         batch = c.label_batch_size or c.batch_size
         for fraction, epochs in zip(c.label_fractions, c.label_finetune_epochs, strict=True):
@@ -215,6 +232,40 @@ class Study:
             *self.data(run, evaluation=True), *([f"data.val_limit={c.test_samples}"] if c.test_samples else [])],
             label=f"{out} test")
 
+    def probe(self, run: Run, out: Path, backbone: Path) -> None:
+        """Probes of a backbone on the test split: linear on the all-label probe set and on the label fractions
+        (pretrained main rows), the MP3 eta curve / DropPos grid of its pretraining head."""
+        c = self.cfg
+        fractions = list(c.label_fractions) if run.label_efficiency and not run.classifier_only else []
+        stage(out, evaluate, [
+            *EVALUATE, f"run.output={out}",
+            f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
+            f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
+            f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]",
+            f"eval.label_fractions=[{','.join(map(str, fractions))}]",
+            *([] if c.probe_extras else ["eval.knn=false", "eval.position_probe=false"]),
+            f"data.label_subset_seed={c.label_subset_seed}", *self.data(run, evaluation=True)], label=f"{out}")
+
+    def snapshot(self, run: Run, seed: int, budget: float) -> Path:
+        """The pretraining's checkpoint kept at ``budget`` epochs (``run.keep_epochs``)."""
+        return self.source(run, seed) / "pretrain" / "snapshots" / f"epoch-{budget:g}"
+
+    def gate(self, run: Run, seed: int, backbone: Path) -> None:
+        """The learned gate's numbers for one (row, seed), on the validation split only: the linear probe of the
+        pretrained features (every ladder budget and the final checkpoint) on the all-label probe set, beside the
+        random init of the same architecture and feature on the same seed (and raw pixels): ``<run>/gate``."""
+        c, d = self.cfg, self.dir(run, seed)
+        saved = json.loads((backbone / "config.json").read_text())
+        feature = f"{saved['backbone']['pos_embed']}/{saved['metadata'].get('probe_feature', 'mean')}"
+        checkpoints = [*(self.snapshot(run, seed, b) for b in self.budgets(run)), backbone]
+        stage(d / "gate", controls, [
+            "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'gate'}",
+            f"controls.seeds=[{seed}]", f"model.preset={c.preset}", f"controls.random_inits=[{feature}]",
+            "controls.label_fractions=[]", f"controls.probe_train_samples={c.probe_train_samples}",
+            f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, checkpoints))}]",
+            f"data.label_subset_seed={c.label_subset_seed}", *self.data(run),
+            f"data.val_limit={min(c.gate_val_samples, c.holdout)}"], label=f"{d} gate")
+
     def evaluate(self, run: Run, seed: int, backbone: Path, classifier: Path | None) -> None:
         c, d = self.cfg, self.dir(run, seed)
         data = self.data(run, evaluation=True)
@@ -226,15 +277,11 @@ class Study:
             return
         limit = [f"data.val_limit={c.test_samples}"] if c.test_samples else []
         if not run.pretrain_from:  # probes of the backbone (the pretrained one, or the classifier's own)
-            fractions = list(c.label_fractions) if run.label_efficiency and not run.classifier_only else []
-            stage(d / "probe", evaluate, [
-                *EVALUATE, f"run.output={d / 'probe'}",
-                f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
-                f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
-                f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]",
-                f"eval.label_fractions=[{','.join(map(str, fractions))}]",
-                *([] if c.probe_extras else ["eval.knn=false", "eval.position_probe=false"]),
-                f"data.label_subset_seed={c.label_subset_seed}", *data], label=f"{d} probe")
+            if self.gated(run) and c.holdout:  # the learned gate first: it reads validation only
+                self.gate(run, seed, backbone)
+            self.probe(run, d / "probe", backbone)
+            for budget in self.budgets(run) if self.gated(run) else ():
+                self.probe(run, d / f"probe_e{budget:g}", self.snapshot(run, seed, budget))
         if classifier is None:
             return
         stage(d / "eval", evaluate, [
@@ -302,19 +349,27 @@ class Study:
             f"data.val_limit={min(c.curve_val_samples, c.holdout) if c.holdout else c.curve_val_samples}"],
             label=f"{d} probes")
 
+    def measured_before(self) -> set[tuple[str, int]]:
+        """(row, seed)s an earlier results file holds whole, not run again (``reuse_results``)."""
+        from patchplace.research.reproduction.metrics import measured_before
+
+        return measured_before(self) if self.cfg.reuse_results else set()
+
     def run_all(self) -> None:
+        done = self.measured_before()
         if "curves" in self.cfg.groups and self.cfg.curve_epochs:
             for name in self.cfg.curve_rows:
                 if not self.cfg.only or name in self.cfg.only:
                     self.curve(next(r for r in RUNS if r.name == name))
         first = self.cfg.seeds[0]
-        if measures_controls(self.cfg.groups, self.cfg.only) and (not self.cfg.only_seeds or first in
-                                                                   self.cfg.only_seeds):
+        mine = not self.cfg.only_seeds or first in self.cfg.only_seeds
+        if measures_controls(self.cfg.groups, self.cfg.only) and mine and (CONTROLS, first) not in done:
             self.controls()  # once, by the process that runs the first seed of main (only: () or [controls, ...])
         for run in runs_of(self.cfg.groups, self.cfg.only, self.cfg.skip):
             if run.name == "speech_null" and not self.cfg.speech_null:
                 continue
-            for seed in (s for s in self.seeds(run) if not self.cfg.only_seeds or s in self.cfg.only_seeds):
+            for seed in (s for s in self.seeds(run) if (not self.cfg.only_seeds or s in self.cfg.only_seeds)
+                         and (run.name, s) not in done):
                 start = time.perf_counter()
                 backbone, classifier, _ = self.train(run, seed)
                 self.label_efficiency(run, seed)
