@@ -7,8 +7,8 @@ randomly initialised backbone, on the same train subsets and test images as the 
 A pretrained backbone's probe means something only above both: the raw pixels (the input itself, preprocessed as
 the model sees it) and a random-init backbone of the same preset (what the architecture gives before any training;
 one per seed). With ``--study``, every method's probe in that study's results is read against the random-init
-control: "learned" only where its mean beats the control's by more than the seed spread (the larger of the two
-standard deviations over seeds), else "not learned at this budget".
+control by the study's learned gate: "learned" only where a one-sided Welch t-test over >= 3 seeds on each side
+finds it above the control at alpha 0.05, else "not learned at this budget".
 
 Sets (``controls.*``): each class-balanced ``label_fractions`` subset of the train split (the subsets of the
 study's label-efficiency rows: ``balanced_subset`` with ``data.label_subset_seed``, drawn from what ``data.holdout``
@@ -39,7 +39,7 @@ from patchplace.models import create_model, load_pretrained
 from patchplace.pipelines.config import ConfigError, DataSection, ModelSection, RunSection
 from patchplace.pipelines.engine import USER_ERRORS, start
 from patchplace.pipelines.evaluation import first_images, probe
-from patchplace.research.reproduction.claims import random_key
+from patchplace.research.reproduction.claims import ALPHA, MIN_SEEDS, random_key, welch_greater
 from patchplace.research.reproduction.plan import RUNS
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -205,11 +205,15 @@ STUDY_KEYS = {"probe_set": "linear_probe"}
 
 
 def learned(method: list[float], control: list[float]) -> str:
-    """"learned" where the method's mean beats the random-init control's by more than the seed spread."""
-    (m, m_sd), (c, c_sd) = mean_sd(method), mean_sd(control)
-    margin = max(m_sd, c_sd)
-    return (f"learned (+{(m - c) * 100:.1f} pt > {margin * 100:.1f})" if m - c > margin else
-            f"not learned at this budget ({(m - c) * 100:+.1f} pt, spread {margin * 100:.1f})")
+    """The study's learned gate on these numbers (``claims.welch_greater``): "learned" where a one-sided Welch
+    t-test over >= 3 seeds on each side finds the method above the random-init control at alpha 0.05; fails closed
+    (fewer seeds: not learned)."""
+    diff = (statistics.mean(method) - statistics.mean(control)) * 100
+    p = welch_greater(method, control)
+    if p is None:
+        return (f"not learned at this budget ({diff:+.1f} pt; {len(method)} / {len(control)} seeds, "
+                f"{MIN_SEEDS} needed on each side)")
+    return f"{'learned' if p < ALPHA else 'not learned at this budget'} ({diff:+.1f} pt, one-sided Welch p = {p:.2g})"
 
 
 def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
@@ -241,9 +245,9 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
                          f"{r['pool']} | " + " | ".join(cells) + " |")
     if study:
         lines += ["", "## The study's probes against the controls", "",
-                  "A method's probe is *learned* where its mean beats the random-init control's by more than the seed "
-                  "spread (the larger std over seeds), else *not learned at this budget*; the raw-pixel probe is "
-                  "shown beside it.", "",
+                  "A method's probe is *learned* where a one-sided Welch t-test over >= 3 seeds on each side finds "
+                  "it above the random-init control at alpha 0.05 (the study's learned gate; fewer seeds: not "
+                  "learned), else *not learned at this budget*; the raw-pixel probe is shown beside it.", "",
                   "| method | set | method probe | random init (same feature) | raw pixels | verdict |",
                   "| --- | --- | --- | --- | --- | --- |"]
         speech = {r.name for r in RUNS if r.speech}  # other data: no image control applies

@@ -170,6 +170,18 @@ def holm(pvalues: list[float]) -> list[float]:
 MIN_SEEDS = 3  # the gate and every claim in regime need this many seeds
 
 
+def welch_greater(ours: list[float], control: list[float]) -> float | None:
+    """One-sided Welch t-test p that ``ours`` is above ``control`` (unequal variances), or None with fewer than
+    :data:`MIN_SEEDS` values on either side (the gate fails closed)."""
+    from scipy.stats import ttest_ind
+
+    if min(len(ours), len(control)) < MIN_SEEDS:
+        return None
+    if len(set(ours)) == 1 and len(set(control)) == 1:  # no spread on either side: decided by the means alone
+        return 0.0 if ours[0] > control[0] else 1.0
+    return float(ttest_ind(ours, control, equal_var=False, alternative="greater").pvalue)
+
+
 @dataclass
 class Gate:
     """The learned gate of one row at one budget (pretraining epochs)."""
@@ -190,8 +202,6 @@ def gate(rows: dict[str, list[dict[str, Any]]], name: str, budget: str | None = 
     on the validation split against the random init of the same architecture and feature on the same seeds, over
     >= :data:`MIN_SEEDS` seeds, at :data:`ALPHA`. Fails closed: a row without the gate's numbers (e.g. merged from
     a study before the gate) or with fewer seeds is not learned."""
-    from scipy.stats import ttest_ind
-
     measured = [m for m in rows.get(name, []) if m.get("gate")]
     probes, randoms = [], []
     for m in measured:
@@ -204,7 +214,7 @@ def gate(rows: dict[str, list[dict[str, Any]]], name: str, budget: str | None = 
     if len(probes) < MIN_SEEDS:
         return Gate(False, f"gate not measured: {where} has {len(probes)} seed(s) with a validation probe and its "
                            f"random-init control, {MIN_SEEDS} needed")
-    p = float(ttest_ind(probes, randoms, equal_var=False, alternative="greater").pvalue)
+    p = welch_greater(probes, randoms)
     text = (f"{where}: validation probe {statistics.mean(probes) * 100:.1f} vs random init "
             f"{statistics.mean(randoms) * 100:.1f}, one-sided Welch p = {p:.2g}, {len(probes)} seeds")
     return Gate(p < ALPHA, text, p)
