@@ -20,6 +20,7 @@ from patchplace.research.reproduction.claims import (
     MIN_SEEDS,
     PRIVACY_METRICS,
     PRIVACY_RUNS,
+    claim_items,
     claims,
     claims_versus,
     gate,
@@ -431,7 +432,8 @@ def curves_section(curves: dict[str, Any], out: Path, stem: str) -> tuple[list[s
              "(kNN), and per method the random-init backbone on the feature that method probes (linear, one "
              "backbone per seed).", "",
              "| method (feature) | " + " | ".join(f"ep {e:g}" for e in epochs) + " | random init, same feature | "
-             "> random init (+ spread) from epoch | > raw pixels from epoch | pretraining min |",
+             "> random init + sd from epoch (one seed: descriptive, not the gate) | > raw pixels from epoch | "
+             "pretraining min |",
              "|" + " --- |" * (len(epochs) + 5)]
     for name, c in curves.items():
         random = _mean_sd(c["controls"].get("random_linear"))
@@ -722,7 +724,12 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
                "runs": {r.name: {"group": r.group, "label": r.label, "config": r.config,
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,
                                  "pretrain_from": r.pretrain_from} for r in RUNS},
-               "results": rows, "controls": controls, "curves": curves, "wall_clock": minutes}
+               "results": rows, "controls": controls, "curves": curves, "wall_clock": minutes,
+               # every claim with its regime, raw and Holm-adjusted p, and verdict (the table's numbers)
+               "claims": [{**asdict(c), "verdict": c.verdict} for c in claim_items(rows, {
+                   "speech_corpus": speech_corpus(cfg)})],
+               "label_efficiency": [{**asdict(c), "verdict": c.verdict} for c in label_items(
+                   rows, tuple(cfg.label_fractions)).values()]}
     write_json_atomic(out / f"{cfg.name}.json", payload)  # two study processes may finish at once
     with atomic_file(out / f"{cfg.name}.md") as tmp:
         tmp.write_text(text)
