@@ -36,6 +36,7 @@ import torch
 from patchplace.pipelines.config import ConfigError, HelpFormatter, help_epilog, load
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.stages import StageError
+from patchplace.research.reproduction.metrics import measured_before
 from patchplace.research.reproduction.plan import (
     CONTROLS,
     StudyConfig,
@@ -84,6 +85,11 @@ def study_units(cfg: StudyConfig) -> list[Unit]:
     return with_curves(cfg, [Unit(tuple(groups), seed) for (_, seed), groups in units.items()])
 
 
+def reused(cfg: StudyConfig) -> set[tuple[str, int]]:
+    """``reuse_results``: the (row, seed)s results/<name>.json holds whole at this budget, not run again."""
+    return measured_before(Study(cfg)) if cfg.reuse_results else set()
+
+
 def seeds_of_group(cfg: StudyConfig, group: str) -> list[int]:
     """Every seed a row of ``group`` runs (its group's seeds and the rows' ``row_seeds``), ascending."""
     return sorted({*group_seeds(cfg, group), *(s for run in runs_of((group,), cfg.only, cfg.skip)
@@ -109,7 +115,7 @@ def row_units(cfg: StudyConfig) -> list[Unit]:
                 groups, rows = units.setdefault((run.pretrain_from or run.name, seed), ([], []))
                 groups += [] if group in groups else [group]
                 rows.append(run.name)
-    done = Study(cfg).measured_before()  # reuse_results: (row, seed)s a results file holds whole
+    done = reused(cfg)
     return [Unit(tuple(sorted(groups, key=cfg.groups.index)), seed, tuple(rows))
             for (_, seed), (groups, rows) in units.items() if not all((row, seed) in done for row in rows)]
 
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     elif not args.report_only:
         try:
-            Study(cfg).run_all()
+            Study(cfg).run_all(reused(cfg))
         except StageError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -349,14 +349,9 @@ class Study:
             f"data.val_limit={min(c.curve_val_samples, c.holdout) if c.holdout else c.curve_val_samples}"],
             label=f"{d} probes")
 
-    def measured_before(self) -> set[tuple[str, int]]:
-        """(row, seed)s an earlier results file holds whole, not run again (``reuse_results``)."""
-        from patchplace.research.reproduction.metrics import measured_before
-
-        return measured_before(self) if self.cfg.reuse_results else set()
-
-    def run_all(self) -> None:
-        done = self.measured_before()
+    def run_all(self, done: set[tuple[str, int]] | frozenset = frozenset()) -> None:
+        """Every stage of the configured units, except the (row, seed)s in ``done`` (``("controls", seed)``: the
+        probe controls): those an earlier results file holds whole (``reuse_results``)."""
         if "curves" in self.cfg.groups and self.cfg.curve_epochs:
             for name in self.cfg.curve_rows:
                 if not self.cfg.only or name in self.cfg.only:
