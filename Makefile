@@ -87,7 +87,7 @@ demo: setup data
 	$(PY) pipelines/demo.py --out runs/demo
 
 # Reproduction study: every method, label efficiency and the ablations this budget decides, on Fashion-MNIST and
-# spoken keywords -> results/ (study.md, study.json, PNGs). Two processes share the (group, seed) units; resumable
+# spoken keywords -> results/ (study.md, study.json, PNGs). Two processes share the (row, seed) units; resumable
 # (run it again after an interruption). Knobs and the reasoning behind them: pipelines/configs/study_fashion_mnist.yaml
 STUDY_JOBS ?= 2
 study: setup data

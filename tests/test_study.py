@@ -181,7 +181,8 @@ def test_study_jobs_pull_units_from_one_queue_and_stages_refuse_a_busy_directory
     def call(argv, stdout, stderr):
         with lock:
             first = not ran
-            ran.append((argv[-3], argv[-2]))
+            ran.append((argv[-4], argv[-3]))
+            assert argv[-1] == "--no-report", "a unit runs stages only: the report is written once, at the end"
         if first:
             assert released.wait(timeout=60), "job 1 did not take the other units while job 0 was busy"
         elif len(ran) == len(units):

@@ -154,7 +154,8 @@ def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int
                 unit = queue.pop(0)
             print(f"[study] job {i}: {unit}", flush=True)
             with log.open("a") as f:
-                code = call([*base, *unit.overrides(), f"threads={threads}"], stdout=f, stderr=subprocess.STDOUT)
+                code = call([*base, *unit.overrides(), f"threads={threads}", "--no-report"], stdout=f,
+                            stderr=subprocess.STDOUT)
             if code != 0:
                 with lock:
                     failed.append(f"{log} ({unit})")
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML file (pipelines/configs/study_fashion_mnist.yaml)")
     parser.add_argument("--report-only", action="store_true", help="only (re)write the results from finished runs")
     parser.add_argument("--jobs", type=int, default=1, help="study processes sharing the groups (default: 1)")
+    parser.add_argument("--no-report", action="store_true",
+                        help="run the stages only, write no report (--jobs gives each unit's process this: the "
+                             "report is written once, when every unit has finished)")
     parser.add_argument("--sitting", type=float, metavar="MIN",
                         help="run the pending units that fit MIN minutes, a bundle per finished unit in --bundles "
                              "(a lent GPU's bounded stretch; see reproduction/sittings.py)")
@@ -245,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         except StageError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+    if args.no_report:
+        return 0
     print(report(cfg, argv))
     print(f"[study] results: {cfg.results}/{cfg.name}.md, {cfg.name}.json and {cfg.name}_*.png")
     return 0
