@@ -184,9 +184,11 @@ def gate_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     measured = read_json(study.dir(run, seed) / "gate" / "controls.json")
     if not measured:
         return None
-    by_path = {str(study.snapshot(run, seed, b)): b for b in study.budgets(run)}
+    # a snapshot by its path (resolved: the study may have run from another working directory), else its epoch
+    by_path = {study.snapshot(run, seed, b).resolve(): b for b in study.budgets(run)}
     final = study.epochs(run)[0]
-    probes = {f"{by_path.get(path, final):g}": r["linear"]["probe_set"] for path, r in measured["checkpoints"].items()}
+    probes = {f"{by_path.get(Path(path).resolve(), r.get('epoch') or final):g}": r["linear"]["probe_set"]
+              for path, r in measured["checkpoints"].items()}
     controls = measured["controls"]
     return {"probe": dict(sorted(probes.items(), key=lambda kv: float(kv[0]))),
             "random": controls["random_linear"]["probe_set"][0], "random_init": measured["random_inits"][0],
