@@ -382,6 +382,39 @@ def test_a_claim_in_regime_is_decided_by_its_paired_test_after_holm():
     assert direction_claim("c", "", "r", {}, other, True, (True, "")).verdict == "not run"
 
 
+def test_the_papers_effect_size_is_excluded_by_a_one_sided_test_in_a_holm_family_of_its_own():
+    """A claim in regime that carries the paper's effect on its measure is also tested one-sided against that size
+    (checked against scipy's one-sample t-test of the paired differences, signed in the paper's direction); those
+    tests are Holm-adjusted among themselves, leave the claims' own family untouched, and the verdict says whether
+    the paper's size is excluded; out of regime, or where a probe stands in for the paper's fine-tune, no test."""
+    from scipy.stats import ttest_1samp
+
+    ours = {0: 0.61, 1: 0.60, 2: 0.625, 3: 0.615, 4: 0.60}
+    other = {0: 0.60, 1: 0.60, 2: 0.60, 3: 0.60, 4: 0.60}
+    deltas = [ours[s] - other[s] for s in ours]
+    small = direction_claim("c", "", "r", ours, other, True, (True, "ok"), paper_effect=0.20)
+    assert small.excluded_p == pytest.approx(ttest_1samp(deltas, 0.20, alternative="less").pvalue)
+    # the paper says "lower": the differences are signed the other way before the test
+    flipped = direction_claim("c", "", "r", other, ours, False, (True, "ok"), paper_effect=0.20)
+    assert flipped.excluded_p == pytest.approx(small.excluded_p)
+    near = direction_claim("n", "", "r", ours, other, True, (True, "ok"), paper_effect=0.01)
+    plain = direction_claim("p", "", "r", ours, other, True, (True, "ok"))
+    family = decide([small, near, plain])
+    assert small.excluded_adjusted == pytest.approx(min(1.0, 2 * small.excluded_p)) and small.paper_excluded
+    assert near.excluded_p > 0.5 and not near.paper_excluded and plain.excluded_p is None
+    assert family[0].adjusted == pytest.approx(min(1.0, 3 * min(c.p for c in family)))  # the claims' family: 3
+    assert "the paper's effect (+20.0 pt) excluded here: one-sided p = " in small.verdict
+    assert "the paper's effect (+1.0 pt) not excluded here" in near.verdict and "paper's effect" not in plain.verdict
+    assert "excluded here in 1 of the 2 tested against it" in decided_line(family)
+    out = decide([direction_claim("o", "", "r", ours, other, True, (False, "not learned"), paper_effect=0.20)])[0]
+    assert out.excluded_adjusted is None and "paper's effect" not in out.verdict
+    # where a probe stands in for the fine-tunes the paper compares, the paper's fine-tuning effect is not used
+    rows = {name: [{"seed": s, "linear_probe": 0.5 + 0.01 * s, "pretrain_epochs": 0.5} for s in range(3)]
+            for name in ("droppos", "droppos_tau_inf")}
+    table4 = next(c for c in claim_items(rows) if c.claim.startswith("DropPos Table 4"))
+    assert "linear probe as the fine-tune's proxy" in table4.claim and table4.paper_effect is None
+
+
 def test_holm_keeps_two_of_v3s_fourteen_tested_comparisons():
     """Holm's step-down adjustment: the k-th smallest p times (m - k + 1), monotone, capped at 1; on the 14
     comparisons v3 tested (raw p as its report printed them) it keeps MP3 Fig. 3 train-0 and MJP Table 1 only."""
