@@ -609,7 +609,11 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
               "Each claim states the regime its comparison needs; a claim outside it is reported as its measured "
               "effect (95% CI, raw p), \"out of regime at this budget\", never as agreeing or contradicting. The "
               "claims in regime are one family: Holm's step-down correction over their p-values, and a claim is "
-              f"decided only where its adjusted p is below {ALPHA}.", "",
+              f"decided only where its adjusted p is below {ALPHA}. Where the paper reports its effect on the "
+              "measure a claim in regime compares (its numbers are in the setting column), a one-sided paired "
+              "t-test asks whether an effect that large is excluded here; those tests are a Holm family of their "
+              "own. An excluded size says the effect here is smaller than the paper's, at this budget and scale: "
+              "not that the direction is wrong.", "",
               *claims(rows, settings)]
     earlier = read_json(Path(cfg.compare_with)) if cfg.compare_with else None
     if earlier:
