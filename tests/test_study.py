@@ -356,6 +356,11 @@ def test_a_report_without_runs_keeps_the_earlier_controls_curves_and_minutes_and
     written = json.loads((tmp_path / "study.json").read_text())
     assert written["controls"] == controls and written["wall_clock"]["resumed"] == {"curves": 3}
     assert report(cfg, ["--report-only"]) == text  # a second report from the merged file: the same
+    assert "not re-confirmed" not in text  # this config lists no unverified recipe choice; one that does, prints it
+    listed = report(dataclasses.replace(cfg, unverified_recipe=("crop scale [0.8, 1]", "batch 32")), ["--report-only"])
+    assert ("Recipe choices not re-confirmed on the validation split (chosen on the test split in an earlier version "
+            "and carried since; a number that depends on them carries that caveat): crop scale [0.8, 1]; batch 32.") \
+        in listed
 
 
 def test_a_claim_in_regime_is_decided_by_its_paired_test_after_holm():

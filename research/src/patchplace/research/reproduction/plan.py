@@ -98,6 +98,8 @@ class StudyConfig:
     # bf16 only where the device has bf16 units and bf16 training passed its equivalence test) | no | bf16
     precision: str = "auto"
     finetune_overrides: tuple[str, ...] = ("finetune.mixup=0.0", "finetune.cutmix=0.0")  # on the recipe
+    # recipe choices this config carries that were not confirmed on the validation split: listed in the report
+    unverified_recipe: tuple[str, ...] = ()
     probe_train_samples: int = 2000  # train images of the (all-label) linear / kNN / position probes
     probe_val_samples: int = 2000  # test images the probes are scored on
     probe_epochs: int = 100  # epochs of each linear probe

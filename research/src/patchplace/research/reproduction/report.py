@@ -550,6 +550,9 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
     lines = ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "",
              f"Training precision: {'float32' if precision.value == 'no' else precision.value} ({how})", "",
              protocol, "",
+             *([f"Recipe choices not re-confirmed on the validation split (chosen on the test split in an earlier "
+                f"version and carried since; a number that depends on them carries that caveat): "
+                f"{'; '.join(cfg.unverified_recipe)}.", ""] if cfg.unverified_recipe else []),
              f"Fashion-MNIST padded to 32 px, patch 4 (64 positions); backbone `{cfg.preset}` for every image run; "
              f"pretraining {cfg.pretrain_epochs} epoch(s)"
              + (" (" + ", ".join(f"{n}: {e:g}" for n, e in cfg.row_pretrain_epochs.items())
