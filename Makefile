@@ -22,7 +22,7 @@ CORPORA  := corpora
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
-	@echo "make study  the reproduction study v4 (results/study.md; resumable, reuses rows results/study.json holds whole; the rest ~4 h on 2 CPU cores, docs/study.md)"
+	@echo "make study  the reproduction study v4 (results/study.md; resumable, reuses rows results/study.json holds whole: nothing left to run once it has them all; ~3.3 h from nothing on 2 CPU cores, docs/study.md)"
 	@echo "make study-curves  the learning curves that chose the study's budget (merged into results/study.md)"
 	@echo "make gpu-carry / study-gpu-merge  the GPU study in sittings on a lent GPU (docs/study.md)"
 	@echo "make gpu-ort-parts  onnxruntime-gpu in parts (.ort/p0/, .ort/p1/, ...) for the lent GPU (docs/study.md)"
