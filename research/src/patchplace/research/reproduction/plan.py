@@ -64,7 +64,7 @@ class StudyConfig:
     # rows that run close_seeds instead of their group's seeds (e.g. 5 where a claim is close to decidable); a main
     # row's extra seeds are pretrained, probed and gated only (full-label fine-tunes and label subsets stay on seeds)
     close_rows: tuple[str, ...] = ()
-    close_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    close_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)  # the seeds of the close_rows
     # pretraining epochs of named rows instead of pretrain_epochs: {row: epochs}; rows compared by a claim get the
     # same budget (e.g. StoP and I-JEPA)
     row_pretrain_epochs: dict[str, Any] = field(default_factory=dict)
@@ -75,7 +75,7 @@ class StudyConfig:
     # run no (row, seed) that results/<name>.json measured whole at this budget (another machine, a cleaned
     # runs/): its numbers are merged as they are
     reuse_results: bool = False
-    gate_val_samples: int = 5000
+    gate_val_samples: int = 5000  # validation images the gate's probes are scored on
     # budget ladder: a row pretrained longer than a budget here keeps a snapshot at it, gated and probed on test too;
     # a claim reads the smallest budget at which every row it compares passes the gate
     gate_budgets: tuple[float, ...] = ()
