@@ -87,12 +87,16 @@ class PairedTest:
     high: float
     p: float | None  # None with one seed (no test)
 
+    @property
+    def se(self) -> float:
+        """The standard error of the mean difference (from the 95% CI; needs >= 2 seeds)."""
+        return (self.high - self.mean) / _t_quantile(0.975, len(self.seeds) - 1)
+
     def interval(self, level: float) -> tuple[float, float]:
         """The ``level`` confidence interval of the mean difference (the TOST at alpha uses 1 - 2 alpha)."""
         if len(self.seeds) < 2:
             return -math.inf, math.inf
-        half = (self.high - self.mean) / _t_quantile(0.975, len(self.seeds) - 1) * _t_quantile(
-            0.5 + level / 2, len(self.seeds) - 1)
+        half = self.se * _t_quantile(0.5 + level / 2, len(self.seeds) - 1)
         return self.mean - half, self.mean + half
 
 
@@ -145,8 +149,7 @@ def tost(ours: dict[int, float], other: dict[int, float], margin: float) -> tupl
     test = paired_test(ours, other)
     if test is None or test.p is None:
         return test, None
-    n = len(test.seeds)
-    se = (test.high - test.mean) / _t_quantile(0.975, n - 1)
+    n, se = len(test.seeds), test.se
     if se == 0:
         return test, 0.0 if abs(test.mean) < margin else 1.0
     lower = float(t.sf((test.mean + margin) / se, n - 1))  # H0: diff <= -margin
@@ -311,7 +314,7 @@ class Claim:
 
     @property
     def excluded_text(self) -> str:
-        if self.excluded_p is None or self.paper_effect is None:
+        if self.excluded_adjusted is None:  # not in the family (decide() sets it)
             return ""
         size = f"{self.paper_effect * self.scale:+.1f} {self.unit}"
         return (f"; the paper's effect ({size}) {'excluded' if self.paper_excluded else 'not excluded'} here: "
@@ -337,12 +340,10 @@ def below_paper_p(test: PairedTest, paper_says_higher: bool, paper_effect: float
 
     if test.p is None:
         return None
-    n = len(test.seeds)
     signed = test.mean if paper_says_higher else -test.mean
-    se = (test.high - test.mean) / _t_quantile(0.975, n - 1)
-    if se == 0:
+    if test.se == 0:
         return 0.0 if signed < paper_effect else 1.0
-    return float(t.cdf((signed - paper_effect) / se, n - 1))
+    return float(t.cdf((signed - paper_effect) / test.se, len(test.seeds) - 1))
 
 
 def _not_run(claim: str, setting: str, regime: str) -> Claim:
