@@ -592,10 +592,11 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                       "are probed only (no claim reads their fine-tunes; a first-seed fine-tune in the table was "
                       "merged from an earlier study.json at this budget).")]
     if cfg.label_fractions:
+        images = f"{train_images:,} " if train_images else ""  # unknown without the shards' manifest
         lines += ["", "## Label efficiency: fine-tuning and linear probes on a fraction of the labels", "",
-                  f"Class-balanced subsets of the {train_images or 'training':,} training images left after the "
+                  f"Class-balanced subsets of the {images}training images left after the "
                   f"hold-out (the same for every method and seed, `label_subset_seed={cfg.label_subset_seed}`); "
-                  f"pretraining saw those {train_images or '':,} images without labels. "
+                  f"pretraining saw those {images}images without labels. "
                   "Fine-tuning: the same recipe for "
                   + ", ".join(f"{e:g} epochs over the {f:.0%} subset" for f, e in
                               zip(cfg.label_fractions, cfg.label_finetune_epochs, strict=True))
