@@ -322,15 +322,47 @@ def substitutions(base: Path) -> dict[str, str]:
 # Left out of both sides before comparing; everything else must still match.
 ADDED_METADATA = ("paper", "compute")
 ADDED_CARD_LINE = re.compile(r"^(- \*\*Method\*\*: mp3_speech) — .*$", re.M)
+# Config fields added after the reference, with the value that trains as the reference did (off / null): left out of
+# config.yaml, the checkpoints' recipe and the model card's recipe table where they hold it (a golden run sets none).
+ADDED_CONFIG = {
+    "optim": {"optimizer": "adamw", "schedule": "cosine", "warmup_steps": None, "warmup_epochs": None,
+              "start_lr": None, "warmup_mode": "linear", "final_lr": None, "step_every": None, "step_gamma": 0.5,
+              "weight_decay_end": None},
+    "run": {"model_ema": None, "log_with": [], "log_project": "patchplace"},
+    "finetune": {"pos_embed_init": "random"},
+    "data": {"re_mode": "const", "re_count": 1, "crop_pct": 1.0, "repeated_aug": 1, "grayscale": 0.0,
+             "gaussian_blur": 0.0, "color_jitter": 0.0, "mixup": 0.0, "cutmix": 0.0, "mixup_prob": 1.0,
+             "mixup_switch_prob": 0.5},
+}
+
+
+def without_added_config(sections: dict) -> dict:
+    """``sections`` ({section: {field: value}}: config.yaml, a recipe) without the :data:`ADDED_CONFIG` fields
+    that hold their reference-equivalent value."""
+    for section, defaults in ADDED_CONFIG.items():
+        values = sections.get(section) if isinstance(sections, dict) else None
+        for key, default in defaults.items():
+            if isinstance(values, dict) and key in values and values[key] == default:
+                del values[key]
+    return sections
+
+
+def without_added_card_rows(text: str) -> str:
+    """A model card without the recipe table's rows of :data:`ADDED_CONFIG` fields at their default."""
+    rows = {f"| {section}.{key} | {json.dumps(value)} |" for section, defaults in ADDED_CONFIG.items()
+            for key, value in defaults.items()}
+    return "\n".join(line for line in text.split("\n") if line not in rows)
 
 
 def without_additions(data):
-    """``data`` (a parsed config.json) without the keys :data:`ADDED_METADATA` in its metadata."""
+    """``data`` (a parsed config.json) without the keys :data:`ADDED_METADATA` in its metadata and the
+    :data:`ADDED_CONFIG` fields at their default in its recipe."""
     metadata = data.get("metadata") if isinstance(data, dict) else None
     for section in (metadata, (metadata or {}).get("pretrain_metadata")):
         if isinstance(section, dict):
             for key in ADDED_METADATA:
                 section.pop(key, None)
+            without_added_config(section.get("recipe"))
     return data
 
 
@@ -358,8 +390,8 @@ def loaded(path: Path, base: Path):
         for section, keys in DROPPED_CONFIG.items():
             for key in keys:
                 (data.get(section) or {}).pop(key, None)
-        return data
-    return ADDED_CARD_LINE.sub(r"\1", text) if path.name == "README.md" else text
+        return without_added_config(data)
+    return without_added_card_rows(ADDED_CARD_LINE.sub(r"\1", text)) if path.name == "README.md" else text
 
 
 def run_files(run: Path) -> dict[str, Path]:

@@ -114,8 +114,8 @@ def test_timm_registry_names_and_refusals():
     assert ours.config.embed_dim == 192 and ours.config.depth == 12 and ours.grid == (14, 14)
     x = torch.randn(1, 3, 224, 224)
     torch.testing.assert_close(ours(x), reference(x), atol=TIMM_ATOL, rtol=0)
-    with pytest.raises(ModelError, match="fc_norm"):
-        from_timm(TimmViT(img_size=32, patch_size=4, embed_dim=48, depth=1, num_heads=3, global_pool="avg"))
+    with pytest.raises(ModelError, match="0 final norms"):  # fc_norm is supported (test_fc_norm.py); no norm is not
+        from_timm(TimmViT(img_size=32, patch_size=4, embed_dim=48, depth=1, num_heads=3, final_norm=False))
     with pytest.raises(ModelError, match="LayerScale"):
         from_timm(TimmViT(img_size=32, patch_size=4, embed_dim=48, depth=1, num_heads=3, init_values=0.1))
     with pytest.raises(ModelError, match="no timm VisionTransformer equivalent"):

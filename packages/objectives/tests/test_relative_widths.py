@@ -20,8 +20,9 @@ from patchplace.objectives import (
     RandSACConfig,
 )
 
+# I-JEPA's predictor heads: the encoder's (None), as its code builds it
 CASES = [(MAE, MAEConfig, "decoder", (512, 8, 16)), (DropPos, DropPosConfig, "decoder", (512, 2, 16)),
-         (RandSAC, RandSACConfig, "decoder", (512, 4, 16)), (IJEPA, IJEPAConfig, "predictor", (384, 12, 12))]
+         (RandSAC, RandSACConfig, "decoder", (512, 4, 16)), (IJEPA, IJEPAConfig, "predictor", (384, 12, None))]
 
 
 @pytest.mark.parametrize(("cls", "config_cls", "part", "paper"), CASES)

@@ -35,9 +35,16 @@ from patchplace.data.remote import Network, is_remote
 from patchplace.models import ATTENTION_KERNELS
 
 LR_SCALING = ("none", "linear", "sqrt")
+OPTIMIZERS = ("adamw", "adam")  # optim.optimizer
+SCHEDULES = ("cosine", "step", "constant")  # optim.schedule: the lr after the warm-up
+WARMUP_MODES = ("linear", "constant")  # optim.warmup_mode
 # run.compile: torch.compile modes of every Transformer block (aot_eager: traced without code generation, a check)
 COMPILE_MODES = ("no", "default", "reduce-overhead", "max-autotune", "aot_eager")
+# run.log_with: Accelerate's experiment trackers (accelerate.utils.LoggerType but "all"), with the package each needs
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet-ml", "aim": "aim",
+            "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio"}
 HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.train
+RE_MODES = ("const", "rand", "pixel")  # data.re_mode: timm RandomErasing's fills
 MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
 HELP_WIDTH = 100  # --help fits this many columns
 HELP_COLUMN = 44  # where a field's meaning starts in --help ("  section.field = value" before it)
@@ -77,6 +84,27 @@ class DataSection:
     hflip: float = 0.5  # horizontal flip probability (training)
     auto_augment: str | None = None  # timm auto-augment policy, e.g. rand-m9-mstd0.5 (streaming path only)
     re_prob: float = 0.0  # random erasing probability (timm RandomErasing)
+    re_mode: str = "const"  # random erasing fill (timm): const (zeros) | rand (per channel) | pixel (DeiT)
+    re_count: int = 1  # random erasing: up to this many boxes per image (timm max_count)
+    # evaluation splits (data.val, evaluate.py): resize the short side to img_size / crop_pct (bicubic), centre crop
+    # img_size, as timm's eval transform (ImageNet: 0.875, DeiT / MAE); < 1 streams data.val
+    crop_pct: float = 1.0
+    # repeated augmentation (DeiT, arXiv 2012.12877): each streamed training sample is read this many times,
+    # independently augmented, in an epoch of unchanged length (~1 / N of the distinct images; DeiT: 3). Unlike
+    # timm's RASampler the copies stay on one rank (the shuffle buffer mixes them); > 1 streams data.train
+    repeated_aug: int = 1
+    # I-JEPA / StoP pretraining (arXiv 2301.08243; StoP: flip, grayscale 0.2, blur 0.5, scale [0.3, 1]), after the
+    # crop / flip, streamed: RandomGrayscale probability (channels kept)
+    grayscale: float = 0.0
+    gaussian_blur: float = 0.0  # I-JEPA's PIL Gaussian blur probability (radius ~ U(0.1, 2)), streamed
+    # I-JEPA's colour distortion strength s: ColorJitter(.8s, .8s, .8s, .2s) with p 0.8 (0: off), streamed
+    color_jitter: float = 0.0
+    # Mixup alpha (0: off) of the training batches of methods trained with labels (supervised, mjp; timm Mixup,
+    # soft targets smoothed by objective.label_smoothing); finetune.py mixes with finetune.mixup instead
+    mixup: float = 0.0
+    cutmix: float = 0.0  # CutMix alpha (0: off); as data.mixup
+    mixup_prob: float = 1.0  # probability of mixing a batch (data.mixup / data.cutmix)
+    mixup_switch_prob: float = 0.5  # with both alphas > 0: probability of CutMix rather than Mixup
     noise_split: str | None = None  # audio: background_noise split for noise mixing
     train_limit: int | None = None  # cap on samples per process per epoch (None: the whole split)
     label_fraction: float | None = None  # train on a fixed class-balanced fraction of data.train (e.g. 0.01: 1%)
@@ -98,6 +126,7 @@ class DataSection:
         for name in ("batch_size",):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        self.validate_recipe()
         if self.in_memory not in ("auto", True, False):
             raise ConfigError(f"data.in_memory must be auto, true or false, got {self.in_memory!r}")
         if self.label_fraction is not None and not 0 < self.label_fraction <= 1:
@@ -125,6 +154,25 @@ class DataSection:
                 raise ConfigError(f"data.{name}: no manifest.json in {path}; build the shards first (make data, or "
                                   f"python data/fashion_mnist.py --out {path.parent})")
 
+    def validate_recipe(self) -> None:
+        """The augmentation recipe's fields (papers' ImageNet recipes), each refused in one line naming it."""
+        if self.re_mode not in RE_MODES:
+            raise ConfigError(f"data.re_mode must be one of {', '.join(RE_MODES)}, got {self.re_mode!r}")
+        for name in ("re_count", "repeated_aug"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"data.{name} must be an integer >= 1, got {getattr(self, name)}")
+        if not 0 < self.crop_pct <= 1:
+            raise ConfigError(f"data.crop_pct must be in (0, 1] (ImageNet: 0.875), got {self.crop_pct}")
+        for name in ("grayscale", "gaussian_blur", "mixup_prob", "mixup_switch_prob"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"data.{name} must be a probability in [0, 1], got {getattr(self, name)}")
+        for name in ("color_jitter", "mixup", "cutmix"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"data.{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        if self.color_jitter and self.auto_augment:
+            raise ConfigError(f"data.color_jitter={self.color_jitter} (I-JEPA's) and data.auto_augment="
+                              f"{self.auto_augment} (timm's) both distort colour: set one")
+
     def network(self) -> Network:
         """How http(s) splits and shards are fetched (data.timeout, data.retries)."""
         return Network(self.timeout, self.retries)
@@ -148,7 +196,8 @@ class ModelSection:
 
 @dataclass
 class OptimSection:
-    """AdamW (timm) with linear warm-up and cosine decay."""
+    """AdamW (timm) or Adam, a warm-up, then cosine decay (or a step / constant lr); optionally a cosine weight
+    decay (engine/schedules.py)."""
 
     epochs: float = 1.0  # passes over data.train (fractions allowed)
     max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
@@ -165,6 +214,31 @@ class OptimSection:
     lr_base_batch: int | None = None  # the global batch optim.lr was tuned at (null: data.batch_size x run.grad_accum)
     # AdamW's fused kernel (one launch for every parameter's update; the same update rule): null = on a GPU only
     fused: bool | None = None
+    # adamw | adam: torch.optim.Adam on the same groups (MP3's speech recipe, arXiv 2207.07611 §4.3); adam needs
+    # optim.weight_decay=0 (Adam's decay is an L2 term in the gradient, not AdamW's decoupled decay)
+    optimizer: str = "adamw"
+    # the lr after the warm-up: cosine (down to optim.final_lr, else lr x optim.min_lr_ratio) | step (x
+    # optim.step_gamma every optim.step_every steps) | constant (the peak lr)
+    schedule: str = "cosine"
+    # warm-up length in optimizer steps (overrides optim.warmup_epochs and optim.warmup_fraction; MP3 speech: 500)
+    warmup_steps: int | None = None
+    # warm-up length in epochs of data.train, as papers state it (e.g. 40, 15, 5; overrides optim.warmup_fraction)
+    warmup_epochs: float | None = None
+    # absolute lr of the first warm-up step, rising linearly to the peak (timm's warmup_lr_init; I-JEPA / StoP's
+    # start_lr 2e-4 -> lr 8e-4); not rescaled by optim.lr_scaling; null: from peak / warm-up steps, as before
+    start_lr: float | None = None
+    # linear | constant: the lr stays at optim.start_lr through the warm-up, then jumps to the peak (MP3 speech
+    # §4.3: 500 steps at 1e-4, then 1e-3)
+    warmup_mode: str = "linear"
+    # absolute lr the cosine ends at (overrides optim.min_lr_ratio; I-JEPA final_lr 1e-6, DeiT min_lr 1e-5); not
+    # rescaled by optim.lr_scaling
+    final_lr: float | None = None
+    # optim.schedule=step: optimizer steps between two lr drops, counted from the warm-up's end (MP3 speech: 10000)
+    step_every: int | None = None
+    step_gamma: float = 0.5  # optim.schedule=step: the lr's factor at each drop (MP3 speech: halved)
+    # cosine weight decay from optim.weight_decay to this over the run, on the groups that decay (I-JEPA / StoP's
+    # CosineWDSchedule: 0.04 -> 0.4); null: constant
+    weight_decay_end: float | None = None
 
     def validate(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
@@ -181,6 +255,49 @@ class OptimSection:
             raise ConfigError(f"optim.lr_scaling must be one of {', '.join(LR_SCALING)}, got {self.lr_scaling!r}")
         if self.lr_base_batch is not None and self.lr_base_batch < 1:
             raise ConfigError(f"optim.lr_base_batch must be >= 1 (or null), got {self.lr_base_batch}")
+        self._validate_optimizer()
+        self._validate_schedule()
+
+    def _validate_optimizer(self) -> None:
+        """optim.optimizer and the weight-decay schedule."""
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.optimizer == "adam" and self.weight_decay:
+            raise ConfigError(f"optim.optimizer=adam takes no weight decay (Adam's is an L2 term in the gradient, not "
+                              f"AdamW's decoupled decay): set optim.weight_decay=0 (got {self.weight_decay}), or use "
+                              "optim.optimizer=adamw")
+        if self.weight_decay_end is not None and not (self.weight_decay_end >= 0 and self.weight_decay > 0):
+            raise ConfigError(f"optim.weight_decay_end must be >= 0 with optim.weight_decay > 0 (the cosine runs from "
+                              f"it on the groups that decay), got {self.weight_decay_end} and {self.weight_decay}")
+
+    def _validate_schedule(self) -> None:
+        """The warm-up and the lr schedule's fields (each names itself and what it expects)."""
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.warmup_mode not in WARMUP_MODES:
+            raise ConfigError(f"optim.warmup_mode must be one of {', '.join(WARMUP_MODES)}, got {self.warmup_mode!r}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0 (or null), got {self.warmup_steps}")
+        if self.warmup_epochs is not None and not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
+            raise ConfigError(f"optim.warmup_epochs must be a number >= 0 (or null), got {self.warmup_epochs}")
+        for name in ("start_lr", "final_lr"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"optim.{name} must be an lr >= 0 (or null), got {value}")
+        if self.warmup_mode == "constant" and self.start_lr is None:
+            raise ConfigError("optim.warmup_mode=constant holds the lr at optim.start_lr through the warm-up: set "
+                              "optim.start_lr (e.g. 1e-4)")
+        if self.final_lr is not None and self.schedule != "cosine":
+            raise ConfigError(f"optim.final_lr is where the cosine ends: it has no effect with optim.schedule="
+                              f"{self.schedule}; set it to null")
+        if self.schedule == "step" and (self.step_every is None or self.step_every < 1):
+            raise ConfigError(f"optim.schedule=step needs optim.step_every >= 1 (steps between lr drops), got "
+                              f"{self.step_every}")
+        if self.schedule != "step" and self.step_every is not None:
+            raise ConfigError(f"optim.step_every is read by optim.schedule=step only (got {self.schedule}); set it to "
+                              "null")
+        if not 0 < self.step_gamma <= 1:
+            raise ConfigError(f"optim.step_gamma must be in (0, 1], got {self.step_gamma}")
 
     def scaled_lr(self, global_batch: int, default_base: int) -> float:
         """The peak lr of a run at ``global_batch`` under ``lr_scaling`` (``default_base``: the base batch when
@@ -208,6 +325,11 @@ class RunSection:
     resume: bool = False  # continue from the newest complete checkpoint in output/checkpoints (if any)
     overwrite: bool = False  # replace the run already in run.output (without it, reusing a directory is an error)
     tensorboard: bool = True  # events in output/tensorboard/ (train/*, val/*)
+    # experiment trackers beside run.tensorboard, by Accelerate's names: tensorboard, wandb, mlflow, comet_ml, aim,
+    # clearml, dvclive, swanlab, trackio; each gets train/* and val/* as TensorBoard does and is set up as it
+    # usually is (its environment: WANDB_MODE=offline, MLFLOW_TRACKING_URI=file:mlruns, ...), e.g. [wandb]
+    log_with: tuple[str, ...] = ()
+    log_project: str = "patchplace"  # the run.log_with trackers' project (W&B, Comet, Aim) / experiment (MLflow)
     # DDP's find_unused_parameters; null = only for objectives whose steps may leave a trainable parameter without
     # gradient (MJP's E_unk). True costs a graph traversal per step (results/benchmark.md, ddp suite).
     find_unused_parameters: bool | None = None
@@ -228,6 +350,9 @@ class RunSection:
     # inside AdamW's fused kernel, and the run stops with the same one line at the next log, checkpoint or
     # evaluation, before anything is saved; needs optim.fused and not fp16)
     finite_check: str = "step"
+    # EMA of the weights, this decay per optimizer step (timm ModelEmaV3, e.g. DeiT's 0.99996): resumed exactly,
+    # saved in output/ema/ and evaluated at the end (val/ema_*) beside the trained weights; null: off
+    model_ema: float | None = None
 
     def validate(self) -> None:
         if self.mixed_precision not in ("no", "fp16", "bf16", "auto"):
@@ -252,6 +377,26 @@ class RunSection:
         if self.early_stop_patience and not self.eval_every:
             raise ConfigError(f"run.early_stop_patience={self.early_stop_patience} counts evaluations, and "
                               "run.eval_every=0 evaluates only at the end: set run.eval_every (steps) too")
+        if self.model_ema is not None and not 0 < self.model_ema < 1:
+            raise ConfigError(f"run.model_ema must be a decay in (0, 1) (e.g. 0.99996), or null: off; got "
+                              f"{self.model_ema}")
+        self._validate_trackers()
+
+    def _validate_trackers(self) -> None:
+        """run.log_with: Accelerate's names, each with its package installed (Accelerate would leave one out)."""
+        unknown = [t for t in self.log_with if t not in TRACKERS]
+        if unknown:
+            raise ConfigError(f"run.log_with: unknown tracker(s) {', '.join(map(str, unknown))}; Accelerate's: "
+                              f"{', '.join(TRACKERS)}")
+        if not self.log_with:
+            return
+        from accelerate.tracking import get_available_trackers  # only when asked for: --help and defaults skip it
+
+        available = {str(t) for t in get_available_trackers()}
+        missing = [t for t in self.log_with if t not in available]
+        if missing:
+            raise ConfigError(f"run.log_with={missing[0]} needs the {TRACKERS[missing[0]]} package, which is not "
+                              f"installed here: pip install {TRACKERS[missing[0]]}")
 
 
 class _Loader(yaml.SafeLoader):
@@ -306,13 +451,33 @@ def unread_fields(cls: type) -> list[str]:
             for f in fields(shared) if f.name not in {g.name for g in fields(hints[section])}]
 
 
+def shipped_configs() -> Path:
+    """The folder of the shipped configs (in the installed package, else pipelines/configs/ of a checkout)."""
+    from patchplace.pipelines import _configs  # at call time: as a path from the working directory now
+
+    return _configs()
+
+
+def config_path(name: str) -> Path:
+    """``--config NAME``: an existing file first, else the shipped config of that name (``.yaml`` optional), so the
+    console scripts find them from any folder; neither: one line listing the shipped names."""
+    if Path(name).is_file():
+        return Path(name)
+    shipped = shipped_configs()
+    for candidate in (shipped / name, shipped / f"{name}.yaml"):
+        if Path(name).name == name and candidate.is_file():  # a bare name only: a path stays the user's path
+            return candidate
+    names = sorted(p.name for p in shipped.glob("*.yaml")) if shipped.is_dir() else []
+    raise ConfigError(f"config file {name} not found, and no shipped config has that name; shipped ({shipped}): "
+                      f"{', '.join(names) or 'none'}")
+
+
 def given_values(cls: type, path: str | None, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """({dotted key: value} the ``--config`` file gives, the same for the ``section.field=value`` overrides). An
     override replaces what the file gives at its key (a mapping as a whole); :func:`unread_fields` are left out."""
     file: dict[str, Any] = {}
     if path:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} not found; see pipelines/configs/ for the shipped ones")
+        path = str(config_path(path))
         raw = parse_yaml(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path}: expected a mapping (section: {{field: value}}), got {raw!r}")
@@ -635,7 +800,8 @@ def parser(cls: type, description: str, argv: list[str] | None = None) -> argpar
     what the config class adds (:func:`help_epilog`), in at most :data:`HELP_WIDTH` columns."""
     argv = list(argv or [])
     p = _Parser(description=description, formatter_class=HelpFormatter, epilog_of=lambda: help_epilog(cls, argv))
-    p.add_argument("--config", help="YAML file (pipelines/configs/*.yaml)")
+    p.add_argument("--config", help="YAML file, or a shipped config's name (pipelines/configs/*.yaml, e.g. "
+                                    "mp3_fashion_mnist)")
     p.add_argument("overrides", nargs="*", help="section.field=value, e.g. data.batch_size=64 run.output=runs/x")
     return p
 

@@ -19,10 +19,10 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from patchplace.export.__main__ import main as export_main
-from patchplace.export.evaluate import main as ort_evaluate_main
 from patchplace.pipelines import CONFIGS, evaluate
 from patchplace.pipelines.config import HelpFormatter
 from patchplace.pipelines.engine.hardware import Precision, precision_line, resolve_precision
@@ -33,6 +33,26 @@ from patchplace.pipelines.stages import stage as run_stage
 PRETRAIN_EPOCHS, FINETUNE_EPOCHS = 2.0, 3.0
 # The study's short-budget fine-tuning recipe (pipelines/configs/study_fashion_mnist.yaml explains it).
 SHORT_RECIPE = ["finetune.mixup=0.0", "finetune.cutmix=0.0", "optim.layer_decay=null"]
+
+
+# what to pip install for a module the export / ONNX Runtime stages import (ONNX Runtime is an extra of
+# patchplace-export, and a wheel of that is not on PyPI: name the runtime itself)
+INSTALL = {"onnxruntime": "onnxruntime (or onnxruntime-gpu on a CUDA machine, not both)",
+           "patchplace": "./export (from a checkout of patchplace)"}
+
+
+def ort_stages() -> tuple[Callable[[list[str]], Any], Callable[[list[str]], Any]]:
+    """(export main, ONNX Runtime evaluation main), imported when the demo runs, not for --help; a missing module
+    is one line naming what to pip install, said before any stage trains."""
+    try:
+        from patchplace.export.__main__ import main as export_main
+        from patchplace.export.evaluate import main as ort_evaluate_main
+    except ImportError as exc:
+        name = exc.name or getattr(exc.__cause__, "name", None) or "onnxruntime"
+        top = name.split(".")[0]
+        raise SystemExit(f"error: the demo's ONNX export and ONNX Runtime stages need {name}, which is not "
+                         f"installed: pip install {INSTALL.get(top, top)}") from None
+    return export_main, ort_evaluate_main
 
 
 def stage(out: Path, name: str, run, argv: list[str]) -> float:
@@ -157,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value passed to every stage (eval.* to the "
                                                      "evaluations only)")
     args = parser.parse_args(argv)
+    export_main, ort_evaluate_main = ort_stages()
     out = args.out
     model = [f"model.preset={args.preset}", f"model.overrides={{patch_size: {args.patch_size}}}"]
     # eval.* only reach the evaluations; the recipe and crop scale go first so that overrides win

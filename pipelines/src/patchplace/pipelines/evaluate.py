@@ -131,6 +131,16 @@ class EvalDataSection(DataSection):
     hflip: ClassVar[float] = 0.0
     auto_augment: ClassVar[str | None] = None
     re_prob: ClassVar[float] = 0.0
+    re_mode: ClassVar[str] = "const"
+    re_count: ClassVar[int] = 1
+    repeated_aug: ClassVar[int] = 1
+    grayscale: ClassVar[float] = 0.0
+    gaussian_blur: ClassVar[float] = 0.0
+    color_jitter: ClassVar[float] = 0.0
+    mixup: ClassVar[float] = 0.0
+    cutmix: ClassVar[float] = 0.0
+    mixup_prob: ClassVar[float] = 1.0
+    mixup_switch_prob: ClassVar[float] = 0.5
     noise_split: ClassVar[str | None] = None
 
 

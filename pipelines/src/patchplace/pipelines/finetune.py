@@ -6,10 +6,11 @@ fresh head, PE mode for fine-tuning, layer-wise lr decay, label smoothing, Mixup
     python pipelines/finetune.py --config pipelines/configs/finetune_fashion_mnist.yaml   # supervised baseline
 
 MP3 backbones are pretrained without PE: ``finetune.pos_embed`` adds one (learned / relbias2d / sincos2d / none),
-keeping every other weight (MP3 Table 3). ``finetune.global_pool`` (cls | mean) is the feature the head reads; left
-null it follows the checkpoint's method (its recorded ``finetune_pool``: the class token for MP3 §3.3, MJP and
-supervised, average pooling for MAE, DropPos, I-JEPA, StoP and RandSAC). Top-1 / top-5 on ``data.val`` are logged at
-every evaluation.
+keeping every other weight (MP3 Table 3); ``finetune.pos_embed_init=sincos2d`` starts a learned PE from the fixed
+2-D sin-cos values (MAE's fine-tuning). ``finetune.global_pool`` (cls | mean | mean_fc_norm, MAE's ``--global_pool``:
+the final norm moved after pooling) is the feature the head reads; left null it follows the checkpoint's method
+(its recorded ``finetune_pool``: the class token for MP3 §3.3, MJP and supervised, average pooling for MAE, DropPos,
+I-JEPA, StoP and RandSAC). Top-1 / top-5 on ``data.val`` are logged at every evaluation.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchplace.finetune import build_mixup, prepare_for_finetune
+from patchplace.finetune.setup import POS_EMBED_INITS
 from patchplace.models import Backbone, ModelError, create_model, load_pretrained
 from patchplace.objectives import Supervised, SupervisedConfig
 from patchplace.pipelines.config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
@@ -37,8 +39,11 @@ from patchplace.pipelines.engine import (
     start,
 )
 
-POOLS = ("cls", "mean")
-POOL_WORDS = {"cls": "the class token", "mean": "average-pooled patch tokens"}
+# mean_fc_norm: MAE's / DropPos's --global_pool (MAE models_vit.py; timm global_pool='avg', fc_norm=True): the mean
+# of the patch tokens through a fresh LayerNorm fc_norm, the final norm after the blocks dropped
+POOLS = ("cls", "mean", "mean_fc_norm")
+POOL_WORDS = {"cls": "the class token", "mean": "average-pooled patch tokens",
+              "mean_fc_norm": "average-pooled patch tokens through a LayerNorm (fc_norm, no final norm)"}
 
 
 @dataclass
@@ -46,7 +51,12 @@ class FinetuneSection:
     """Fine-tuning recipe (DeiT / MAE style, scaled to small data)."""
 
     pos_embed: str | None = "learned"  # PE for fine-tuning; None keeps the checkpoint's mode
-    global_pool: str | None = None  # cls | mean: the feature the head reads; None: the checkpoint's finetune_pool
+    # where a learned PE starts: random (trunc-normal .02 when the PE mode changes; a table of the same mode is kept)
+    # | sincos2d (the fixed 2-D sin-cos values, trainable: MAE's fine-tuning) | checkpoint (the checkpoint's table)
+    pos_embed_init: str = "random"
+    # cls | mean | mean_fc_norm (the mean through a fresh LayerNorm, no final norm: MAE's / DropPos's --global_pool):
+    # the feature the head reads; None: the checkpoint's finetune_pool
+    global_pool: str | None = None
     drop_path: float = 0.1  # stochastic depth rate (timm DropPath, linear over the blocks)
     label_smoothing: float = 0.1  # of the (soft) targets
     mixup: float = 0.8  # Mixup alpha (0: off; timm Mixup)
@@ -57,6 +67,11 @@ class FinetuneSection:
         if self.global_pool not in (None, *POOLS):
             raise ConfigError(f"finetune.global_pool must be one of {POOLS} or null (the checkpoint's finetune_pool), "
                               f"got {self.global_pool!r}")
+        if self.pos_embed_init not in POS_EMBED_INITS:
+            raise ConfigError(f"finetune.pos_embed_init must be one of {POS_EMBED_INITS}, got {self.pos_embed_init!r}")
+        if self.pos_embed_init != "random" and self.pos_embed != "learned":
+            raise ConfigError(f"finetune.pos_embed_init={self.pos_embed_init} starts a learned PE: set "
+                              f"finetune.pos_embed=learned (got {self.pos_embed})")
         if not 0 <= self.drop_path < 1 or not 0 <= self.label_smoothing < 1 or not 0 <= self.mixup_prob <= 1:
             raise ConfigError("finetune.drop_path / label_smoothing must be in [0, 1), mixup_prob in [0, 1]")
 
@@ -70,6 +85,12 @@ class FinetuneConfig:
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-3, layer_decay=0.75))
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/finetune"))
+
+    def validate(self) -> None:
+        d = self.data
+        if d.mixup or d.cutmix or (d.mixup_prob, d.mixup_switch_prob) != (1.0, 0.5):
+            raise ConfigError("data.mixup / data.cutmix / data.mixup_prob / data.mixup_switch_prob are pretrain.py's; "
+                              "fine-tuning mixes with finetune.mixup / finetune.cutmix / finetune.mixup_prob")
 
 
 def weights_sha256(checkpoint: str | None) -> str | None:
@@ -107,9 +128,24 @@ def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modalit
     ft = cfg.finetune
     pool, why = finetune_pool(ft.global_pool, backbone, metadata, bool(cfg.model.checkpoint))
     print(f"finetune.global_pool: {pool} ({why})")
-    backbone = prepare_for_finetune(backbone, num_classes, pos_embed=ft.pos_embed, global_pool=pool,
-                                    drop_path_rate=ft.drop_path)
+    try:
+        backbone = prepare_for_finetune(backbone, num_classes, pos_embed=ft.pos_embed, global_pool=split_pool(pool)[0],
+                                        drop_path_rate=ft.drop_path, fc_norm=split_pool(pool)[1],
+                                        pos_embed_init=ft.pos_embed_init)
+    except ValueError as exc:  # a PE start the checkpoint cannot give (e.g. checkpoint on an MP3 backbone: no table)
+        raise ConfigError(f"finetune.pos_embed_init: {exc}") from None
     return backbone, metadata
+
+
+def split_pool(pool: str) -> tuple[str, bool]:
+    """``finetune.global_pool`` -> (the backbone's ``global_pool``, ``fc_norm``)."""
+    return pool.removesuffix("_fc_norm"), pool.endswith("_fc_norm")
+
+
+def pool_of(backbone: Backbone) -> str:
+    """The :data:`POOLS` name of a backbone's own pooling (``mean_fc_norm`` for mean + fc_norm)."""
+    c = backbone.config
+    return "mean_fc_norm" if c.fc_norm and c.global_pool == "mean" else c.global_pool
 
 
 def finetune_pool(chosen: str | None, backbone: Backbone, metadata: dict, from_checkpoint: bool) -> tuple[str, str]:
@@ -122,11 +158,13 @@ def finetune_pool(chosen: str | None, backbone: Backbone, metadata: dict, from_c
         return "cls", "training from scratch: the class token, as DeiT"
     method, pool = metadata.get("method", "?"), metadata.get("finetune_pool")
     if pool is None:
-        pool = backbone.config.global_pool
+        pool = pool_of(backbone)
         return pool, f"the checkpoint records no finetune_pool: its backbone's global_pool ({method} checkpoint)"
     if pool not in POOLS:
         raise ConfigError(f"the checkpoint's finetune_pool must be one of {POOLS}, got {pool!r}: set "
                           "finetune.global_pool")
+    if pool == backbone.config.global_pool:  # a fine-tuned fc_norm checkpoint records its head's pooling: keep fc_norm
+        pool = pool_of(backbone)
     return pool, f"the checkpoint's finetune_pool: {method} fine-tunes on {POOL_WORDS[pool]}"
 
 
@@ -182,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         backbone, pretrained = build_backbone(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality, data)
         objective, batch_transform = build_recipe(cfg.finetune, backbone, m.num_classes, m.modality)
 
-        def evaluate(_, step):
-            result = classify(backbone, data.val, cfg.data.batch_size, accelerator.device, data.frontend)
+        def evaluate(model, step):  # model: the trained objective, or run.model_ema's average of it
+            result = classify(model.backbone, data.val, cfg.data.batch_size, accelerator.device, data.frontend)
             say(f"step {step}: val top-1 {result['top1']:.4f} top-5 {result['top5']:.4f} ({result['count']} "
                 "samples)")
             return {k: v for k, v in result.items() if k != "confusion"}

@@ -14,6 +14,7 @@ import inspect
 import math
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 import yaml
 from torch import nn
 
+from patchplace.finetune import build_mixup
 from patchplace.models import create_model, load_pretrained
 from patchplace.objectives import get_method, method_names
 from patchplace.pipelines.config import (
@@ -86,6 +88,11 @@ class PretrainConfig:
         if self.method not in method_names():
             raise ConfigError(f"method {self.method!r} is not one of {method_names()}")
         get_method(self.method).config(self.objective)  # unknown / out-of-range fields fail here
+        if (self.data.mixup or self.data.cutmix) and not get_method(self.method).needs_head:
+            labelled = ", ".join(n for n in method_names() if get_method(n).needs_head)
+            raise ConfigError(f"data.mixup={self.data.mixup} / data.cutmix={self.data.cutmix} mix labels, and method="
+                              f"{self.method} trains without them: set both to 0 (methods trained with labels: "
+                              f"{labelled})")
 
 
 def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):
@@ -103,6 +110,37 @@ def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modali
     if data is not None:
         check_inputs(backbone, data, source)
     return spec.build(backbone, cfg.objective), backbone
+
+
+def build_mixup_transform(cfg: PretrainConfig, num_classes: int, modality: str,
+                          objective: nn.Module) -> Callable | None:
+    """timm Mixup / CutMix of the training batches (data.mixup, data.cutmix) for a method trained with labels — the
+    DeiT recipe MJP trains with ("Masked Jigsaw Puzzle: A Versatile Position Embedding for Vision Transformers",
+    arXiv 2205.12551) — with the objective's label smoothing folded into the soft targets; None when both are off.
+    An odd batch passes unmixed (timm mixes pairs), the first one with a warning."""
+    d = cfg.data
+    if not (d.mixup or d.cutmix):
+        return None
+    if modality != "image":
+        raise ConfigError(f"data.mixup={d.mixup} / data.cutmix={d.cutmix} mix images only; this data is {modality}: "
+                          "set both to 0")
+    smoothing = getattr(get_method(cfg.method).config(cfg.objective), "label_smoothing", 0.0)
+    mixup = build_mixup(num_classes, mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
+                        switch_prob=d.mixup_switch_prob, label_smoothing=smoothing)
+    warned: list[bool] = []
+
+    def batch_transform(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not objective.training:
+            return x, y
+        if len(x) % 2:
+            if not warned:
+                print(f"warning: data.mixup/cutmix skipped on a batch of {len(x)} samples (timm mixes pairs: odd "
+                      "batches pass unmixed); use an even data.batch_size / data.train_limit", file=sys.stderr)
+                warned.append(True)
+            return x, y
+        return mixup(x, y)
+
+    return batch_transform
 
 
 @torch.no_grad()
@@ -156,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             say(f"step {step}: val {shown} ({result['count']} samples)")
             return result
 
+        batch_transform = build_mixup_transform(cfg, m.num_classes, m.modality, objective)
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
-                          evaluate=evaluate if data.val is not None else None,
+                          evaluate=evaluate if data.val is not None else None, batch_transform=batch_transform,
                           command=command_line(__file__, argv))
     except USER_ERRORS as exc:
         return report(exc)

@@ -44,11 +44,12 @@ COMPLETE = "COMPLETE"
 LOCK = ".lock"
 # What a training run leaves in its directory (run.overwrite=true removes exactly these).
 RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "checkpoint", "tensorboard", "snapshots",
-               "best")
+               "best", "ema")
 # Config fields a resumed run may change: they do not change what is trained (run.output: the same directory
 # spelled another way, relative / absolute / a trailing slash, or the run moved elsewhere).
 RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.log_every", "run.checkpoint_every",
-                     "run.eval_every", "run.tensorboard", "run.find_unused_parameters", "data.num_workers",
+                     "run.eval_every", "run.tensorboard", "run.log_with", "run.log_project",
+                     "run.find_unused_parameters", "data.num_workers",
                      "data.verify_shards", "data.timeout", "data.retries")
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 

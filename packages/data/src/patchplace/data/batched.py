@@ -125,6 +125,9 @@ class BatchedImageAugment:
         if train and (cfg.auto_augment or cfg.color_jitter):
             raise DataError("auto_augment / color_jitter run on PIL images, one at a time: stream this split "
                             "(data.in_memory=false) or drop them")
+        if train and (cfg.ijepa_extras() or (cfg.re_prob and (cfg.re_mode, cfg.re_count) != ("const", 1))):
+            raise DataError("color_distortion / grayscale / gaussian_blur and random erasing other than one const box "
+                            "run per sample (timm, I-JEPA): stream this split (data.in_memory=false) or drop them")
         if cfg.interpolation not in ("bicubic", "bilinear", "nearest"):
             raise DataError(f"interpolation must be bicubic, bilinear or nearest, got {cfg.interpolation!r}")
         native = manifest.info.get("image_size")

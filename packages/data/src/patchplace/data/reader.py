@@ -47,6 +47,7 @@ from .plan import WorkerPlan, plan_epoch, worker_quotas_for_epoch
 from .remote import Network, RemoteError
 
 _CORRUPT = (tarfile.TarError, OSError, EOFError, ValueError, KeyError)
+COPY_FIELD = "__copy__"  # repeated_aug: which copy of its sample a stream entry is
 
 
 def expand_urls(urls: str | list[str]) -> list[str]:
@@ -79,6 +80,13 @@ class ShardDataset(IterableDataset):
         verify: check each shard's size and sha256 against the manifest when it is opened (default); ``False``
             trusts the bytes (the sample counts are still checked).
         network: timeout and retries for ``http(s)`` shards (default: the manifest's, else :class:`Network`'s).
+        repeated_aug: yield each sample this many times, independently augmented (DeiT's repeated augmentation,
+            "Training data-efficient image transformers & distillation through attention", arXiv 2012.12877): the
+            copies enter the shuffle buffer as the shard's bytes (each is decoded and augmented on its own; with
+            ``seeded_transforms`` copy ``c > 0`` is keyed ``key#c``) and the epoch keeps its length, so it reads
+            1 / ``repeated_aug`` of the distinct samples (exactly without a shuffle buffer; a buffer reads up to its
+            size further ahead). Unlike timm's ``RASampler``, which deals an image's copies
+            to different ranks, the copies stay on this rank and worker, mixed only by the shuffle buffer.
     """
 
     def __init__(
@@ -100,6 +108,7 @@ class ShardDataset(IterableDataset):
         seeded_transforms: bool = False,
         verify: bool = True,
         network: Network | None = None,
+        repeated_aug: int = 1,
     ) -> None:
         super().__init__()
         self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest, network)
@@ -110,6 +119,9 @@ class ShardDataset(IterableDataset):
                             f"{self.manifest.dataset}/{self.manifest.split} lists {len(self.manifest.shards)}")
         if shuffle_buffer < 0:
             raise DataError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+        if repeated_aug < 1:
+            raise DataError(f"repeated_aug must be >= 1, got {repeated_aug}")
+        self.repeated_aug = int(repeated_aug)
         self.counts = [s.count for s in self.manifest.shards]
         self.transform, self.decode, self.return_key = transform, decode, return_key
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
@@ -163,6 +175,8 @@ class ShardDataset(IterableDataset):
                           shuffle_shards=self.shuffle_buffer > 0, split_by=self.split_by,
                           epoch_length=self.epoch_length)
         stream: Iterator[dict] = self._planned_samples(plan)
+        if self.repeated_aug > 1:  # before the shuffle: copies are spread by it, the quota cuts the longer stream
+            stream = _repeated(stream, self.repeated_aug)
         if self.shuffle_buffer > 0:
             rng = random.Random(f"patchplace-samples-{self.seed}-{self.epoch}-{self.rank}-{worker}")
             stream = wds.filters._shuffle(stream, self.shuffle_buffer, self.shuffle_buffer, rng)
@@ -242,7 +256,8 @@ class ShardDataset(IterableDataset):
         else:
             x = torch.from_numpy(np.ascontiguousarray(self._wave(sample, where)))
         if self.transform is not None:
-            x = self._seeded(key, x) if self.seeded_transforms else self.transform(x)
+            copy = sample.get(COPY_FIELD, 0)  # repeated_aug: copy c > 0 draws its augmentation as key#c
+            x = self._seeded(f"{key}#{copy}" if copy else key, x) if self.seeded_transforms else self.transform(x)
         return (x, label, key) if self.return_key else (x, label)
 
     def _check_size(self, image: torch.Tensor, sample: dict) -> None:
@@ -266,16 +281,26 @@ class ShardDataset(IterableDataset):
         return wave
 
     def _seeded(self, key: str, x: Any) -> Any:
-        """Apply the transform with python's and torch's RNGs seeded from (seed, epoch, key), then restore them."""
+        """Apply the transform with python's, numpy's and torch's RNGs seeded from (seed, epoch, key), then restore
+        them (numpy's: timm's RandAugment picks its ops with ``np.random.choice``)."""
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}-{self.epoch}-{key}".encode()).digest()[:8], "little")
-        state = random.getstate()
+        state, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
             random.seed(seed)
+            np.random.seed(seed % 2**32)
             torch.manual_seed(seed % 2**63)
             try:
                 return self.transform(x)
             finally:
                 random.setstate(state)
+                np.random.set_state(np_state)
+
+
+def _repeated(samples: Iterator[dict], copies: int) -> Iterator[dict]:
+    """Each raw sample ``copies`` times, copy ``c`` marked with ``COPY_FIELD`` (repeated augmentation)."""
+    for sample in samples:
+        for copy in range(copies):
+            yield {**sample, COPY_FIELD: copy}
 
 
 def _reason(exc: BaseException) -> str:

@@ -4,7 +4,8 @@ Images arrive as uint8 ``(C, H, W)`` tensors of the manifest's ``image_size`` (a
 cropped to fit: the reader checks each decoded image, the transform again). ``pad_to`` zero-pads them (centered)
 first — e.g. Fashion-MNIST 28 -> 32 so patch 4 gives the 8 x 8 grid of the MP3 CIFAR setting — then timm's
 ``create_transform`` does the crop / flip / (optional RandAugment, random erasing) / normalize with the manifest's
-mean and std (``img_size`` / ``crop_pct`` resize and crop as configured).
+mean and std (``img_size`` / ``crop_pct`` resize and crop as configured). I-JEPA's colour distortion, grayscale
+and Gaussian blur (:func:`ijepa_extras`), when asked for, run between timm's colour stage and ToTensor.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from PIL import Image, ImageFilter
 from timm.data import create_transform
+from torchvision import transforms
 from torchvision.transforms.functional import to_pil_image
 
 from .errors import DataError
 from .manifest import Manifest
+
+RE_MODES = ("const", "rand", "pixel")  # timm RandomErasing modes
 
 
 @dataclass
@@ -35,19 +40,36 @@ class ImageTransformConfig:
     color_jitter: float = 0.0
     auto_augment: str | None = None  # e.g. "rand-m9-mstd0.5-inc1" (RGB data)
     re_prob: float = 0.0  # random erasing probability
+    re_mode: str = "const"  # timm RandomErasing fill: const (zeros) | rand (per channel) | pixel (per pixel)
+    re_count: int = 1  # timm RandomErasing max_count: up to this many boxes per image
     interpolation: str = "bicubic"
     crop_pct: float = 1.0  # eval: resize to img_size / crop_pct, then center crop
+    # I-JEPA's extras after timm's crop / flip / RandAugment, before ToTensor (their order in I-JEPA's make_transforms)
+    color_distortion: float = 0.0  # strength s: RandomApply(ColorJitter(.8s, .8s, .8s, .2s), p=0.8) (SimCLR, I-JEPA)
+    grayscale: float = 0.0  # torchvision RandomGrayscale probability (the channel count is kept)
+    gaussian_blur: float = 0.0  # probability of I-JEPA's PIL GaussianBlur, radius ~ U(0.1, 2.0)
 
     def validate(self) -> None:
         if self.pad_to is not None and self.pad_to < 1:
             raise DataError(f"pad_to must be positive, got {self.pad_to}")
         if not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise DataError(f"scale must satisfy 0 < min <= max <= 1, got {self.scale}")
-        for name in ("hflip", "re_prob"):
+        for name in ("hflip", "re_prob", "grayscale", "gaussian_blur"):
             if not 0 <= getattr(self, name) <= 1:
                 raise DataError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 < self.crop_pct <= 1:
             raise DataError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        if self.re_mode not in RE_MODES or self.re_count < 1:
+            raise DataError(f"re_mode must be one of {', '.join(RE_MODES)} and re_count >= 1, got {self.re_mode!r} "
+                            f"and {self.re_count}")
+        if self.color_distortion < 0:
+            raise DataError(f"color_distortion must be >= 0, got {self.color_distortion}")
+        if self.color_distortion and (self.color_jitter or self.auto_augment):
+            raise DataError("color_distortion (I-JEPA's) replaces color_jitter / auto_augment (timm's): set one")
+
+    def ijepa_extras(self) -> bool:
+        """Whether any of I-JEPA's extra augmentations is on (off: timm's transform exactly as before)."""
+        return bool(self.color_distortion or self.grayscale or self.gaussian_blur)
 
 
 class PadTo:
@@ -86,6 +108,53 @@ def image_transform_config(manifest: Manifest, config: ImageTransformConfig | No
     return cfg
 
 
+class GaussianBlur:
+    """I-JEPA's blur (``src/transforms.py`` of facebookresearch/ijepa; "Self-Supervised Learning from Images with a
+    Joint-Embedding Predictive Architecture", arXiv 2301.08243): with probability ``p`` a PIL ``GaussianBlur`` of
+    radius ~ U(0.1, 2.0), both drawn from torch's RNG as there (so a seeded reader repeats them)."""
+
+    def __init__(self, p: float = 0.5, radius_min: float = 0.1, radius_max: float = 2.0) -> None:
+        self.p, self.radius_min, self.radius_max = p, radius_min, radius_max
+
+    def __call__(self, img: Image.Image) -> Image.Image:
+        if torch.bernoulli(torch.tensor(self.p)) == 0:
+            return img
+        radius = self.radius_min + float(torch.rand(1)) * (self.radius_max - self.radius_min)
+        return img.filter(ImageFilter.GaussianBlur(radius=radius))
+
+    def __repr__(self) -> str:
+        return f"GaussianBlur(p={self.p}, radius=({self.radius_min}, {self.radius_max}))"
+
+
+def ijepa_extras(cfg: ImageTransformConfig) -> list[Callable[[Any], Any]]:
+    """I-JEPA's colour distortion, grayscale and blur, in its order (``make_transforms``): PIL -> PIL."""
+    extras: list[Callable[[Any], Any]] = []
+    if cfg.color_distortion:
+        s = cfg.color_distortion
+        extras.append(transforms.RandomApply([transforms.ColorJitter(0.8 * s, 0.8 * s, 0.8 * s, 0.2 * s)], p=0.8))
+    if cfg.grayscale:
+        extras.append(transforms.RandomGrayscale(p=cfg.grayscale))  # keeps the image's channel count
+    if cfg.gaussian_blur:
+        extras.append(GaussianBlur(p=cfg.gaussian_blur))
+    return extras
+
+
+def timm_transform(cfg: ImageTransformConfig, input_size: tuple[int, int, int], train: bool,
+                   normalization: dict[str, Any]) -> Callable[[Any], Any]:
+    """timm's ``create_transform`` for ``cfg``; I-JEPA's extras (when on) go between its colour stage and
+    ToTensor / Normalize / RandomErasing (timm's ``separate`` stages), else it is timm's transform untouched."""
+    options = dict(input_size=input_size, is_training=train, scale=cfg.scale, ratio=cfg.ratio, hflip=cfg.hflip,
+                   color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment, re_prob=cfg.re_prob,
+                   re_mode=cfg.re_mode, re_count=cfg.re_count, interpolation=cfg.interpolation,
+                   crop_pct=cfg.crop_pct, mean=tuple(normalization["mean"]), std=tuple(normalization["std"]))
+    if not (train and cfg.ijepa_extras()):
+        return create_transform(**options)
+    if cfg.color_distortion:
+        options["color_jitter"] = None  # I-JEPA's jitter stands in for timm's (validate refuses both)
+    primary, secondary, final = create_transform(**options, separate=True)
+    return transforms.Compose([primary, secondary, *ijepa_extras(cfg), final])
+
+
 class ImageTransform:
     """uint8 ``(C, H, W)`` tensor -> normalized float tensor, via optional padding and timm's transform."""
 
@@ -99,12 +168,7 @@ class ImageTransform:
         self.native = tuple(native) if native else None
         self.where = f"{manifest.dataset}/{manifest.split}"
         self.pad = PadTo(cfg.pad_to) if cfg.pad_to else None
-        self.timm = create_transform(
-            input_size=(self.channels, self.size, self.size), is_training=train, scale=cfg.scale,
-            ratio=cfg.ratio, hflip=cfg.hflip, color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment,
-            re_prob=cfg.re_prob, interpolation=cfg.interpolation, crop_pct=cfg.crop_pct,
-            mean=tuple(manifest.normalization["mean"]), std=tuple(manifest.normalization["std"]),
-        )
+        self.timm = timm_transform(cfg, (self.channels, self.size, self.size), train, manifest.normalization)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.uint8 or x.ndim != 3 or x.shape[0] != self.channels:

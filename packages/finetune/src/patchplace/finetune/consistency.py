@@ -33,7 +33,7 @@ def torch_predict(backbone: Backbone) -> Predict:
     @torch.no_grad()
     def predict(x: torch.Tensor, unknown_pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         backbone.eval()
-        device = backbone.norm.weight.device
+        device = backbone.patch_embed.proj.weight.device  # not the final norm's: an identity with fc_norm
         unknown = unknown_pos.to(device) if unknown_pos is not None else None
         pooled = backbone.forward_head(backbone.forward_features(x.to(device), unknown), pre_logits=True)
         return backbone.head(pooled).float().cpu(), pooled.float().cpu()

@@ -7,7 +7,8 @@ Protocol used by every objective (none of them copies the backbone):
   ``index`` (B, M) -> (B, M, D) — zeros in modes without an additive table (``none``, ``relbias2d``);
   objectives build their own per-token PEs from it (unknown PE, [MASK] PE, stochastic PE);
 * ``cls_token`` and ``prepend_cls(tokens)`` (adds the CLS token with its own PE);
-* ``forward_tokens(tokens, *, attn_mask=None, context_index=None)``: blocks + final norm;
+* ``forward_tokens(tokens, *, attn_mask=None, context_index=None)``: blocks + final norm (an identity with
+  ``fc_norm``, whose LayerNorm follows the pooling in ``forward_head``, as timm's);
 * ``embed`` / ``forward_features`` / ``forward_head`` / ``forward``: the ordinary full-attention classifier path
   used for fine-tuning and export (no data-dependent Python control flow).
 
@@ -129,7 +130,8 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
         self.blocks = nn.ModuleList(
             Block(c.embed_dim, c.num_heads, c.mlp_ratio, c.qkv_bias, c.drop_rate, c.attn_drop_rate, rate, c.norm_eps)
             for rate in rates)
-        self.norm = nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.norm: nn.Module = nn.Identity() if c.fc_norm else nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.fc_norm: nn.Module = nn.LayerNorm(c.embed_dim, eps=c.norm_eps) if c.fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(c.drop_rate)
         self.head: nn.Module = nn.Linear(c.embed_dim, c.num_classes) if c.num_classes else nn.Identity()
         self.pos_table: torch.Tensor | None = None
@@ -158,12 +160,17 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
     def embed_dim(self) -> int:
         return self.config.embed_dim
 
+    @property
+    def _reference(self) -> torch.Tensor:
+        """A parameter whose device and dtype new tensors take: the final norm's (``fc_norm``'s where it is dropped)."""
+        return (self.fc_norm if self.config.fc_norm else self.norm).weight
+
     def _build_pos_embed(self, mode: str) -> None:
         """(Re)create the PE of ``mode``; every other weight is left untouched."""
         c = self.config
         if hasattr(self, "pos_table"):
             delattr(self, "pos_table")
-        ref = self.norm.weight
+        ref = self._reference
         rows = self.num_prefix_tokens
         if mode == "learned":
             table = torch.zeros(1, rows + self.num_patches, c.embed_dim, device=ref.device, dtype=ref.dtype)
@@ -229,13 +236,13 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
 
         if self.unknown_pos_embed is None:
             self.config = replace(self.config, unknown_pos=True).validate()
-            self.unknown_pos_embed = nn.Parameter(trunc_normal_(self.norm.weight.new_zeros(1, 1, self.embed_dim),
+            self.unknown_pos_embed = nn.Parameter(trunc_normal_(self._reference.new_zeros(1, 1, self.embed_dim),
                                                                 std=0.02))
 
     def pos_embed(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """Additive PE of patch positions: (1, N, D), or (B, M, D) for ``index`` (B, M); zeros without a table."""
         if self.pos_table is None:
-            table = self.norm.weight.new_zeros(1, self.num_patches, self.embed_dim)
+            table = self._reference.new_zeros(1, self.num_patches, self.embed_dim)
         else:
             table = self.pos_table[:, self.num_prefix_tokens:]
         if index is None:
@@ -331,7 +338,8 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
         return features[:, self.num_prefix_tokens:].mean(dim=1)
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        pooled = self.head_drop(self.pool(features))
+        """Pool, ``fc_norm`` (an identity unless ``config.fc_norm``), dropout, head: timm's order."""
+        pooled = self.head_drop(self.fc_norm(self.pool(features)))
         return pooled if pre_logits else self.head(pooled)
 
     def forward(self, x: torch.Tensor, unknown_pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -344,10 +352,24 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
 
         self.config = replace(self.config, num_classes=num_classes,
                               global_pool=global_pool or self.config.global_pool).validate()
-        ref = self.norm.weight
+        ref = self._reference
         self.head = nn.Linear(self.embed_dim, num_classes).to(ref.device, ref.dtype) if num_classes else nn.Identity()
         if num_classes:
             _init_weights(self.head)
+
+    def set_fc_norm(self, enabled: bool) -> None:
+        """Switch between a final norm after the blocks (``False``) and a LayerNorm after pooling (``True``: timm's
+        ``fc_norm``). The norm that appears is freshly initialised (ones / zeros) and the other is dropped, as MAE's
+        fine-tuning does with ``--global_pool`` (models_vit.py: a new ``fc_norm``, ``del self.norm``); the blocks,
+        PE and head are untouched. A no-op when the backbone already is in that state."""
+        from dataclasses import replace
+
+        if enabled == self.config.fc_norm:
+            return
+        ref = self._reference
+        self.config = replace(self.config, fc_norm=enabled).validate()
+        fresh = nn.LayerNorm(self.embed_dim, eps=self.config.norm_eps).to(ref.device, ref.dtype)
+        self.norm, self.fc_norm = (nn.Identity(), fresh) if enabled else (fresh, nn.Identity())
 
     # ------------------------------------------------------------------ optimizer interface (timm's)
     @torch.jit.ignore

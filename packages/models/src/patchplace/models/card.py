@@ -196,7 +196,8 @@ def model_card(config: BackboneConfig, metadata: dict[str, Any], layout: str, nu
              f"# {metadata.get('method', method)} — patchplace {c.modality} backbone", "",
              f"- **Method**: {method}" + (f" — {_paper(metadata)}" if _paper(metadata) else ""),
              f"- **Backbone**: {c.embed_dim} wide, {c.depth} deep, {c.num_heads} heads, {size}, PE `{c.pos_embed}`, "
-             f"pool `{c.global_pool}`, {num_params / 1e6:.2f}M parameters, {c.num_classes or 'no'} classes"]
+             f"pool `{c.global_pool}`{' + fc_norm' if c.fc_norm else ''}, {num_params / 1e6:.2f}M parameters, "
+             f"{c.num_classes or 'no'} classes"]
     hub_id, local = base_model(metadata)
     if hub_id or local:
         lines.append("- **Base model**: " + _base_model_line(hub_id, local))

@@ -12,6 +12,9 @@ POS_EMBED_MODES = {
     "audio": ("none", "learned", "sincos1d"),
 }
 GLOBAL_POOLS = ("cls", "mean")
+# Fields added after checkpoints of this format were first written: config.json carries them only when they differ from
+# their default, so a checkpoint that does not use them is byte-identical to before and loads in earlier versions.
+LATER_FIELDS = {"fc_norm": False}
 
 
 @dataclass
@@ -37,6 +40,9 @@ class BackboneConfig:
     unknown_pos: bool = False  # MJP: a learnable unknown PE that replaces the PE of shuffled positions
     class_token: bool = True
     global_pool: str = "cls"
+    # timm's fc_norm (VisionTransformer(global_pool='avg', fc_norm=True)): no final norm after the blocks, a LayerNorm
+    # on the pooled feature instead — MAE's and DropPos's fine-tuning with --global_pool (MAE models_vit.py)
+    fc_norm: bool = False
     num_classes: int = 0
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
@@ -93,6 +99,8 @@ class BackboneConfig:
             raise ModelError(f"sincos1d needs an even embed_dim, got {self.embed_dim}")
         if self.global_pool not in GLOBAL_POOLS:
             raise ModelError(f"global_pool must be one of {GLOBAL_POOLS}, got {self.global_pool!r}")
+        if not isinstance(self.fc_norm, bool):
+            raise ModelError(f"fc_norm must be true or false, got {self.fc_norm!r}")
         if self.global_pool == "cls" and not self.class_token:
             raise ModelError("global_pool='cls' needs class_token=True; use global_pool='mean'")
         if self.num_classes < 0 or self.mlp_ratio <= 0:
@@ -106,7 +114,7 @@ class BackboneConfig:
         d = asdict(self)
         if isinstance(d["img_size"], tuple):
             d["img_size"] = list(d["img_size"])
-        return d
+        return {k: v for k, v in d.items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> BackboneConfig:

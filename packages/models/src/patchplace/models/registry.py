@@ -15,6 +15,10 @@ PRESETS: dict[str, BackboneConfig] = {
     "vit_tiny": BackboneConfig(**_IMAGENET, embed_dim=192, depth=12, num_heads=3),
     "vit_small": BackboneConfig(**_IMAGENET, embed_dim=384, depth=12, num_heads=6),
     "vit_base": BackboneConfig(**_IMAGENET, embed_dim=768, depth=12, num_heads=12),
+    # ViT-H/14 ("An Image is Worth 16x16 Words", arXiv 2010.11929, Table 1), I-JEPA's largest encoder: no class
+    # token, average pooling (timm's vit_huge_patch14_gap_224, the layout of I-JEPA's released weights)
+    "vit_huge_14": BackboneConfig(img_size=224, patch_size=14, in_chans=3, embed_dim=1280, depth=32, num_heads=16,
+                                  class_token=False, global_pool="mean"),
     # CPU-sized ViTs for 28/32 px images with patch 4 (an 8 x 8 grid, the MP3 CIFAR setting).
     "vit_cpu": BackboneConfig(**_CPU, embed_dim=192, num_heads=3),  # ~2.7M parameters
     "vit_cpu_narrow": BackboneConfig(**_CPU, embed_dim=128, num_heads=4),  # ~1.2M parameters

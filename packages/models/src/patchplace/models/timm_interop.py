@@ -1,9 +1,10 @@
 """Weights to and from timm's ``VisionTransformer`` (``timm.create_model('vit_small_patch16_224', ...)`` names).
 
 Parameter names already match timm's except the learned PE table (``pos_table`` here, ``pos_embed`` in timm).
-Supported timm features: class token or not, ``global_pool`` ``token`` / ``avg`` **with** ``fc_norm=False``
-(timm's default for ``avg`` moves the final norm after pooling, which this backbone does not do), learned or no
-PE, qkv bias. Register tokens, LayerScale, q/k norm, ``no_embed_class`` and pre-norm are refused by name.
+Supported timm features: class token or not, ``global_pool`` ``token`` / ``avg``, with or without ``fc_norm``
+(the final norm moved after pooling: ``BackboneConfig.fc_norm``, MAE's fine-tuning ``--global_pool``; timm's
+``fc_norm=None`` means "on for ``avg``", so the kwargs always name it), learned or no PE, qkv bias. Register tokens,
+LayerScale, q/k norm, ``no_embed_class`` and pre-norm are refused by name.
 A ``sincos2d`` table exports as timm's (learned) ``pos_embed`` with identical values and comes back from
 :func:`from_timm` as ``sincos2d`` while its values are still the fixed table. ``relbias2d`` (BEiT's per-layer
 relative position bias, with a class token) maps onto timm's ``Beit`` (``use_rel_pos_bias=True``, no absolute PE,
@@ -39,7 +40,7 @@ def timm_kwargs(config: BackboneConfig) -> dict[str, Any]:
                 num_classes=config.num_classes, global_pool="token" if config.global_pool == "cls" else "avg",
                 embed_dim=config.embed_dim, depth=config.depth, num_heads=config.num_heads,
                 mlp_ratio=config.mlp_ratio, qkv_bias=config.qkv_bias, class_token=config.class_token,
-                fc_norm=False, pos_embed="none" if config.pos_embed == "none" else "learn")
+                fc_norm=config.fc_norm, pos_embed="none" if config.pos_embed == "none" else "learn")
 
 
 def beit_kwargs(config: BackboneConfig) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def beit_kwargs(config: BackboneConfig) -> dict[str, Any]:
                          f"{config.class_token} (Beit: relbias2d with a class token)")
     return dict(img_size=config.image_hw, patch_size=config.patch_size, in_chans=config.in_chans,
                 num_classes=config.num_classes, global_pool="token" if config.global_pool == "cls" else "avg",
-                use_fc_norm=False, embed_dim=config.embed_dim, depth=config.depth, num_heads=config.num_heads,
+                use_fc_norm=config.fc_norm, embed_dim=config.embed_dim, depth=config.depth, num_heads=config.num_heads,
                 mlp_ratio=config.mlp_ratio, qkv_bias=config.qkv_bias, use_abs_pos_emb=False,
                 use_rel_pos_bias=True, use_shared_rel_pos_bias=False,
                 init_values=0.0)  # 0, not None: timm drops None kwargs and BEiT-base defaults to LayerScale 0.1
@@ -200,8 +201,6 @@ def _refuse(timm_model: nn.Module) -> None:
         "no_embed_class": getattr(timm_model, "no_embed_class", False),
         "dynamic_img_size": getattr(timm_model, "dynamic_img_size", False),
         "norm_pre": not isinstance(getattr(timm_model, "norm_pre", nn.Identity()), nn.Identity),
-        "fc_norm (create it with fc_norm=False)": not isinstance(getattr(timm_model, "fc_norm", nn.Identity()),
-                                                                 nn.Identity),
         "attention pooling": timm_model.global_pool not in ("token", "avg"),
     }
     block = timm_model.blocks[0]
@@ -225,8 +224,23 @@ def timm_config(timm_model: nn.Module) -> BackboneConfig:
         qkv_bias=blocks[0].attn.qkv.bias is not None,
         pos_embed=_pos_embed_mode(timm_model),
         class_token=timm_model.cls_token is not None,
-        global_pool="cls" if timm_model.global_pool == "token" else "mean",
-        num_classes=timm_model.num_classes, norm_eps=timm_model.norm.eps)
+        global_pool="cls" if timm_model.global_pool == "token" else "mean", fc_norm=_has_fc_norm(timm_model),
+        num_classes=timm_model.num_classes, norm_eps=_final_norm(timm_model).eps)
+
+
+def _has_fc_norm(timm_model: nn.Module) -> bool:
+    """timm's ``fc_norm``: the final norm after pooling (``fc_norm`` a LayerNorm, ``norm`` an identity)."""
+    return not isinstance(getattr(timm_model, "fc_norm", nn.Identity()), nn.Identity)
+
+
+def _final_norm(timm_model: nn.Module) -> nn.Module:
+    """The one LayerNorm after the blocks: ``fc_norm`` (after pooling) or ``norm`` (before); both or neither refused."""
+    norms = [m for m in (timm_model.norm, getattr(timm_model, "fc_norm", nn.Identity()))
+             if not isinstance(m, nn.Identity)]
+    if len(norms) != 1:
+        raise ModelError(f"this timm VisionTransformer has {len(norms)} final norms (norm and fc_norm); patchplace "
+                         "backbones have exactly one, before or after pooling")
+    return norms[0]
 
 
 def _pos_embed_mode(timm_model: nn.Module) -> str:

@@ -39,11 +39,20 @@ class ObjectiveConfig:
         return cls(**{**cls.PAPER, **overrides}).validate()
 
     def for_backbone(self, backbone: Backbone):
-        """This config with the widths left ``None`` taken from ``backbone`` (see ``RELATIVE``), validated."""
+        """This config with the widths left ``None`` taken from ``backbone`` (see ``RELATIVE``), validated. Widths
+        set explicitly are kept whatever the backbone; where a filled-in one does not fit them (e.g. ``decoder_dim``
+        512 with the backbone's 12 heads), the error names what came from the backbone."""
         values = {"embed_dim": backbone.embed_dim, "half_embed_dim": backbone.embed_dim // 2,
                   "num_heads": backbone.config.num_heads}
         filled = {name: values[rule] for name, rule in self.RELATIVE.items() if getattr(self, name) is None}
-        return replace(self, **filled).validate() if filled else self
+        if not filled:
+            return self
+        try:
+            return replace(self, **filled).validate()
+        except ObjectiveError as exc:
+            taken = ", ".join(f"{name}={value}" for name, value in filled.items())
+            raise ObjectiveError(f"{exc} ({taken} taken from the backbone because left null: set it explicitly)"
+                                 ) from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]):

@@ -50,17 +50,22 @@ COVARIANCES = ("learned", "fixed")
 
 @dataclass
 class IJEPAConfig(ObjectiveConfig):
-    """I-JEPA defaults (a 12-block predictor half as wide as the backbone with its head count — ``paper()``: 384 wide
-    x 12 heads, the paper's; 4 target blocks of scale 0.15-0.2 and
-    aspect 0.75-1.5; a context block of scale 0.85-1.0; EMA momentum 0.996 -> 1.0) and StoP (``stop=True``,
-    sigma = 0.25, noise on masked tokens, learned covariance)."""
+    """I-JEPA defaults (a 12-block predictor half as wide as the backbone with its head count; 4 target blocks of
+    scale 0.15-0.2 and aspect 0.75-1.5; a context block of scale 0.85-1.0; EMA momentum 0.996 -> 1.0) and StoP
+    (``stop=True``, sigma = 0.25, noise on masked tokens, learned covariance).
+
+    ``paper()``: the authors' released predictors (the papers state no predictor size), 384 wide with the encoder's
+    head count (both codes build it with ``num_heads=encoder.num_heads``): I-JEPA 12 blocks (``configs/
+    in1k_vith14_ep300.yaml``: ``pred_depth: 12``, ``pred_emb_dim: 384``, ViT-H/14), StoP (``paper(stop=True)``) 6
+    blocks (StoP's ``configs/pretrain/vit-b16.yaml``: ``pred_depth: 6``, ``emb_dim: 384``, ViT-B/16)."""
 
     RELATIVE: ClassVar[dict[str, str]] = {"predictor_dim": "half_embed_dim", "predictor_heads": "num_heads"}
-    PAPER: ClassVar[dict[str, Any]] = {"predictor_dim": 384, "predictor_depth": 12, "predictor_heads": 12}
+    PAPER: ClassVar[dict[str, Any]] = {"predictor_dim": 384, "predictor_depth": 12, "predictor_heads": None}
+    STOP_PAPER: ClassVar[dict[str, Any]] = {"predictor_dim": 384, "predictor_depth": 6, "predictor_heads": None}
 
     predictor_dim: int | None = None  # predictor width (None: half the backbone's; paper(): 384)
-    predictor_depth: int = 12  # predictor blocks
-    predictor_heads: int | None = None  # predictor heads (None: the backbone's; paper(): 12)
+    predictor_depth: int = 12  # predictor blocks (paper(): 12 for I-JEPA ViT-H/14, 6 for StoP ViT-B/16)
+    predictor_heads: int | None = None  # predictor heads (None: the backbone's, as both official codes)
     num_targets: int = 4  # target blocks per image
     target_scale: tuple[float, float] = (0.15, 0.2)  # target block area, fraction of the image
     target_aspect: tuple[float, float] = (0.75, 1.5)  # target block aspect ratio
@@ -72,6 +77,12 @@ class IJEPAConfig(ObjectiveConfig):
     sigma: float = 0.25  # StoP noise scale
     noise_on: str = "masked"  # StoP: which tokens get the noise: masked | context | both
     covariance: str = "learned"  # StoP noise covariance: learned | fixed
+
+    @classmethod
+    def paper(cls, **overrides: Any) -> IJEPAConfig:
+        """The authors' predictor (class docstring): StoP's ViT-B/16 one with ``stop=True``, else I-JEPA's ViT-H/14."""
+        widths = cls.STOP_PAPER if overrides.get("stop") else cls.PAPER
+        return cls(**{**widths, **overrides}).validate()
 
     def validate(self) -> IJEPAConfig:
         for name in ("predictor_depth", "num_targets", "min_keep"):

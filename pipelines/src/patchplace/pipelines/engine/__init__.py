@@ -4,7 +4,9 @@ what a run directory holds: docs/design.md#5-pipelines-and-run-directories.
 
     launch.py       errors and their one-line report, each rank's seed, the Accelerator, ``start``
     inputs.py       the readers (memory or streaming, hold-out, training statistics) and data metadata
-    optim.py        AdamW, the warm-up + cosine schedule, ``run.compile``
+    optim.py        AdamW / Adam, the per-step schedule (StepSchedule), ``run.compile``
+    schedules.py    the papers' warm-up, lr and weight-decay schedules (pure functions of the step)
+    ema.py          ``run.model_ema``: timm's ModelEmaV3 of the trained weights
     trainer.py      the Trainer: ``train_step`` and ``after_step``
     checkpoints.py  the run directory: checks, checkpoints, snapshots, best/, resume
     guards.py       the finite checks and the stop signals
@@ -13,6 +15,7 @@ what a run directory holds: docs/design.md#5-pipelines-and-run-directories.
 """
 
 from patchplace.pipelines.engine.checkpoints import recipe, snapshot_steps
+from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.guards import FiniteCheck, StopSignals
 from patchplace.pipelines.engine.inputs import (
     Data,
@@ -43,14 +46,15 @@ from patchplace.pipelines.engine.launch import (
 )
 from patchplace.pipelines.engine.logs import JsonlLog, Throughput, command_line, read_log, say, truncate_log
 from patchplace.pipelines.engine.optim import StepSchedule, compile_blocks, make_optimizer, warmup_cosine
+from patchplace.pipelines.engine.schedules import cosine_weight_decay, lr_factor, warmup_length
 from patchplace.pipelines.engine.scoring import BestTracker, classify
 from patchplace.pipelines.engine.trainer import Trainer
 
 __all__ = [
     "MAX_PROCESSES", "RUN_ERRORS", "SEEDS_PER_RANK", "USER_ERRORS", "BestTracker", "Data", "DiskFull", "Diverged",
     "FiniteCheck", "Interrupted", "JsonlLog", "NonFiniteOutput", "StepSchedule", "StopSignals", "Throughput",
-    "Trainer", "build_data", "check_inputs", "check_seed", "classify", "command_line", "compile_blocks",
-    "data_fingerprints", "data_metadata", "holdout_indices", "make_accelerator", "make_optimizer", "memory_choice",
-    "metrics_split", "rank_seed", "read_log", "recipe", "relaunch", "report", "say", "snapshot_steps", "start",
-    "training_statistics", "truncate_log", "warmup_cosine",
+    "Trainer", "WeightsEma", "build_data", "check_inputs", "check_seed", "classify", "command_line", "compile_blocks",
+    "cosine_weight_decay", "data_fingerprints", "data_metadata", "holdout_indices", "lr_factor", "make_accelerator",
+    "make_optimizer", "memory_choice", "metrics_split", "rank_seed", "read_log", "recipe", "relaunch", "report", "say",
+    "snapshot_steps", "start", "training_statistics", "truncate_log", "warmup_cosine", "warmup_length",
 ]

@@ -14,6 +14,8 @@ Run directory (``run.output``; one run at a time, see ``rundir.py``)::
                        step and epoch (epoch-0: the initial weights)
     best/              run.early_stop_patience: the backbone folder of the best evaluation (metadata: step,
                        best_metric, best_value, metrics); the one to evaluate
+    ema/               run.model_ema: the backbone folder of the weights' EMA at the end (metadata: model_ema, the
+                       EMA's own evaluation in metrics); its running average: state/model_ema.safetensors
     tensorboard/       TensorBoard event files
     .lock              held while a process runs the directory
 """
@@ -121,7 +123,8 @@ class Checkpointing:
     """The :class:`~patchplace.pipelines.engine.trainer.Trainer`'s run directory: what it checks before training,
     the checkpoints and backbone folders it writes, and the resume. Reads the Trainer's ``acc``, ``out``, ``run``,
     ``config``, ``command``, ``metadata``, ``backbone``, ``objective``, ``global_batch``, ``fingerprints``,
-    ``snapshots``, ``tracker``, ``stopped_early``, ``log``, ``finite`` and ``bar``."""
+    ``snapshots``, ``tracker``, ``stopped_early``, ``log``, ``finite``, ``bar`` and ``ema`` (run.model_ema or
+    None)."""
 
     def _from_main(self, refusal: ConfigError | None) -> ConfigError | None:
         """The main process's refusal (None: none), on every rank."""
@@ -205,6 +208,8 @@ class Checkpointing:
             if acc.is_main_process:
                 self._save_backbone(partial / "checkpoint", metadata)
             acc.save_state(str(partial / "state"))  # every process writes its own random_states_<rank>.pkl
+            if acc.is_main_process and self.ema is not None:  # run.model_ema's average (the same on every rank)
+                self.ema.save_state(partial / "state")
             acc.wait_for_everyone()  # ... before the main process seals the directory
             if acc.is_main_process:
                 (partial / "state" / "trainer.json").write_text(json.dumps({
@@ -297,6 +302,8 @@ class Checkpointing:
         trainer = json.loads((state / "trainer.json").read_text())
         self.stopped_early = trainer.get("stopped_early")
         load_state_strictly(self.acc, state)
+        if self.ema is not None:
+            self.ema.load_state(state)
         return int(trainer["step"])
 
     def _resume(self) -> int:

@@ -53,12 +53,29 @@ def memory_choice(cfg: DataSection, manifest: Manifest, budget: int, key: str, a
                f"data.memory_budget_mb={cfg.memory_budget_mb:g}")
     elif key == "data.train" and augment and cfg.auto_augment:
         why = "data.auto_augment runs per sample on PIL images"
+    elif per_sample_recipe(cfg, key, augment):
+        why = per_sample_recipe(cfg, key, augment)
     else:
         return None
     if cfg.in_memory is True:
         raise ConfigError(f"data.in_memory=true but {key} ({manifest.dataset}/{manifest.split}) cannot be held in "
                           f"memory: {why}; set data.in_memory=auto to stream it")
     return why
+
+
+def per_sample_recipe(cfg: DataSection, key: str, augment: bool) -> str | None:
+    """The recipe fields the batched in-memory path cannot apply to split ``key`` (they run per sample on PIL
+    images, or repeat samples of a stream), named; None when there are none."""
+    augmented = key == "data.train" and augment
+    found = [f"data.{name}={getattr(cfg, name)}" for name in ("grayscale", "gaussian_blur", "color_jitter")
+             if augmented and getattr(cfg, name)]
+    if augmented and cfg.re_prob and (cfg.re_mode, cfg.re_count) != ("const", 1):
+        found.append(f"data.re_mode={cfg.re_mode} data.re_count={cfg.re_count}")
+    if augmented and cfg.repeated_aug > 1:
+        found.append(f"data.repeated_aug={cfg.repeated_aug}")
+    if not augmented and cfg.crop_pct != 1:  # batched resizing is not PIL's bicubic: timm's eval transform streams
+        found.append(f"data.crop_pct={cfg.crop_pct}")
+    return f"{', '.join(found)} run(s) per sample on the streaming path" if found else None
 
 
 def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: bool = True,
@@ -78,8 +95,8 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     normalization = training_statistics(manifest, checkpoint)
     if manifest.modality == "image":
         options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, scale=cfg.scale, hflip=cfg.hflip,
-                       auto_augment=cfg.auto_augment, re_prob=cfg.re_prob)
-        eval_options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size)
+                       auto_augment=cfg.auto_augment, re_prob=cfg.re_prob, **recipe_options(cfg))
+        eval_options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, **eval_recipe_options(cfg))
     else:
         options, eval_options = {"noise_bank": cfg.noise_split}, {}
     rank, world = (accelerator.process_index, accelerator.num_processes) if split_train else (0, 1)
@@ -125,7 +142,8 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                                                                                     augment, **opts),
                                             shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=rank, world_size=world,
                                             num_workers=cfg.num_workers, seeded_transforms=True,
-                                            skip_corrupt=cfg.skip_corrupt, verify=cfg.verify_shards)
+                                            skip_corrupt=cfg.skip_corrupt, verify=cfg.verify_shards,
+                                            repeated_aug=cfg.repeated_aug if augment else 1)
             else:
                 readers[key] = ShardDataset(m, urls=urls, transform=build_transform(with_statistics(m, normalization),
                                                                                     False, **opts),
@@ -144,6 +162,21 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
             reader.epoch_length = limit
     frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
     return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
+
+
+def recipe_options(cfg: DataSection) -> dict[str, Any]:
+    """The image transform options of the papers' recipe fields; those left at their defaults are not passed, so a
+    run without them builds the very transform it built before they existed."""
+    options = dict(re_mode=cfg.re_mode, re_count=cfg.re_count, grayscale=cfg.grayscale,
+                   gaussian_blur=cfg.gaussian_blur, color_distortion=cfg.color_jitter, **eval_recipe_options(cfg))
+    defaults = dict(re_mode="const", re_count=1, grayscale=0.0, gaussian_blur=0.0, color_distortion=0.0)
+    return {k: v for k, v in options.items() if v != defaults.get(k)}
+
+
+def eval_recipe_options(cfg: DataSection) -> dict[str, Any]:
+    """data.crop_pct (timm's eval resize + centre crop) when it is not 1: unaugmented reads (data.val, evaluation,
+    data.train without augmentation) use it."""
+    return {"crop_pct": cfg.crop_pct} if cfg.crop_pct != 1 else {}
 
 
 def training_statistics(manifest: Manifest, checkpoint: str | None) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from patchplace.objectives import ObjectiveError
 from patchplace.pipelines.config import MAX_SEED, ConfigError, RunSection, load, one_line, parser
 from patchplace.pipelines.engine import inputs
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
+from patchplace.pipelines.engine.logs import accelerator_log_with
 
 
 class Diverged(ValueError):
@@ -191,7 +192,7 @@ def make_accelerator(run: RunSection) -> Accelerator:
                           "write, e.g. run.output=runs/my_run") from None
     precision = resolve_precision(run.mixed_precision, "cpu" if parse_flag_from_env("ACCELERATE_USE_CPU") else None)
     accelerator = Accelerator(mixed_precision=precision.value, gradient_accumulation_steps=run.grad_accum,
-                              log_with="tensorboard" if run.tensorboard else None,
+                              log_with=accelerator_log_with(run),  # "tensorboard" alone by default, as ever
                               # accelerate writes to <logging_dir>/<run name>: the events land in <output>/tensorboard/
                               project_config=ProjectConfiguration(project_dir=run.output, logging_dir=run.output))
     check_launch(accelerator)

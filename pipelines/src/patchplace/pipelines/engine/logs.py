@@ -115,3 +115,28 @@ class Throughput:
         if seen:
             found.update(data_share=round(self.waited / elapsed, 4), samples_per_s=round(seen / elapsed, 1))
         return found
+
+
+# ---------------------------------------------------------------------------------------------- experiment trackers
+def trackers(run: Any) -> list[str]:
+    """Every experiment tracker a run logs train/* and val/* to: TensorBoard (``run.tensorboard``) first, then
+    ``run.log_with`` (an evaluation's run section has neither: none)."""
+    return list(dict.fromkeys([*(["tensorboard"] if run.tensorboard else []), *getattr(run, "log_with", ())]))
+
+
+def accelerator_log_with(run: Any) -> Any:
+    """``Accelerator(log_with=...)`` for ``run``: None, "tensorboard" alone as ever, or with other trackers a
+    TensorBoard tracker of its own, so that its events stay in output/tensorboard/ while the others take
+    ``run.log_project`` as their project (Accelerate names both after one ``init_trackers`` argument)."""
+    names = trackers(run)
+    if not names or names == ["tensorboard"]:
+        return names[0] if names else None
+    from accelerate.tracking import TensorBoardTracker  # it opens its writer in start(): on the main process
+
+    return [TensorBoardTracker("tensorboard", run.output) if n == "tensorboard" else n for n in names]
+
+
+def tracker_project(run: Any) -> str:
+    """The ``init_trackers`` project: "tensorboard" for TensorBoard alone (output/tensorboard/), else
+    ``run.log_project``."""
+    return "tensorboard" if trackers(run) == ["tensorboard"] else run.log_project

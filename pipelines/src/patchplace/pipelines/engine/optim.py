@@ -23,7 +23,7 @@ def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
     fused = cfg.fused if cfg.fused is not None else (device is not None and device.type == "cuda")
     try:
         return build_optimizer(model, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
-                               betas=cfg.betas, layer_decay=cfg.layer_decay, fused=fused)
+                               betas=cfg.betas, layer_decay=cfg.layer_decay, fused=fused, opt=cfg.optimizer)
     except ValueError as exc:
         raise ConfigError(f"optim.layer_decay: {exc}") from None
 
@@ -60,15 +60,24 @@ class StepSchedule:
     twice: Accelerate's scheduler wrapper steps a prepared scheduler once per *process* per optimizer step
     (``split_batches=False``), which would run the schedule P times too fast under P processes."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float]) -> None:
-        self.optimizer, self.factor = optimizer, factor
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float],
+                 weight_decay: Callable[[int], float] | None = None) -> None:
+        self.optimizer, self.factor, self.weight_decay = optimizer, factor, weight_decay
         for group in optimizer.param_groups:  # peak lr x the group's layer-decay scale (torch's name for it)
             group.setdefault("initial_lr", group["lr"])
         self.base = [group["initial_lr"] for group in optimizer.param_groups]
+        # optim.weight_decay_end: the groups built with a weight decay follow it; norms, biases, PEs, tokens stay 0
+        self.decays = [group["weight_decay"] > 0 for group in optimizer.param_groups]
 
     def set(self, step: int) -> float:
-        """Give every group its lr for optimizer step ``step`` (0-based); returns the factor."""
+        """Give every group its lr (and, with a weight-decay schedule, the decaying groups their weight decay) for
+        optimizer step ``step`` (0-based); returns the lr factor."""
         factor = self.factor(step)
         for group, base in zip(self.optimizer.param_groups, self.base, strict=True):
             group["lr"] = base * factor
+        if self.weight_decay is not None:  # (AdamW reads each group's weight_decay at every step)
+            decay = self.weight_decay(step)
+            for group, decays in zip(self.optimizer.param_groups, self.decays, strict=True):
+                if decays:
+                    group["weight_decay"] = decay
         return factor

@@ -18,6 +18,7 @@ happen on the main process, except each rank's own random state in ``state/``.
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,10 @@ from patchplace.finetune import parameter_groups
 from patchplace.models import Backbone
 from patchplace.pipelines.config import ConfigError, OptimSection, RunSection
 from patchplace.pipelines.engine.checkpoints import Checkpointing, recipe, snapshot_steps
+from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.guards import FiniteCheck, StopSignals
 from patchplace.pipelines.engine.hardware import resolve_precision
-from patchplace.pipelines.engine.inputs import Data, data_fingerprints
+from patchplace.pipelines.engine.inputs import Data, data_fingerprints, metrics_split
 from patchplace.pipelines.engine.launch import (
     RUN_ERRORS,
     DiskFull,
@@ -45,10 +47,11 @@ from patchplace.pipelines.engine.launch import (
     rank_seed,
     report,
 )
-from patchplace.pipelines.engine.logs import JsonlLog, Throughput
-from patchplace.pipelines.engine.optim import StepSchedule, compile_blocks, make_optimizer, warmup_cosine
+from patchplace.pipelines.engine.logs import JsonlLog, Throughput, tracker_project, trackers
+from patchplace.pipelines.engine.optim import StepSchedule, compile_blocks, make_optimizer
+from patchplace.pipelines.engine.schedules import lr_factor, schedule_words, warmup_length, weight_decay_schedule
 from patchplace.pipelines.engine.scoring import BestTracker
-from patchplace.pipelines.rundir import RunLock, disk_error, disk_message, latest_step
+from patchplace.pipelines.rundir import RunLock, disk_error, disk_message, latest_step, publish_folder
 
 
 class Trainer(Checkpointing):
@@ -92,11 +95,13 @@ class Trainer(Checkpointing):
             raise ConfigError("run.finite_check=lazy skips a non-finite step inside AdamW's fused kernel: set "
                               "optim.fused=true (null means fused on a GPU only), or run.finite_check=step")
         self.finite = FiniteCheck(accelerator, run.finite_check, self._diverged)
+        # run.model_ema: copied before run.compile (a copy of a compiled block would run the original's forward)
+        self.ema = WeightsEma(objective, run.model_ema, backbone) if run.model_ema is not None else None
         compiled = compile_blocks(objective, run.compile)
         if compiled:
             accelerator.print(f"run.compile={run.compile}: {compiled} Transformer blocks compiled (the first steps "
                               "compile them)")
-        if optim.lr_scaling != "none":
+        if optim.lr_scaling != "none" and accelerator.num_processes == 1:  # several: in the line of _start_line
             accelerator.print(f"optim.lr_scaling={optim.lr_scaling}: peak lr {optim.lr:g} at global batch "
                               f"{self.lr_base_batch} -> {self.peak_lr:.4g} at global batch "
                               f"{self.global_batch} ({accelerator.num_processes} process(es))")
@@ -104,6 +109,7 @@ class Trainer(Checkpointing):
         # the batch, run.keep_epochs / run.early_stop_patience, checked before the directory is touched
         self._check_batch(per_process)
         self.snapshots = snapshot_steps(run.keep_epochs, *self.budget(config.data.batch_size))
+        self._start_line(per_process, *self.budget(config.data.batch_size))
         self.tracker = BestTracker(run.early_stop_metric, run.early_stop_patience) if run.early_stop_patience \
             else None
         if self.tracker is not None and evaluate is None:
@@ -153,6 +159,23 @@ class Trainer(Checkpointing):
         per_epoch = max(1, self.data.train.num_batches(batch_size) // self.run.grad_accum)
         total = self.optim_cfg.max_steps or max(1, round(self.optim_cfg.epochs * per_epoch))
         return per_epoch, total
+
+    def _start_line(self, per_process: int, per_epoch: int, total: int) -> None:
+        """Under several processes, one line on stdout: the batch per process and in all, the peak lr after
+        ``optim.lr_scaling``, the warm-up steps and the schedule. A warm-up given in steps or epochs that outlasts
+        the run is warned about (its lr never reaches the peak)."""
+        optim, acc = self.optim_cfg, self.acc
+        warmup = warmup_length(optim, per_epoch, total)
+        if acc.num_processes > 1:
+            rule = f" from global batch {self.lr_base_batch}" if optim.lr_scaling != "none" else ""
+            acc.print(f"{acc.num_processes} processes x {per_process} samples per step (data.batch_size x "
+                      f"run.grad_accum) = global batch {self.global_batch}; peak lr {self.peak_lr:.4g} (optim.lr "
+                      f"{optim.lr:g}, optim.lr_scaling={optim.lr_scaling}{rule}); "
+                      f"{schedule_words(optim, warmup, total)}")
+        if warmup >= total and (optim.warmup_steps is not None or optim.warmup_epochs is not None) and \
+                acc.is_main_process:
+            print(f"warning: the warm-up ({warmup} steps) is not shorter than the run ({total} steps): the lr never "
+                  "reaches its peak", file=sys.stderr)
 
     # ------------------------------------------------------------------ running
     def train(self, batch_size: int) -> tuple[dict[str, Any], int]:
@@ -221,8 +244,10 @@ class Trainer(Checkpointing):
         returns the step it starts at."""
         acc, run = self.acc, self.run
         self.per_epoch, self.total = self.budget(batch_size)
-        self.schedule = StepSchedule(self.optimizer, warmup_cosine(self.total, self.optim_cfg.warmup_fraction,
-                                                                   self.optim_cfg.min_lr_ratio))
+        optim = self.optim_cfg
+        warmup = warmup_length(optim, self.per_epoch, self.total)
+        self.schedule = StepSchedule(self.optimizer, lr_factor(optim, self.total, warmup, self.peak_lr),
+                                     weight_decay_schedule(optim, self.total))
         # what every parameter really gets (lr scale, weight decay), for the user to check: optimizer.json
         self.groups = parameter_groups(self.optimizer, self.objective) if acc.is_main_process else None
         find_unused = run.find_unused_parameters
@@ -231,6 +256,8 @@ class Trainer(Checkpointing):
         acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=find_unused)
         # The schedule is not prepared: Accelerate's wrapper would step it once per process (StepSchedule).
         self.model, self.optimizer = acc.prepare(self.objective, self.optimizer)
+        if self.ema is not None:  # beside the prepared model (checkpointed by save_checkpoint, resumed exactly)
+            self.ema.to(acc.device)
         # Each rank its own random stream (masks, noise, drop path): rank_seed(seed, rank), distinct for every
         # (seed, rank) pair. Resume restores every rank's stream from state/random_states_<rank>.pkl. The data
         # order has its own (seed, epoch, rank) seeds.
@@ -246,8 +273,8 @@ class Trainer(Checkpointing):
             "lr": self.peak_lr, "config_lr": optim.lr, "lr_scaling": optim.lr_scaling,
             "lr_base_batch": self.lr_base_batch, "global_batch": self.global_batch, "processes": acc.num_processes,
             "layer_decay": optim.layer_decay, "weight_decay": optim.weight_decay, "parameters": self.groups})
-        if acc.is_main_process and self.run.tensorboard:
-            acc.init_trackers("tensorboard")
+        if acc.is_main_process and trackers(self.run):  # run.tensorboard, run.log_with
+            acc.init_trackers(tracker_project(self.run))
         self.bar = tqdm(total=self.total, initial=step, disable=not acc.is_main_process,
                         desc=self.metadata.get("method"))
         self.meter = Throughput(self.data.started)
@@ -297,6 +324,8 @@ class Trainer(Checkpointing):
         unwrapped = self.acc.unwrap_model(self.model)
         if hasattr(unwrapped, "update_target"):  # EMA target encoder (I-JEPA / StoP)
             unwrapped.update_target(step / total)
+        if self.ema is not None:  # run.model_ema: the weights of the step, target encoder included
+            self.ema.update(unwrapped)
         self.bar.update(1)
         if step % run.log_every == 0 or step == total:
             self._log_step(step, epoch, out, lr_factor)
@@ -343,11 +372,13 @@ class Trainer(Checkpointing):
         scalars = {k: float(acc.reduce(v.detach().float(), "mean")) for k, v in out.items()
                    if torch.is_tensor(v) and v.numel() == 1}
         scalars.update(lr=self.peak_lr * lr_factor, epoch=epoch)
+        if self.optim_cfg.weight_decay_end is not None:  # the weight decay the decaying groups trained with
+            scalars["wd"] = max(group["weight_decay"] for group in self.optimizer.param_groups)
         scalars.update(self.meter.record(acc.num_processes))
         if self.data.train.skipped:  # data.skip_corrupt (counted in this process; workers warn)
             scalars["skipped_shards"] = len(set(self.data.train.skipped))
         self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "data": self.data.path})
-        if self.run.tensorboard:  # namespaced as TensorBoard groups them: train/loss, train/lr, ...
+        if trackers(self.run):  # namespaced as TensorBoard groups them: train/loss, train/lr, ...
             acc.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
         self.bar.set_postfix(loss=f"{scalars['loss']:.4f}")
 
@@ -369,11 +400,13 @@ class Trainer(Checkpointing):
             last_eval = self._evaluate(self.model, step)
             new_best, _ = self._follow(step, last_eval)
         metrics = {k: v for k, v in last_eval.items() if isinstance(v, int | float | str)} or None
+        if self.ema is not None:  # before the final checkpoint: a run killed in between writes it again
+            self._finish_ema(step)
         self.save_checkpoint(step, metrics=metrics, stopped_early=summary)
         if new_best:
             self._save_best(step)
         self._report_best()
-        if self.run.tensorboard:
+        if trackers(self.run):
             acc.end_training()
         return last_eval
 
@@ -383,11 +416,30 @@ class Trainer(Checkpointing):
         if self.acc.is_main_process:
             result = self.evaluate(self.acc.unwrap_model(objective), step)
             self.log.write({"step": step, "eval": result})
-            if self.run.tensorboard:  # val/top1, val/top5, ... beside train/*
+            if trackers(self.run):  # val/top1, val/top5, ... beside train/*
                 self.acc.log({f"val/{k}": v for k, v in result.items() if isinstance(v, int | float)
                               and k != "count"}, step=step)
         self.acc.wait_for_everyone()
         return result
+
+    def _finish_ema(self, step: int) -> None:
+        """``run.model_ema`` at the run's end: the averaged weights evaluated as the trained ones are (log.jsonl's
+        ``eval_ema``, TensorBoard's val/ema_*) when the pipeline evaluates, and ``output/ema/`` written (the
+        backbone folder as checkpoint/ holds it, metadata with the decay and that evaluation). Main process."""
+        ema, result = self.ema, {}
+        if self.acc.is_main_process:
+            if self.evaluate is not None:
+                self._print(f"EMA of the weights (run.model_ema={ema.decay:g}):")
+                result = self.evaluate(ema.module, step)
+                self.log.write({"step": step, "eval_ema": result})
+                if trackers(self.run):
+                    self.acc.log({f"val/ema_{k}": v for k, v in result.items() if isinstance(v, int | float)
+                                  and k != "count"}, step=step)
+            metrics = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
+            metadata = {**self.metadata, "step": step, "model_ema": ema.decay,
+                        **({"metrics": metrics, "metrics_split": metrics_split(self.config.data)} if metrics else {})}
+            publish_folder(self.out / "ema", lambda folder: ema.save(folder, metadata))
+        self.acc.wait_for_everyone()
 
     def _follow(self, step: int, result: dict[str, Any]) -> tuple[bool, bool]:
         """Early stopping after the evaluation of ``step``: (a new best, stop now), the main process's decision

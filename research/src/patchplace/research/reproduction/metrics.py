@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from patchplace.pipelines.stages import stage_resumed, stage_seconds
+from patchplace.research.reproduction.corpora import corpus_of, corpus_record, same_corpus, study_corpora
 from patchplace.research.reproduction.plan import CONTROLS, RUNS, Run, StudyConfig, fraction_key
 from patchplace.research.reproduction.runner import Study
 
@@ -113,6 +114,8 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     ort = read_json(d / "ort" / "results.json") or {}
     pre, ft = study.epochs(run)
     m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None, **labels}
+    corpus = corpus_of(run.name)
+    m["corpus"] = corpus_record(getattr(study.cfg, corpus), corpus)  # what reuse_results matches it by
     if probes_only:
         m.update(pretrain_epochs=pre, finetune_epochs=0.0, minutes=(stage_seconds(d / "pretrain") or 0) / 60,
                  finetune_pe="(probes only)")
@@ -217,7 +220,7 @@ BUDGET_FIELDS = ("preset", "holdout", "label_patience", "label_finetune", "pretr
 def earlier_study(cfg: StudyConfig) -> dict[str, Any]:
     """An earlier ``results/study.json`` measured at this budget (another machine, or a ``runs/`` since cleaned),
     or {}: its rows, controls, curves and stage minutes stand where ``runs/`` no longer holds them. A different
-    budget is ignored, with a note."""
+    budget is ignored, with a note; so is what was made on another corpus (:func:`on_these_corpora`)."""
     path = Path(cfg.results) / f"{cfg.name}.json"
     earlier = read_json(path)
     if not earlier:
@@ -226,7 +229,18 @@ def earlier_study(cfg: StudyConfig) -> dict[str, Any]:
     if changed:
         print(f"[study] {path}: measured at another budget ({', '.join(changed)} differ); not reused")
         return {}
-    return earlier
+    return on_these_corpora(earlier, cfg)
+
+
+def on_these_corpora(earlier: dict[str, Any], cfg: StudyConfig) -> dict[str, Any]:
+    """``earlier`` without the rows made on another corpus than ``cfg`` reads (each row's recorded manifest
+    fingerprints, ``reproduction.corpora``), and without its controls and curves where its images were another
+    corpus: a row is never reused, nor reported, for a corpus it was not measured on."""
+    now = study_corpora(cfg)
+    results = {name: [m for m in rows if same_corpus(m.get("corpus"), now[corpus_of(name)], corpus_of(name))]
+               for name, rows in (earlier.get("results") or {}).items()}
+    images = same_corpus((earlier.get("corpora") or {}).get("fashion_mnist"), now["fashion_mnist"], "fashion_mnist")
+    return {**earlier, "results": results, **({} if images else {"controls": None, "curves": None})}
 
 
 def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:

@@ -34,6 +34,7 @@ from patchplace.research.reproduction.claims import (
     seeds_of,
     stat,
 )
+from patchplace.research.reproduction.corpora import study_corpora
 from patchplace.research.reproduction.metrics import (
     HARNESS_VERSION,
     budget_changes,
@@ -733,6 +734,8 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
                                  "objective": list(r.objective), "finetune_pe": r.finetune_pe,
                                  "pretrain_from": r.pretrain_from} for r in RUNS},
                "results": rows, "controls": controls, "curves": curves, "wall_clock": minutes,
+               # the corpora the controls and curves were measured on (each row records its own)
+               "corpora": study_corpora(cfg),
                # every claim with its regime, raw and Holm-adjusted p, and verdict (the table's numbers)
                "claims": [{**asdict(c), "verdict": c.verdict} for c in claim_items(rows, {
                    "speech_corpus": speech_corpus(cfg)})],

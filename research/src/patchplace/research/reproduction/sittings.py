@@ -41,6 +41,7 @@ from typing import Any
 
 from patchplace.data.atomic import write_json_atomic
 from patchplace.pipelines.stages import hardware_line
+from patchplace.research.reproduction.corpora import study_corpora
 from patchplace.research.reproduction.metrics import HARNESS_VERSION, read_json
 from patchplace.research.reproduction.plan import GROUPS, RUNS, StudyConfig, measures_controls
 
@@ -283,7 +284,8 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
                   "harness": HARNESS_VERSION, "config": asdict(cfg),
                   "rows": unit_rows(measured.get("results", {}), unit.groups, unit.seed, unit.only),
                   "controls": measured.get("controls") if measures_controls(unit.groups, unit.only) else None,
-                  "curves": measured.get("curves") if "curves" in unit.groups else None}
+                  "curves": measured.get("curves") if "curves" in unit.groups else None,
+                  "corpora": measured.get("corpora")}  # what its controls / curves were measured on
         problem = bundle_problem(bundles_dir / f"{name}.json", json.loads(json.dumps(bundle)), ids)
         if problem:  # e.g. a unit that measured no rows: no bundle, the unit stays pending
             print(f"[sitting] {name}: finished, but its bundle would not count ({problem}); pending",
@@ -333,7 +335,7 @@ def merged_study(cfg: StudyConfig, bundles_dir: Path, units: Sequence[str] | Non
     found = bundles_of(bundles_dir, cfg, units)
     rows: dict[str, dict[int, dict[str, Any]]] = {}
     by: dict[tuple[str, int], str] = {}  # (run, seed) -> the unit whose measurement is kept
-    controls, curves, minutes, devices = None, {}, {}, set()
+    controls, curves, minutes, devices, corpora = None, {}, {}, set(), None
     for name, bundle in sorted(found.items(), key=lambda item: (item[1]["sitting"], item[0])):  # newest last
         for run, metrics in bundle["rows"].items():
             for m in metrics:
@@ -345,6 +347,7 @@ def merged_study(cfg: StudyConfig, bundles_dir: Path, units: Sequence[str] | Non
                 rows.setdefault(run, {})[m["seed"]] = {**m, "sitting": bundle["sitting"], "device": bundle["device"]}
                 by[(run, m["seed"])] = name
         controls = bundle.get("controls") or controls
+        corpora = bundle.get("corpora") if bundle.get("controls") or bundle.get("curves") else corpora
         curves.update(bundle.get("curves") or {})
         group = "+".join(bundle["groups"])
         minutes.setdefault(group, {})
@@ -353,6 +356,8 @@ def merged_study(cfg: StudyConfig, bundles_dir: Path, units: Sequence[str] | Non
     return {"harness": HARNESS_VERSION, "config": asdict(cfg), "hardware": "; ".join(sorted(devices)),
             "results": {run: [by_seed[s] for s in sorted(by_seed)] for run, by_seed in rows.items()},
             "controls": controls, "curves": curves, "wall_clock": {"minutes": minutes, "resumed": {}},
+            # a bundle from before corpora were recorded: this config's (the merge trusts its budget alike)
+            "corpora": corpora or study_corpora(cfg),
             "commands": [f"sittings: {bundles_dir}"]}
 
 
