@@ -82,20 +82,32 @@ def test_reassemble_pastes_patches_at_predicted_positions_and_averages_collision
 
 @pytest.mark.slow
 def test_mp3_learns_positions_on_structured_images(images):
-    """Learning check: >= 90% position accuracy at eta = 0. Measured: 0.99 after 250 steps (~10 s)."""
+    """Learning check: position top-1 at eta = 0 reaches 0.9, and Fig. 3's order holds (less context, lower accuracy).
+
+    Built to learn on any CPU and thread count: a 25-step warm-up and gradient clipping at 1.0 keep AdamW off the loss
+    spikes an unclipped constant-lr run hits (at 2 threads, seed 0 spiked at step ~250 and read 0.54 there, 0.99 at
+    1 thread: float rounding, so the spike's timing, follows the thread count), and it trains until learned (top-1
+    >= 0.95, checked every 25 steps, at most 600) instead of for a fixed count. Measured on a 2-core AMD EPYC, seeds
+    0-5: 250-300 steps at 1 thread, 250-300 at 2, 250-300 at 4 (~12 s a run at 1 thread)."""
     torch.manual_seed(0)
     x = images(32, size=32)
     backbone = create_model("vit_micro", img_size=32, patch_size=4, in_chans=1, embed_dim=64, depth=3,
                             num_heads=4, pos_embed="none")
     model = MP3(backbone, MP3Config(eta=0.0))
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
-    for _ in range(250):
+    peak, warmup, check_every, max_steps = 2e-3, 25, 25, 600
+    opt = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=0.05)
+    for step in range(max_steps):
+        for group in opt.param_groups:
+            group["lr"] = peak * min(1.0, (step + 1) / warmup)
         loss = model(x)["loss"]
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if (step + 1) % check_every == 0 and position_accuracy_vs_eta(model, x, etas=(0.0,))[0.0]["top1"] >= 0.95:
+            break
     curve = position_accuracy_vs_eta(model, x, etas=(0.0, 0.5, 0.9))
-    assert curve[0.0]["top1"] >= 0.9, curve
+    assert curve[0.0]["top1"] >= 0.9, f"not learned in {step + 1} steps: {curve}"
     assert curve[0.0]["top1"] > curve[0.5]["top1"] > curve[0.9]["top1"], "less context, lower accuracy (Fig. 3)"
 
 

@@ -1,0 +1,221 @@
+"""Each paper's recipe at scale as cited data, held against the shipped configs.
+
+One YAML file a method (``<method>.yaml`` beside this module): for every shipped at-scale config
+(``pipelines/configs/imagenet_*.yaml``, ``speech_commands_*.yaml``) the value the paper states for each field, where it
+states it, and — where the shipped value differs on purpose — the shipped value and why (a *departure*). Where the paper
+is silent the authors' released config or code is the source, and the entry says so.
+
+    python -m patchplace.research.recipes            # check every config against its paper; exit 1 on a mismatch
+    python -m patchplace.research.recipes --write-docs   # regenerate the "Recipe at scale" tables in docs/methods/
+
+``tests/test_recipes_at_scale.py`` runs the same check and asserts the docs tables are current.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from patchplace.pipelines.config import _leaves, _within, build, given_values, parse_yaml, shipped_configs
+
+HERE = Path(__file__).parent
+STAGES = ("pretrain", "finetune", "linprobe")
+# set by the user or the launcher, not by a recipe: the placeholders and the run's own bookkeeping (and the method,
+# checked against the file the recipe is listed in)
+EXEMPT = frozenset({"method", "data.train", "data.val", "run.output", "run.log_every", "run.checkpoint_every"})
+# docs/methods/<page>.md that holds each method's table
+DOC_PAGE = {"mae": "baselines", "supervised": "baselines", "ijepa": "stop", "stop": "stop", "mp3": "mp3",
+            "mp3_speech": "mp3", "droppos": "droppos", "mjp": "mjp", "randsac": "randsac"}
+BEGIN, END = "<!-- recipe-at-scale:begin (generated: python -m patchplace.research.recipes --write-docs) -->", \
+    "<!-- recipe-at-scale:end -->"
+NO_FIELD = "-"  # a recipe value no config field can express (always a departure)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One recipe value: ``field`` (dotted, or ``-``), the paper's value, its source, and a departure if any."""
+
+    field: str
+    paper: Any
+    source: str
+    config: Any = None
+    departure: str | None = None
+    what: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.what if self.field == NO_FIELD else self.field
+
+
+@dataclass(frozen=True)
+class Recipe:
+    method: str
+    paper: str
+    file: str
+    stage: str
+    reproduces: str
+    entries: tuple[Entry, ...]
+
+
+def load_recipes(folder: Path = HERE) -> list[Recipe]:
+    """Every recipe of every ``<method>.yaml`` in ``folder``."""
+    out = []
+    for path in sorted(folder.glob("*.yaml")):
+        data = parse_yaml(path.read_text())
+        for file, recipe in data["recipes"].items():
+            if recipe["stage"] not in STAGES:
+                raise ValueError(f"{path.name}: {file}: stage must be one of {STAGES}, got {recipe['stage']!r}")
+            entries = tuple(Entry(**e) for e in recipe["fields"])
+            out.append(Recipe(data["method"], data["paper"], file, recipe["stage"], recipe.get("reproduces", ""),
+                              entries))
+    return out
+
+
+def config_class(stage: str) -> type:
+    """The pipeline config a stage's file is read as."""
+    if stage == "pretrain":
+        from patchplace.pipelines.pretrain import PretrainConfig
+        return PretrainConfig
+    if stage == "finetune":
+        from patchplace.pipelines.finetune import FinetuneConfig
+        return FinetuneConfig
+    from patchplace.pipelines.evaluate import EvaluateConfig
+    return EvaluateConfig
+
+
+def shipped(recipe: Recipe, configs: Path | None = None) -> tuple[Any, dict[str, Any]]:
+    """(the config as the pipeline builds it, {dotted key: value} the file sets)."""
+    path = (configs or shipped_configs()) / recipe.file
+    cls = config_class(recipe.stage)
+    file, _ = given_values(cls, str(path), [])
+    return build(cls, file), _leaves(parse_yaml(path.read_text()) or {})
+
+
+def value_at(config: Any, field: str) -> Any:
+    """The value in force at dotted ``field``: objective fields through the method's config (its defaults where the
+    file is silent), ``model.overrides.X`` through the preset's backbone config."""
+    head, _, rest = field.partition(".")
+    if head == "objective":
+        from patchplace.objectives import get_method
+        return getattr(get_method(config.method).config(config.objective), rest)
+    if field.startswith("model.overrides."):
+        from patchplace.models.registry import PRESETS
+        name = field.removeprefix("model.overrides.")
+        return config.model.overrides.get(name, getattr(PRESETS[config.model.preset], name))
+    node = config
+    for part in field.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def plain(value: Any) -> Any:
+    """Tuples as lists, recursively (YAML gives lists, the dataclasses tuples)."""
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def same(a: Any, b: Any) -> bool:
+    a, b = plain(a), plain(b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
+def problems(recipe: Recipe, configs: Path | None = None) -> list[str]:
+    """What does not hold between ``recipe`` and its shipped config: a value that differs without a departure, a
+    departure whose shipped value is not what it says, or a field the file sets with no cited entry."""
+    config, set_fields = shipped(recipe, configs)
+    out = []
+    if recipe.stage == "pretrain" and config.method != recipe.method:
+        out.append(f"{recipe.file}: method {config.method!r}, but it is listed under {recipe.method}.yaml")
+    for e in recipe.entries:
+        if e.field == NO_FIELD:  # behaviour no field sets: the same as the paper's, or a departure saying why not
+            if not e.what:
+                out.append(f"{recipe.file}: an entry without a field needs what: ({e.source})")
+            continue
+        try:
+            value = value_at(config, e.field)
+        except (AttributeError, KeyError) as exc:
+            out.append(f"{recipe.file}: {e.field}: no such field ({exc})")
+            continue
+        if e.departure is None and not same(value, e.paper):
+            out.append(f"{recipe.file}: {e.field} = {plain(value)!r}, the paper's is {plain(e.paper)!r} "
+                       f"({e.source}) and no departure is listed")
+        elif e.departure is not None and not same(value, e.config):
+            out.append(f"{recipe.file}: {e.field} = {plain(value)!r}, the departure says {plain(e.config)!r}")
+    cited = [e.field for e in recipe.entries]  # an entry covers its field and what lies under it (model.overrides)
+    out += [f"{recipe.file}: {key} is set with no cited entry in {recipe.method}.yaml"
+            for key in sorted(set(set_fields) - EXEMPT) if not any(_within(key, f) for f in cited)]
+    return out
+
+
+def cell(value: Any) -> str:
+    text = "null" if value is None else str(plain(value)).replace("'", "")
+    return text.replace("|", "\\|")
+
+
+def table(recipes: list[Recipe]) -> str:
+    """The markdown "Recipe at scale" section for one docs page's recipes."""
+    lines = []
+    for r in recipes:
+        lines += [f"**`pipelines/configs/{r.file}`** ({r.stage}; {r.paper}) — reproduces: {r.reproduces}", "",
+                  "| field | paper | config | source | departure |", "| --- | --- | --- | --- | --- |"]
+        for e in r.entries:
+            shown = cell(e.config if e.departure is not None else e.paper)
+            if e.field == NO_FIELD:
+                shown = "(not a field)" if e.departure else "(built in: the same)"
+            lines.append(f"| `{e.label}` | {cell(e.paper)} | {shown} | "
+                         f"{e.source.replace('|', '/')} | {(e.departure or '').replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def doc_section(recipes: list[Recipe], page: str) -> str:
+    mine = [r for r in recipes if DOC_PAGE.get(r.method, r.method) == page]
+    intro = ("Generated from `research/src/patchplace/research/recipes/*.yaml` (the paper's value, where it is "
+             "stated, and every departure of the shipped config with its reason); `tests/test_recipes_at_scale.py` "
+             "holds each shipped config to it field by field.\n\n")
+    return f"{BEGIN}\n{intro}{table(mine)}{END}"
+
+
+def render_page(text: str, section: str) -> str:
+    """``text`` with its generated section replaced, or appended under a "Recipe at scale" heading."""
+    if BEGIN in text:
+        start, end = text.index(BEGIN), text.index(END) + len(END)
+        return text[:start] + section + text[end:]
+    return text.rstrip("\n") + "\n\n## Recipe at scale\n\n" + section + "\n"
+
+
+def write_docs(docs: Path, recipes: list[Recipe]) -> list[Path]:
+    written = []
+    for page in sorted({DOC_PAGE.get(r.method, r.method) for r in recipes}):
+        path = docs / "methods" / f"{page}.md"
+        new = render_page(path.read_text(), doc_section(recipes, page))
+        if new != path.read_text():
+            path.write_text(new)
+            written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    recipes = load_recipes()
+    if "--write-docs" in argv:
+        root = Path(__file__).resolve().parents[5]
+        for path in write_docs(root / "docs", recipes):
+            print(f"wrote {path.relative_to(root)}")
+        return 0
+    found = [p for r in recipes for p in problems(r)]
+    for line in found:
+        print(line)
+    print(f"{len(recipes)} recipes, {sum(len(r.entries) for r in recipes)} cited values: "
+          f"{'ok' if not found else f'{len(found)} problem(s)'}")
+    return 1 if found else 0

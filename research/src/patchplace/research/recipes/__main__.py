@@ -1,0 +1,5 @@
+import sys
+
+from patchplace.research.recipes import main
+
+sys.exit(main())
