@@ -17,7 +17,7 @@ SHARDS   := shards
 CORPORA  := corpora
 
 .PHONY: help setup apt venv demo study study-curves study-gpu gpu-carry gpu-ort-parts study-gpu-merge benchmark data \
-        test lint clean
+        test package-tests lint clean
 
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
@@ -155,6 +155,15 @@ lint: setup
 TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(MAKE) --no-print-directory package-tests
+
+# Each package's suite as the README types it: `pytest` in the package's folder, with the machine's default threads
+# (no root conftest, no thread pin), so a suite that passes only under the root suite's one thread cannot land
+PACKAGE_SUITES := $(LIBRARIES) export
+package-tests: setup
+	@for p in $(PACKAGE_SUITES); do echo "== $$p: pytest (from its folder, default threads)"; \
+	  (cd $$p && env -u OMP_NUM_THREADS -u PATCHPLACE_TEST_THREADS $(abspath $(VENV))/bin/pytest -q \
+	    -p no:cacheprovider) || exit 1; done
 
 clean:
 	rm -rf $(SHARDS) $(CORPORA) .pytest_cache

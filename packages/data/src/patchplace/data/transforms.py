@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageFilter
-from timm.data import create_transform
+from timm.data import auto_augment, create_transform
 from torchvision import transforms
 from torchvision.transforms.functional import to_pil_image
 
@@ -148,11 +148,30 @@ def timm_transform(cfg: ImageTransformConfig, input_size: tuple[int, int, int], 
                    re_mode=cfg.re_mode, re_count=cfg.re_count, interpolation=cfg.interpolation,
                    crop_pct=cfg.crop_pct, mean=tuple(normalization["mean"]), std=tuple(normalization["std"]))
     if not (train and cfg.ijepa_extras()):
-        return create_transform(**options)
+        return _zero_bit_posterize(create_transform(**options))
     if cfg.color_distortion:
         options["color_jitter"] = None  # I-JEPA's jitter stands in for timm's (validate refuses both)
     primary, secondary, final = create_transform(**options, separate=True)
-    return transforms.Compose([primary, secondary, *ijepa_extras(cfg), final])
+    return _zero_bit_posterize(transforms.Compose([primary, secondary, *ijepa_extras(cfg), final]))
+
+
+def _posterize(img: Image.Image, bits_to_keep: int, **kwargs: Any) -> Image.Image:
+    """timm's RandAugment posterize, keeping 0 bits as Pillow < 13 did (an all-zero image): ``PosterizeIncreasing``
+    (``inc1``) keeps ``4 - int(4 m / 10)`` bits, 0 at magnitude 10, which ``mstd0.5`` draws for ~2% of its
+    applications; Pillow 13's ``ImageOps.posterize`` refuses bits < 1 (ValueError in a data worker)."""
+    if bits_to_keep < 1:
+        return img.point(lambda _: 0)
+    return auto_augment.posterize(img, bits_to_keep, **kwargs)
+
+
+def _zero_bit_posterize(transform: Any) -> Any:
+    """``transform`` with every RandAugment posterize op of its (nested) Compose using :func:`_posterize`."""
+    for op in getattr(transform, "ops", ()):  # timm RandAugment / AutoAugment: AugmentOp(aug_fn, level_fn)
+        if getattr(op, "aug_fn", None) is auto_augment.posterize:
+            op.aug_fn = _posterize
+    for inner in getattr(transform, "transforms", ()):
+        _zero_bit_posterize(inner)
+    return transform
 
 
 class ImageTransform:
