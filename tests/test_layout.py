@@ -120,9 +120,11 @@ ENTRY_POINTS = {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "e
     "patchplace.research." + n for n in ("study", "controls", "benchmark", "harness_compare")}
 # Imports of an entry point allowed, each to run that entry point's main() in-process (or, for the pure step, to
 # build pretrain.py's training from its public API): the demo's stages (one mixed precision for all of them) and
-# the benchmark suites that time the pipelines end to end. The study runs its stages as processes of their own.
-# Nothing else imports an entry point (no helper lives in one).
-RUNS_MAIN = {"patchplace.pipelines.demo": {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "evaluate")},
+# the benchmark suites that time the pipelines end to end; and the recipe check, which reads each shipped at-scale
+# config through the config class its command line builds (nothing run). The study runs its stages as processes of
+# their own. Nothing else imports an entry point (no helper lives in one).
+STAGES = {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "evaluate")}
+RUNS_MAIN = {"patchplace.pipelines.demo": STAGES, "patchplace.research.recipes": STAGES,
              "patchplace.research.benchmarks.pipelines": {"patchplace.pipelines.pretrain",
                                                           "patchplace.pipelines.finetune"}}
 
