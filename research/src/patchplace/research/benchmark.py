@@ -22,6 +22,9 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
   data        shard read throughput (decode + train transform) with each --workers count; batched augmentation
               (the in-memory path) vs the per-sample timm / PIL transform, and the ways to crop-and-resize a batch
               with per-sample boxes (grid_sample, torchvision roi_align / v2, kornia if installed); MFCC clips/s.
+  data_writer the image-folder recipe's writer: images/s and images/s per core with each --writer-workers count
+              (outputs compared byte for byte), and JPEG decoding per core, Pillow vs torchvision.io.decode_jpeg,
+              with their largest pixel difference, on --writer-images generated JPEGs of 64 px to 640 x 480.
   models      one Transformer block's forward + backward with MP3 context-only keys/values vs full attention.
   onnx        inference latency (p50 / p95) and images/s of a randomly initialised --onnx-preset classifier at each
               --onnx-batches size: PyTorch eager, the plain ONNX graph on a default ONNX Runtime session (before),
@@ -174,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s; 0: the whole split)")
     g.add_argument("--pad-to", type=int, default=32, help="image padding used by the transform")
     g.add_argument("--mfcc-batches", type=int, default=20, help="timed MFCC batches of 64 clips")
+    g = parser.add_argument_group("data_writer")
+    g.add_argument("--writer-images", type=int, default=480, help="generated JPEGs written (default: %(default)s)")
+    g.add_argument("--writer-workers", type=int, nargs="+", default=[1, 2], help="writer process counts (default: 1 2)")
     g = parser.add_argument_group("onnx")
     g.add_argument("--onnx-preset", default=STUDY["preset"], help="classifier to export (default: %(default)s)")
     g.add_argument("--onnx-batches", type=int, nargs="+", default=[1, 8, 64], help="batch sizes")

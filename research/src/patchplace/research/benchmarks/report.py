@@ -25,6 +25,12 @@ TABLES = {  # suite -> (title, [(column header, row key)])
                                 ("after ms", "after_ms"), ("speed-up", "speedup")]),
     "data": ("Data path", [("benchmark", "name"), ("samples/s", "samples_per_s"), ("clips/s", "clips_per_s"),
                            ("batch", "batch_size"), ("samples", "samples"), ("seconds", "seconds")]),
+    "data_writer": ("Image-folder shard writer per --writer-workers, and JPEG decoding on one core: Pillow vs "
+                    "torchvision.io.decode_jpeg (generated JPEGs of varying sizes)", [
+        ("benchmark", "name"), ("images/s", "images_per_s"), ("images/s per core", "images_per_s_per_core"),
+        ("workers", "workers"), ("same bytes", "identical_to_first"), ("vs Pillow", "vs_pil"),
+        ("max abs diff", "max_abs_diff"), ("identical images", "identical_images"), ("images", "images"),
+        ("seconds", "seconds")]),
     "data_vs_training": ("Data loader samples/s vs what training consumes (study ViT; measured apart — in training "
                          "both share the cores)", [
                              ("loader workers", "num_workers"), ("loader samples/s", "loader_samples_per_s"),
