@@ -25,17 +25,19 @@ from .exporter import (
     SPEECH_INPUTS,
     ExportError,
     check_out,
+    data_of,
     describe_graph,
     export_checkpoint,
     non_finite,
     onnx_session,
     quantize_int8,
+    recorded_crop_pct,
 )
 from .helpformat import help_formatter
 
 
 def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_input: str,
-                img_size: int | None = None) -> list[dict[str, torch.Tensor]]:
+                img_size: int | None = None, crop_pct: float | None = None) -> list[dict[str, torch.Tensor]]:
     """The first ``samples`` inputs of ``split``, preprocessed as for evaluation, as ONNX feeds (+ labels)."""
     config, metadata = read_config(checkpoint)
     if img_size is not None:
@@ -43,6 +45,8 @@ def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_inp
     manifest = Manifest.load(split)
     side = img_size or metadata.get("img_size")
     options = {"pad_to": metadata.get("pad_to"), "img_size": side} if manifest.modality == "image" else {}
+    if options and not options["pad_to"]:  # the evaluation transform the export records (model.json)
+        options["crop_pct"] = crop_pct if crop_pct is not None else recorded_crop_pct(metadata)[0]
     dataset = ShardDataset(manifest, transform=build_transform(manifest, train=False, **options),
                            epoch_length=min(samples, manifest.num_samples))
     x, y = (torch.stack(t) if i == 0 else torch.tensor(t) for i, t in enumerate(zip(*dataset, strict=True)))
@@ -59,7 +63,8 @@ def quantize(path: str, real: list[dict[str, torch.Tensor]], split: str | None) 
     """int8 dynamic quantization of the exported graph and its top-1 change on the real samples (an int8 model
     whose logits are non-finite there is removed, and the export fails)."""
     out = quantize_int8(path)
-    result = {"path": str(out), "bytes": out.stat().st_size, "fp32_bytes": Path(path).stat().st_size}
+    sizes = [sum(f.stat().st_size for f in (p, data_of(p)) if f.is_file()) for p in (out, Path(path))]
+    result = {"path": str(out), "bytes": sizes[0], "fp32_bytes": sizes[1]}  # external data files counted
     if real:
         feed = {k: v.numpy() for k, v in real[0].items() if not k.startswith("_")}
         labels = real[0]["_labels"].numpy()
@@ -93,16 +98,20 @@ def main(argv: list[str] | None = None) -> int:
                         "ONNX Runtime's fused one (com.microsoft Attention / BiasGelu ops)")
     parser.add_argument("--img-size", type=int, help="export for this image side instead of the checkpoint's "
                         "(same patch size; the PE is resampled)")
+    parser.add_argument("--crop-pct", type=float, help="the evaluation transform's crop_pct (resize the short side to "
+                        "floor(size / crop_pct), centre crop; ImageNet: 0.875), where the checkpoint records none "
+                        "(default: its metadata's, else 1.0); recorded in model.json for the evaluator")
     args = parser.parse_args(argv)
     if args.opset < 17:
         parser.error("--opset must be >= 17")
     try:
         check_out(args.out)  # before any work: a place the export cannot write is one line, nothing done
         real = real_inputs(args.checkpoint, args.data, args.samples, args.kind, args.speech_input,
-                           args.img_size) if args.data else []
+                           args.img_size, args.crop_pct) if args.data else []
         sidecar = export_checkpoint(args.checkpoint, args.out, kind=args.kind, speech_input=args.speech_input,
                                     opset=args.opset, tolerance=args.tolerance, real_inputs=real,
-                                    img_size=args.img_size, optimize=not args.no_optimize)
+                                    img_size=args.img_size, optimize=not args.no_optimize,
+                                    crop_pct=args.crop_pct)
         print(describe_graph(sidecar["graph"]), file=sys.stderr)
         report = {"onnx": args.out, "graph": sidecar["graph"], "parity": sidecar["parity"]}
         if args.quantize:

@@ -140,6 +140,9 @@ class OnnxModel:
         norm = self.meta.get("normalization") or {"mean": [0.5] * self.channels, "std": [0.5] * self.channels}
         self.mean = torch.tensor(norm["mean"]).view(1, -1, 1, 1)
         self.std = torch.tensor(norm["std"]).view(1, -1, 1, 1)
+        # the checkpoint's evaluation transform (exports since it was recorded); older sidecars: pad / refuse
+        self.eval_transform = (self.meta.get("preprocessing") or {}).get("eval_transform") or {}
+        self.resizes = self.eval_transform.get("mode") == "resize_center_crop"
 
     def check_data(self, manifest: Manifest) -> None:
         """Refuse shards the model was not made for (class names and their order, channels, image size)."""
@@ -153,7 +156,14 @@ class OnnxModel:
         if int(manifest.info.get("channels", 3)) != self.channels:
             raise ExportError(f"the model takes {self.channels} channel(s), the shards hold "
                               f"{manifest.info.get('channels')}")
+        if self.resizes:  # any size: resized and centre-cropped as the checkpoint's evaluation transform does
+            return
         native = manifest.info.get("image_size") or []
+        if not native and not self.meta.get("pad_to"):  # (was "the shards give 0 px after padding")
+            raise ExportError(f"the shards of {manifest.dataset}/{manifest.split} hold images of varying sizes (no "
+                              f"image_size in their manifest), and this evaluator only pads to the model's "
+                              f"{self.height}x{self.width} input (no resize / centre crop): evaluate it on data of "
+                              "one size it was trained on")
         if native and (native[0] > self.height or native[1] > self.width):
             # padding never crops: these images would be centre-cropped to the model's input (a silent wrong top-1)
             raise ExportError(f"the shards of {manifest.dataset}/{manifest.split} hold {native[0]}x{native[1]} "
@@ -163,6 +173,27 @@ class OnnxModel:
         if side != self.height:
             raise ExportError(f"the model takes {self.height}x{self.width} pixels, the shards give {side} px "
                               "after padding")
+
+    def resize_crop(self, image: torch.Tensor) -> torch.Tensor:
+        """uint8 (C, h, w) -> uint8 (C, H, W) by the recorded evaluation transform: PIL bicubic resize of the short
+        side to ``floor(H / crop_pct)`` (as torchvision's ``Resize(int)`` computes the long side), centre crop as
+        torchvision's ``CenterCrop``; :meth:`normalize` then gives timm's eval tensor bit for bit."""
+        from PIL import Image
+
+        record, (c, h, w) = self.eval_transform, image.shape
+        short_side, size = int(record["resize_short_side"]), self.height
+        array = image.permute(1, 2, 0).numpy()
+        pil = Image.fromarray(array[..., 0] if c == 1 else array, mode="L" if c == 1 else "RGB")
+        short, long = (w, h) if w <= h else (h, w)
+        new_short, new_long = short_side, int(short_side * long / short)
+        new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+        if (new_h, new_w) != (h, w):
+            pil = pil.resize((new_w, new_h), Image.BICUBIC)
+        if new_h < size or new_w < size:
+            raise ExportError(f"a {h}x{w} image resizes to {new_h}x{new_w}, smaller than the {size} px crop")
+        top, left = round((new_h - size) / 2.0), round((new_w - size) / 2.0)  # torchvision's CenterCrop
+        out = np.asarray(pil.crop((left, top, left + size, top + size)))
+        return torch.from_numpy(out.reshape(size, size, c).copy()).permute(2, 0, 1).contiguous()
 
     def pad(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (B, C, h, w) -> uint8 (B, C, H, W), zero-padded and centered like the data path's PadTo."""
@@ -213,10 +244,12 @@ class OnnxModel:
         return binding
 
 
-def load_uint8(split: str | Path | Manifest, limit: int | None, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def load_uint8(split: str | Path | Manifest, limit: int | None, batch_size: int,
+               transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``limit`` images (uint8, un-normalized) and labels of a split (a directory, an http(s) URL or a
-    loaded manifest), in manifest order."""
-    dataset = ShardDataset(split, epoch_length=limit)
+    loaded manifest), in manifest order; ``transform``: per image, e.g. :meth:`OnnxModel.resize_crop` (images of
+    varying sizes -> the model's input size)."""
+    dataset = ShardDataset(split, transform=transform, epoch_length=limit)
     xs, ys = [], []
     for x, y in make_loader(dataset, batch_size):
         xs.append(x)
@@ -247,10 +280,9 @@ def consistency(model: OnnxModel, images: torch.Tensor, batch_size: int, ratios=
 
 
 def corrupt_batch(images: torch.Tensor, name: str, severity: int) -> torch.Tensor:
-    """imagecorruptions on uint8 (B, C, H, W); gray images go through RGB and back (ITU-R 601 luma)."""
-    with warnings.catch_warnings():  # it imports pkg_resources (hence setuptools<81), which warns on import
-        warnings.simplefilter("ignore")
-        from imagecorruptions import corrupt
+    """imagecorruptions on uint8 (B, C, H, W), ``glass_blur`` / ``fog`` mended for NumPy 2 / scikit-image >= 0.19
+    (:mod:`.corruptions`); gray images go through RGB and back (ITU-R 601 luma)."""
+    from .corruptions import corrupt
 
     if min(images.shape[-2:]) < 32:
         raise ExportError(f"imagecorruptions needs images of at least 32 px, got {tuple(images.shape[-2:])}: pad "
@@ -361,9 +393,54 @@ def robustness(model: OnnxModel, images: torch.Tensor, labels: torch.Tensor, bat
     mean_error = statistics.mean(e["error"] for e in errors.values()) if errors else float("nan")
     result: dict[str, Any] = {"errors": errors, "ran": sorted(errors), "failed": failed, "mean_error": mean_error}
     if reference:
-        ce = {n: e["error"] / reference[n] for n, e in errors.items() if reference.get(n)}
-        result.update(ce=ce, mce=statistics.mean(ce.values()) if ce else None)
+        result.update(corruption_errors(errors, reference, corruptions))
     return result
+
+
+def reference_errors(reference: dict[str, Any]) -> dict[str, float | list[float]]:
+    """A reference model's errors per corruption from any of the JSONs that hold them: ``{name: error}``, ``{name:
+    [error per severity]}``, a ``robustness.errors`` (``{name: {"error", "per_severity"}}``) or a whole
+    ``results.json`` of this evaluator. -> {name: per-severity list where known, else the mean error}."""
+    if isinstance(reference.get("robustness"), dict):
+        reference = reference["robustness"]
+    if isinstance(reference.get("errors"), dict):
+        reference = reference["errors"]
+    out: dict[str, float | list[float]] = {}
+    for name, value in reference.items():
+        if isinstance(value, dict):
+            value = value.get("per_severity") or value.get("error")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+            out[name] = [float(v) for v in value]
+    return out
+
+
+def corruption_errors(errors: dict[str, Any], reference: dict[str, Any],
+                      corruptions=IMAGENET_C) -> dict[str, Any]:
+    """ImageNet-C's normalisation (Hendrycks & Dietterich 2019): ``CE_c = sum_s E_{s,c} / sum_s E^ref_{s,c}`` over the
+    5 severities (the reference: AlexNet in the paper, here the model whose errors ``--reference-errors`` gives),
+    ``mCE = mean_c CE_c`` over all 15 corruptions — reported only when every one ran here and has a reference error
+    (``mce_partial``, the mean over those that did, and ``mce_missing`` otherwise: a 13-corruption mean is not mCE).
+    A reference without per-severity errors gives ``mean E / mean E^ref`` (equal when both have 5 severities)."""
+    ref = reference_errors(reference)
+    ce: dict[str, float] = {}
+    for name, e in errors.items():
+        base = ref.get(name)
+        if isinstance(base, list) and len(base) == len(e["per_severity"]):
+            num, den = sum(e["per_severity"]), sum(base)
+        elif base is not None:
+            num, den = e["error"], statistics.mean(base) if isinstance(base, list) else base
+        else:
+            continue
+        if den > 0:
+            ce[name] = num / den
+    missing = [n for n in corruptions if n not in ce]
+    mean_ce = statistics.mean(ce.values()) if ce else None
+    return {"ce": ce, "mce": None if missing else mean_ce, "mce_partial": mean_ce if missing else None,
+            "mce_missing": missing, "mce_definition": "CE_c = sum over severities of error / sum of the reference's "
+                                                      f"error; mCE = mean of CE_c over the {len(corruptions)} "
+                                                      "ImageNet-C corruptions"}
 
 
 def time_runners(runners: dict[str, Callable[[torch.Tensor], Any]], shape: tuple[int, ...],
@@ -526,7 +603,9 @@ def to_markdown(results: dict[str, Any]) -> str:
     if "robustness" in results:
         r = results["robustness"]
         lines += ["", f"Corruptions ran: {', '.join(r['ran'])}; failed here: {', '.join(r['failed']) or 'none'}.",
-                  f"Mean corruption error: {r['mean_error']:.4f}" + (f"; mCE {r['mce']:.4f}" if r.get("mce") else "")]
+                  f"Mean corruption error: {r['mean_error']:.4f}" + (f"; mCE {r['mce']:.4f}" if r.get("mce") else "")
+                  + (f"; no mCE (no reference error or no run for {', '.join(r['mce_missing'])}; mean CE over the "
+                     f"rest {r['mce_partial']:.4f})" if r.get("mce_partial") is not None else "")]
     if "latency" in results:
         lat = results["latency"]
         timing = " (CUDA-synchronised)" if (results.get("environment") or {}).get("device") == "cuda" else ""
@@ -546,7 +625,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     model = OnnxModel(args.model, provider=args.provider)
     manifest = Manifest.load(args.data)
     model.check_data(manifest)
-    images, labels = load_uint8(manifest, args.limit, args.batch_size)
+    images, labels = load_uint8(manifest, args.limit, args.batch_size,
+                                transform=model.resize_crop if model.resizes else None)
     results: dict[str, Any] = {"model": str(args.model), "data": str(args.data),
                                "providers": model.session.get_providers(), "environment": environment(model)}
     results["accuracy"] = accuracy(model, images, labels, args.batch_size)
@@ -602,7 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--robustness-limit", type=int, default=1000,
                         help="images for the 15 x 5 corruption sweep (0 = skip; default %(default)s)")
     parser.add_argument("--consistency-limit", type=int, default=2000, help="images for the consistency curves")
-    parser.add_argument("--reference-errors", help="JSON {corruption: error} of a reference model, for mCE")
+    parser.add_argument("--reference-errors", help="a reference model's corruption errors, for CE / mCE (ImageNet-C: "
+                        "sum over severities of ours / of its): its results.json, its robustness.errors, or "
+                        "{corruption: error or [error per severity]}")
     parser.add_argument("--corruption-cache", type=Path, help="directory caching the corrupted images (reused by "
                                                                 "every model evaluated on the same images)")
     parser.add_argument("--checkpoint", help="the PyTorch checkpoint the model was exported from: parity with PyTorch "

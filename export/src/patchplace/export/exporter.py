@@ -186,17 +186,60 @@ def image_preprocessing(backbone: Backbone, metadata: dict[str, Any]) -> dict[st
         steps.append({"op": "pad", "to": pad_to, "value": 0, "on": "uint8 pixels, (C, h, w)",
                       "placement": "centered: top = (to - h) // 2, left = (to - w) // 2, the rest bottom / right",
                       "when": "h, w <= to (larger images are refused, not cropped)"})
-    resize = bool(img_size) and img_size != (pad_to or height)
+    record = eval_transform(backbone, metadata)
+    crop_pct = record["crop_pct"] if record["mode"] == "resize_center_crop" else 1.0
+    resize = (bool(img_size) and img_size != (pad_to or height)) or crop_pct != 1.0
     if resize:
-        steps.append({"op": "resize", "size": img_size, "interpolation": "bicubic", "library": "PIL (timm)",
-                      "then": "center crop to size (crop_pct 1.0: no margin)"})
+        steps.append({"op": "resize", "size": record.get("resize_short_side", img_size), "interpolation": "bicubic",
+                      "library": "PIL (timm)", "then": f"center crop to {height}x{width} (crop_pct {crop_pct})"})
     steps += [{"op": "scale", "divide_by": 255.0, "to": "float32"},
               {"op": "normalize", "mean": list(norm["mean"]), "std": list(norm["std"]),
                "formula": "(x - mean[c]) / std[c] per channel"}]
     return {"input": "pixels", "layout": "NCHW", "dtype": "float32", "channels": c.in_chans, "height": height,
             "width": width, "steps": steps, "mean": list(norm["mean"]), "std": list(norm["std"]),
             "pad_to": pad_to, "pad_value": 0, "interpolation": "bicubic" if resize else "none (no resize)",
-            "crop": "center, crop_pct 1.0" if resize else "none"}
+            "crop": f"center, crop_pct {crop_pct}" if resize else "none", "eval_transform": record}
+
+
+def recorded_crop_pct(metadata: dict[str, Any]) -> tuple[float, str]:
+    """(crop_pct, where it came from) of a checkpoint's evaluation transform: ``metadata.crop_pct`` (an export's
+    ``crop_pct=`` sets it), else its recipe's ``data.crop_pct``, else 1.0 (timm's resize to the input, no margin)."""
+    recipe_data = ((metadata.get("recipe") or {}).get("data") or {}) if isinstance(metadata.get("recipe"), dict) else {}
+    for value, source in ((metadata.get("crop_pct"), "checkpoint metadata.crop_pct"),
+                          (recipe_data.get("crop_pct"), "checkpoint metadata.recipe.data.crop_pct")):
+        if value is not None:
+            return float(value), source
+    return 1.0, "default (the checkpoint records no crop_pct)"
+
+
+def eval_transform(backbone: Backbone, metadata: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's evaluation transform of raw images, as ``patchplace.data`` (timm's ``create_transform(
+    is_training=False)``) runs it, with every constant the ONNX Runtime evaluator needs to give PyTorch's input
+    bit for bit. ``mode`` ``pad``: zero-pad (centered) to ``pad_to`` (larger images are refused, not cropped);
+    ``resize_center_crop``: PIL bicubic resize of the short side to ``floor(size / crop_pct)`` (torchvision's
+    ``Resize(int)``: the long side ``int(short * long / short_side)``), center crop to ``size`` (top ``int(round((h
+    - size) / 2))``), /255, normalize; ``timm`` holds the keyword arguments of that transform."""
+    c = backbone.config
+    height, width = c.image_hw
+    norm = metadata.get("normalization") or {"mean": [0.5] * c.in_chans, "std": [0.5] * c.in_chans}
+    record: dict[str, Any] = {"input_size": [c.in_chans, height, width], "mean": [float(v) for v in norm["mean"]],
+                              "std": [float(v) for v in norm["std"]]}
+    if metadata.get("pad_to"):
+        return {"mode": "pad", "pad_to": int(metadata["pad_to"]), "pad_value": 0, **record,
+                "larger_images": "refused (padding never crops)"}
+    crop_pct, source = recorded_crop_pct(metadata)
+    if height != width or not 0 < crop_pct <= 1:
+        return {"mode": "none", **record, "why": f"no resize record for a {height}x{width} input / crop_pct "
+                                                 f"{crop_pct} (square inputs, crop_pct in (0, 1] only)"}
+    return {"mode": "resize_center_crop", **record, "crop_pct": crop_pct, "crop_pct_source": source,
+            "resize_short_side": math.floor(height / crop_pct), "interpolation": "bicubic",
+            "resize": "PIL Image.resize(BICUBIC) of the short side to resize_short_side, the long side "
+                      "int(resize_short_side * long / short) (torchvision Resize(int); no resize when equal)",
+            "crop": "center: top = int(round((h - size) / 2)), left = int(round((w - size) / 2)) (Python round)",
+            "scale": "x / 255 (float32)", "normalize": "(x - mean[c]) / std[c] (float32)",
+            "timm": {"is_training": False, "input_size": [c.in_chans, height, width], "crop_pct": crop_pct,
+                     "crop_mode": "center", "interpolation": "bicubic", "mean": [float(v) for v in norm["mean"]],
+                     "std": [float(v) for v in norm["std"]]}}
 
 
 def model_properties(sidecar: dict[str, Any], preprocessing: dict[str, Any] | None) -> dict[str, str]:
@@ -239,6 +282,40 @@ def onnx_session(path: str | os.PathLike, providers: list[str] | None = None,
 
 
 INT8_SUFFIX = ".int8.onnx"
+PROTOBUF_LIMIT = 2**31  # one protobuf message (a .onnx file with its weights inside) holds at most 2 GiB
+# weights above this go to an external data file NAME.onnx.data beside NAME.onnx (headroom for the graph itself)
+EXTERNAL_DATA_THRESHOLD = PROTOBUF_LIMIT - 2**28
+
+
+def data_of(model: str | os.PathLike) -> Path:
+    """The external data file of ``NAME.onnx`` (models whose weights exceed :data:`EXTERNAL_DATA_THRESHOLD`):
+    ``NAME.onnx.data`` beside it, named in the graph relative to it (the pair moves together)."""
+    model = Path(model)
+    return model.with_name(model.name + ".data")
+
+
+def weight_bytes(model: onnx.ModelProto | nn.Module) -> int:
+    """Bytes of the weights (a module's parameters and buffers, or a graph's initializers) — what decides whether
+    the graph is saved with external data."""
+    if isinstance(model, nn.Module):
+        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return sum(len(t.raw_data) or onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def save_graph(graph: onnx.ModelProto, path: Path, external: bool) -> None:
+    """``onnx.save`` of ``graph`` to ``path``: one file, or (``external``) the graph with its tensors in
+    :func:`data_of` ``(path)`` (which is written anew, never appended to). ``graph`` keeps its weights in memory
+    (onnx's external-data save moves them out of the proto: they are read back)."""
+    data = data_of(path)
+    data.unlink(missing_ok=True)
+    if not external:
+        onnx.save(graph, str(path))
+        return
+    onnx.save_model(graph, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    from onnx.external_data_helper import load_external_data_for_model
+
+    load_external_data_for_model(graph, str(path.parent))
 
 
 def sidecar_of(model: str | os.PathLike) -> Path:
@@ -323,6 +400,15 @@ def load_export(path: str | os.PathLike, providers: list[str] | None = None,
         raise ExportError(f"{sidecar_path} is not valid JSON ({exc}): damaged; {rerun}") from None
     if not isinstance(sidecar, dict):
         raise ExportError(f"{sidecar_path} is not an export sidecar (a JSON object): damaged; {rerun}")
+    if external := sidecar.get("external_data"):  # the weights of a graph over 2 GiB, beside it
+        data = path.with_name(external["file"])
+        if not data.is_file():
+            raise ExportError(f"{path} keeps its weights in {data.name} beside it, which is missing (copy both "
+                              f"files together); {rerun}")
+        if "sha256" in external and (data.stat().st_size != external.get("bytes")
+                                     or sha256_file(data) != external["sha256"]):
+            raise ExportError(f"{data} is not the weights file of {path} (its size or sha256 is not the one "
+                              f"{sidecar_path.name} records): damaged or another export's; {rerun}")
     session = onnx_session(path, providers, threads)
     props = session.get_modelmeta().custom_metadata_map
     ids = props.get("export_id"), sidecar.get("export_id")
@@ -365,10 +451,14 @@ def check_finite_outputs(plan: ExportPlan, checkpoint: Path) -> None:
 
 
 def parity_checks(graph: onnx.ModelProto, path: Path, plan: ExportPlan, batch_5: dict[str, torch.Tensor],
-                  real_inputs: list[dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
-    """Max abs difference between PyTorch (``plan.module``) and ``graph`` (saved to ``path``) under ONNX Runtime's
-    CPU provider on random inputs at batch 2 and 5 and on the real inputs."""
-    onnx.save(graph, str(path))
+                  real_inputs: list[dict[str, torch.Tensor]] | None = None,
+                  external: bool = False) -> dict[str, float]:
+    """Max abs difference between PyTorch (``plan.module``) and ``graph`` (saved to ``path``, its weights in
+    ``path``.data when ``external``) under ONNX Runtime's CPU provider on random inputs at batch 2 and 5 and on the
+    real inputs."""
+    save_graph(graph, path, external)
+    if external:  # an in-memory graph over 2 GiB cannot be checked as a message: the saved pair is
+        onnx.checker.check_model(str(path))
     session = onnx_session(path, ["CPUExecutionProvider"])
     checks = {"random_batch_2": max_abs_diff(plan.module, session, plan.inputs, "random inputs"),
               "random_batch_5": max_abs_diff(plan.module, session, batch_5, "random inputs")}
@@ -418,7 +508,8 @@ def describe_graph(info: dict[str, Any]) -> str:
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, kind: str = "classifier",
                       speech_input: str = "waveform", opset: int = DEFAULT_OPSET, tolerance: float = 1e-4,
                       real_inputs: list[dict[str, torch.Tensor]] | None = None,
-                      img_size: int | None = None, optimize: bool = True) -> dict[str, Any]:
+                      img_size: int | None = None, optimize: bool = True, crop_pct: float | None = None,
+                      external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> dict[str, Any]:
     """Export ``checkpoint`` to ``out`` (``NAME.onnx``) + its sidecar ``NAME.json`` (:func:`sidecar_of`; ``out`` is
     checked first, :func:`check_out`), removing the int8 copy of the export it replaces; returns the sidecar dict.
     ``img_size``: export for another image side than the checkpoint's (same patch size; the PE is resampled,
@@ -437,6 +528,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
         if img_size is not None:
             backbone.set_image_size(img_size)
             metadata = {**metadata, "img_size": img_size}
+        if crop_pct is not None:  # the evaluation transform's crop_pct, where the checkpoint records none
+            if not 0 < crop_pct <= 1:
+                raise ExportError(f"crop_pct must be in (0, 1] (ImageNet: 0.875), got {crop_pct}")
+            metadata = {**metadata, "crop_pct": crop_pct}
     except ModelError as exc:
         raise ExportError(str(exc)) from exc
     check_finite_weights(backbone, checkpoint)
@@ -444,6 +539,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
     check_finite_outputs(plan, checkpoint)
     batch = torch.export.Dim("batch", min=1, max=4096)
     dynamic = {name: {0: batch} for name in plan.inputs}
+    # over protobuf's 2 GiB (e.g. ViT-H: 632M parameters, 2.5 GB): the weights go to NAME.onnx.data beside it
+    external = weight_bytes(plan.module) > external_data_threshold
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(out)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=temporary_prefix(out)) as tmp:
@@ -451,12 +548,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
         # dynamo=True: the maintained exporter (the TorchScript one is deprecated since torch 2.9).
         torch.onnx.export(fusable(plan.module) if optimize else plan.module, tuple(plan.inputs.values()),
                           str(tmp_model), dynamo=True, opset_version=opset, input_names=list(plan.inputs),
-                          output_names=plan.outputs, dynamic_shapes=tuple(dynamic.values()), external_data=False,
+                          output_names=plan.outputs, dynamic_shapes=tuple(dynamic.values()), external_data=external,
                           verbose=False)
-        graph = onnx.load(str(tmp_model))
-        onnx.checker.check_model(graph, full_check=True)
+        graph = onnx.load(str(tmp_model))  # with its external data, if any (read into memory)
+        onnx.checker.check_model(str(tmp_model), full_check=True)  # by path: works over 2 GiB too
         batch_5 = plan_export(backbone, kind, speech_input, batch=5).inputs
-        parity = partial(parity_checks, path=tmp_model, plan=plan, batch_5=batch_5, real_inputs=real_inputs)
+        parity = partial(parity_checks, path=tmp_model, plan=plan, batch_5=batch_5, real_inputs=real_inputs,
+                         external=external)
         checks, info = None, {"optimized": False, "reason": "not asked (optimize=False)"}
         if optimize:
             graph, checks, info = optimized_or_not(graph, backbone, tolerance, parity)
@@ -475,6 +573,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
             "classes": metadata.get("classes"), "normalization": metadata.get("normalization"),
             "pad_to": metadata.get("pad_to"), "backbone": backbone.config.to_dict(),
             "parity": {"max_abs_diff": checks, "tolerance": tolerance},
+            "external_data": {"file": data_of(out).name, "threshold_bytes": external_data_threshold} if external
+            else None,
             "provenance": {"checkpoint": str(checkpoint.resolve()), "method": metadata.get("method"),
                            "checkpoint_sha256": sha256_file(checkpoint / "model.safetensors"),
                            "data": metadata.get("data")},
@@ -537,6 +637,22 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _record_data(tmp_model: Path, external: dict[str, Any] | None) -> None:
+    """Put the external data file's sha256 and size into the sidecar's ``external_data`` record and flush it."""
+    if external:
+        external.update(sha256=sha256_file(data_of(tmp_model)), bytes=data_of(tmp_model).stat().st_size)
+        _fsync(data_of(tmp_model))
+
+
+def _commit_data(tmp_model: Path, out: Path, external: bool) -> None:
+    """Move the new external data file into place, or remove the old export's: before the graph, so the old graph
+    beside the new data has no sidecar (refused by :func:`load_export`)."""
+    if external:
+        os.replace(data_of(tmp_model), data_of(out))
+    else:
+        data_of(out).unlink(missing_ok=True)
+
+
 def write_pair(graph: onnx.ModelProto, sidecar: dict[str, Any], tmp: Path, out: Path) -> None:
     """The commit: write ``graph`` (self-describing, with the export id) and its sidecar (with the graph file's
     sha256) into ``tmp``, then move them to ``out`` and its .json (:func:`sidecar_of`). The old sidecar goes first,
@@ -547,13 +663,17 @@ def write_pair(graph: onnx.ModelProto, sidecar: dict[str, Any], tmp: Path, out: 
     tmp_model, tmp_json = tmp / out.name, tmp / "model.json"
     props = {**model_properties(sidecar, sidecar.get("preprocessing")), "export_id": sidecar["export_id"]}
     onnx.helper.set_model_props(graph, props)
-    onnx.save(graph, str(tmp_model))  # the same graph, now self-describing
+    external = sidecar.get("external_data")  # NAME.onnx.data: the weights of a graph over 2 GiB
+    save_graph(graph, tmp_model, bool(external))  # the same graph, now self-describing
     sidecar["onnx_sha256"] = sha256_file(tmp_model)
+    _record_data(tmp_model, external)
     tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
     _fsync(tmp_model)
     _fsync(tmp_json)
     sidecar_of(out).unlink(missing_ok=True)
     int8_of(out).unlink(missing_ok=True)
+    data_of(int8_of(out)).unlink(missing_ok=True)
+    _commit_data(tmp_model, out, bool(external))
     os.replace(tmp_model, out)
     os.replace(tmp_json, sidecar_of(out))
     _fsync(out.parent)
@@ -569,15 +689,24 @@ def quantize_int8(path: str | os.PathLike) -> Path:
     model = onnx.load(str(path))
     del model.graph.value_info[:]  # the dynamo exporter's value_info trips ORT's shape re-inference; drop it
     remove_stale_temporaries(out)
+    external = data_of(path).is_file()  # an fp32 graph over 2 GiB: its int8 copy may still fit in one file
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=temporary_prefix(out)) as tmp:  # all or nothing
-        onnx.save(model, f"{tmp}/model.onnx")
+        source, tmp_out = Path(tmp) / "model.onnx", Path(tmp) / out.name
+        save_graph(model, source, external)
         # DefaultTensorType: shape inference gives no type past the com.microsoft ops of an optimized graph
-        quantize_dynamic(f"{tmp}/model.onnx", f"{tmp}/int8.onnx", weight_type=QuantType.QInt8, per_channel=True,
+        quantize_dynamic(source, f"{tmp}/int8.onnx", weight_type=QuantType.QInt8, per_channel=True,
+                         use_external_data_format=external,
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        del model.graph.initializer[:]  # the fp32 weights are no longer needed in memory
         quantized = onnx.load(f"{tmp}/int8.onnx")
         onnx.helper.set_model_props(quantized, {**{p.key: p.value for p in model.metadata_props},
                                                 "quantization": "int8 dynamic (per-channel int8 weights)"})
-        onnx.save(quantized, f"{tmp}/int8.onnx")
-        _fsync(Path(tmp) / "int8.onnx")
-        os.replace(f"{tmp}/int8.onnx", out)
+        int8_external = weight_bytes(quantized) > EXTERNAL_DATA_THRESHOLD
+        save_graph(quantized, tmp_out, int8_external)
+        _fsync(tmp_out)
+        data_of(out).unlink(missing_ok=True)
+        if int8_external:
+            _fsync(data_of(tmp_out))
+            os.replace(data_of(tmp_out), data_of(out))
+        os.replace(tmp_out, out)
     return out

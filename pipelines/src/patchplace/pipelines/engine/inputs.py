@@ -235,9 +235,11 @@ def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
     fingerprint, input layout) and its hold-out: the ``data.holdout`` samples of that split it never trained on
     (size and seed: :func:`hold_out` draws the same ones again), so evaluation can refuse the images it trained on."""
     m = data.manifest
-    # native_size: the images' size before pad_to (timm's pretrained_cfg reproduces the padding from it)
+    # native_size: the images' size before pad_to (timm's pretrained_cfg reproduces the padding from it); crop_pct
+    # where evaluation resizes and centre-crops (ImageNet's 0.875): the export records it for ONNX Runtime
     return {"classes": m.classes, "normalization": data.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
             "img_size": cfg.img_size, "native_size": m.info.get("image_size") if m.modality == "image" else None,
+            **({"crop_pct": cfg.crop_pct} if cfg.crop_pct != 1.0 else {}),
             "data": {"dataset": m.dataset, "split": m.split, "fingerprint": m.fingerprint(),
                      "holdout": {"size": cfg.holdout, "seed": cfg.holdout_seed}}}
 
