@@ -330,7 +330,7 @@ ADDED_CONFIG = {
               "weight_decay_end": None},
     "run": {"model_ema": None, "log_with": [], "log_project": "patchplace"},
     "finetune": {"pos_embed_init": "random"},
-    "data": {"re_mode": "const", "re_count": 1, "crop_pct": 1.0, "repeated_aug": 1, "grayscale": 0.0,
+    "data": {"drop_last": True, "re_mode": "const", "re_count": 1, "crop_pct": 1.0, "repeated_aug": 1, "grayscale": 0.0,
              "gaussian_blur": 0.0, "color_jitter": 0.0, "mixup": 0.0, "cutmix": 0.0, "mixup_prob": 1.0,
              "mixup_switch_prob": 0.5},
 }

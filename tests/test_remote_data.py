@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -31,7 +33,8 @@ FAST = Network(timeout=5, retries=2, backoff=0.01)
 
 class _Handler(SimpleHTTPRequestHandler):
     """Serves a directory; ``server.plan[path]`` lists what the next requests of ``path`` get instead (an HTTP
-    status, or "hang": no answer until the test ends); ``server.requests`` records every path asked for."""
+    status, "hang": no answer until the test ends, "cut": half the file then the connection closed, "reset": half
+    then a TCP reset, "trickle": 64 bytes every 20 ms); ``server.requests`` records every path asked for."""
 
     def do_GET(self) -> None:
         self.server.requests.append(self.path)
@@ -41,9 +44,30 @@ class _Handler(SimpleHTTPRequestHandler):
             if step == "hang":
                 self.server.release.wait(10)
                 return
+            if step in ("cut", "reset", "trickle"):
+                self.faulty_body(step)
+                return
             self.send_error(step)
             return
         super().do_GET()
+
+    def faulty_body(self, step: str) -> None:
+        data = Path(self.translate_path(self.path)).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if step == "trickle":
+            for start in range(0, len(data), 64):
+                if self.server.release.wait(0.02):
+                    break
+                self.wfile.write(data[start:start + 64])
+                self.wfile.flush()
+            return
+        self.wfile.write(data[:len(data) // 2])
+        self.wfile.flush()
+        if step == "reset":  # SO_LINGER 0: close() sends an RST
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
 
     def log_message(self, *args: object) -> None:
         pass
@@ -202,3 +226,53 @@ def test_the_onnx_runtime_evaluator_reads_its_test_split_by_url(shards, tmp_path
                          str(tmp_path / "local"), *options]) == 0
     remote, local = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("remote", "local"))
     assert remote["accuracy"] == local["accuracy"] and remote["accuracy"]["count"] == 32
+
+
+def test_a_shard_cut_short_mid_transfer_is_retried_not_reported_corrupt(shards, tmp_path, capsys):
+    """Fewer bytes than Content-Length, or a reset while reading, is a network fault: retried (logged), and when
+    the retries run out one line naming the URL and the bytes received, never "corrupt shard ... rebuild"."""
+    with served(shards / "img") as (server, base):
+        server.plan["/train/train-000001.tar"] = ["cut"]
+        server.plan["/train/train-000002.tar"] = ["reset"]
+        assert len(read_all(ShardDataset(f"{base}/train", return_key=True, network=FAST))) == 64
+        assert server.requests.count("/train/train-000001.tar") == 2
+        assert server.requests.count("/train/train-000002.tar") == 2
+        err = capsys.readouterr().err
+        size = (shards / "img" / "train" / "train-000001.tar").stat().st_size
+        assert (f"fetching {base}/train/train-000001.tar: the connection closed after {size // 2} of {size} bytes; "
+                "retry 1 of 2 in ") in err, err
+        assert f"fetching {base}/train/train-000002.tar: " in err and "retry 1 of 2" in err, err
+        server.plan["/train/train-000001.tar"] = ["cut"]  # a run: it succeeds, the retry logged
+        assert pretrain.main([f"data.train={base}/train", f"data.val={shards / 'img' / 'test'}", *TINY,
+                              "optim.max_steps=1", "method=supervised", f"run.output={tmp_path / 'run'}"]) == 0
+        assert f"fetching {base}/train/train-000001.tar: the connection closed after" in capsys.readouterr().err
+        server.plan["/train/train-000003.tar"] = ["cut"] * 3
+        with pytest.raises(RemoteError, match=r"^cannot fetch .*train-000003.tar: the connection closed after \d+ of "
+                                              r"\d+ bytes \(3 attempts over .*retry / check the server$") as caught:
+            read_all(ShardDataset(f"{base}/train", return_key=True, network=FAST))
+        assert "corrupt" not in str(caught.value) and "rebuild" not in str(caught.value)
+
+
+def test_a_server_trickling_bytes_meets_the_shard_deadline_in_one_line(shards, tmp_path, capsys):
+    with served(shards / "img") as (server, base):
+        url = f"{base}/train/train-000000.tar"
+        server.plan["/train/train-000000.tar"] = ["trickle"]
+        started = time.monotonic()
+        with pytest.raises(RemoteError, match=r"^cannot fetch .*train-000000.tar: \d+ bytes of \d+ in .* past its "
+                                              r"deadline of 0.4 s .*raise data.shard_deadline"):
+            read_all(ShardDataset(f"{base}/train", network=Network(timeout=5, retries=2, backoff=0.01, deadline=0.4,
+                                                                    progress=0.1)))
+        assert time.monotonic() - started < 5 and server.requests.count("/train/train-000000.tar") == 1
+        progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"fetching {url}: ")]
+        assert progress and all("MiB/s" in line and "data.shard_deadline" in line for line in progress), progress
+        server.plan["/train/train-000000.tar"] = ["trickle"]
+        started = time.monotonic()
+        code = pretrain.main([f"data.train={base}/train", f"data.val={shards / 'img' / 'test'}", *TINY,
+                              "data.shard_deadline=0.3", "optim.max_steps=1", f"run.output={tmp_path}"])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert code == 2 and time.monotonic() - started < 10, err
+        assert err.startswith(f"error: cannot fetch {url}: ") and "past its deadline of 0.3 s" in err, err
+        assert err.endswith("raise data.shard_deadline, or check the server"), err
+        for bad in ("0", "-1"):
+            assert pretrain.main([f"data.train={base}/train", f"data.shard_deadline={bad}", *TINY]) == 2
+            assert "data.shard_deadline must be > 0" in capsys.readouterr().err

@@ -74,6 +74,8 @@ class DataSection:
     train_urls: str | None = None  # optional override: brace pattern or pipe: URLs of the same shards
     val_urls: str | None = None  # the same for data.val
     batch_size: int = 128  # per process
+    # training: drop each epoch's ragged tail, so every step has the full per-process batch (false: one short batch)
+    drop_last: bool = True
     num_workers: int = 2  # streaming only: DataLoader worker processes
     shuffle_buffer: int = 5000  # streaming only
     in_memory: bool | str = "auto"  # auto | true | false: hold splits in memory, augment batches on the device
@@ -115,6 +117,9 @@ class DataSection:
     # http(s): further attempts after a transient failure (connection refused / reset, timeout, HTTP 429 / 5xx),
     # 1 s apart, doubling; a 404 / 403 fails at once
     retries: int = 4
+    # http(s): seconds one shard's (or manifest's) whole transfer may take, however steadily its bytes trickle in; a
+    # transfer still going prints a progress line (bytes so far, rate) every 30 s
+    shard_deadline: float = 600.0
     val_limit: int | None = None  # evaluate on the first N samples of data.val (None: all)
     # a validation split held out of data.train: N class-balanced samples (data.holdout_seed) that training never
     # reads; data.val=holdout evaluates on them (recipe choices read validation, the test split is read once);
@@ -136,6 +141,8 @@ class DataSection:
             raise ConfigError(f"data.memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
         if self.num_workers < 0 or self.shuffle_buffer < 0:
             raise ConfigError("data.num_workers and data.shuffle_buffer must be >= 0")
+        if not isinstance(self.drop_last, bool):
+            raise ConfigError(f"data.drop_last must be true or false, got {self.drop_last!r}")
         if self.val == HOLDOUT and self.holdout <= 0:
             raise ConfigError(f"data.val=holdout needs data.holdout > 0 (got {self.holdout}): hold samples out of "
                               "data.train to validate on them")
@@ -143,6 +150,9 @@ class DataSection:
             raise ConfigError(f"data.holdout must be >= 0, got {self.holdout}")
         if not self.timeout > 0 or self.retries < 0:
             raise ConfigError(f"data.timeout must be > 0 and data.retries >= 0, got {self.timeout} and {self.retries}")
+        if not (isinstance(self.shard_deadline, (int, float)) and self.shard_deadline > 0):
+            raise ConfigError(f"data.shard_deadline must be > 0 seconds (one shard's whole transfer; default 600), "
+                              f"got {self.shard_deadline!r}")
         for name in ("train", "val") if self.val != HOLDOUT else ("train",):
             if is_remote(getattr(self, name)):  # its manifest is fetched when the data is built
                 continue
@@ -174,8 +184,8 @@ class DataSection:
                               f"{self.auto_augment} (timm's) both distort colour: set one")
 
     def network(self) -> Network:
-        """How http(s) splits and shards are fetched (data.timeout, data.retries)."""
-        return Network(self.timeout, self.retries)
+        """How http(s) splits and shards are fetched (data.timeout, data.retries, data.shard_deadline)."""
+        return Network(self.timeout, self.retries, deadline=self.shard_deadline)
 
 
 @dataclass

@@ -49,8 +49,10 @@ RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "check
 # spelled another way, relative / absolute / a trailing slash, or the run moved elsewhere).
 RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.log_every", "run.checkpoint_every",
                      "run.eval_every", "run.tensorboard", "run.log_with", "run.log_project",
-                     "run.find_unused_parameters", "data.num_workers",
+                     "run.find_unused_parameters",
                      "data.verify_shards", "data.timeout", "data.retries")
+# data.num_workers plans a streamed epoch (which samples each DataLoader worker reads, in which order): resumable
+# only for a run whose data.train was held in memory (its log says so), where it just loads the shards in parallel
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -154,10 +156,35 @@ def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config:
         except (ValueError, yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"run.resume=true: {saved} is unreadable ({one_line(exc)}), so the run's settings "
                               "cannot be checked: restore it, or start over with run.overwrite=true") from None
-        changed = config_changes(old or {}, config, moved)
+        workers = (old or {}).get("data", {}).get("num_workers"), config.get("data", {}).get("num_workers")
+        if workers[0] is not None and workers[0] != workers[1] and streamed(directory, old or {}):
+            raise ConfigError(f"run.resume=true: data.num_workers was {workers[0]} in {saved} and the run streamed "
+                              f"data.train, whose epochs it plans (which samples each worker reads, in which order); "
+                              f"resume with data.num_workers={workers[0]}, or start a new run")
+        changed = config_changes(old or {}, config, (*moved, "data.num_workers"))
         if changed:
             raise ConfigError(f"run.resume=true: {', '.join(changed)} differ from {saved}; resume with the run's "
                               "values, or start a new run (another run.output, or run.overwrite=true)")
+
+
+def streamed(directory: Path, saved: dict[str, Any]) -> bool:
+    """Whether the run in ``directory`` streamed data.train: its config.yaml's data.in_memory is not true and its
+    log's last step record does not say ``memory`` (no record: assumed streamed)."""
+    if saved.get("data", {}).get("in_memory") is True:
+        return False
+    log = directory / "log.jsonl"
+    try:
+        lines = log.read_text().splitlines() if log.is_file() else []
+    except (OSError, UnicodeDecodeError):
+        return True
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("data"), dict) and "train" in record["data"]:
+            return record["data"]["train"] != "memory"
+    return True
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -240,6 +240,7 @@ class MemoryReader:
         self.transform = transform.to(self.device) if hasattr(transform, "to") else transform
         self.epoch_length, self.return_key = epoch_length, return_key
         self.num_workers = 0  # (no worker processes)
+        self.drop_last = False  # training readers: no ragged last batch (``batches``, ``num_batches``)
         if len(split) // world_size < 1:
             raise DataError(f"{len(split)} samples cannot be split over {world_size} ranks")
 
@@ -256,7 +257,8 @@ class MemoryReader:
         per_rank = len(self.split) // self.world_size if self.shuffle else len(self.split)
         return min(per_rank, self.epoch_length) if self.epoch_length is not None else per_rank
 
-    def num_batches(self, batch_size: int, drop_last: bool = False) -> int:
+    def num_batches(self, batch_size: int, drop_last: bool | None = None) -> int:
+        drop_last = self.drop_last if drop_last is None else drop_last
         return len(self) // batch_size if drop_last else -(-len(self) // batch_size)
 
     def indices(self, epoch: int) -> torch.Tensor:
@@ -272,7 +274,8 @@ class MemoryReader:
         """``(inputs, labels)`` (plus the samples' keys when ``return_key``) per batch, on ``device``; the first
         ``skip`` batches are not computed at all (a resume jumps straight to its step)."""
         order = self.indices(epoch)
-        for start in range(skip * batch_size, len(order), batch_size):
+        end = len(order) // batch_size * batch_size if self.drop_last else len(order)
+        for start in range(skip * batch_size, end, batch_size):
             index = order[start:start + batch_size]
             on_device = index.to(self.device)
             x = self.inputs[on_device]

@@ -35,6 +35,8 @@ class WorkerPlan:
     stride: int  # ... keeping sample i of their concatenated stream when i % stride == offset
     offset: int
     quota: int | None  # samples to yield; None = everything read (counts unknown)
+    skip: int = 0  # even plans: samples of the first own shard that belong to the slot before
+    take: int | None = None  # even plans: samples read in all (the slot's contiguous run of the epoch stream)
 
 
 def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -150,3 +152,49 @@ def samples_per_rank(counts: Sequence[int], **kwargs) -> int:
     """Length of an epoch on every rank (what ``len(dataset)`` reports); kwargs as
     :func:`worker_quotas_for_epoch`."""
     return sum(worker_quotas_for_epoch(counts, **kwargs))
+
+
+def even_quotas(total: int, num_workers: int, batch_size: int | None, drop_last: bool) -> list[int]:
+    """Samples each worker index yields when a rank reads ``total`` samples: whole batches of ``batch_size`` dealt
+    round-robin over the workers (the DataLoader collects them in that order), the ``total % batch_size`` left over
+    dropped (``drop_last``) or given to the next worker in turn, so a rank's batches are all full but at most one."""
+    if not batch_size:
+        return [total // num_workers + (1 if w < total % num_workers else 0) for w in range(num_workers)]
+    full, rest = divmod(total, batch_size)
+    quotas = [batch_size * (full // num_workers + (1 if w < full % num_workers else 0)) for w in range(num_workers)]
+    if rest and not drop_last:
+        quotas[full % num_workers] += rest
+    return quotas
+
+
+def even_plan(counts: Sequence[int], *, epoch: int, seed: int, rank: int, world_size: int, worker: int,
+              num_workers: int, shuffle_shards: bool, epoch_length: int | None, batch_size: int | None,
+              drop_last: bool) -> WorkerPlan:
+    """Plan of ``(rank, worker)`` that leaves no sample out but the fewest needed: the epoch's shard order is
+    concatenated into one stream, rank ``r`` reads its ``len // world_size`` samples from ``r * (len //
+    world_size)`` on (``epoch_length`` caps them), cut into contiguous runs per worker by :func:`even_quotas`. Each
+    slot reads whole shards but for at most two at its run's ends. Left out per epoch: ``len % world_size``
+    samples (so that every rank reads as many) and, with ``drop_last``, each rank's ``per-rank % batch_size``."""
+    total = sum(counts)
+    per_rank = total // world_size
+    if per_rank < 1:
+        raise DataError(f"{total} samples cannot be split over {world_size} ranks")
+    if epoch_length is not None:
+        if not 1 <= epoch_length <= per_rank:
+            raise DataError(f"epoch_length={epoch_length} must be in [1, {per_rank}]: each rank can see "
+                            f"{per_rank} distinct samples this epoch")
+        per_rank = epoch_length
+    quotas = even_quotas(per_rank, num_workers, batch_size, drop_last)
+    start = rank * (total // world_size) + sum(quotas[:worker])
+    order = shard_order(len(counts), seed, epoch, shuffle_shards)
+    own, offset = [], 0
+    skip = 0
+    for shard in order:
+        end = offset + counts[shard]
+        if end > start and offset < start + quotas[worker]:
+            if not own:
+                skip = start - offset
+            own.append(shard)
+        offset = end
+    return WorkerPlan(own=tuple(own), shared=(), stride=1, offset=0, quota=quotas[worker], skip=skip,
+                      take=quotas[worker])

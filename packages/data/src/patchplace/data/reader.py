@@ -26,6 +26,7 @@ skipped and counted with ``skip_corrupt``), an image of another size an error na
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
 import tarfile
@@ -43,7 +44,7 @@ from .codecs import decode_image_bytes, decode_wav
 from .errors import DataError
 from .integrity import open_shard
 from .manifest import Manifest
-from .plan import WorkerPlan, plan_epoch, worker_quotas_for_epoch
+from .plan import WorkerPlan, even_plan, even_quotas, plan_epoch, worker_quotas_for_epoch
 from .remote import Network, RemoteError
 
 _CORRUPT = (tarfile.TarError, OSError, EOFError, ValueError, KeyError)
@@ -109,6 +110,8 @@ class ShardDataset(IterableDataset):
         verify: bool = True,
         network: Network | None = None,
         repeated_aug: int = 1,
+        batch_size: int | None = None,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
         self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest, network)
@@ -128,6 +131,7 @@ class ShardDataset(IterableDataset):
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.split_by, self.epoch_length, self.skip_corrupt = split_by, epoch_length, skip_corrupt
         self.seeded_transforms, self.verify = seeded_transforms, verify
+        self.batch_size, self.drop_last = batch_size, drop_last
         self.epoch = 0
         self.skipped: list[str] = []
         len(self)  # validate the plan parameters now, not in a worker
@@ -137,28 +141,59 @@ class ShardDataset(IterableDataset):
         """Select the epoch whose shard order and shuffles to produce (call before iterating)."""
         self.epoch = int(epoch)
 
-    def _quotas(self) -> list[int]:
+    def _quotas(self, batch_size: int | None = None) -> list[int]:
+        batch_size = batch_size or self.batch_size
+        if self._even(batch_size):
+            per_rank = sum(self.counts) // self.world_size
+            per_rank = min(per_rank, self.epoch_length) if self.epoch_length is not None else per_rank
+            return even_quotas(per_rank, max(self.num_workers, 1), batch_size, self.drop_last)
+        return self._shard_quotas(self.epoch_length)
+
+    def _shard_quotas(self, epoch_length: int | None) -> list[int]:
         return worker_quotas_for_epoch(self.counts, epoch=self.epoch, seed=self.seed, world_size=self.world_size,
                                        num_workers=max(self.num_workers, 1), shuffle_shards=self.shuffle_buffer > 0,
-                                       split_by=self.split_by, epoch_length=self.epoch_length)
+                                       split_by=self.split_by, epoch_length=epoch_length)
+
+    def _even(self, batch_size: int | None) -> bool:
+        """Whether this epoch reads :func:`~patchplace.data.plan.even_plan` (``split_by='auto'``): where the shard
+        plan would leave samples out beyond the ``len % world_size`` every rank needs to read as many, or (under
+        ``drop_last``) would end a worker on a ragged batch. Otherwise the shard plan, as before."""
+        if self.split_by != "auto":
+            return False
+        target = sum(self.counts) // self.world_size
+        if self.epoch_length is not None:
+            target = min(target, self.epoch_length)
+        whole = self._shard_quotas(None)
+        if sum(whole) < target:
+            return True
+        quotas = self._shard_quotas(self.epoch_length) if self.epoch_length is not None else whole
+        return bool(self.drop_last and batch_size and any(q % batch_size for q in quotas))
+
+    def dropped(self, batch_size: int | None = None) -> int:
+        """Samples of the split no rank reads this epoch (the epoch_length cap aside)."""
+        if self.epoch_length is not None:
+            return 0
+        return sum(self.counts) - self.world_size * sum(self._quotas(batch_size))
 
     def __len__(self) -> int:
         return sum(self._quotas())
 
-    def num_batches(self, batch_size: int, drop_last: bool = False) -> int:
+    def num_batches(self, batch_size: int, drop_last: bool | None = None) -> int:
         """Batches a DataLoader over this dataset yields this epoch (each worker batches its own samples);
-        identical on every rank."""
+        identical on every rank. ``drop_last`` defaults to the dataset's."""
+        drop_last = self.drop_last if drop_last is None else drop_last
         per = (lambda q: q // batch_size) if drop_last else (lambda q: -(-q // batch_size))
-        return sum(per(q) for q in self._quotas())
+        return sum(per(q) for q in self._quotas(batch_size))
 
     def batches(self, batch_size: int, epoch: int, skip: int = 0) -> Iterator[Any]:
         """This epoch's batches through a DataLoader whose worker seeds derive from (seed, epoch, rank), the first
         ``skip`` of them read and dropped (an exact resume replays the epoch's stream). The same interface as
         :class:`~patchplace.data.memory.MemoryReader`, so a training loop does not know which one feeds it."""
         self.set_epoch(epoch)
+        self.batch_size = batch_size  # the workers plan whole batches of it (even plans)
         generator = torch.Generator().manual_seed(hash((self.seed, epoch, self.rank)) % 2**63)
         loader = DataLoader(self, batch_size=batch_size, num_workers=self.num_workers, generator=generator,
-                            persistent_workers=False)
+                            persistent_workers=False, drop_last=self.drop_last)
         for i, batch in enumerate(loader):
             if i >= skip:
                 yield batch
@@ -170,10 +205,16 @@ class ShardDataset(IterableDataset):
         if num_workers != max(self.num_workers, 1):
             raise DataError(f"ShardDataset was planned for num_workers={self.num_workers} but the DataLoader "
                             f"runs {num_workers}: build the loader with make_loader() or pass the same value")
-        plan = plan_epoch(len(self.urls), counts=self.counts, epoch=self.epoch, seed=self.seed,
-                          rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers,
-                          shuffle_shards=self.shuffle_buffer > 0, split_by=self.split_by,
-                          epoch_length=self.epoch_length)
+        if self._even(self.batch_size):
+            plan = even_plan(self.counts, epoch=self.epoch, seed=self.seed, rank=self.rank,
+                             world_size=self.world_size, worker=worker, num_workers=num_workers,
+                             shuffle_shards=self.shuffle_buffer > 0, epoch_length=self.epoch_length,
+                             batch_size=self.batch_size, drop_last=self.drop_last)
+        else:
+            plan = plan_epoch(len(self.urls), counts=self.counts, epoch=self.epoch, seed=self.seed,
+                              rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers,
+                              shuffle_shards=self.shuffle_buffer > 0, split_by=self.split_by,
+                              epoch_length=self.epoch_length)
         stream: Iterator[dict] = self._planned_samples(plan)
         if self.repeated_aug > 1:  # before the shuffle: copies are spread by it, the quota cuts the longer stream
             stream = _repeated(stream, self.repeated_aug)
@@ -186,6 +227,10 @@ class ShardDataset(IterableDataset):
             yield self._prepare(sample)
 
     def _planned_samples(self, plan: WorkerPlan) -> Iterator[dict]:
+        if plan.take is not None:  # an even plan: a contiguous run of the epoch stream, exactly
+            yield from itertools.islice(itertools.chain.from_iterable(self._read_shard(s) for s in plan.own),
+                                        plan.skip, plan.skip + plan.take)
+            return
         for shard in plan.own:
             yield from self._read_shard(shard)
         index = 0  # position in the shared shards' concatenated stream

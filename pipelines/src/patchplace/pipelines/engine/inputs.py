@@ -143,7 +143,8 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                                             shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=rank, world_size=world,
                                             num_workers=cfg.num_workers, seeded_transforms=True,
                                             skip_corrupt=cfg.skip_corrupt, verify=cfg.verify_shards,
-                                            repeated_aug=cfg.repeated_aug if augment else 1)
+                                            repeated_aug=cfg.repeated_aug if augment else 1,
+                                            batch_size=cfg.batch_size, drop_last=cfg.drop_last and split_train)
             else:
                 readers[key] = ShardDataset(m, urls=urls, transform=build_transform(with_statistics(m, normalization),
                                                                                     False, **opts),
@@ -152,6 +153,7 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
             accelerator.print(f"{key}: streaming from {len(m.shards)} shard(s) with {cfg.num_workers} worker(s) "
                               f"({why})")
     train, val = readers["data.train"], readers["data.val"]
+    train.drop_last = cfg.drop_last and split_train  # training only: evaluation reads every sample
     for reader, key, limit in ((train, "data.train_limit", cfg.train_limit), (val, "data.val_limit", cfg.val_limit)):
         if limit is not None:  # epoch_length, checked here so that the message names the config key
             available = len(reader)
@@ -160,6 +162,12 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                                   f"{reader.manifest.dataset}/{reader.manifest.split} with "
                                   f"{reader.world_size} process(es); set it in [1, {available}] or null")
             reader.epoch_length = limit
+    if isinstance(train, ShardDataset) and split_train and train.dropped(cfg.batch_size):
+        n, world = sum(train.counts), train.world_size
+        tail = train.dropped(cfg.batch_size) - n % world
+        accelerator.print(f"data.train: {train.dropped(cfg.batch_size)} of {n} samples left out per epoch ("
+                          f"{n % world} so that {world} process(es) read as many"
+                          + (f", {tail} of ragged last batches under data.drop_last=true" if tail else "") + ")")
     frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
     return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
 
@@ -273,7 +281,7 @@ def check_inputs(backbone: Backbone, data: Data, source: str) -> None:
         raise ConfigError(f"{source} is a model for {c.modality} but data.train ({m.dataset}/{m.split}) holds "
                           f"{m.modality}: use a {m.modality} checkpoint / preset, or {c.modality} data")
     if m.modality != "image":
-        return
+        return check_val(backbone, data, source)
     side = getattr(data.train.transform, "size", None)
     if side is not None and side != c.img_size:
         raise ConfigError(f"the data give {side} px images (data.img_size / data.pad_to) but {source} takes "
@@ -284,3 +292,44 @@ def check_inputs(backbone: Backbone, data: Data, source: str) -> None:
     if channels != c.in_chans:
         raise ConfigError(f"data.train images have {channels} channel(s) but {source} takes {c.in_chans}: use a "
                           "checkpoint / preset with the data's channels")
+    check_val(backbone, data, source)
+
+
+def _image_kind(channels: int) -> str:
+    return {1: "grayscale", 3: "RGB"}.get(channels, f"{channels}-channel")
+
+
+def check_val(backbone: Backbone, data: Data, source: str) -> None:
+    """The backbone takes what the data.val reader yields (modality, channels, image side), checked like data.train
+    before any step: an RGB model would otherwise score a grayscale split (its statistics broadcast one channel to
+    three) and a grayscale model fail on an RGB one only at the first validation, after training."""
+    reader, c = data.val, backbone.config
+    m = getattr(reader, "manifest", None) or getattr(getattr(reader, "split", None), "manifest", None)
+    if m is None or m is data.manifest:  # data.val=holdout: checked as data.train
+        return
+    where = f"data.val={m.location} ({m.dataset}/{m.split})"
+    if m.modality != c.modality:
+        raise ConfigError(f"{where} holds {m.modality} but {source} is a model for {c.modality}: point data.val at "
+                          f"an {c.modality} split (as the model was trained on)")
+    if m.modality != "image":
+        return
+    channels = int(m.info.get("channels", 3))
+    if channels != c.in_chans:
+        raise ConfigError(f"{where} holds {_image_kind(channels)} images ({channels} channel(s)) but {source} takes "
+                          f"{_image_kind(c.in_chans)} ones (in_chans={c.in_chans}): point data.val at a split "
+                          f"written with {c.in_chans} channel(s), " + ("as the checkpoint was trained on" if
+                                                                      source.startswith("model.checkpoint") else
+                                                                      "like data.train"))
+    transform = getattr(reader, "transform", None)
+    native = m.info.get("image_size")
+    pad_to = getattr(getattr(transform, "cfg", None), "pad_to", None) or getattr(getattr(transform, "pad", None),
+                                                                                  "size", None)
+    if pad_to and native and max(native) > pad_to:
+        raise ConfigError(f"{where} holds {native[0]}x{native[1]} images, larger than data.pad_to={pad_to} (padding "
+                          f"never shrinks them) for {source}'s {c.img_size} px input: set data.pad_to=null and "
+                          f"data.img_size={c.img_size} to resize and centre-crop them (data.crop_pct)")
+    side = getattr(transform, "size", None)
+    if side is not None and side != c.img_size:
+        raise ConfigError(f"{where} gives {side} px images (its native size, data.img_size / data.pad_to) but {source} "
+                          f"takes {c.img_size} px: set data.img_size={c.img_size} to resize and centre-crop them "
+                          "(data.crop_pct)")
