@@ -153,9 +153,17 @@ class OnnxModel:
                               f"{manifest.dataset}/{manifest.split} holds {class_list(manifest.classes)} "
                               f"({first_difference(classes, manifest.classes)}): a top-1 would compare unrelated "
                               "labels; evaluate it on the dataset it was trained on")
-        if int(manifest.info.get("channels", 3)) != self.channels:
-            raise ExportError(f"the model takes {self.channels} channel(s), the shards hold "
-                              f"{manifest.info.get('channels')}")
+        where = f"--data {manifest.location} ({manifest.dataset}/{manifest.split})"
+        if manifest.modality != "image":
+            raise ExportError(f"{where} holds {manifest.modality} but {self.path} is an image classifier: evaluate it "
+                              "on an image split")
+        channels = int(manifest.info.get("channels", 3))
+        if channels != self.channels:
+            kinds = {1: "grayscale", 3: "RGB"}
+            raise ExportError(f"{where} holds {kinds.get(channels, 'multi-channel')} images ({channels} channel(s)) "
+                              f"but {self.path} takes {kinds.get(self.channels, 'multi-channel')} ones "
+                              f"({self.channels} channel(s)): evaluate it on a split written with {self.channels} "
+                              "channel(s), as it was trained on")
         if self.resizes:  # any size: resized and centre-cropped as the checkpoint's evaluation transform does
             return
         native = manifest.info.get("image_size") or []
@@ -171,8 +179,8 @@ class OnnxModel:
                               "data of the size it was trained on")
         side = self.meta.get("pad_to") or max(native or [0])
         if side != self.height:
-            raise ExportError(f"the model takes {self.height}x{self.width} pixels, the shards give {side} px "
-                              "after padding")
+            raise ExportError(f"{where} gives {side} px images after padding but {self.path} takes "
+                              f"{self.height}x{self.width} pixels: evaluate it on data of the size it was trained on")
 
     def resize_crop(self, image: torch.Tensor) -> torch.Tensor:
         """uint8 (C, h, w) -> uint8 (C, H, W) by the recorded evaluation transform: PIL bicubic resize of the short
