@@ -332,7 +332,7 @@ ADDED_CONFIG = {
     "finetune": {"pos_embed_init": "random"},
     "data": {"drop_last": True, "re_mode": "const", "re_count": 1, "crop_pct": 1.0, "repeated_aug": 1, "grayscale": 0.0,
              "gaussian_blur": 0.0, "color_jitter": 0.0, "mixup": 0.0, "cutmix": 0.0, "mixup_prob": 1.0,
-             "mixup_switch_prob": 0.5},
+             "mixup_switch_prob": 0.5, "shard_deadline": 600.0},
 }
 
 

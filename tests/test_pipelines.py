@@ -26,6 +26,7 @@ from patchplace.pipelines import (
     finetune,
     pretrain,
 )
+from patchplace.research import recipes
 from patchplace.research.reproduction import plan as study_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,8 @@ def test_every_shipped_config_loads_and_validates(shards):
 
     classes = {"finetune": finetune.FinetuneConfig, "evaluate": evaluate.EvaluateConfig,
                "controls": controls.ControlsConfig}
+    # the at-scale recipes: their stage is in their cited data (imagenet_*_linprobe.yaml is an evaluate.py config)
+    at_scale = {r.file: {"linprobe": "evaluate"}.get(r.stage, r.stage) for r in recipes.load_recipes()}
     for path in sorted((ROOT / "pipelines" / "configs").glob("*.yaml")):
         if path.name.startswith("study"):
             cfg = pipeline_config.load(study_plan.StudyConfig, str(path), [])
@@ -44,8 +47,8 @@ def test_every_shipped_config_loads_and_validates(shards):
             assert set(cfg.groups) == set(study_plan.GROUPS) if everything else "main" in cfg.groups, path
             assert set(cfg.seeds) == {0, 1, 2} == set(cfg.ablation_seeds), "three seeds for every row a claim reads"
             continue
-        kind = next((k for k in classes if path.name.startswith(k)), "pretrain")
-        data = audio(shards) if "spoken" in path.name else img(shards)
+        kind = at_scale.get(path.name) or next((k for k in classes if path.name.startswith(k)), "pretrain")
+        data = audio(shards) if "spoken" in path.name or path.name.startswith("speech_commands") else img(shards)
         extra = ["model.checkpoint=unused"] if kind == "evaluate" else []
         cfg = pipeline_config.load(classes.get(kind, pretrain.PretrainConfig), str(path), data + extra)
         assert Path(cfg.data.train).is_dir(), path
