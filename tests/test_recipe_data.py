@@ -87,7 +87,7 @@ def test_crop_pct_and_repeated_aug_reach_the_streaming_readers(shards):
     from accelerate import Accelerator
 
     cfg = DataSection(train=str(shards / "img" / "train"), val=str(shards / "img" / "test"), num_workers=0,
-                      crop_pct=0.875, repeated_aug=3, shuffle_buffer=12)
+                      crop_pct=0.875, repeated_aug=3, shuffle_buffer=12, batch_size=8)  # 64 images: 8 whole batches
     data = engine.build_data(cfg, Accelerator(cpu=True), seed=0)
     assert data.path == {"train": "streaming", "val": "streaming"}
     assert isinstance(data.val, ShardDataset) and data.val.repeated_aug == 1
