@@ -34,6 +34,7 @@ from patchplace.pipelines.engine import (
     classify,
     command_line,
     data_metadata,
+    pair_mixing,
     report,
     say,
     start,
@@ -197,20 +198,7 @@ def build_batch_transform(cfg: FinetuneSection, num_classes: int, modality: str,
                           f"{modality}: set finetune.mixup=0 finetune.cutmix=0")
     mixup = build_mixup(num_classes, mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
                         label_smoothing=cfg.label_smoothing) if modality == "image" else None
-    warned = []
-
-    def batch_transform(x, y):
-        if mixup is None or not objective.training:
-            return x, y
-        if len(x) % 2:
-            if not warned:
-                print(f"warning: finetune.mixup/cutmix skipped on a batch of {len(x)} samples (timm mixes pairs: "
-                      "odd batches pass unmixed); use an even data.batch_size / data.train_limit", file=sys.stderr)
-                warned.append(True)
-            return x, y
-        return mixup(x, y)
-
-    return batch_transform
+    return pair_mixing(mixup, objective, "finetune.mixup/cutmix")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from patchplace.pipelines.engine import (
     check_inputs,
     command_line,
     data_metadata,
+    pair_mixing,
     report,
     say,
     start,
@@ -127,20 +128,7 @@ def build_mixup_transform(cfg: PretrainConfig, num_classes: int, modality: str,
     smoothing = getattr(get_method(cfg.method).config(cfg.objective), "label_smoothing", 0.0)
     mixup = build_mixup(num_classes, mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
                         switch_prob=d.mixup_switch_prob, label_smoothing=smoothing)
-    warned: list[bool] = []
-
-    def batch_transform(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not objective.training:
-            return x, y
-        if len(x) % 2:
-            if not warned:
-                print(f"warning: data.mixup/cutmix skipped on a batch of {len(x)} samples (timm mixes pairs: odd "
-                      "batches pass unmixed); use an even data.batch_size / data.train_limit", file=sys.stderr)
-                warned.append(True)
-            return x, y
-        return mixup(x, y)
-
-    return batch_transform
+    return pair_mixing(mixup, objective, "data.mixup/cutmix")
 
 
 @torch.no_grad()

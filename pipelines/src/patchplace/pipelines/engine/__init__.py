@@ -26,6 +26,7 @@ from patchplace.pipelines.engine.inputs import (
     holdout_indices,
     memory_choice,
     metrics_split,
+    pair_mixing,
     training_statistics,
 )
 from patchplace.pipelines.engine.launch import (
@@ -55,6 +56,6 @@ __all__ = [
     "FiniteCheck", "Interrupted", "JsonlLog", "NonFiniteOutput", "StepSchedule", "StopSignals", "Throughput",
     "Trainer", "WeightsEma", "build_data", "check_inputs", "check_seed", "classify", "command_line", "compile_blocks",
     "cosine_weight_decay", "data_fingerprints", "data_metadata", "holdout_indices", "lr_factor", "make_accelerator",
-    "make_optimizer", "memory_choice", "metrics_split", "rank_seed", "read_log", "recipe", "relaunch", "report", "say",
-    "snapshot_steps", "start", "training_statistics", "truncate_log", "warmup_cosine", "warmup_length",
+    "make_optimizer", "memory_choice", "metrics_split", "pair_mixing", "rank_seed", "read_log", "recipe", "relaunch",
+    "report", "say", "snapshot_steps", "start", "training_statistics", "truncate_log", "warmup_cosine", "warmup_length",
 ]

@@ -5,7 +5,9 @@ fingerprints, hold-out) and checks against the model (:func:`check_inputs`)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,3 +335,23 @@ def check_val(backbone: Backbone, data: Data, source: str) -> None:
         raise ConfigError(f"{where} gives {side} px images (its native size, data.img_size / data.pad_to) but {source} "
                           f"takes {c.img_size} px: set data.img_size={c.img_size} to resize and centre-crop them "
                           "(data.crop_pct)")
+
+
+def pair_mixing(mixup: Callable | None, objective: nn.Module, knobs: str) -> Callable:
+    """The training batch transform of timm's Mixup / CutMix (``mixup``; None: none): batches pass as they are in
+    evaluation and when odd (timm mixes pairs), the first odd one with a warning naming ``knobs`` (the config fields
+    that asked for it, e.g. ``finetune.mixup/cutmix``)."""
+    warned: list[bool] = []
+
+    def batch_transform(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if mixup is None or not objective.training:
+            return x, y
+        if len(x) % 2:
+            if not warned:
+                print(f"warning: {knobs} skipped on a batch of {len(x)} samples (timm mixes pairs: odd batches pass "
+                      "unmixed); use an even data.batch_size / data.train_limit", file=sys.stderr)
+                warned.append(True)
+            return x, y
+        return mixup(x, y)
+
+    return batch_transform
