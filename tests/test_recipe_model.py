@@ -52,7 +52,7 @@ def test_mean_fc_norm_drops_the_final_norm_and_adds_a_fresh_fc_norm(shards, mae_
     assert torch.equal(backbone.fc_norm.bias, torch.zeros(c.embed_dim))
     kept = pretrained.state_dict()
     assert all(torch.equal(v, kept[k]) for k, v in backbone.state_dict().items() if k.startswith("blocks."))
-    plain = _backbone(shards, f"model.checkpoint={mae_checkpoint}")  # null: the checkpoint's mean, as today
+    plain = _backbone(shards, f"model.checkpoint={mae_checkpoint}")  # null: the checkpoint's own pooling (mean)
     assert (plain.config.global_pool, plain.config.fc_norm) == ("mean", False)
     assert torch.equal(plain.norm.weight, pretrained.norm.weight)
 
@@ -93,7 +93,7 @@ def test_a_learned_pe_starts_from_the_sincos_table_and_trains(shards, mae_checkp
 
 def test_pe_start_defaults_and_refusals(shards, mae_checkpoint, tmp_path):
     random = _backbone(shards, f"model.checkpoint={mae_checkpoint}", "finetune.pos_embed=learned")
-    assert random.pos_table.detach().std() < 0.05, "default: trunc-normal .02, as before"
+    assert random.pos_table.detach().std() < 0.05, "default: trunc-normal .02"
     fixed = _backbone(shards, f"model.checkpoint={mae_checkpoint}", "finetune.pos_embed=sincos2d")  # DropPos's
     assert not isinstance(fixed.pos_table, nn.Parameter) and "pos_table" not in dict(fixed.named_parameters())
     with pytest.raises(pipeline_config.ConfigError, match=r"pos_embed_init=sincos2d starts a learned PE"):

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = recipes.load_recipes()
 AT_SCALE = sorted(p.name for p in shipped_configs().glob("*.yaml")
                   if p.name.startswith(("imagenet_", "speech_commands_")))
-# What the issue asked to be one command away: method -> the stages shipped for it
+# What must be one command away: method -> the stages shipped for it
 EXPECTED = {"mp3": {"pretrain", "finetune"}, "mp3_speech": {"pretrain", "finetune"},
             "droppos": {"pretrain", "finetune"}, "mae": {"pretrain", "finetune", "linprobe"},
             "ijepa": {"pretrain"}, "stop": {"pretrain"}, "mjp": {"pretrain"},

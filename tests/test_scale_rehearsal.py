@@ -34,7 +34,7 @@ from patchplace.models.attention import Attention
 from patchplace.models.registry import PRESETS
 from patchplace.objectives import get_method
 from patchplace.pipelines.config import _leaves, parse_yaml, shipped_configs
-from patchplace.research.recipes import load_recipes
+from patchplace.research.recipes import load_recipes, same
 
 pytestmark = pytest.mark.slow  # end to end: ~25 real runs of the pipelines
 
@@ -204,10 +204,10 @@ def check_training_run(file: str, stage: str, out: Path, result: subprocess.Comp
     shrunk = {o.split("=")[0] for o in shrink(file, stage)}
     placeholders = {"data.train", "data.val", "data.noise_split", "run.output", "model.checkpoint"}
     differ = {k: (v, run.get(k, "missing")) for k, v in cfg.items()
-              if k not in shrunk | placeholders and not _same(v, run.get(k, "missing"))}
+              if k not in shrunk | placeholders and not same(v, run.get(k, "missing"))}
     assert differ == {}, f"{file}: recipe fields that did not reach the run as shipped: {differ}"
     # the augmentation and the eval crop as the run read them (also checked in the checkpoint's recipe below)
-    assert all(_same(run[k], v) for k, v in cfg.items() if k.startswith("data.") and k not in shrunk | placeholders)
+    assert all(same(run[k], v) for k, v in cfg.items() if k.startswith("data.") and k not in shrunk | placeholders)
     logged = [r for r in records(out) if "loss" in r]
     assert logged[-1]["step"] == STEPS and all(r["world_size"] == PROCESSES for r in logged)
     per_epoch = 1 if cfg.get("optim.warmup_steps") is not None else steps_per_epoch(train)
@@ -229,7 +229,7 @@ def check_training_run(file: str, stage: str, out: Path, result: subprocess.Comp
     assert card["recipe"]["global_batch"] == GLOBAL_BATCH and math.isclose(card["recipe"]["peak_lr"], peak)
     for key in ("scale", "hflip", "re_prob"):  # the train augmentation the checkpoint records
         if f"data.{key}" in cfg:
-            assert _plain(card["recipe"]["data"][key]) == _plain(cfg[f"data.{key}"]), key
+            assert same(card["recipe"]["data"][key], cfg[f"data.{key}"]), key
     if cfg.get("data.crop_pct", 1.0) != 1.0:  # the eval crop, recorded for the export's evaluation transform
         assert card["crop_pct"] == cfg["data.crop_pct"], card.get("crop_pct")
     if cfg.get("run.model_ema") is not None:
@@ -239,19 +239,6 @@ def check_training_run(file: str, stage: str, out: Path, result: subprocess.Comp
     else:
         assert not (out / "ema").exists()
     return run
-
-
-def _plain(v: object) -> object:
-    return [_plain(x) for x in v] if isinstance(v, list | tuple) else v
-
-
-def _same(a: object, b: object) -> bool:
-    """Equal as the pipeline holds them: numbers by value (1600 and 1600.0), lists and tuples alike."""
-    a, b = _plain(a), _plain(b)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
-    return math.isclose(a, b, rel_tol=1e-12) if numbers else a == b
 
 
 def check_model(file: str, out: Path) -> None:

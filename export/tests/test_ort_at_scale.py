@@ -108,7 +108,7 @@ def test_evaluator_runs_on_varying_sizes_and_old_sidecars_refuse(jpegs, tmp_path
     results = json.loads((tmp_path / "o" / "results.json").read_text())
     assert results["accuracy"]["count"] == 2 * len(SIZES) and results["parity"]["max_abs_logit_diff"] <= 1e-4
     assert sorted(results["robustness"]["ran"]) == sorted(IMAGENET_C) and not results["robustness"]["failed"]
-    # a sidecar from before the record: today's behaviour (varying sizes refused)
+    # a sidecar without the record: varying sizes refused
     sidecar = json.loads((root / "model.json").read_text())
     old = {**sidecar, "preprocessing": {k: v for k, v in sidecar["preprocessing"].items() if k != "eval_transform"}}
     (tmp_path / "old.onnx").write_bytes((root / "model.onnx").read_bytes())

@@ -80,7 +80,7 @@ def test_each_field_is_independent_and_defaults_still_follow_the_backbone(micro,
         16 if part == "predictor" else 32, 8)
     only_dim = config_cls(**{f"{part}_dim": 48}).for_backbone(backbone)  # the heads still follow the backbone
     assert (getattr(only_dim, f"{part}_dim"), getattr(only_dim, f"{part}_heads")) == (48, 2)
-    default = config_cls().for_backbone(backbone)  # today's defaults, unchanged
+    default = config_cls().for_backbone(backbone)  # the defaults, unchanged
     assert (getattr(default, f"{part}_dim"), getattr(default, f"{part}_heads")) == (
         16 if part == "predictor" else 32, 2)
 

@@ -1,4 +1,4 @@
-"""ImageNet-C's ``glass_blur`` and ``fog`` as ``imagecorruptions`` 1.1.2 computes them, mended for today's stack.
+"""ImageNet-C's ``glass_blur`` and ``fog`` as ``imagecorruptions`` 1.1.2 computes them, on NumPy 2 and new skimage.
 
 ``imagecorruptions`` (Apache-2.0; Hendrycks & Dietterich, "Benchmarking Neural Network Robustness to Common
 Corruptions and Perturbations", ICLR 2019) fails on two of its 15 corruptions under NumPy 2 / scikit-image >= 0.19:

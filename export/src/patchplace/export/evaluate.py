@@ -167,7 +167,7 @@ class OnnxModel:
         if self.resizes:  # any size: resized and centre-cropped as the checkpoint's evaluation transform does
             return
         native = manifest.info.get("image_size") or []
-        if not native and not self.meta.get("pad_to"):  # (was "the shards give 0 px after padding")
+        if not native and not self.meta.get("pad_to"):
             raise ExportError(f"the shards of {manifest.dataset}/{manifest.split} hold images of varying sizes (no "
                               f"image_size in their manifest), and this evaluator only pads to the model's "
                               f"{self.height}x{self.width} input (no resize / centre crop): evaluate it on data of "

@@ -235,7 +235,7 @@ class OptimSection:
     # warm-up length in epochs of data.train, as papers state it (e.g. 40, 15, 5; overrides optim.warmup_fraction)
     warmup_epochs: float | None = None
     # absolute lr of the first warm-up step, rising linearly to the peak (timm's warmup_lr_init; I-JEPA / StoP's
-    # start_lr 2e-4 -> lr 8e-4); not rescaled by optim.lr_scaling; null: from peak / warm-up steps, as before
+    # start_lr 2e-4 -> lr 8e-4); not rescaled by optim.lr_scaling; null: from peak / warm-up steps
     start_lr: float | None = None
     # linear | constant: the lr stays at optim.start_lr through the warm-up, then jumps to the peak (MP3 speech
     # §4.3: 500 steps at 1e-4, then 1e-3)

@@ -157,7 +157,7 @@ class ShardDataset(IterableDataset):
     def _even(self, batch_size: int | None) -> bool:
         """Whether this epoch reads :func:`~patchplace.data.plan.even_plan` (``split_by='auto'``): where the shard
         plan would leave samples out beyond the ``len % world_size`` every rank needs to read as many, or (under
-        ``drop_last``) would end a worker on a ragged batch. Otherwise the shard plan, as before."""
+        ``drop_last``) would end a worker on a ragged batch. Otherwise the shard plan."""
         if self.split_by != "auto":
             return False
         target = sum(self.counts) // self.world_size

@@ -68,7 +68,7 @@ class ImageTransformConfig:
             raise DataError("color_distortion (I-JEPA's) replaces color_jitter / auto_augment (timm's): set one")
 
     def ijepa_extras(self) -> bool:
-        """Whether any of I-JEPA's extra augmentations is on (off: timm's transform exactly as before)."""
+        """Whether any of I-JEPA's extra augmentations is on (off: timm's transform exactly)."""
         return bool(self.color_distortion or self.grayscale or self.gaussian_blur)
 
 

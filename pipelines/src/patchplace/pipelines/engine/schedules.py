@@ -5,7 +5,7 @@ values (:class:`~patchplace.pipelines.engine.optim.StepSchedule` applies them be
 * Warm-up: ``optim.warmup_steps`` > ``optim.warmup_epochs`` > ``optim.warmup_fraction`` (the first one set wins).
   Linear from ``optim.start_lr`` (timm ``CosineLRScheduler``'s ``warmup_lr_init``: the first step trains at it), or
   constant at ``optim.start_lr`` (``warmup_mode=constant``: "Position Prediction as an Effective Pretraining
-  Strategy", arXiv 2207.07611, §4.3: 500 steps at 1e-4, then 1e-3). ``start_lr`` null: today's (k + 1) / W ramp.
+  Strategy", arXiv 2207.07611, §4.3: 500 steps at 1e-4, then 1e-3). ``start_lr`` null: the (k + 1) / W ramp.
 * After it: cosine to ``optim.final_lr`` (else lr x ``min_lr_ratio``; timm's ``lr_min``), a step decay (x
   ``step_gamma`` every ``step_every`` steps from the warm-up's end, torch's ``StepLR``) or the constant peak.
 * Weight decay: I-JEPA / StoP's ``CosineWDSchedule`` ("Self-Supervised Learning from Images with a Joint-Embedding
@@ -26,7 +26,7 @@ from patchplace.pipelines.config import OptimSection
 
 def warmup_length(cfg: OptimSection, per_epoch: int, total: int) -> int:
     """Warm-up optimizer steps: ``warmup_steps``, else ``round(warmup_epochs x per_epoch)``, else
-    ``round(warmup_fraction x total)`` (as before these knobs)."""
+    ``round(warmup_fraction x total)``."""
     if cfg.warmup_steps is not None:
         return cfg.warmup_steps
     if cfg.warmup_epochs is not None:
@@ -41,7 +41,7 @@ def lr_factor(cfg: OptimSection, total: int, warmup: int, peak_lr: float) -> Cal
     floor = cfg.min_lr_ratio if cfg.final_lr is None else cfg.final_lr / peak_lr
 
     def warming(step: int) -> float:
-        if start is None:  # today's ramp: peak / W at the first step, the peak at the W-th
+        if start is None:  # the default ramp: peak / W at the first step, the peak at the W-th
             return (step + 1) / warmup
         if cfg.warmup_mode == "constant":
             return start
