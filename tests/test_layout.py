@@ -49,7 +49,8 @@ def _distribution(module: str) -> str | None:
 
 # Declared without being imported: runtime requirements of another dependency.
 RUNTIME_ONLY = {"setuptools": "imagecorruptions imports pkg_resources, which setuptools >= 81 removed",
-                "tensorboard": "Accelerate's TensorBoard tracker (run.tensorboard) writes the events with it"}
+                "tensorboard": "Accelerate's TensorBoard tracker (run.tensorboard) writes the events with it",
+                "s3fs": "patchplace-data[s3]: fsspec imports it for s3:// URLs (patchplace.data.stores)"}
 # Imported only when installed, by code that measures them as an option.
 OPTIONAL = {"kornia": "research/benchmarks/data.py times its crop as one more augmentation candidate"}
 

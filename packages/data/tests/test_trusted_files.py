@@ -28,6 +28,7 @@ from patchplace.data import (
 )
 from patchplace.data.batched import BatchedImageAugment
 from patchplace.data.manifest import sha256_file
+from patchplace.data.remote import RemoteError
 
 
 def writer_28px(out: Path) -> SplitWriter:
@@ -212,7 +213,8 @@ def test_url_overrides_are_verified_too(tmp_path, monkeypatch):
     monkeypatch.setattr(integrity, "SPOOL_IN_MEMORY", 100)
     expected = [(k, y) for _, y, k in ShardDataset(split_dir, return_key=True)]
     assert [(k, y) for _, y, k in ShardDataset(split_dir, urls=pipes, return_key=True)] == expected
-    with pytest.raises(DataError, match=r"corrupt shard pipe:cat /nonexistent.tar: OSError: .*exit 1"):
+    # a command that fails is named with its exit status: the command, not a corrupt shard
+    with pytest.raises(RemoteError, match=r"^command `cat /nonexistent.tar` exited with status 1 \(cat: .*No such "):
         list(ShardDataset(split_dir, urls=[pipes[0], "pipe:cat /nonexistent.tar", pipes[2]]))
 
 

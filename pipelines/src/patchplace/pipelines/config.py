@@ -32,6 +32,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from patchplace.data.manifest import dataset_dir_hint
 from patchplace.data.remote import Network, is_remote
+from patchplace.data.stores import backend_problem
 from patchplace.models import ATTENTION_KERNELS
 
 LR_SCALING = ("none", "linear", "sqrt")
@@ -68,7 +69,8 @@ def one_line(exc: BaseException) -> str:
 class DataSection:
     """Shards and the input pipeline (see patchplace.data)."""
 
-    train: str = "shards/fashion_mnist/train"  # split directory with manifest.json, or its http(s):// URL
+    # split directory with manifest.json, or its URL: http(s)://, s3://, gs://, hf://, ... (docs/data.md)
+    train: str = "shards/fashion_mnist/train"
     # split the training-time evaluation (and evaluate.py) reads; "holdout": the data.holdout samples of data.train
     val: str = "shards/fashion_mnist/test"
     train_urls: str | None = None  # optional override: brace pattern or pipe: URLs of the same shards
@@ -113,11 +115,11 @@ class DataSection:
     label_subset_seed: int = 0  # which balanced subset (the same for every method and run)
     skip_corrupt: bool = False  # skip unreadable / truncated train shards (warned, counted in the log), not fail
     verify_shards: bool = True  # check each shard's size + sha256 against its manifest when read (~1% of a load)
-    timeout: float = 60.0  # http(s) splits / shards: seconds a connection or a read may wait
-    # http(s): further attempts after a transient failure (connection refused / reset, timeout, HTTP 429 / 5xx),
-    # 1 s apart, doubling; a 404 / 403 fails at once
+    timeout: float = 60.0  # splits / shards by URL (http(s), s3): seconds a connection or a read may wait
+    # URLs (http(s), object stores): further attempts after a transient failure (connection refused / reset,
+    # timeout, HTTP 429 / 5xx, throttling), 1 s apart, doubling; a 404 / 403 / missing bucket or key fails at once
     retries: int = 4
-    # http(s): seconds one shard's (or manifest's) whole transfer may take, however steadily its bytes trickle in; a
+    # URLs: seconds one shard's (or manifest's) whole transfer may take, however steadily its bytes trickle in; a
     # transfer still going prints a progress line (bytes so far, rate) every 30 s
     shard_deadline: float = 600.0
     val_limit: int | None = None  # evaluate on the first N samples of data.val (None: all)
@@ -153,8 +155,12 @@ class DataSection:
         if not (isinstance(self.shard_deadline, (int, float)) and self.shard_deadline > 0):
             raise ConfigError(f"data.shard_deadline must be > 0 seconds (one shard's whole transfer; default 600), "
                               f"got {self.shard_deadline!r}")
+        for name in ("train", "val", "train_urls", "val_urls", "noise_split"):  # a URL whose backend is missing
+            problem = backend_problem(str(getattr(self, name) or ""))
+            if problem:
+                raise ConfigError(f"data.{name}: {problem}")
         for name in ("train", "val") if self.val != HOLDOUT else ("train",):
-            if is_remote(getattr(self, name)):  # its manifest is fetched when the data is built
+            if is_remote(getattr(self, name)):  # a URL (http(s), s3, gs, hf, ...): its manifest is fetched later
                 continue
             path = Path(getattr(self, name))
             if not (path / "manifest.json").is_file():
@@ -184,7 +190,7 @@ class DataSection:
                               f"{self.auto_augment} (timm's) both distort colour: set one")
 
     def network(self) -> Network:
-        """How http(s) splits and shards are fetched (data.timeout, data.retries, data.shard_deadline)."""
+        """How splits and shards are fetched by URL (data.timeout, data.retries, data.shard_deadline)."""
         return Network(self.timeout, self.retries, deadline=self.shard_deadline)
 
 

@@ -1,5 +1,5 @@
 """``python -m patchplace.data show|verify DIR...``: print manifests, check shards against them (a split served over
-HTTP by its URL too: ``python -m patchplace.data verify http://host:8000/train``)."""
+HTTP or kept in an object store by its URL too: ``python -m patchplace.data verify s3://bucket/fashion_mnist/train``)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=("show", "verify"),
                         help="show: print each manifest; verify: also check every shard's size and sha256")
     parser.add_argument("paths", nargs="+", help="split directories, manifest files or dataset directories; "
-                        "http(s) URLs of split directories")
+                        "URLs of split directories (http(s)://, s3://, gs://, hf://, ...)")
     parser.add_argument("--timeout", type=float, default=Network.timeout,
                         help="URLs: seconds a connection or a read may wait (default: %(default)s)")
     parser.add_argument("--retries", type=int, default=Network.retries,

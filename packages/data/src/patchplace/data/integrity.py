@@ -6,12 +6,14 @@ into another valid class, a pixel changed) stops the run, naming the shard, inst
 
 - local files (plain paths, ``file:`` URLs): the size is compared first (a ``stat``), then the file is hashed in
   one sequential read; the tar is then parsed from the page cache;
-- other URLs (``http(s):`` fetched by :mod:`patchplace.data.remote`, with retries; ``pipe:``, ``gs:`` ... —
-  anything else webdataset's ``gopen`` streams): the bytes are hashed as they arrive and spooled (in memory up to
-  :data:`SPOOL_IN_MEMORY` bytes, then in a temporary file), and the samples are parsed from the spool only once the
-  whole shard matched. Every URL is thus verified, each read once. A URL that cannot be fetched is a
-  :class:`~patchplace.data.remote.RemoteError` (the server or the network); a shard fetched whole whose bytes
-  differ is a :class:`ShardMismatch` (corrupt).
+- other URLs (``http(s)://`` and object stores' ``s3://``, ``gs://``, ``hf://`` ... fetched by
+  :mod:`patchplace.data.remote`, with retries; ``pipe:`` commands; anything else webdataset's ``gopen`` streams):
+  the bytes are hashed as they arrive and spooled (in memory up to :data:`SPOOL_IN_MEMORY` bytes, then in a
+  temporary file), and the samples are parsed from the spool only once the whole shard matched. Every URL is thus
+  verified, each read once. A URL that cannot be fetched is a :class:`~patchplace.data.remote.RemoteError` (the
+  server, the store or the network), a ``pipe:`` command that exits non-zero a
+  :class:`~patchplace.data.remote.CommandError`; a shard read whole whose bytes differ is a :class:`ShardMismatch`
+  (corrupt).
 
 URL ``i`` is checked against the manifest's shard ``i`` (``urls`` name the same shards in the same order).
 """
@@ -30,7 +32,7 @@ import webdataset as wds
 
 from .errors import DataError
 from .manifest import ShardInfo, sha256_file
-from .remote import Network, fetch, is_remote
+from .remote import PIPE, Network, fetch, is_remote, run_command
 
 SPOOL_IN_MEMORY = 64 << 20  # a streamed shard up to this size is spooled in memory, a larger one on disk
 _CHUNK = 1 << 20
@@ -71,11 +73,13 @@ def check_file(path: Path, shard: ShardInfo) -> None:
 
 def spool_checked(url: str, shard: ShardInfo | None, network: Network | None = None) -> BinaryIO:
     """The bytes streamed from ``url``, spooled and rewound, once their size and sha256 match ``shard`` (None:
-    not checked). ``http(s)`` URLs are fetched with ``network``'s timeout and retries."""
+    not checked). ``http(s)`` and object-store URLs are fetched with ``network``'s timeout and retries."""
     spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)  # noqa: SIM115 (returned open, closed by the reader)
     try:
         if is_remote(url):
             size, sha256 = fetch(url, network or Network(), spool)
+        elif url.startswith(PIPE):  # a command that fails is named with its exit status, not read as a short shard
+            size, sha256 = run_command(url, spool)
         else:
             digest, size = hashlib.sha256(), 0
             with wds.gopen(url, "rb") as stream:
@@ -105,14 +109,12 @@ def _spooled_samples(url: str, spool: BinaryIO) -> Iterator[dict]:
 def open_shard(url: str, shard: ShardInfo, verify: bool = True, network: Network | None = None) -> Iterator[dict]:
     """The webdataset samples of the shard at ``url``. With ``verify`` its size and sha256 are checked against
     ``shard`` first (here, before any sample is parsed): :class:`ShardMismatch` when they differ; OSError and the
-    like when it cannot be read; :class:`~patchplace.data.remote.RemoteError` when an ``http(s)`` URL cannot be
-    fetched (``network``: its timeout and retries)."""
-    if is_remote(url):  # fetched whole (retried) before any sample is parsed, verified or not
-        return _spooled_samples(url, spool_checked(url, shard if verify else None, network))
-    if not verify:
-        return wds.tariterators.tarfile_samples([{"url": url}])
+    like when it cannot be read; :class:`~patchplace.data.remote.RemoteError` when a remote URL cannot be fetched
+    (``network``: its timeout and retries), :class:`~patchplace.data.remote.CommandError` when a ``pipe:``
+    command fails."""
     path = local_path(url)
-    if path is not None:
+    if path is None:  # streamed: read whole (remote URLs retried) before any sample is parsed, verified or not
+        return _spooled_samples(url, spool_checked(url, shard if verify else None, network))
+    if verify:
         check_file(path, shard)
-        return wds.tariterators.tarfile_samples([{"url": url}])
-    return _spooled_samples(url, spool_checked(url, shard))
+    return wds.tariterators.tarfile_samples([{"url": url}])

@@ -1,7 +1,8 @@
 """``manifest.json``: what a split of shards holds, so readers can plan epochs and verify shards.
 
 One manifest per split directory (``<out>/<split>/manifest.json``) next to its ``<split>-NNNNNN.tar`` shards; the
-same directory served over HTTP loads from its URL (``http://host/<split>``, :mod:`patchplace.data.remote`).
+same directory served over HTTP or kept in an object store loads from its URL (``http://host/<split>``,
+``s3://bucket/<dataset>/<split>``: :mod:`patchplace.data.remote`, :mod:`patchplace.data.stores`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from urllib.parse import quote
 
 from .atomic import write_json_atomic
 from .errors import DataError
-from .remote import Network, fetch, is_remote
+from .remote import SCHEMES, Network, fetch, is_remote, url_scheme
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -44,8 +45,8 @@ class Manifest:
     ``fields`` maps roles to tar member extensions (``{"input": "png", "label": "cls"}``); ``info`` holds
     modality facts (images: ``image_size`` [H, W] and ``channels``; audio: ``sample_rate`` and ``clip_samples``);
     ``normalization`` holds per-channel ``mean`` / ``std`` in [0, 1] units, computed on the train split.
-    ``path`` / ``url``: the ``manifest.json`` it was loaded from (a file, or an ``http(s)`` URL); ``network``: the
-    timeout and retries its ``http(s)`` shards are fetched with.
+    ``path`` / ``url``: the ``manifest.json`` it was loaded from (a file, or a URL); ``network``: the timeout and
+    retries its shards are fetched by URL with.
     """
 
     dataset: str
@@ -69,8 +70,9 @@ class Manifest:
     # ------------------------------------------------------------------ loading / saving
     @classmethod
     def load(cls, path: str | os.PathLike, network: Network | None = None) -> Manifest:
-        """Load ``path`` (a split directory or its ``manifest.json``, on disk or an ``http(s)`` URL), validating
-        every field. ``network``: the timeout and retries of fetching it and its ``http(s)`` shards."""
+        """Load ``path`` (a split directory or its ``manifest.json``, on disk or a URL: ``http(s)://``, ``s3://``,
+        ``gs://``, ``hf://``, ...), validating every field. ``network``: the timeout and retries of fetching it and
+        its shards by URL."""
         if is_remote(path):
             return cls._load_url(str(path), network or Network())
         path = Path(path)
@@ -181,9 +183,11 @@ class Manifest:
         return self.url.rsplit("/", 1)[0] if self.url else str(self.directory)
 
     def shard_urls(self) -> list[str]:
-        """The shards next to the manifest: local paths, or URLs for a manifest loaded from a URL."""
+        """The shards next to the manifest: local paths, or URLs for a manifest loaded from a URL (an object
+        store's keys are not percent-encoded)."""
         if self.url:
-            return [f"{self.location}/{quote(s.name)}" for s in self.shards]
+            encode = quote if url_scheme(self.url) in SCHEMES else str
+            return [f"{self.location}/{encode(s.name)}" for s in self.shards]
         return [str(self.directory / s.name) for s in self.shards]
 
     def fingerprint(self) -> str:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from .atomic import atomic_dir
 from .errors import DataError
 from .manifest import Manifest, ShardInfo
+from .remote import refuse_url
 from .writer import ChannelStats, SplitWriter
 
 
@@ -87,6 +88,7 @@ def write_planned_split(
     Without ``normalization`` the statistics are summed per shard, then over shards in shard order."""
     if workers < 1:
         raise DataError(f"workers must be >= 1, got {workers}")
+    refuse_url(out_dir)
     if not items:
         raise DataError(f"no samples to write for {writer_kwargs.get('dataset', '?')}/{split}: check the source data")
     if sizes is not None and len(sizes) != len(items):

@@ -9,13 +9,15 @@
 
 The dataset plans each epoch with :func:`patchplace.data.plan.plan_epoch` (rank and world size come from the
 caller, e.g. ``accelerator.process_index``), so every rank yields ``len(ds)`` samples, none twice per epoch.
-URLs default to the shards next to the manifest (on disk, or on the server a manifest loaded from an ``http(s)``
-URL came from: ``ShardDataset("http://host:8000/train")``); pass ``urls`` (a list, a brace pattern such as
-``/data/train-{000000..000099}.tar``, ``https://host/train-{000000..000099}.tar`` or
-``pipe:curl -s https://host/train-{000000..000099}.tar``) to read the same shards from elsewhere — the manifest
-still provides counts, classes and normalization. ``http(s)`` shards are fetched with timeouts and retries
-(:mod:`patchplace.data.remote`); one that cannot be fetched is a :class:`~patchplace.data.remote.RemoteError`
-naming the URL and the HTTP status or network error, never a corrupt shard.
+URLs default to the shards next to the manifest (on disk, or where a manifest loaded from a URL came from:
+``ShardDataset("http://host:8000/train")``, ``ShardDataset("s3://bucket/fashion_mnist/train")``); pass ``urls`` (a
+list, a brace pattern such as ``/data/train-{000000..000099}.tar``, ``https://host/train-{000000..000099}.tar`` or
+``pipe:curl -sf https://host/train-{000000..000099}.tar``) to read the same shards from elsewhere — the manifest
+still provides counts, classes and normalization. Shards by URL (``http(s)://``, object stores' ``s3://``, ...) are
+fetched with timeouts and retries (:mod:`patchplace.data.remote`, :mod:`patchplace.data.stores`); one that cannot be
+fetched is a :class:`~patchplace.data.remote.RemoteError` naming the URL and the HTTP status, store or network
+error, and a ``pipe:`` command that exits non-zero a :class:`~patchplace.data.remote.CommandError` naming its exit
+status — never a corrupt shard.
 
 Every shard is checked against the manifest when it is opened — size and sha256, before any of its samples is
 used (:mod:`patchplace.data.integrity`; ``pipe:`` / remote URLs are hashed as they stream and spooled) — and every
@@ -89,6 +91,10 @@ class ShardDataset(IterableDataset):
             size further ahead). Unlike timm's ``RASampler``, which deals an image's copies
             to different ranks, the copies stay on this rank and worker, mixed only by the shuffle buffer.
     """
+
+    # batches() / make_loader(): page-locked batches, whose copies to a CUDA device can overlap compute
+    # (``.to(device, non_blocking=True)``); the pipelines set it when their device is CUDA
+    pin_memory: bool = False
 
     def __init__(
         self,
@@ -193,7 +199,7 @@ class ShardDataset(IterableDataset):
         self.batch_size = batch_size  # the workers plan whole batches of it (even plans)
         generator = torch.Generator().manual_seed(hash((self.seed, epoch, self.rank)) % 2**63)
         loader = DataLoader(self, batch_size=batch_size, num_workers=self.num_workers, generator=generator,
-                            persistent_workers=False, drop_last=self.drop_last)
+                            persistent_workers=False, drop_last=self.drop_last, pin_memory=self.pin_memory)
         for i, batch in enumerate(loader):
             if i >= skip:
                 yield batch
@@ -276,6 +282,10 @@ class ShardDataset(IterableDataset):
             return
         m = self.manifest
         where = m.location if m.path is not None or m.url else Path(url).parent
+        if url.startswith("pipe:"):  # what the command wrote differs, not (necessarily) the split it reads
+            raise DataError(f"corrupt shard {url}: {why}; the command's output is not the shard: run it by hand "
+                            "(a command that fails must exit non-zero, e.g. curl -f, not print an error page), or "
+                            "skip bad shards (counted) with data.skip_corrupt=true")
         raise DataError(f"corrupt shard {url}: {why}; rebuild the split with its data/ recipe, check all shards "
                         f"with `python -m patchplace.data verify {where}`, or skip bad shards (counted) with "
                         "data.skip_corrupt=true (ShardDataset(skip_corrupt=True))")
@@ -356,8 +366,9 @@ def _reason(exc: BaseException) -> str:
 
 
 def make_loader(dataset: ShardDataset, batch_size: int, *, drop_last: bool = False,
-                pin_memory: bool = False, collate_fn: Callable | None = None) -> DataLoader:
+                pin_memory: bool | None = None, collate_fn: Callable | None = None) -> DataLoader:
     """A DataLoader whose worker count matches the dataset's plan (workers are re-created per epoch so
-    ``set_epoch`` reaches them)."""
+    ``set_epoch`` reaches them); ``pin_memory`` defaults to the dataset's."""
+    pin = dataset.pin_memory if pin_memory is None else pin_memory
     return DataLoader(dataset, batch_size=batch_size, num_workers=dataset.num_workers, drop_last=drop_last,
-                      pin_memory=pin_memory, collate_fn=collate_fn, persistent_workers=False)
+                      pin_memory=pin, collate_fn=collate_fn, persistent_workers=False)

@@ -18,6 +18,7 @@ from .atomic import atomic_dir
 from .codecs import decode_image_bytes, decode_wav, encode_png, encode_wav, encoded_size
 from .errors import DataError
 from .manifest import Manifest, ShardInfo, sha256_file
+from .remote import refuse_url
 
 RECORD_MTIME = 0.0  # reproducible tars
 
@@ -80,6 +81,7 @@ class SplitWriter:
     ) -> None:
         if max_count < 1 or max_size <= 0:
             raise DataError(f"max_count must be >= 1 and max_size > 0, got {max_count}, {max_size}")
+        refuse_url(out_dir)  # s3://... is no directory to write in (Path() would make it a local "s3:/...")
         self.final_dir = Path(out_dir) / split
         self.split, self.dataset, self.modality = split, dataset, modality
         self.classes, self.info = list(classes), dict(info)
