@@ -683,7 +683,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=help_formatter(argparse.RawDescriptionHelpFormatter))
     parser.add_argument("model", help="model.onnx written by python -m patchplace.export")
     parser.add_argument("--data", required=True,
-                        help="test split directory (manifest.json + shards), or its http(s):// URL")
+                        help="test split directory (manifest.json + shards), or its URL (http(s)://, s3://, gs://, "
+                        "hf://, ...)")
     parser.add_argument("--out", default="runs/ort_eval", help="output directory (default: %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N test images (default: all)")
     parser.add_argument("--batch-size", type=int, default=256)

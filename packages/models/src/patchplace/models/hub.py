@@ -160,7 +160,9 @@ def read_config(directory: str | os.PathLike) -> tuple[BackboneConfig, dict[str,
     if directory.suffix in PICKLE_SUFFIXES or (directory.is_dir() and not (directory / CONFIG_NAME).exists()
                                                and any(p.suffix in PICKLE_SUFFIXES for p in directory.iterdir())):
         raise ModelError(f"refusing to load {directory}: pickle checkpoints (.pt/.pth) can run code when loaded; "
-                         "save it with save_pretrained() (config.json + model.safetensors) and load that")
+                         "an authors' released file converts safely with python -m patchplace.models.convert FILE "
+                         "--from mae|droppos|ijepa|stop|mjp|timm --out DIR, a model of yours saves with "
+                         "save_pretrained() (config.json + model.safetensors): load that")
     file = directory / CONFIG_NAME
     if not file.is_file() and (directory / WEIGHTS_NAME).is_file():
         return _config_from_header(directory / WEIGHTS_NAME), {}
@@ -257,7 +259,8 @@ def timm_transform(directory: str | os.PathLike) -> EvalTransform:
 
 class EvalTransform:
     """``patchplace.data``'s eval image transform rebuilt from a checkpoint's metadata (:func:`timm_transform`):
-    zero padding (centered) in uint8, then timm's eval transform with ``crop_pct=1`` (bicubic), as the reader does.
+    zero padding (centered) in uint8, then timm's eval transform with the recorded ``crop_pct`` (1 unless an
+    unpadded checkpoint records one; bicubic), as the reader does.
     Images of another size than the training data's are refused, as the reader refuses them."""
 
     def __init__(self, prep: dict[str, Any], description: str) -> None:
@@ -267,7 +270,7 @@ class EvalTransform:
         self.description = description
         h, w = prep["size"]
         self.timm = create_transform(input_size=(self.channels, h, w), is_training=False, interpolation="bicubic",
-                                     crop_pct=1.0, mean=tuple(prep["mean"]), std=tuple(prep["std"]))
+                                     crop_pct=prep["crop_pct"], mean=tuple(prep["mean"]), std=tuple(prep["std"]))
 
     def __repr__(self) -> str:
         return f"EvalTransform({self.description})"

@@ -82,15 +82,18 @@ def eval_preprocessing(config: BackboneConfig, metadata: dict[str, Any]) -> dict
     uint8 images of ``native`` size -> zero-pad (centered) to ``pad_to`` -> bicubic resize of the short side to
     ``size`` + center crop (a no-op when the padded side is ``size``) -> /255 -> normalize with ``mean`` / ``std``.
     ``native`` is ``metadata["native_size"]`` (None where the checkpoint does not record it), ``normalized`` says
-    whether the statistics are recorded (else 0.5 / 0.5 stand in)."""
+    whether the statistics are recorded (else 0.5 / 0.5 stand in); ``crop_pct``: an unpadded checkpoint's recorded
+    eval crop (ImageNet's 0.875: resize the short side to ``size / crop_pct``, centre-crop), else 1."""
     if config.modality != "image":
         raise ModelError(f"an {config.modality} backbone: its inputs come from patchplace.data's front end (MFCC "
                          "frames), not an image transform")
     norm = metadata.get("normalization") or {}
     native = metadata.get("native_size")
     channels = config.in_chans
+    pad_to = int(metadata["pad_to"]) if metadata.get("pad_to") else None
     return {"channels": channels, "native": tuple(int(v) for v in native) if native else None,
-            "pad_to": int(metadata["pad_to"]) if metadata.get("pad_to") else None, "size": tuple(config.image_hw),
+            "pad_to": pad_to, "size": tuple(config.image_hw),
+            "crop_pct": 1.0 if pad_to else float(metadata.get("crop_pct") or 1.0),
             "mean": [float(v) for v in norm.get("mean", [0.5] * channels)],
             "std": [float(v) for v in norm.get("std", [0.5] * channels)], "normalized": bool(norm)}
 
@@ -101,6 +104,8 @@ def describe_preprocessing(config: BackboneConfig, metadata: dict[str, Any]) -> 
     h, w = p["size"]
     native = "x".join(map(str, p["native"])) + " px images" if p["native"] else "images"
     steps = [f"zero-pad {native} to {p['pad_to']}x{p['pad_to']} (centered)" if p["pad_to"] else None,
+             f"bicubic resize of the short side to {math.floor(h / p['crop_pct'])} + center crop to {h}x{w}"
+             if p["crop_pct"] != 1 else
              f"bicubic resize + center crop to {h}x{w}" if (p["pad_to"] and (p["pad_to"], p["pad_to"]) != (h, w))
              or (not p["pad_to"] and p["native"] not in (None, (h, w))) else None,
              "scale to [0, 1]", f"normalize mean {p['mean']} std {p['std']}"
@@ -126,6 +131,7 @@ def timm_preprocessing(config: BackboneConfig, metadata: dict[str, Any]) -> tupl
     if not p["normalized"]:
         return fields, "the checkpoint records no normalization statistics (mean / std 0.5 assumed)"
     if not pad or (native is not None and native == (h, w)):
+        fields["crop_pct"] = p["crop_pct"]  # unpadded: timm resizes to floor(input / crop_pct) and crops, as ours
         return fields, None
     if h != w or pad != h:
         return fields, (f"it zero-pads to {pad}x{pad} and then resizes to {h}x{w}; timm's transform resizes first "
@@ -250,11 +256,22 @@ def _pos_embed_mode(timm_model: nn.Module) -> str:
     if table is None:
         return "none"
     grid, prefix = tuple(timm_model.patch_embed.grid_size), getattr(timm_model, "num_prefix_tokens", 0)
-    fixed = sincos_2d(grid, table.shape[-1])
-    if prefix and table.shape[1] == prefix + fixed.shape[0]:
-        fixed = torch.cat([torch.zeros(prefix, fixed.shape[1]), fixed])
-    same = fixed.shape == table.shape[1:] and torch.allclose(table[0].detach().float().cpu(), fixed, atol=1e-6)
-    return "sincos2d" if same else "learned"
+    return pos_embed_mode_of(table[0], grid, prefix)[0]
+
+
+def pos_embed_mode_of(table: torch.Tensor, grid: tuple[int, int], prefix: int) -> tuple[str, float | None]:
+    """(``sincos2d`` or ``learned``, the max difference to the fixed table) of an additive PE table ``(prefix + h * w,
+    D)``: ``sincos2d`` when it holds MAE's fixed 2-D sin-cos values with zero class-token rows (``allclose``, atol
+    1e-6) — the table of a pretraining that froze it (MAE, DropPos, I-JEPA / StoP) — else ``learned`` (a trained
+    table: DeiT, MJP, a fine-tuned MAE). The difference is None where the shapes differ."""
+    table = table.detach().float().cpu()
+    if table.shape[-1] % 4:
+        return "learned", None
+    fixed = torch.cat([torch.zeros(prefix, table.shape[-1]), sincos_2d(grid, table.shape[-1])])
+    if fixed.shape != table.shape:
+        return "learned", None
+    same = torch.allclose(table, fixed, atol=1e-6)  # the rtol too: values near 1 may differ in their last bits
+    return ("sincos2d" if same else "learned"), float((table - fixed).abs().max())
 
 
 def is_timm_vit(model: nn.Module) -> bool:
