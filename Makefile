@@ -16,13 +16,14 @@ ORT      ?= cpu
 SHARDS   := shards
 CORPORA  := corpora
 
-.PHONY: help setup apt venv demo study study-curves study-gpu gpu-carry gpu-ort-parts study-gpu-merge benchmark data \
-        test package-tests lint clean
+.PHONY: help setup apt venv demo study study-v5 study-curves study-gpu gpu-carry gpu-ort-parts study-gpu-merge \
+        benchmark data test package-tests lint clean
 
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
 	@echo "make study  the reproduction study v4 (results/study.md; resumable, reuses rows results/study.json holds whole: nothing left to run once it has them all; ~3.3 h from nothing on 2 CPU cores, docs/study.md)"
+	@echo "make study-v5  study v5's CPU rows in the pre-registered order (research/protocols/study_v5.yaml; results/study_v5.md; resumable; ~570 process-min, docs/study.md)"
 	@echo "make study-curves  the learning curves that chose the study's budget (merged into results/study.md)"
 	@echo "make gpu-carry / study-gpu-merge  the GPU study in sittings on a lent GPU (docs/study.md)"
 	@echo "make gpu-ort-parts  onnxruntime-gpu in parts (.ort/p0/, .ort/p1/, ...) for the lent GPU (docs/study.md)"
@@ -92,6 +93,12 @@ demo: setup data
 STUDY_JOBS ?= 2
 study: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_fashion_mnist.yaml
+
+# Study v5, pre-registered (research/protocols/study_v5.yaml): seed 0 of the position rows, the doubling rule on
+# validation (results/study_v5_decisions.json), every seed at the decided epochs, MJP Table 1, speech; resumable.
+# Refused (one line) while the protocol is not committed. -> results/study_v5.{json,md}
+study-v5: setup data
+	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_v5.yaml
 
 # The learning curves that chose the CPU study's pretraining budget (seed 0; merged into results/study.md)
 study-curves: setup data

@@ -439,9 +439,9 @@ def test_a_claim_out_of_regime_reports_its_effect_and_stays_out_of_the_family():
     agrees / contradicts, and takes no part in the Holm family."""
     seeds = range(3)
     rows = {"supervised": [{"seed": s, "top1": 0.70 + 0.01 * s, "consistency": 0.88 + 0.001 * s,
-                            "finetune_epochs": 1.0} for s in seeds],
-            "mjp": [{"seed": s, "top1": 0.70, "consistency": 0.93 + 0.002 * s * s, "finetune_epochs": 1.0}
-                    for s in seeds],
+                            "finetune_epochs": 1.0, "validation_top1": 0.69 + 0.01 * s} for s in seeds],
+            "mjp": [{"seed": s, "top1": 0.70, "consistency": 0.93 + 0.002 * s * s, "finetune_epochs": 1.0,
+                     "validation_top1": 0.7 + 0.002 * s} for s in seeds],
             "mp3": [{"seed": s, "top1": 0.60 + 0.013 * s, "finetune_epochs": 0.5, "pretrain_epochs": 0.5}
                     for s in seeds],
             "speech_mp3": [{"seed": s, "top1": 0.5 + 0.01 * s} for s in seeds],
@@ -459,6 +459,11 @@ def test_a_claim_out_of_regime_reports_its_effect_and_stays_out_of_the_family():
     assert mjp.in_regime and mjp.adjusted == pytest.approx(mjp.p) and mjp.verdict.startswith("agrees (+")
     assert "1 of 22 claims in regime and tested" in decided_line(every) and "out of regime at this budget: 2" in \
         decided_line(every)
+    # the chance check reads validation: without a validation top-1 (only the test split's) it fails closed
+    for m in rows["mjp"]:
+        del m["validation_top1"]
+    mjp = {c.claim.split(":")[0]: c for c in claim_items(rows, {"speech_corpus": "spoken_keywords"})}["MJP Table 1"]
+    assert mjp.in_regime is False and "0 seed(s) with a validation top-1" in mjp.verdict
 
 
 def test_the_gate_is_a_one_sided_welch_test_on_validation_that_fails_closed_and_chooses_the_budget():
@@ -496,23 +501,30 @@ def test_mp3_fig3_rows_read_as_the_paper_draws_them():
     """Train eta 0: accuracy at eval 0.9 below eval 0 (paired t). Train eta 0.75: a peak at eval 0.55, an
     intersection-union test (both contrasts positive, p the larger) that a monotone fall contradicts; both rows in
     regime only where the position task reaches the stated level."""
-    def curve(values: dict[str, float]) -> dict:
+    def curve(values: dict[str, float]) -> dict:  # the same curve on test and on validation (the regime's)
         return {e: {"top1": v} for e, v in values.items()}
 
+    def row(seed: int, values: dict[str, float]) -> dict:
+        return {"seed": seed, "mp3_eta_curve": curve(values), "validation": {"mp3_eta_curve": curve(values)}}
+
     seeds = range(4)
-    peaked = {"mp3_eta0.75": [{"seed": s, "mp3_eta_curve": curve({"0.0": 0.60 + 0.01 * s, "0.55": 0.68 + 0.013 * s,
-                                                                   "0.9": 0.50 + 0.005 * s})} for s in seeds]}
+    peaked = {"mp3_eta0.75": [row(s, {"0.0": 0.60 + 0.01 * s, "0.55": 0.68 + 0.013 * s, "0.9": 0.50 + 0.005 * s})
+                              for s in seeds]}
     items = {c.claim[:30]: c for c in claim_items(peaked)}
     peak = next(c for k, c in items.items() if k.startswith("MP3 Fig. 3 (train eta 0.75)"))
     assert peak.test == "intersection-union" and peak.in_regime and peak.agrees
     assert peak.verdict.startswith("agrees (+") and peak.effect.count("95% CI") == 2
-    falling = {"mp3_eta0.75": [{"seed": s, "mp3_eta_curve": curve({"0.0": 0.70 + 0.01 * s, "0.55": 0.60 + 0.012 * s,
-                                                                    "0.9": 0.50})} for s in seeds]}
+    falling = {"mp3_eta0.75": [row(s, {"0.0": 0.70 + 0.01 * s, "0.55": 0.60 + 0.012 * s, "0.9": 0.50})
+                               for s in seeds]}
     peak = next(c for c in claim_items(falling) if c.claim.startswith("MP3 Fig. 3 (train eta 0.75)"))
     assert peak.agrees is False and peak.verdict.startswith("**contradicts**")
-    low = {"mp3_eta0": [{"seed": s, "mp3_eta_curve": curve({"0.0": 0.15 + 0.001 * s, "0.9": 0.07})} for s in seeds]}
+    low = {"mp3_eta0": [row(s, {"0.0": 0.15 + 0.001 * s, "0.9": 0.07}) for s in seeds]}
     row0 = next(c for c in claim_items(low) if c.claim.startswith("MP3 Fig. 3 (train eta 0)"))
     assert row0.in_regime is False and "position top-1 at eval eta 0 15.2% < the stated 50%" in row0.verdict
+    for m in peaked["mp3_eta0.75"]:  # the regime reads validation only: test numbers alone fail closed
+        del m["validation"]
+    peak = next(c for c in claim_items(peaked) if c.claim.startswith("MP3 Fig. 3 (train eta 0.75)"))
+    assert peak.in_regime is False and "not measured on validation" in peak.verdict
 
 
 def test_on_par_claims_are_a_tost_with_their_margin():
@@ -669,7 +681,7 @@ def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_
     groups, then seed, then the group's rows; MP3 Table 3's fine-tunes of main's MP3 in the MP3 unit of their seed
     (or together where main has no such seed); the controls (every seed at once) a unit of their own; the curves
     one per row as ever; only / skip / speech_null respected."""
-    from patchplace.research.reproduction.plan import runs_of
+    from patchplace.research.reproduction.plan import group_seeds, runs_of
     from patchplace.research.reproduction.sittings import unit_id
 
     cfg = pipeline_config.load(StudyConfig, None, ["unit_per_row=true", "seeds=[0,1]", "ablation_seeds=[0,1,2]",
@@ -682,7 +694,7 @@ def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_
     assert sum("controls" in u.only for u in study.study_units(cfg)) == 1
     rows = [(name, u.seed) for u in units for name in u.only if name != "controls"]
     expected = [(r.name, s) for g in GROUPS if g != "curves" for r in runs_of((g,), (), cfg.skip)
-                for s in study.group_seeds(cfg, g) if r.name != "speech_null"]
+                for s in group_seeds(cfg, g) if r.name != "speech_null"]
     assert sorted(rows) == sorted(expected) and len(rows) == len(set(rows)), "every (row, seed) exactly once"
     for seed in (0, 1):  # main's seeds: the fine-tunes of main's MP3 ride in its MP3 unit
         assert study.Unit(("main", "mp3_pe"), seed, ("mp3", "mp3_ft_none", "mp3_ft_relbias2d")) in units

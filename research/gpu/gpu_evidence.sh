@@ -18,12 +18,19 @@
 #                      ~3 min per method
 #   profile:OBJ,...    torch.profiler tables of these objectives' ViT-B steps (--suite profile)
 #   sitting:MIN        a sitting of the GPU study (study_gpu.yaml) of MIN minutes; bundles to $OUT
+#   position4px:W      study v5's 4 px position claims (study_v5_gpu4px.yaml, reproduction/
+#                      waves.py): the study ViT's rate (~20 s, 4 processes sharing the GPU), the
+#                      epochs sized once (sizing.json), then the first pending wave up to W (wave
+#                      k: seed k - 1 of the four rows side by side), a bundle per finished unit
+#                      to $OUT at once: ~9 min
 #   onnx-prepare       what ONNX Runtime on CUDA needs besides the wheel: the classifier trained and
 #                      exported
 #   onnx               ONNX Runtime on CUDA (research/gpu/gpu_onnx.sh: needs every .ort/pK part here)
 #
-# After the call, here: cp the returned files into results/ (bundles into
-# results/study_gpu_bundles/), commit.
+# The order: research/gpu/plan.txt (python -m patchplace.research.reproduction.gpu_plan next:
+# the first line not done). After the call, here: cp the returned files into results/ (bundles into
+# results/study_gpu_bundles/; position4px's bundles and sizing.json into
+# results/study_v5_gpu4px_bundles/), commit.
 set -euo pipefail
 usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | cut -c3-; }
 case "${1:-}" in
@@ -77,6 +84,11 @@ for step in "$@"; do
       fits "sitting" 120 || continue
       "$PY" pipelines/study.py --config pipelines/configs/study_gpu.yaml --sitting "$minutes" \
         --bundles results/study_gpu_bundles --bundles-out "$out" 2>&1 | tee "$out/sitting.log" ;;
+    position4px)
+      fits position4px 240 || continue
+      "$PY" -m patchplace.research.reproduction.waves --config pipelines/configs/study_v5_gpu4px.yaml \
+        --wave "$arg" --bundles results/study_v5_gpu4px_bundles --out "$out" \
+        --seconds $((deadline - (SECONDS - start) - 10)) 2>&1 | tee "$out/position4px.log" ;;
     onnx-prepare)
       fits onnx-prepare 120 || continue
       bash research/gpu/gpu_onnx.sh --prepare 2>&1 | tee "$out/onnx_prepare.log" ;;
@@ -84,7 +96,8 @@ for step in "$@"; do
       fits onnx 150 || continue
       bash research/gpu/gpu_onnx.sh 2>&1 | tee "$out/onnx.log" ;;
     *)
-      echo "[gpu-evidence] unknown step $step (table2 speed:M,.. profile:O,.. sitting:MIN onnx-prepare onnx)" >&2
+      echo "[gpu-evidence] unknown step $step (table2 speed:M,.. profile:O,.. sitting:MIN position4px:W" \
+        "onnx-prepare onnx)" >&2
       exit 2 ;;
   esac
 done

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from patchplace.research.reproduction.plan import RUNS, fraction_key
+from patchplace.research.reproduction.protocol import Protocol, logit, pairing_problem, paper_log_odds
 
 
 def stat(metrics: list[dict[str, Any]], key: str, pct: bool = True) -> str:
@@ -286,6 +287,9 @@ class Claim:
     unit: str = "pt"
     excluded_p: float | None = None
     excluded_adjusted: float | None = None
+    family: str = ""  # a protocol's Holm family (one per question); "": the one family of the claims in regime
+    refused: str = ""  # why its rows are not paired (rows from two machine models): no effect, no verdict
+    paper_scale: str = "difference"  # difference (scale x unit) | log_odds: the scale of paper_effect
 
     @property
     def tested(self) -> bool:
@@ -296,6 +300,8 @@ class Claim:
         raw = f"raw p = {self.p:.2g}" if self.p is not None else "no test"
         if self.in_regime is None:
             return "not run"
+        if self.refused:
+            return f"not paired: {self.refused}"
         if not self.in_regime:
             return f"out of regime at this budget ({self.why}); measured {self.effect}, {raw}"
         if self.p is None:
@@ -316,7 +322,8 @@ class Claim:
     def excluded_text(self) -> str:
         if self.excluded_adjusted is None:  # not in the family (decide() sets it)
             return ""
-        size = f"{self.paper_effect * self.scale:+.1f} {self.unit}"
+        size = (f"log-odds {self.paper_effect:+.2f}" if self.paper_scale == "log_odds" else
+                f"{self.paper_effect * self.scale:+.1f} {self.unit}")
         return (f"; the paper's effect ({size}) {'excluded' if self.paper_excluded else 'not excluded'} here: "
                 f"one-sided p = {self.excluded_p:.2g}, Holm-adjusted p = {self.excluded_adjusted:.2g}")
 
@@ -415,9 +422,10 @@ def gated(rows: dict[str, list[dict[str, Any]]], *names: str, budget: str | None
 
 
 def pretext(values: dict[int, float], what: str) -> tuple[bool, str]:
-    """The regime "pretext task learned to :data:`PRETEXT_LEVEL`": the mean over seeds reaches it."""
+    """The regime "pretext task learned to :data:`PRETEXT_LEVEL`": the mean over seeds reaches it. ``values``:
+    measured on the validation split (a row without them fails closed: no regime check reads the test split)."""
     if not values:
-        return False, f"{what} not measured"
+        return False, f"{what} not measured on validation"
     mean = statistics.mean(values.values())
     return (mean >= PRETEXT_LEVEL,
             f"{what} {mean * 100:.1f}% {'>=' if mean >= PRETEXT_LEVEL else '<'} the stated "
@@ -438,15 +446,16 @@ def finetuned_long_enough(rows: dict[str, list[dict[str, Any]]], name: str) -> t
 
 def classifiers_learned(rows: dict[str, list[dict[str, Any]]], *names: str) -> tuple[bool, str]:
     """The regime of a comparison of classifiers trained with labels for equal epochs: each above chance (one-sided
-    one-sample t-test of its test top-1 at alpha 0.05 over >= 3 seeds)."""
+    one-sample t-test of its validation top-1 at alpha 0.05 over >= 3 seeds; a row without one fails closed: the
+    test split decides no regime)."""
     from scipy.stats import ttest_1samp
 
     for name in names:
-        values = list(per_seed(rows, name, "top1").values())
+        values = list(per_seed(rows, name, "validation_top1").values())
         if len(values) < MIN_SEEDS:
-            return False, f"{name}: {len(values)} seed(s) with a top-1, {MIN_SEEDS} needed"
+            return False, f"{name}: {len(values)} seed(s) with a validation top-1, {MIN_SEEDS} needed"
         if len(set(values)) > 1 and ttest_1samp(values, CHANCE, alternative="greater").pvalue >= ALPHA:
-            return False, f"{name}: top-1 not above chance"
+            return False, f"{name}: validation top-1 not above chance"
     return True, "classifiers above chance, equal epochs"
 
 
@@ -510,14 +519,14 @@ def claim_items(rows: dict[str, list[dict[str, Any]]], settings: dict[str, str] 
         "ImageNet-1K ViT-B, 100 PT epochs -> " + here + ", the pretraining's own head",
         f"the position task learned: top-1 at eval eta 0 >= {PRETEXT_LEVEL:.0%} (the paper's curve starts near 100%)",
         m("mp3_eta0", eta_curve("0.9")), m("mp3_eta0", eta_curve("0.0")), False,
-        pretext(m("mp3_eta0", eta_curve("0.0")), "position top-1 at eval eta 0")))
+        pretext(m("mp3_eta0", measure("mp3_eta@0.0", "validation")), "position top-1 at eval eta 0")))
     items.append(peak_claim(
         "MP3 Fig. 3 (train eta 0.75): position accuracy peaks at an intermediate evaluation eta (eval 0.55 above "
         "both eval 0 and eval 0.9)",
         "ImageNet-1K ViT-B, 100 PT epochs, maximum around eval 0.55 -> " + here + ", the pretraining's own head",
         f"the position task learned: top-1 at eval eta 0.55 >= {PRETEXT_LEVEL:.0%}",
         m("mp3_eta0.75", eta_curve("0.55")), [m("mp3_eta0.75", eta_curve("0.0")), m("mp3_eta0.75", eta_curve("0.9"))],
-        pretext(m("mp3_eta0.75", eta_curve("0.55")), "position top-1 at eval eta 0.55")))
+        pretext(m("mp3_eta0.75", measure("mp3_eta@0.55", "validation")), "position top-1 at eval eta 0.55")))
     ours, other, what = finetune_or_probe(rows, "mp3", "mp3_eta0")
     items.append(direction_claim(
         f"MP3 Fig. 6: an intermediate eta (0.5) fine-tunes better than eta 0 ({what or 'fine-tune or probe'})",
@@ -530,11 +539,12 @@ def claim_items(rows: dict[str, list[dict[str, Any]]], settings: dict[str, str] 
         gated(rows, "droppos", "droppos_gamma0.5"), paper_effect=finetuned(what, 0.0018)))
     items.append(direction_claim(
         "DropPos Table 3: sigma = 0 predicts positions better than sigma 1 -> 0 (position accuracy)",
-        "ImageNet-1K ViT-B, 200 PT epochs, 87.8 vs 86.1 (position accuracy) -> " + here
+        "ImageNet-1K ViT-B, 200 PT epochs, 88.81 vs 87.83 (position accuracy) -> " + here
         + ", mean of the 4 x 4 position grid",
-        f"the position task learned: grid mean >= {PRETEXT_LEVEL:.0%} (the paper's 87.8%)",
+        f"the position task learned: grid mean >= {PRETEXT_LEVEL:.0%} (the paper's 87.83% at sigma 1 -> 0)",
         m("droppos_sigma0", "position_accuracy"), m("droppos", "position_accuracy"), True,
-        pretext(m("droppos", "position_accuracy"), "DropPos position accuracy"), paper_effect=0.0098))
+        pretext(m("droppos", measure("position_grid", "validation")), "DropPos position accuracy"),
+        paper_effect=0.0098))
     ours, other, what = finetune_or_probe(rows, "droppos_sigma0", "droppos")
     items.append(direction_claim(
         f"DropPos Table 3: ... but sigma = 0 fine-tunes worse ({what or 'fine-tune or probe'})",
@@ -672,13 +682,16 @@ def claims_versus(rows: dict[str, list[dict[str, Any]]], earlier: dict[str, list
 
 
 # ---------------------------------------------------------------------------- label efficiency (a study question)
-def label_items(rows: dict[str, list[dict[str, Any]]], fractions: tuple[float, ...]) -> dict[tuple[str, float], Claim]:
+def label_items(rows: dict[str, list[dict[str, Any]]], fractions: tuple[float, ...],
+                one_sided: bool = False) -> dict[tuple[str, float], Claim]:
     """Does pretraining beat supervised training from scratch on the same labels? Not a claim of the five papers: a
     question of this study, its own Holm family over (method, fraction). Each pretrained row's fine-tuned top-1 on
     the subset, else its frozen linear probe on it (:func:`finetune_or_probe`'s rule: the proxy in both
     directions), against the supervised ViT trained from scratch on the subset, seed-paired. In regime where the
     row's features pass the gate and the supervised baseline converged (stopped early on validation on every
-    seed; one that ran to its epoch cap is a lower bound)."""
+    seed; one that ran to its epoch cap is a lower bound). ``one_sided`` (a protocol's ``label_efficiency.proxy:
+    one_sided``): a probe bounds a fine-tune from below, so a proxy comparison is the one-sided test of "above"
+    (:func:`one_sided_above`), never read as "below"."""
     out: dict[tuple[str, float], Claim] = {}
     for run in RUNS:
         if not run.label_efficiency or run.classifier_only or run.name not in rows:
@@ -692,8 +705,178 @@ def label_items(rows: dict[str, list[dict[str, Any]]], fractions: tuple[float, .
             converged = (bool(stops) and all(s == "early" for s in stops),
                          "supervised " + (f"stopped early on all {len(stops)} seeds" if stops and all(
                              s == "early" for s in stops) else "ran to its epoch cap: not converged"))
-            out[(run.name, f)] = direction_claim(
-                f"{run.label}, {f:.0%} of the labels ({what})", "", "features learned and the baseline converged",
-                ours, per_seed(rows, "supervised", top1), True, both(gated(rows, run.name), converged))
+            regime = both(gated(rows, run.name), converged)
+            name = f"{run.label}, {f:.0%} of the labels ({what})"
+            out[(run.name, f)] = one_sided_above(ours, per_seed(rows, "supervised", top1), name, regime) \
+                if one_sided and what != "fine-tuned" else direction_claim(
+                    name, "", "features learned and the baseline converged", ours, per_seed(rows, "supervised", top1),
+                    True, regime)
     decide(list(out.values()))
     return out
+
+
+# ------------------------------------------------------------------- the claims of a pre-registered protocol
+def measure(name: str, split: str = "test") -> Value:
+    """A protocol measure of one seed's metrics, on ``split`` (test: the claim's test; validation: its regime):
+    ``mp3_eta@<eta>`` (MP3 position top-1 at that evaluation eta), ``position_grid`` (DropPos's averaged position
+    accuracy), ``validation_top1`` (a classifier's best validation top-1), else a metric key (``linear_probe``,
+    ``consistency``, ``top1``)."""
+    where = (lambda m: m.get("validation") or {}) if split == "validation" else (lambda m: m)
+    if name.startswith("mp3_eta@"):
+        eta = str(float(name.split("@", 1)[1]))
+        return lambda m: where(m).get("mp3_eta_curve", {}).get(eta, {}).get("top1")
+    if name == "position_grid":
+        return lambda m: (where(m).get("droppos_grid") or {}).get("mean")
+    return lambda m: where(m).get(name)
+
+
+def pretext_regime(rows: dict[str, list[dict[str, Any]]], row: str, name: str, ceiling: float,
+                   share: float) -> tuple[bool, str]:
+    """The pretext task learned: ``row``'s measure on validation, mean over its seeds, at least ``share`` of the
+    PE-free ``ceiling`` (fails closed where it was not measured on validation)."""
+    values = per_seed(rows, row, measure(name, "validation"))
+    level = share * ceiling
+    if not values:
+        return False, f"{row}: {name} not measured on validation"
+    mean = statistics.mean(values.values())
+    return mean >= level, (f"{row} {name} on validation {mean * 100:.1f}% {'>=' if mean >= level else '<'} "
+                           f"{share:g} x the PE-free ceiling {ceiling * 100:.1f}% = {level * 100:.1f}%")
+
+
+def converged(rows: dict[str, list[dict[str, Any]]], *names: str) -> tuple[bool, str]:
+    """Each row trained to convergence: stopped early on validation on every seed, within its cap (printed)."""
+    for name in names:
+        stops = {m["seed"]: m.get("stopped") for m in rows.get(name, [])}
+        capped = sorted(s for s, how in stops.items() if how != "early")
+        cap = next((m.get("epochs_cap") for m in rows.get(name, []) if m.get("epochs_cap")), None)
+        if not stops or capped:
+            return False, (f"{name} ran to its {cap or '?'}-epoch cap (or did not stop on validation) on seed(s) "
+                           f"{','.join(map(str, capped)) or '-'}: not converged")
+    return True, "stopped early on validation on every seed (" + ", ".join(
+        f"{n}: cap {next((m.get('epochs_cap') for m in rows.get(n, []) if m.get('epochs_cap')), '?')} epochs"
+        for n in names) + ")"
+
+
+def above_pixels(rows: dict[str, list[dict[str, Any]]], names: list[str], pixels: float) -> tuple[bool, str]:
+    """Each classifier at least as good on validation (its best validation top-1, mean over seeds) as the linear
+    probe of the raw pixels on the same images (``pixels``)."""
+    parts = []
+    for name in names:
+        values = list(per_seed(rows, name, "validation_top1").values())
+        if not values:
+            return False, f"{name}: no validation top-1"
+        mean = statistics.mean(values)
+        if mean < pixels:
+            return False, f"{name} validation top-1 {mean * 100:.1f}% < raw pixels {pixels * 100:.1f}%"
+        parts.append(f"{name} {mean * 100:.1f}%")
+    return True, f"validation top-1 {', '.join(parts)} >= raw pixels {pixels * 100:.1f}%"
+
+
+def protocol_regime(rows: dict[str, list[dict[str, Any]]], protocol: Protocol, spec: dict[str, Any],
+                    settings: dict[str, Any]) -> tuple[bool, str]:
+    """One regime requirement of a protocol claim (``pretext`` | ``gate`` | ``converged`` | ``above_pixels`` |
+    ``corpus``), checked on the validation split (or the corpus)."""
+    (kind, value), = spec.items()
+    if kind == "pretext":
+        ceiling = protocol.ceiling(value["ceiling"], settings.get("patch_size"))
+        return pretext_regime(rows, value["row"], value["measure"], ceiling, protocol.share)
+    if kind == "gate":
+        return gated(rows, *value)
+    if kind == "converged":
+        return converged(rows, *value)
+    if kind == "above_pixels":
+        return above_pixels(rows, value, float(protocol.data["regimes"]["classifier"]["pixels_validation"]))
+    if kind == "corpus":
+        corpus = settings.get("speech_corpus", "")
+        real = value in corpus.lower()
+        return real, f"{corpus or 'the corpus'} is " + ("Speech Commands" if real else
+                                                       "synthetic (espeak-ng), not Table 5's data")
+    raise ValueError(f"unknown regime {kind!r} in {protocol.path}")
+
+
+def regime_text(protocol: Protocol, spec: dict[str, Any], patch: int | None = None) -> str:
+    """A regime requirement as the claims table states it (at ``patch`` px: the protocol's by default)."""
+    (kind, value), = spec.items()
+    if kind == "pretext":
+        level = protocol.share * protocol.ceiling(value["ceiling"], patch)
+        return (f"{value['row']}: {value['measure']} on validation >= {protocol.share:g} x the PE-free ceiling "
+                f"`{value['ceiling']}@{patch or protocol.patch_size}` ({level * 100:.1f}%)")
+    pixels = float(protocol.data["regimes"]["classifier"]["pixels_validation"])
+    return {"gate": lambda: f"features learned (the gate): {', '.join(value)}",
+            "converged": lambda: f"trained to convergence (early stopping on validation): {', '.join(value)}",
+            "above_pixels": lambda: f"validation top-1 >= raw pixels ({pixels * 100:.1f}%): {', '.join(value)}",
+            "corpus": lambda: f"the corpus is {value.replace('_', ' ')}"}[kind]()
+
+
+def log_odds_excluded_p(ours: dict[int, float], other: dict[int, float], paper_says_higher: bool,
+                        paper: float) -> float | None:
+    """One-sided paired t-test p of H0 "the log-odds effect here (per seed logit(ours) - logit(other), signed in
+    the paper's direction) is at least the paper's ``paper``": small where an effect that large is excluded."""
+    seeds = sorted(ours.keys() & other.keys())
+    test = paired_test({s: logit(ours[s]) for s in seeds}, {s: logit(other[s]) for s in seeds}) if seeds else None
+    return below_paper_p(test, paper_says_higher, paper) if test and test.p is not None else None
+
+
+def protocol_claim(rows: dict[str, list[dict[str, Any]]], protocol: Protocol, spec: dict[str, Any],
+                   settings: dict[str, Any]) -> Claim:
+    """One claim of a protocol, as its spec says: its rows paired only on one machine model, its regime, its test
+    (paired | peak), the paper's effect on the log-odds scale where the spec gives the paper's two numbers."""
+    sides = [spec["ours"], *([spec["other"]] if "other" in spec else spec.get("others", []))]
+    values = [per_seed(rows, side["row"], measure(side["measure"])) for side in sides]
+    patch = settings.get("patch_size") or protocol.patch_size
+    regime = "; ".join(regime_text(protocol, req, patch) for req in spec["regime"])
+    setting = spec["setting"].format(patch=patch, positions=(32 // patch) ** 2)
+    ok, why = both(*(protocol_regime(rows, protocol, req, settings) for req in spec["regime"]))
+    if spec["test"] == "peak":
+        claim = peak_claim(spec["claim"], setting, regime, values[0], values[1:], (ok, why))
+    else:
+        higher = spec["direction"] == "higher"
+        claim = direction_claim(spec["claim"], setting, regime, values[0], values[1], higher, (ok, why))
+        if "paper" in spec and claim.in_regime is not None:
+            claim.paper_effect = paper_log_odds(spec["paper"]["ours"], spec["paper"]["other"])
+            claim.paper_scale = "log_odds"
+            signed = claim.paper_effect if higher else -claim.paper_effect
+            claim.excluded_p = log_odds_excluded_p(values[0], values[1], higher, signed)
+    claim.family = spec["family"]
+    refused = pairing_problem(rows, sorted({side["row"] for side in sides}))
+    if refused and claim.in_regime is not None:
+        claim.refused, claim.in_regime = refused, False
+    return claim
+
+
+def decide_families(items: list[Claim]) -> list[Claim]:
+    """Holm within each family (one per question) over its claims in regime with a test; the paper's-effect tests
+    are a family of their own (``size``)."""
+    for family in dict.fromkeys(c.family for c in items):
+        tested = [c for c in items if c.family == family and c.tested]
+        for c, adjusted in zip(tested, holm([c.p for c in tested]), strict=True):
+            c.adjusted = adjusted
+    sizes = [c for c in items if c.tested and c.excluded_p is not None]
+    for c, adjusted in zip(sizes, holm([c.excluded_p for c in sizes]), strict=True):
+        c.excluded_adjusted = adjusted
+    return items
+
+
+def protocol_items(rows: dict[str, list[dict[str, Any]]], protocol: Protocol,
+                   settings: dict[str, Any] | None = None) -> list[Claim]:
+    """Every claim the protocol runs, built from its specs in one loop and decided family by family.
+    ``settings``: ``speech_corpus`` (the speech rows' corpus), ``patch_size`` (the rows'; default the protocol's:
+    the ceilings and settings are read at it)."""
+    return decide_families([protocol_claim(rows, protocol, spec, settings or {}) for spec in protocol.claims])
+
+
+def one_sided_above(ours: dict[int, float], other: dict[int, float], claim: str,
+                    regime_ok: tuple[bool, str]) -> Claim:
+    """A frozen probe against a trained baseline (label efficiency's proxy, one-sided): a probe bounds a fine-tune
+    from below, so it can support "pretrained above" and nothing else. One-sided paired t-test of ours > other; its
+    verdict is "agrees" (above) or undecided ("not shown above"), never "contradicts"."""
+    test = paired_test(ours, other) if ours and other else None
+    if test is None:
+        return _not_run(claim, "", "features learned and the baseline converged")
+    ok, why = regime_ok
+    if ok and len(test.seeds) < MIN_SEEDS:
+        ok, why = False, f"{len(test.seeds)} shared seed(s), {MIN_SEEDS} needed"
+    p = None if test.p is None else (test.p / 2 if test.mean > 0 else 1 - test.p / 2)
+    return Claim(claim, "", "features learned and the baseline converged", ok, why,
+                 effect_text(test) + " (probe: above only)", p, True if p is not None else None, len(test.seeds),
+                 "one-sided paired t (above)")

@@ -12,6 +12,7 @@ from typing import Any
 from patchplace.pipelines.stages import stage_resumed, stage_seconds
 from patchplace.research.reproduction.corpora import corpus_of, corpus_record, same_corpus, study_corpora
 from patchplace.research.reproduction.plan import CONTROLS, RUNS, Run, StudyConfig, fraction_key
+from patchplace.research.reproduction.protocol import PROVENANCE, read_starts
 from patchplace.research.reproduction.runner import Study
 
 
@@ -157,6 +158,7 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     if "droppos_grid" in probe:
         m["droppos_grid"] = probe["droppos_grid"]
         m["position_accuracy"] = probe["droppos_grid"]["mean"]
+    m.update(provenance_of(d), **validation_of(d), **training_stop(study, run, seed))
     privacy = (read_json(d / "privacy" / "results.json") or {}).get("privacy")
     if privacy:
         m["privacy"] = {attack: {s: {k: v[k] for k in ("mse", "psnr", "ssim", "fft2d")} for s, v in settings.items()}
@@ -170,6 +172,41 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
             m["mean_corruption_error"] = ort["robustness"]["mean_error"]
             m["corruptions_failed"] = sorted(ort["robustness"]["failed"])
     return m
+
+
+def provenance_of(d: Path) -> dict[str, Any]:
+    """{"provenance": {"starts": [...]}} of a (row, seed) directory (``protocol.record_start``), or {}."""
+    starts = read_starts(d / PROVENANCE)
+    return {"provenance": {"starts": starts}} if starts else {}
+
+
+def validation_of(d: Path) -> dict[str, Any]:
+    """{"validation": {"mp3_eta_curve" | "droppos_grid": ..., "position_accuracy": ...}} of a position row's
+    validation stage (``runner.Study.position_validation``), or {}."""
+    measured = read_json(d / "position_val" / "results.json") or {}
+    if "mp3_position_accuracy" in measured:
+        return {"validation": {"mp3_eta_curve": measured["mp3_position_accuracy"]}}
+    if "droppos_grid" in measured:
+        return {"validation": {"droppos_grid": measured["droppos_grid"],
+                               "position_accuracy": measured["droppos_grid"]["mean"]}}
+    return {}
+
+
+def training_stop(study: Study, run: Run, seed: int) -> dict[str, Any]:
+    """How a classifier's training stopped where it stopped on validation (``classifier_patience`` /
+    ``speech_patience``): ``stopped`` (early | cap | cap, improving), the epoch cap, and ``validation_top1`` (the
+    best validation top-1, the checkpoint tested)."""
+    c, d = study.cfg, study.dir(run, seed)
+    patience = c.speech_patience if run.speech else c.classifier_patience
+    log = d / ("train" if run.classifier_only else "finetune") / "log.jsonl"
+    if not patience or not (log.parent / "DONE").is_file():
+        return {}
+    tops = [row["eval"]["top1"] for line in log.read_text().splitlines() if line.strip()
+            and "top1" in (row := json.loads(line)).get("eval", {})]
+    pre, ft = study.epochs(run)
+    cap = ft if run.speech or not run.classifier_only else (c.classifier_epochs or pre + ft)
+    return {"stopped": "early" if early_stop(log) else ("cap, improving" if still_improving(log) else "cap"),
+            "epochs_cap": cap, **({"validation_top1": max(tops)} if tops else {})}
 
 
 def probe_numbers(probe: dict[str, Any]) -> dict[str, float]:

@@ -121,6 +121,21 @@ class StudyConfig:
     results: str = "results"  # where <name>.json / .md / PNGs go
     name: str = "study"  # results files: <results>/<name>.json, <name>.md, <name>_*.png
     compare_with: str | None = None  # an earlier study.json: its claims, judged by the same rules, beside these
+    # the pre-registered protocol (e.g. research/protocols/study_v5.yaml): its claims, regimes, seeds and epochs
+    # decide the report, rows record its sha256 and are refused when trained before its commit; None: v4's rules
+    protocol: str | None = None
+    patch_size: int | None = None  # patch side of every image row's backbone (None: the preset's, 4 px)
+    # run directories name their pretraining epochs (<row>@e<epochs>): a doubled budget never meets the stages of
+    # the shorter one (the protocol's doubling rule)
+    epochs_in_path: bool = False
+    # the MP3 eta curve / DropPos grid of each position row on the validation split too (<row>/position_val): what
+    # a protocol's regime and doubling rule read
+    validation_positions: bool = False
+    # image classifiers trained from scratch (supervised, MJP): evaluate on validation every classifier_eval_epochs
+    # and stop after classifier_patience evaluations without a better top-1 (the best checkpoint tested); 0: off
+    classifier_patience: int = 0
+    classifier_eval_epochs: float = 1.0  # epochs between the classifiers' validation evaluations
+    classifier_epochs: float = 0.0  # their epochs (with patience: the cap); 0: pretrain_epochs + finetune_epochs
 
     def validate(self) -> None:
         unknown = sorted(set(self.groups) - set(GROUPS))
@@ -178,6 +193,10 @@ class StudyConfig:
             raise ConfigError("gate_budgets must be > 0 and gate_val_samples >= 1")
         if self.privacy_images < 0 or self.privacy_steps < 1:
             raise ConfigError("privacy_images must be >= 0 and privacy_steps >= 1")
+        if self.patch_size is not None and (self.patch_size < 1 or 32 % self.patch_size):
+            raise ConfigError(f"patch_size must divide the 32 px images, got {self.patch_size}")
+        if self.classifier_patience < 0 or self.classifier_eval_epochs <= 0 or self.classifier_epochs < 0:
+            raise ConfigError("classifier_patience and classifier_epochs must be >= 0, classifier_eval_epochs > 0")
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 from dataclasses import asdict
@@ -20,6 +21,7 @@ from patchplace.research.reproduction.claims import (
     MIN_SEEDS,
     PRIVACY_METRICS,
     PRIVACY_RUNS,
+    Claim,
     claim_items,
     claims,
     claims_versus,
@@ -27,10 +29,12 @@ from patchplace.research.reproduction.claims import (
     gate_budgets,
     label_items,
     mean_of,
+    measure,
     null_control,
     paired_test,
     per_seed,
     privacy_metric,
+    protocol_items,
     seeds_of,
     stat,
 )
@@ -45,6 +49,14 @@ from patchplace.research.reproduction.metrics import (
     read_json,
 )
 from patchplace.research.reproduction.plan import GROUPS, RUNS, StudyConfig, fraction_key
+from patchplace.research.reproduction.protocol import (
+    Commit,
+    Protocol,
+    load_protocol,
+    machines_of,
+    protocol_commit,
+    refusals,
+)
 from patchplace.research.reproduction.runner import Study
 
 
@@ -492,7 +504,7 @@ def stage_minutes(study: Study) -> dict[str, Any]:
         resumed[group_name] = resumed.get(group_name, 0) + int(stage_resumed(stage_dir))
 
     for done in sorted(study.root.glob("seed*/*/*/DONE")):
-        run, stage_name = done.parent.parent.name, done.parent.name
+        run, stage_name = done.parent.parent.name.split("@e")[0], done.parent.name  # <row>@e<epochs>: the row
         add(group.get(run, "other"), next((k for k, prefixes in STAGE_KINDS if stage_name.startswith(prefixes)),
                                           "other"), done.parent)
     for done in sorted([*study.root.glob("curves/*/*/DONE"), *study.root.glob("controls/DONE")]):
@@ -713,6 +725,8 @@ def speech_corpus(cfg: StudyConfig) -> str:
 
 
 def report(cfg: StudyConfig, argv: list[str]) -> str:
+    if cfg.protocol:  # a pre-registered protocol decides the report
+        return protocol_report(cfg, argv)
     study = Study(cfg)
     out = Path(cfg.results)
     out.mkdir(parents=True, exist_ok=True)
@@ -742,6 +756,112 @@ def report(cfg: StudyConfig, argv: list[str]) -> str:
                "label_efficiency": [{**asdict(c), "verdict": c.verdict} for c in label_items(
                    rows, tuple(cfg.label_fractions)).values()]}
     write_json_atomic(out / f"{cfg.name}.json", payload)  # two study processes may finish at once
+    with atomic_file(out / f"{cfg.name}.md") as tmp:
+        tmp.write_text(text)
+    return text
+
+
+# --------------------------------------------------------------------------- a pre-registered protocol's report
+def protocol_header(protocol: Protocol, commit: Commit | None) -> str:
+    """The line naming the protocol the report reads: its path, sha256 and commit (or that it is not committed)."""
+    where = (f"committed at {commit.sha[:10]} ({commit.time.isoformat()})" + (
+        "; **the file differs from that commit**" if commit.dirty else "")) if commit else "**not committed**"
+    return f"Protocol: `{protocol.path}`, sha256 `{protocol.sha256}`, {where}."
+
+
+def position_table(rows: dict[str, list[dict[str, Any]]], protocol: Protocol, patch: int) -> list[str]:
+    """Each position row's regime measure against its PE-free ceiling at ``patch`` px: validation (the regime's)
+    and test."""
+    lines = ["| row | measure | seeds | validation | PE-free ceiling (validation) | share of it | regime level | "
+             "test |", "|" + " --- |" * 8]
+    seen = set()
+    for spec in protocol.claims:
+        for req in spec["regime"]:
+            p = req.get("pretext")
+            if not p or (p["row"], p["measure"]) in seen:
+                continue
+            seen.add((p["row"], p["measure"]))
+            ceiling = protocol.ceiling(p["ceiling"], patch)
+            val = list(per_seed(rows, p["row"], measure(p["measure"], "validation")).values())
+            test = list(per_seed(rows, p["row"], measure(p["measure"])).values())
+            share = f"{statistics.mean(val) / ceiling:.2f}" if val else "-"
+            lines.append(f"| {p['row']} | {p['measure']} | {len(val) or '-'} | {_pct(val or None)} | "
+                         f"{ceiling * 100:.1f} (`{p['ceiling']}@{patch}`) | {share} | "
+                         f"{protocol.share * ceiling * 100:.1f} | {_pct(test or None)} |")
+    return lines
+
+
+def family_tables(items: list[Claim], protocol: Protocol) -> list[str]:
+    """The claims, one table per Holm family, each after its question and the count it decides."""
+    lines = []
+    for family, question in protocol.data["families"].items():
+        mine = [c for c in items if c.family == family]
+        if not mine:
+            continue
+        tested = [c for c in mine if c.tested]
+        decided = [c for c in tested if c.adjusted is not None and c.adjusted < ALPHA]
+        lines += [f"### {family}: {question}", "",
+                  f"{len(tested)} of {len(mine)} in regime and tested (Holm over these {len(tested)}); decided "
+                  f"{len(decided)}.", "",
+                  "| claim (paper) | paper's setting -> this study's | regime (validation) | in regime? | seeds | "
+                  "raw p | Holm p | this study |", "|" + " --- |" * 8]
+        for c in mine:
+            status = "-" if c.in_regime is None else ("yes" if c.in_regime else "no")
+            lines.append(f"| {c.claim} | {c.setting} | {c.regime} | {status} | {c.seeds or '-'} | "
+                         f"{f'{c.p:.2g}' if c.p is not None else '-'} | "
+                         f"{f'{c.adjusted:.2g}' if c.adjusted is not None else '-'} | {c.verdict} |")
+        lines.append("")
+    return lines
+
+
+def decisions_of(cfg: StudyConfig) -> dict[str, Any]:
+    """The doubling rule's recorded decisions (``results/<name>_decisions.json``), or {}."""
+    return read_json(Path(cfg.results) / f"{cfg.name}_decisions.json") or {}
+
+
+def protocol_report(cfg: StudyConfig, argv: list[str]) -> str:
+    """The report of a pre-registered protocol (``cfg.protocol``): its hash and commit, the rows it refuses (one
+    line each, also printed), the position rows against their ceilings, the doubling decisions, the claims family
+    by family, what it does not run; ``results/<name>.{json,md}``."""
+    protocol = load_protocol(cfg.protocol)
+    commit = protocol_commit(protocol.path)
+    study, out = Study(cfg), Path(cfg.results)
+    out.mkdir(parents=True, exist_ok=True)
+    measured = collect(study)
+    rows, refused = refusals(measured, protocol.sha256, commit, protocol.path.resolve().parent)
+    for line in refused:
+        print(f"[study] {line}", flush=True)
+    patch = cfg.patch_size or protocol.patch_size
+    items = protocol_items(rows, protocol, {"speech_corpus": speech_corpus(cfg), "patch_size": patch})
+    decisions = decisions_of(cfg)
+    models = sorted({model for ms in rows.values() for m in ms for model in machines_of(m)})
+    lines = [f"# Reproduction study v{protocol.data['version']} (pre-registered)", "",
+             protocol_header(protocol, commit), "",
+             f"Hardware of this report: {hardware_line()}; machine models of the rows counted: "
+             f"{'; '.join(models) or 'none'}.", "",
+             f"Rows counted: {sum(len(ms) for ms in rows.values())}; refused: {len(refused)} line(s)"
+             + (":" if refused else "."), *[f"- {line}" for line in refused], "",
+             "## Position rows against the PE-free ceiling", "", *position_table(rows, protocol, patch), "",
+             "## The doubling rule (seed 0, validation)", "",
+             *([f"- {group}: {json.dumps(d)}" for group, d in decisions.get("groups", {}).items()]
+               or [f"No decision recorded yet (`{cfg.name}_decisions.json`; GPU waves record their sizing and "
+                   "stopping rule in `sizing.json` beside their bundles)."]), "",
+             "## The claims, one Holm family per question", "", *family_tables(items, protocol),
+             "## Not run in this version", "",
+             *[f"- {n['claim']}: {n['why']}" for n in protocol.data.get("not_run", [])], ""]
+    if any(gate_budgets(rows, r.name) for r in RUNS):
+        lines += ["## The learned gate (validation split)", "", *gate_table(rows), ""]
+    spent = wall_clock(stage_minutes(study))
+    if spent:
+        lines += ["## Wall-clock per part (minutes of the finished stages)", "", *spent, ""]
+    payload = {"harness": HARNESS_VERSION, "commands": commands_so_far(cfg, argv), "config": asdict(cfg),
+               "protocol": {"path": str(protocol.path), "sha256": protocol.sha256,
+                            "commit": commit.sha if commit else None, "dirty": commit.dirty if commit else None},
+               "hardware": hardware_line(), "results": measured, "refused": refused, "decisions": decisions,
+               "claims": [{**asdict(c), "verdict": c.verdict} for c in items], "corpora": study_corpora(cfg),
+               "wall_clock": stage_minutes(study)}
+    write_json_atomic(out / f"{cfg.name}.json", payload)
+    text = "\n".join(lines) + "\n"
     with atomic_file(out / f"{cfg.name}.md") as tmp:
         tmp.write_text(text)
     return text

@@ -27,6 +27,7 @@ from patchplace.research.reproduction.plan import (
     run_seeds,
     runs_of,
 )
+from patchplace.research.reproduction.protocol import record_start
 
 # Every stage is its command line's main: run in this process when it trains in float32, else as a process of its
 # own (python -m ...) with its own Accelerate state (the GPU study trains in bf16 and evaluates in float32). The ONNX
@@ -38,6 +39,8 @@ controls = by_precision("patchplace.research.controls")
 export = by_precision("patchplace.export.__main__")
 evaluate_onnx = by_precision("patchplace.export.evaluate")
 
+# the pretraining configs whose head predicts positions (evaluate.py: MP3's eta curve, DropPos's grid)
+POSITION_CONFIGS = ("mp3_fashion_mnist", "droppos_fashion_mnist")
 # an evaluation stage owns its run.output: a retry after a failed attempt replaces that attempt's files
 EVALUATE = ["--config", str(CONFIGS / "evaluate_fashion_mnist.yaml"), "run.overwrite=true"]
 
@@ -57,7 +60,15 @@ class Study:
         self.precision = resolve_precision(cfg.precision)
 
     def dir(self, run: Run, seed: int) -> Path:
-        return self.root / f"seed{seed}" / run.name
+        """A (row, seed)'s run directory; with ``epochs_in_path`` a pretrained row's names its epochs
+        (``<row>@e<epochs>``), so a doubled budget trains beside the shorter one, never into its stages."""
+        pretrained = self.cfg.epochs_in_path and run.config is not None and not run.classifier_only
+        return self.root / f"seed{seed}" / (f"{run.name}@e{self.epochs(run)[0]:g}" if pretrained else run.name)
+
+    def model_overrides(self, run: Run) -> list[str]:
+        """What a backbone built from the preset gets besides it: ``patch_size`` (image rows)."""
+        return [] if run.speech or self.cfg.patch_size is None else \
+            [f"model.overrides={{patch_size: {self.cfg.patch_size}}}"]
 
     def seeds(self, run: Run) -> tuple[int, ...]:
         return run_seeds(self.cfg, run)
@@ -131,7 +142,7 @@ class Study:
     def supervised(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
         """A classifier trained from scratch: supervised (the fine-tuning recipe without layer decay) or MJP (its
         own supervised recipe, pretrain.py)."""
-        common = [f"run.output={out}", f"optim.epochs={epochs}", *self.common(run, seed)]
+        common = [f"run.output={out}", f"optim.epochs={epochs}", *self.common(run, seed), *self.model_overrides(run)]
         if run.config is None:
             pe = "sincos1d" if run.speech else run.scratch_pe
             if run.speech:
@@ -182,7 +193,8 @@ class Study:
         d, (pre, ft) = self.dir(run, seed), self.epochs(run)
         seconds = {}
         if run.classifier_only:  # images: supervised / MJP from scratch, the same total epochs; speech: as many
-            seconds["train"] = self.supervised(run, seed, d / "train", ft if run.speech else pre + ft, [])
+            epochs = ft if run.speech else (self.cfg.classifier_epochs or pre + ft)
+            seconds["train"] = self.supervised(run, seed, d / "train", epochs, self.classifier_stopping(run))
             return self.final(d / "train"), self.final(d / "train"), seconds
         source = self.source(run, seed)
         null = run.name == "speech_null"  # the null-pretraining control: one step of pretraining
@@ -190,11 +202,22 @@ class Study:
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
             f"optim.epochs={pre}", *(["optim.max_steps=1"] if null else []), *run.objective,
             *([f"run.keep_epochs=[{','.join(f'{b:g}' for b in self.budgets(run))}]"] if self.budgets(run) else []),
-            *self.common(run, seed)], label=f"{source} pretrain")
+            *self.common(run, seed), *self.model_overrides(run)], label=f"{source} pretrain")
         if self.probe_only(run) or not self.full_label(run, seed):
             return source / "pretrain" / "checkpoint", None, seconds
         seconds["finetune"] = self.finetune(run, seed, d / "finetune", ft, [])
         return source / "pretrain" / "checkpoint", self.final(d / "finetune"), seconds
+
+    def classifier_stopping(self, run: Run) -> list[str]:
+        """An image classifier trained from scratch with every label (``classifier_patience``): validation every
+        ``classifier_eval_epochs`` on all the held-out images, stopped after that many evaluations without a better
+        top-1 (the best checkpoint is the one tested)."""
+        c = self.cfg
+        if run.speech or not c.classifier_patience or not c.holdout:
+            return []
+        every = max(1, round(c.classifier_eval_epochs * self.subset_steps(1.0, c.batch_size)))
+        return [f"run.eval_every={every}", f"run.early_stop_patience={c.classifier_patience}",
+                f"data.val_limit={c.holdout}"]
 
     def label_efficiency(self, run: Run, seed: int) -> dict[str, float]:
         """Fine-tune the pretrained backbone (supervised: train from scratch) on each class-balanced label fraction,
@@ -263,8 +286,18 @@ class Study:
             f"controls.seeds=[{seed}]", f"model.preset={c.preset}", f"controls.random_inits=[{feature}]",
             "controls.label_fractions=[]", f"controls.probe_train_samples={c.probe_train_samples}",
             f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, checkpoints))}]",
-            f"data.label_subset_seed={c.label_subset_seed}", *self.data(run),
+            f"data.label_subset_seed={c.label_subset_seed}", *self.data(run), *self.model_overrides(run),
             f"data.val_limit={min(c.gate_val_samples, c.holdout)}"], label=f"{d} gate")
+
+    def position_validation(self, run: Run, seed: int, backbone: Path) -> None:
+        """The MP3 eta curve / DropPos grid of a position row's pretraining head on the validation split
+        (``validation_positions``; ``<run>/position_val``): what a protocol's regime and doubling rule read, never
+        the test split."""
+        c, d = self.cfg, self.dir(run, seed)
+        stage(d / "position_val", evaluate, [
+            *EVALUATE, f"run.output={d / 'position_val'}", f"model.checkpoint={backbone}",
+            "eval.linear_probe=false", "eval.knn=false", "eval.position_probe=false", "eval.consistency_ratios=[]",
+            f"eval.max_eval_samples={min(c.curve_samples, c.holdout)}", *self.data(run)], label=f"{d} position_val")
 
     def evaluate(self, run: Run, seed: int, backbone: Path, classifier: Path | None) -> None:
         c, d = self.cfg, self.dir(run, seed)
@@ -280,6 +313,8 @@ class Study:
             if self.gated(run) and c.holdout:  # the learned gate first: it reads validation only
                 self.gate(run, seed, backbone)
             self.probe(run, d / "probe", backbone)
+            if c.validation_positions and c.holdout and run.config in POSITION_CONFIGS:
+                self.position_validation(run, seed, backbone)
             for budget in self.budgets(run) if self.gated(run) else ():
                 self.probe(run, d / f"probe_e{budget:g}", self.snapshot(run, seed, budget))
         if classifier is None:
@@ -316,7 +351,7 @@ class Study:
         image = next(r for r in RUNS if r.name == "supervised")
         stage(self.root / "controls", controls, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={self.root / 'controls'}",
-            f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
+            f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}", *self.model_overrides(image),
             f"controls.label_fractions=[{','.join(map(str, c.label_fractions))}]",
             f"controls.probe_train_samples={c.probe_train_samples}", f"controls.probe_epochs={c.probe_epochs}",
             f"data.label_subset_seed={c.label_subset_seed}", *self.data(image, evaluation=True),
@@ -333,7 +368,7 @@ class Study:
         stage(d / "pretrain", self.launch["pretrain"], [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'pretrain'}",
             f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
-            *run.objective, *self.common(run, c.curve_seed)], label=f"{d} pretrain")
+            *run.objective, *self.common(run, c.curve_seed), *self.model_overrides(run)], label=f"{d} pretrain")
         snapshots = [d / "pretrain" / "snapshots" / f"epoch-{e:g}" for e in c.curve_epochs]
         # the random-init control of this method's architecture and feature (its epoch-0 snapshot's PE and
         # recorded probe_feature)
@@ -343,7 +378,7 @@ class Study:
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'probes'}",
             f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
             f"controls.random_inits=[{feature}]",
-            "controls.label_fractions=[0.01]", "controls.probe_train_samples=0",
+            "controls.label_fractions=[0.01]", "controls.probe_train_samples=0", *self.model_overrides(run),
             f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, snapshots))}]",
             f"data.label_subset_seed={c.label_subset_seed}", *self.data(run),
             f"data.val_limit={min(c.curve_val_samples, c.holdout) if c.holdout else c.curve_val_samples}"],
@@ -366,6 +401,7 @@ class Study:
             for seed in (s for s in self.seeds(run) if (not self.cfg.only_seeds or s in self.cfg.only_seeds)
                          and (run.name, s) not in done):
                 start = time.perf_counter()
+                record_start(self.dir(run, seed), Path(self.cfg.protocol) if self.cfg.protocol else None)
                 backbone, classifier, _ = self.train(run, seed)
                 self.label_efficiency(run, seed)
                 self.evaluate(run, seed, backbone, classifier)

@@ -46,6 +46,8 @@ from patchplace.research.reproduction.metrics import HARNESS_VERSION, read_json
 from patchplace.research.reproduction.plan import GROUPS, RUNS, StudyConfig, measures_controls
 
 LOG = "sittings.jsonl"  # one line per sitting: device, units finished, units cut off, seconds
+# files a bundles directory holds beside the bundles: the GPU waves' sizing (reproduction/waves.py)
+NOT_BUNDLES = ("sizing.json",)
 
 
 def unit_id(groups: Sequence[str], seed: int, only: Sequence[str] = ()) -> str:
@@ -137,6 +139,8 @@ def scan_bundles(directory: Path, cfg: StudyConfig | None = None, units: Sequenc
 
     found, problems, other_budget = {}, [], {}
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        if path.name in NOT_BUNDLES:
+            continue
         bundle, problem = read_bundle(path, units)
         if problem:
             pending = "" if problem.endswith(NOT_READ) else "; its unit stays pending"
@@ -232,7 +236,6 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
     """Run the pending ``units`` (``study.Unit``, priority order) that fit ``minutes``, each as
     ``command + unit overrides`` in a fresh run directory; a bundle per finished unit into ``bundles_dir`` (and
     ``out``: the folder a lent machine sends back). Returns how many units finished."""
-    import torch
 
     bundles_dir.mkdir(parents=True, exist_ok=True)
     budget, start = minutes * 60, time.monotonic()
@@ -278,21 +281,9 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
             tail = (scratch / f"{name}.log").read_text()[-2000:]
             print(f"[sitting] {name}: failed (exit {code}); its log ends:\n{tail}", file=sys.stderr, flush=True)
             continue
-        measured = read_json(results / f"{cfg.name}.json") or {}
-        bundle = {"unit": name, "groups": list(unit.groups), "seed": unit.seed, "only": list(unit.only),
-                  "seconds": seconds, "sitting": sitting, "device": device_line(), "torch": torch.__version__,
-                  "harness": HARNESS_VERSION, "config": asdict(cfg),
-                  "rows": unit_rows(measured.get("results", {}), unit.groups, unit.seed, unit.only),
-                  "controls": measured.get("controls") if measures_controls(unit.groups, unit.only) else None,
-                  "curves": measured.get("curves") if "curves" in unit.groups else None,
-                  "corpora": measured.get("corpora")}  # what its controls / curves were measured on
-        problem = bundle_problem(bundles_dir / f"{name}.json", json.loads(json.dumps(bundle)), ids)
-        if problem:  # e.g. a unit that measured no rows: no bundle, the unit stays pending
-            print(f"[sitting] {name}: finished, but its bundle would not count ({problem}); pending",
-                  file=sys.stderr, flush=True)
+        bundle = unit_bundle(cfg, unit, results, seconds, sitting)
+        if not keep_bundle(bundle, bundles_dir, out, ids):
             continue
-        for path in (bundles_dir, *([out] if out else [])):
-            write_json_atomic(path / f"{name}.json", bundle)
         done[name] = bundle
         finished.append(name)
         print(f"[sitting] {name}: finished in {seconds / 60:.1f} min -> {bundles_dir / (name + '.json')}",
@@ -306,6 +297,34 @@ def run_sitting(cfg: StudyConfig, units: list[Any], command: list[str], bundles_
     print(f"[sitting] {sitting}: finished {len(finished)} unit(s) in {record['seconds'] / 60:.1f} min; "
           f"pending: {', '.join(still) or 'none'}", flush=True)
     return len(finished)
+
+
+def unit_bundle(cfg: StudyConfig, unit: Any, results: Path, seconds: float, sitting: str) -> dict[str, Any]:
+    """The bundle of a finished unit (``study.Unit``) whose process wrote its report to ``results``."""
+    import torch
+
+    measured = read_json(results / f"{cfg.name}.json") or {}
+    return {"unit": unit_id(unit.groups, unit.seed, unit.only), "groups": list(unit.groups), "seed": unit.seed,
+            "only": list(unit.only), "seconds": seconds, "sitting": sitting, "device": device_line(),
+            "torch": torch.__version__, "harness": HARNESS_VERSION, "config": asdict(cfg),
+            "rows": unit_rows(measured.get("results", {}), unit.groups, unit.seed, unit.only),
+            "controls": measured.get("controls") if measures_controls(unit.groups, unit.only) else None,
+            "curves": measured.get("curves") if "curves" in unit.groups else None,
+            "corpora": measured.get("corpora")}  # what its controls / curves were measured on
+
+
+def keep_bundle(bundle: dict[str, Any], bundles_dir: Path, out: Path | None, ids: Sequence[str]) -> bool:
+    """Write ``bundle`` to ``bundles_dir`` (and ``out``) where it is a whole bundle of one of ``ids``; else say why
+    in one line and write nothing (its unit stays pending)."""
+    name = bundle["unit"]
+    problem = bundle_problem(bundles_dir / f"{name}.json", json.loads(json.dumps(bundle)), ids)
+    if problem:  # e.g. a unit that measured no rows: no bundle, the unit stays pending
+        print(f"[sitting] {name}: finished, but its bundle would not count ({problem}); pending",
+              file=sys.stderr, flush=True)
+        return False
+    for path in (bundles_dir, *([out] if out else [])):
+        write_json_atomic(path / f"{name}.json", bundle)
+    return True
 
 
 def _run_bounded(argv: list[str], seconds: float, log: Path) -> int | None:
