@@ -24,7 +24,19 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               with per-sample boxes (grid_sample, torchvision roi_align / v2, kornia if installed); MFCC clips/s.
   data_writer the image-folder recipe's writer: images/s and images/s per core with each --writer-workers count
               (outputs compared byte for byte), and JPEG decoding per core, Pillow vs torchvision.io.decode_jpeg,
-              with their largest pixel difference, on --writer-images generated JPEGs of 64 px to 640 x 480.
+              and the reader's decode path before (Pillow) and after (decode_jpeg where its pixels are Pillow's),
+              with each pair's largest pixel difference, on --writer-images generated JPEGs of 64 px to 640 x 480.
+  loader_vs_step  does the streaming loader keep up? On --loader-images generated JPEGs (64 px to 640 x 480)
+              written to shards by the image-folder recipe, the train loader as the pipelines build it from
+              --loader-config (DeiT's: RandomResizedCrop 224 + flip + RandAugment + random erasing), images/s (best
+              of --loader-repeats epochs) per --loader-workers count and --loader-decoders (pillow: before issue 53;
+              fast), against the supervised training step of --step-preset (vit_tiny) at 224 px and the same batch
+              (--loader-step-batch) on the same machine: ratio = loader / step (>= 1: keeps up), workers needed =
+              step / one worker's rate.
+  probe_memory  peak anonymous memory (RssAnon) of evaluate.py's streamed probes over the whole train split at
+              each --probe-sizes size (generated 16 px shards; 4-block vit_micro; a fresh process each, no loader
+              worker): the feature store, the linear probes (last layer, last 4), StoP's 1% logistic regression,
+              the layer-wise kNN; flat = independent of the split's size. Also the store's size on disk and time.
   models      one Transformer block's forward + backward with MP3 context-only keys/values vs full attention.
   onnx        inference latency (p50 / p95) and images/s of a randomly initialised --onnx-preset classifier at each
               --onnx-batches size: PyTorch eager, the plain ONNX graph on a default ONNX Runtime session (before),
@@ -177,9 +189,27 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s; 0: the whole split)")
     g.add_argument("--pad-to", type=int, default=32, help="image padding used by the transform")
     g.add_argument("--mfcc-batches", type=int, default=20, help="timed MFCC batches of 64 clips")
+    g = parser.add_argument_group("probe_memory")
+    g.add_argument("--probe-sizes", type=int, nargs="+", default=[2000, 8000, 32000],
+                   help="train split sizes (default: 2000 8000 32000)")
+    g.add_argument("--probe-epochs", type=int, default=2, help="epochs of each linear probe (default: %(default)s)")
     g = parser.add_argument_group("data_writer")
     g.add_argument("--writer-images", type=int, default=480, help="generated JPEGs written (default: %(default)s)")
     g.add_argument("--writer-workers", type=int, nargs="+", default=[1, 2], help="writer process counts (default: 1 2)")
+    g = parser.add_argument_group("loader_vs_step")
+    g.add_argument("--loader-config", default="imagenet_supervised_deitb_train",
+                   help="pipelines config whose data section builds the loader (default: %(default)s)")
+    g.add_argument("--loader-images", type=int, default=384, help="generated JPEGs read (default: %(default)s)")
+    g.add_argument("--loader-workers", type=int, nargs="+", default=[0, 1, 2],
+                   help="DataLoader worker counts (default: 0 1 2)")
+    g.add_argument("--loader-decoders", nargs="+", choices=["pillow", "fast"], default=["pillow", "fast"],
+                   help="JPEG decoders of the reader (default: both)")
+    g.add_argument("--loader-step-batch", type=int, default=32,
+                   help="batch of the loader and of the step (default: %(default)s)")
+    g.add_argument("--loader-repeats", type=int, default=2,
+                   help="epochs per loader setting, decoders alternated; the fastest is kept (default: %(default)s)")
+    g.add_argument("--step-preset", default="vit_tiny", help="the ViT whose step is timed (default: %(default)s)")
+    g.add_argument("--step-repeats", type=int, default=3, help="timed steps (default: %(default)s)")
     g = parser.add_argument_group("onnx")
     g.add_argument("--onnx-preset", default=STUDY["preset"], help="classifier to export (default: %(default)s)")
     g.add_argument("--onnx-batches", type=int, nargs="+", default=[1, 8, 64], help="batch sizes")
