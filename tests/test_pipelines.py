@@ -303,9 +303,13 @@ def test_pretrain_finetune_evaluate_chain(shards, tmp_path):
     # label-efficiency probes: the balanced subsets of the whole train split (64 images, 3 classes) fine-tuning uses
     subsets = results["linear_probe_label_fraction"]
     assert {k: v["train_samples"] for k, v in subsets.items()} == {"0.1": 6, "0.5": 31}
+    # streamed, the same subsets: drawn from the labels of the stored features (the whole split, in manifest order)
     assert evaluate.main([*img(shards), "data.num_workers=0", f"run.output={tmp_path / 'ev3'}", "data.in_memory=false",
-                          f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "eval.label_fractions=[0.1]"]) == 2
-    assert not (tmp_path / "ev3" / "results.json").exists()
+                          f"model.checkpoint={tmp_path / 'pre' / 'checkpoint'}", "eval.label_fractions=[0.1]",
+                          "eval.knn=false", "eval.position_probe=false", "eval.linear_probe=false",
+                          "eval.max_eval_samples=8"]) == 0
+    streamed = json.loads((tmp_path / "ev3" / "results.json").read_text())["linear_probe_label_fraction"]
+    assert streamed["0.1"]["train_samples"] == 6
     assert set(results["mp3_position_accuracy"]) == {"0.0", "0.25", "0.5", "0.55", "0.75", "0.9"}
     assert (tmp_path / "ev2" / "mp3_reassembled.png").stat().st_size > 1000
 

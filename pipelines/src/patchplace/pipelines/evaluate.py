@@ -14,6 +14,13 @@ grid when the checkpoint holds those objectives. ``--privacy`` (= ``privacy.enab
 gradient-inversion evaluation (Table 5 settings (a) / (b) / (c), APRIL analytic + gradient-matching attacks; MSE,
 PSNR, SSIM, FFT2D; ``privacy.png`` of originals vs reconstructions, Fig. 5) on one test image per class.
 
+The probes are streamed (docs/pipelines.md, "Evaluation protocols"): on one process or several (``accelerate launch
+--multi_gpu``), each extracts its share of the splits batch by batch into a feature store under
+``run.output/features/`` and scores its share of the classification and of the kNN; the linear probes (the papers'
+recipes, ``eval.probe_*``: MAE / RandSAC's LARS, StoP / I-JEPA's SGD and last-4-layer concatenation) and the
+low-label ones (StoP's logistic regression, ImageNet 1% / 10% lists) train on the main process from the store.
+Memory does not grow with the splits, and the results equal one process's.
+
 Refused in one line, before anything is computed: a ``run.output`` holding an earlier evaluation's results (unless
 ``run.overwrite=true``, which replaces them), images the checkpoint trained on (``data.val`` = its training split,
 or ``data.val=holdout`` outside the hold-out it records), a classifier on data whose classes (names, order) are not
@@ -23,7 +30,9 @@ its own, and inputs the model cannot take. Every split is normalized with the ch
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,18 +43,27 @@ from safetensors.torch import load_file
 
 from patchplace.data.atomic import atomic_file
 from patchplace.data.manifest import class_list, first_difference
-from patchplace.data.memory import MemoryReader, balanced_subset
+from patchplace.data.memory import balanced_subset
 from patchplace.finetune import (
+    LAST_LAYERS,
     AttackConfig,
+    FeatureStore,
     PrivacyError,
+    ProbeRecipe,
     consistency_curve,
-    extract_features,
-    knn_probe_per_layer,
+    feature_names,
+    logistic_regression,
+    match_subset,
+    pooled_features,
     position_probe,
     privacy_settings,
     probe_feature_of,
+    read_subset_file,
+    score,
+    standardization,
     subsample_per_class,
     torch_predict,
+    train_probe,
 )
 from patchplace.models import ModelError, load_pretrained
 from patchplace.models.hub import check_finite
@@ -67,34 +85,96 @@ from patchplace.pipelines.config import (
     DataSection,
     ModelSection,
     RunSection,
+    check_path,
     load,
-    one_line,
     parser,
 )
-from patchplace.pipelines.engine import USER_ERRORS, Data, check_inputs, classify, holdout_indices, start
-from patchplace.pipelines.evaluation import first_images, plot_privacy_grid, probe
+from patchplace.pipelines.engine import USER_ERRORS, Data, check_inputs, classify, holdout_indices, report, start
+from patchplace.pipelines.evaluation import (
+    Ranks,
+    SharedBatches,
+    first_images,
+    knn_per_layer,
+    plot_privacy_grid,
+    share_batches,
+    split_size,
+    store_split,
+)
 
 
 @dataclass
 class EvalSection:
-    """What to compute (each can be switched off) and with how much data."""
+    """What to compute (each can be switched off), with how much data, and the linear probe's recipe
+    (docs/pipelines.md#evaluation-protocols: MAE / RandSAC's LARS, StoP / I-JEPA's VISSL SGD and 1% logistic
+    regression)."""
 
-    linear_probe: bool = True  # linear classifier on frozen features (MAE protocol), 100% and low-label
+    linear_probe: bool = True  # linear classifier on frozen features, 100% (eval.probe_layers) and low-label
     knn: bool = True  # kNN top-1 per layer (MP3 App. C)
     position_probe: bool = True  # linear probe of each patch token's position (DropPos Table 7)
     consistency_ratios: tuple[float, ...] = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP eval gammas (classifiers)
-    probe_train_samples: int = 5000  # train samples used for the probes' features
-    probe_epochs: int = 100  # epochs of each linear probe
-    low_label_fraction: float = 0.01  # a second linear probe on this fraction of the probe's labels (StoP: 1%)
+    # train samples the probes (and the kNN) train on, drawn at random (run.seed) from data.train; 0 or null: the
+    # whole split (features are streamed through a store on disk: memory does not grow with it)
+    probe_train_samples: int | None = 5000
+    probe_epochs: int = 100  # epochs of each linear probe (MAE / RandSAC 90, VISSL 28)
+    # a second probe (eval.label_probe) on this class-balanced fraction of the probe's samples (StoP: 1%); 0: none
+    low_label_fraction: float = 0.01
     # linear probes trained on these class-balanced fractions of the *whole* data.train (the label-efficiency
     # protocol: the same subsets as fine-tuning with data.label_fraction, picked by data.label_subset_seed)
     label_fractions: tuple[float, ...] = ()
+    # one probe (eval.label_probe) per file listing train samples, one name a line: SimCLR's ImageNet
+    # 1percent.txt / 10percent.txt (n01440764_10026.JPEG), or paths under the split folder
+    label_subset_files: tuple[str, ...] = ()
+    # the low-label probes (low_label_fraction, label_fractions, label_subset_files): linear (the recipe below) |
+    # logistic (StoP's 1% protocol, logistic_eval.py: multinomial L2 logistic regression, standardized features)
+    label_probe: str = "linear"
+    logistic_lambda: float = 0.0025  # label_probe=logistic: L2 lambda, divided by the sample count (StoP README)
+    # features of the 100% linear probe: last (the final-normed last block) and / or last4 (the last 4 blocks,
+    # each final-normed and pooled, concatenated: StoP Table 1 "100%, last 4 layers")
+    probe_layers: tuple[str, ...] = ("last",)
+    # bn_linear: BatchNorm without affine + Linear (MAE) | bn_affine_linear: BatchNorm + Linear (VISSL
+    # eval_mlp) | linear
+    probe_head: str = "bn_linear"
+    probe_optimizer: str = "adamw"  # adamw | lars (MAE / RandSAC: timm's Lars) | sgd (Nesterov momentum: VISSL)
+    probe_lr: float = 1e-2  # absolute, or per eval.probe_lr_batch samples when that is > 0 (MAE 0.1, VISSL 0.01)
+    probe_lr_batch: int = 0  # > 0: lr = probe_lr x probe_batch / this (256: MAE, VISSL); 0: probe_lr is absolute
+    probe_batch: int = 256  # the probe's batch, on one process (MAE 16384, VISSL 256)
+    probe_warmup_epochs: float = 0.0  # linear warm-up from 0 (MAE / RandSAC 10)
+    # cosine: half cycle to 0 by fractional epoch (MAE) | step: x eval.probe_lr_gamma at each milestone (VISSL)
+    probe_schedule: str = "cosine"
+    probe_milestones: tuple[int, ...] = ()  # probe_schedule=step: the epochs of the lr drops (VISSL 8, 16, 24)
+    probe_lr_gamma: float = 0.1  # probe_schedule=step: the lr's factor at each milestone
+    probe_weight_decay: float = 0.0  # never on BatchNorm parameters (MAE / RandSAC 0, VISSL 5e-4)
+    probe_momentum: float = 0.9  # lars / sgd momentum
+    probe_init_std: float = 0.0  # > 0: trunc-normal linear weight of this std, zero bias (MAE 0.01); 0: torch's
+    keep_features: bool = False  # keep run.output/features/ (each split's stored features, .npy) after evaluating
     max_eval_samples: int = 2000  # images for the method curves (eta curve, DropPos grid, consistency)
 
     def validate(self) -> None:
         if any(not 0 < f <= 1 for f in self.label_fractions):
             raise ConfigError(f"eval.label_fractions must be in (0, 1] (e.g. [0.01, 0.1]), got "
                               f"{list(self.label_fractions)}")
+        if (self.probe_train_samples or 0) < 0 or not 0 <= self.low_label_fraction <= 1:
+            raise ConfigError(f"eval.probe_train_samples must be >= 0 (0: the whole split) and "
+                              f"eval.low_label_fraction in [0, 1], got {self.probe_train_samples}, "
+                              f"{self.low_label_fraction}")
+        if not self.probe_layers or set(self.probe_layers) - {"last", "last4"}:
+            raise ConfigError(f"eval.probe_layers must list last and / or last4, got {list(self.probe_layers)}")
+        if self.label_probe not in ("linear", "logistic") or self.logistic_lambda <= 0:
+            raise ConfigError(f"eval.label_probe must be linear or logistic and eval.logistic_lambda > 0, got "
+                              f"{self.label_probe!r}, {self.logistic_lambda}")
+        try:
+            self.recipe().validate()
+        except ValueError as exc:
+            raise ConfigError(f"eval.probe_*: {exc}") from None
+
+    def recipe(self) -> ProbeRecipe:
+        """The linear probe's recipe these fields give."""
+        return ProbeRecipe(head=self.probe_head, optimizer=self.probe_optimizer, lr=self.probe_lr,
+                           lr_batch=self.probe_lr_batch, batch_size=self.probe_batch, epochs=self.probe_epochs,
+                           warmup_epochs=self.probe_warmup_epochs, schedule=self.probe_schedule,
+                           milestones=tuple(self.probe_milestones), gamma=self.probe_lr_gamma,
+                           weight_decay=self.probe_weight_decay, momentum=self.probe_momentum,
+                           init_std=self.probe_init_std)
 
 
 @dataclass
@@ -208,6 +288,7 @@ def objective_state(extras: Path) -> dict[str, torch.Tensor]:
 def refuse_earlier_results(cfg: EvaluateConfig) -> None:
     """An evaluation never replaces an earlier one's results silently: run.output holding ``results.json`` /
     ``report.md`` is refused (nothing is touched) unless ``run.overwrite=true``."""
+    check_path("run.output", cfg.run.output)  # (a name too long to create: one line, not an OSError)
     out = Path(cfg.run.output)
     found = [name for name in RESULT_FILES[:2] if (out / name).is_file()]
     if not found or cfg.run.overwrite:
@@ -297,6 +378,11 @@ def preflight(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any
     extras = Path(checkpoint) / "objective.safetensors"
     if m.modality == "image" and curve_method(metadata) is not None and extras.is_file():
         objective_state(extras)
+    for file in cfg.eval.label_subset_files:  # readable and not empty (matched to the samples once they are read)
+        read_subset_file(file)
+    if "last4" in cfg.eval.probe_layers and cfg.eval.linear_probe and len(backbone.blocks) < LAST_LAYERS:
+        print(f"note: eval.probe_layers=last4 concatenates all {len(backbone.blocks)} blocks of {checkpoint} (fewer "
+              f"than {LAST_LAYERS})", file=sys.stderr)
 
 
 def curve_method(metadata: dict[str, Any]) -> MethodSpec | None:
@@ -420,9 +506,11 @@ def plot_evaluation(results: dict[str, Any], classes: list[str], out_dir: Path) 
     if "confusion" in results.get("classification", {}):
         panels.append("confusion")
     probes = {**({"100%": results["linear_probe"]["top1"]} if "linear_probe" in results else {}),
+              **({"100%, last 4": results["linear_probe_last4"]["top1"]} if "linear_probe_last4" in results else {}),
               **({f"{results['linear_probe_low_label']['fraction']:.0%} (probe set)":
                   results["linear_probe_low_label"]["top1"]} if "linear_probe_low_label" in results else {}),
-              **{f"{float(f):.0%}": r["top1"] for f, r in results.get("linear_probe_label_fraction", {}).items()}}
+              **{f"{float(f):.0%}": r["top1"] for f, r in results.get("linear_probe_label_fraction", {}).items()},
+              **{name: r["top1"] for name, r in results.get("linear_probe_label_subset", {}).items()}}
     if probes:
         panels.append("probes")
     if results.get("knn_per_layer"):
@@ -443,6 +531,7 @@ def plot_evaluation(results: dict[str, Any], classes: list[str], out_dir: Path) 
         elif panel == "probes":
             ax.bar(list(probes), list(probes.values()))
             ax.set(title="linear probe top-1 by labels", ylim=(0, 1))
+            ax.tick_params(axis="x", labelrotation=30, labelsize=7)
         elif panel == "knn":
             layers = sorted(results["knn_per_layer"], key=int)
             ax.plot([int(k) for k in layers], [results["knn_per_layer"][k] for k in layers], marker="o")
@@ -468,12 +557,16 @@ def to_markdown(results: dict[str, Any]) -> str:
         lines += [f"- top-1 {c['top1']:.4f}, top-5 {c['top5']:.4f} on {c['count']} images"]
     if "probe_feature" in results:
         lines += [f"- probes read `{results['probe_feature']}` (the feature this checkpoint's training trained)"]
-    for key in ("linear_probe", "linear_probe_low_label", "position_probe"):
+    for key in ("linear_probe", "linear_probe_last4", "linear_probe_low_label", "position_probe"):
         if key in results:
-            lines += [f"- {key.replace('_', ' ')}: top-1 {results[key]['top1']:.4f}"]
+            solver = f" ({results[key]['solver']})" if "solver" in results[key] else ""
+            lines += [f"- {key.replace('_', ' ')}{solver}: top-1 {results[key]['top1']:.4f}"]
     for fraction, result in results.get("linear_probe_label_fraction", {}).items():
-        lines += [f"- linear probe on {float(fraction):.0%} of the train labels ({result['train_samples']} samples): "
-                  f"top-1 {result['top1']:.4f}"]
+        lines += [f"- {result['solver']} probe on {float(fraction):.0%} of the train labels ({result['train_samples']} "
+                  f"samples): top-1 {result['top1']:.4f}"]
+    for name, result in results.get("linear_probe_label_subset", {}).items():
+        lines += [f"- {result['solver']} probe on the samples listed in {name} ({result['train_samples']}): top-1 "
+                  f"{result['top1']:.4f}"]
     if "knn_per_layer" in results:
         lines += ["- kNN top-1 per layer: " + ", ".join(f"{k}: {v:.3f}" for k, v in results["knn_per_layer"].items())]
     if "consistency" in results:
@@ -496,92 +589,247 @@ def to_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def label_fraction_probes(backbone, data, fractions: tuple[float, ...], subset_seed: int, test_features,
-                          pool: str, batch_size: int, device, epochs: int) -> dict[str, dict[str, Any]]:
-    """Linear probes trained on class-balanced fractions of the whole train split — the subsets fine-tuning uses
-    with ``data.label_fraction`` (:func:`balanced_subset`, same seed) — and tested on ``test_features``."""
-    if not isinstance(data.train, MemoryReader):
-        raise ConfigError("eval.label_fractions needs data.train in memory (data.in_memory=auto and enough "
-                          "data.memory_budget_mb): the subsets are drawn from the whole split")
-    split, (te, te_y) = data.train.split, test_features
-    results = {}
-    for fraction in fractions:
-        subset = MemoryReader(split.subset(balanced_subset(split.labels, fraction, subset_seed)),
-                              data.train.transform, shuffle=False, device=device)
-        batches = list(subset.batches(batch_size, epoch=0))
-        if data.frontend is not None:
-            batches = [(data.frontend(x), y) for x, y in batches]
-        tr, tr_y = extract_features(backbone, batches, pool=pool, device=device)
-        results[f"{fraction:g}"] = {**probe(f"linear probe, {fraction:.0%} of the labels", tr[max(tr)], tr_y,
-                                            te[max(te)], te_y, num_classes=data.manifest.num_classes, epochs=epochs),
-                                    "train_samples": len(tr_y), "label_subset_seed": subset_seed}
-    return results
+@dataclass
+class Stores:
+    """The stored features of an evaluation: data.train's (``probe``: the rows of the probe's samples) and
+    data.val's; None where no probe needs them."""
+
+    train: FeatureStore | None
+    val: FeatureStore | None
+    probe: np.ndarray
 
 
-def evaluation(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any], device) -> dict[str, Any]:
-    """Every result the config asks for, written to run.output (``results.json``, ``report.md``, the plots);
-    raises a user error (one line) where a part cannot run."""
-    ev, bs = cfg.eval, cfg.data.batch_size
+def split_rows(reader) -> int:
+    """The samples of a split evaluation reads: all, or the first data.train_limit / data.val_limit."""
+    return min(split_size(reader), reader.epoch_length or split_size(reader))
+
+
+def probe_positions(rows: int, samples: int | None, seed: int) -> torch.Tensor:
+    """Sorted positions (manifest order) of the probe's train samples: all ``rows``, or ``samples`` of them drawn
+    by ``seed`` (the same ones on any number of processes; shards written class by class are covered evenly)."""
+    if not samples or samples >= rows:
+        return torch.arange(rows)
+    return torch.randperm(rows, generator=torch.Generator().manual_seed(seed))[:samples].sort().values
+
+
+def stored_features(ev: EvalSection, depth: int) -> list[str]:
+    """The features the asked probes read (finetune.feature_store names)."""
+    low_label = ev.label_fractions or ev.label_subset_files
+    return feature_names(depth, last=(ev.linear_probe and "last" in ev.probe_layers) or bool(low_label)
+                         or (ev.linear_probe and ev.low_label_fraction > 0),
+                         last4=ev.linear_probe and "last4" in ev.probe_layers, blocks=ev.knn)
+
+
+def build_stores(cfg: EvaluateConfig, data: Data, backbone, pool: str, device, ranks: Ranks) -> Stores:
+    """Every process extracts its share of the samples the probes need into ``run.output/features/<split>``
+    (finetune.FeatureStore): data.train's probe samples (all of data.train for eval.label_fractions /
+    eval.label_subset_files) and the whole data.val; memory: a batch, whatever the splits' size."""
+    ev, folder = cfg.eval, Path(cfg.run.output) / "features"
+    train_rows = split_rows(data.train)
+    probe = probe_positions(train_rows, ev.probe_train_samples, cfg.run.seed)
+    names = stored_features(ev, len(backbone.blocks))
+    if not names:
+        return Stores(None, None, probe.numpy())
+    if ranks.main:  # an earlier evaluation's features go (each process then writes only its own part)
+        shutil.rmtree(folder, ignore_errors=True)
+    ranks.barrier()
+
+    def extract(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = x.to(device)
+        return pooled_features(backbone, data.frontend(x) if data.frontend is not None else x, pool, names)
+
+    wanted = torch.arange(train_rows) if ev.label_fractions or ev.label_subset_files else probe
+    say(ranks, f"features: {', '.join(names)} of {len(wanted)} data.train and {split_rows(data.val)} data.val "
+        f"samples on {ranks.world} process(es), stored in {folder}")
+    train = store_split("data.train", data.train, wanted, names, extract, folder / "train", ranks,
+                        cfg.data.batch_size)
+    val = store_split("data.val", data.val, torch.arange(split_rows(data.val)), names, extract, folder / "val",
+                      ranks, cfg.data.batch_size)
+    return Stores(train, val, np.searchsorted(np.asarray(train.positions), probe.numpy()))
+
+
+def say(ranks: Ranks, text: str) -> None:
+    if ranks.main:
+        print(text, flush=True)
+
+
+def shared_classification(backbone, data: Data, batch_size: int, device, ranks: Ranks) -> dict[str, Any]:
+    """Top-1 / top-5 / confusion of the checkpoint's head on data.val, each process scoring its share; the counts
+    are summed (exactly what one process counts)."""
+    share = SharedBatches(data.val, torch.arange(split_rows(data.val)), ranks)
+    mine = classify(backbone, share, batch_size, device, data.frontend)
+    confusion = torch.tensor(mine["confusion"], dtype=torch.int64)
+    counts = torch.tensor([mine["count"], int(confusion.trace()), round(mine["top5"] * mine["count"])])
+    total = ranks.total(torch.cat([counts, confusion.flatten()]))
+    n = max(int(total[0]), 1)
+    return {"top1": int(total[1]) / n, "top5": int(total[2]) / n, "count": int(total[0]),
+            "confusion": total[3:].reshape(confusion.shape).tolist()}
+
+
+def recipe_probe(recipe: ProbeRecipe, stores: Stores, name: str, rows: np.ndarray, num_classes: int, device,
+                 seed: int, desc: str) -> dict[str, Any]:
+    """The linear probe of ``recipe`` on the train store's ``rows`` of feature ``name``, scored on data.val."""
+    from tqdm import tqdm
+
+    def batch(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return stores.train.rows(name, rows[index.numpy()])
+
+    with tqdm(total=recipe.epochs, desc=desc, unit="epoch", leave=False) as bar:
+        head = train_probe(recipe, batch, len(rows), stores.train.dims[name], num_classes, seed=seed,
+                           device=device, progress=bar.update)
+    scored = score(head, stores.val.chunks(name), device)
+    return {"top1": scored["top1"], "top5": scored["top5"], "train_samples": len(rows), "feature": name,
+            "dim": stores.train.dims[name]}
+
+
+def logistic_probe(stores: Stores, rows: np.ndarray, num_classes: int, lambd: float) -> dict[str, Any]:
+    """StoP's low-shot probe (logistic_eval.py) on the train store's ``rows`` of the last layer: the regression
+    on the rows standardized by their own statistics; data.val's features standardized by data.val's own, as the
+    authors' script does."""
+    x, y = stores.train.rows("last", rows)
+    model = logistic_regression(x, y, num_classes, lambd)
+    mean, std = standardization(x for x, _ in stores.val.chunks("last"))
+    scored = score(lambda v: model.logits(v.cpu(), mean, std), stores.val.chunks("last"))
+    return {"top1": scored["top1"], "top5": scored["top5"], "train_samples": len(rows), "feature": "last",
+            "lambda": lambd, "iterations": model.iterations}
+
+
+def label_probe(ev: EvalSection, stores: Stores, rows: np.ndarray, num_classes: int, device, seed: int,
+                desc: str) -> dict[str, Any]:
+    """The low-label probe of eval.label_probe on ``rows`` (sorted) of the train store."""
+    if ev.label_probe == "logistic":
+        return {**logistic_probe(stores, rows, num_classes, ev.logistic_lambda), "solver": "logistic"}
+    return {**recipe_probe(ev.recipe(), stores, "last", rows, num_classes, device, seed, desc), "solver": "linear"}
+
+
+def frozen_probes(cfg: EvaluateConfig, stores: Stores, num_classes: int, device) -> dict[str, Any]:
+    """The linear probes (eval.probe_layers), the low-label probes and the label-fraction / subset-list probes,
+    trained on the main process from the stores."""
+    ev, seed, out = cfg.eval, cfg.run.seed, {}
+    recipe = ev.recipe()
+    if ev.linear_probe:
+        for layer in ev.probe_layers:
+            key = "linear_probe" if layer == "last" else "linear_probe_last4"
+            out[key] = {**recipe_probe(recipe, stores, layer, stores.probe, num_classes, device, seed,
+                                       f"linear probe ({layer})"), "recipe": recipe.record()}
+        if ev.low_label_fraction > 0:
+            labels = torch.from_numpy(np.asarray(stores.train.labels[stores.probe]))
+            few = stores.probe[subsample_per_class(labels, ev.low_label_fraction).numpy()]
+            out["linear_probe_low_label"] = {**label_probe(ev, stores, few, num_classes, device, seed,
+                                                           f"{ev.low_label_fraction:.0%} of the probe's labels"),
+                                             "fraction": ev.low_label_fraction}
+    if ev.label_fractions:
+        labels = torch.from_numpy(np.array(stores.train.labels))
+        out["linear_probe_label_fraction"] = {
+            f"{fraction:g}": {**label_probe(ev, stores, balanced_subset(labels, fraction, cfg.data.label_subset_seed)
+                                            .numpy(), num_classes, device, seed, f"{fraction:.0%} of the labels"),
+                              "label_subset_seed": cfg.data.label_subset_seed} for fraction in ev.label_fractions}
+    if ev.label_subset_files:
+        out["linear_probe_label_subset"] = {}
+        for file in ev.label_subset_files:
+            rows = match_subset(stores.train.key_chunks(), read_subset_file(file), f"eval.label_subset_files {file}")
+            out["linear_probe_label_subset"][Path(file).name] = {
+                **label_probe(ev, stores, rows, num_classes, device, seed, Path(file).name), "file": file}
+    return out
+
+
+def positions_batches(data: Data, reader, positions: torch.Tensor, batch_size: int, device
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(inputs, labels)`` of ``positions`` of a split, read batch by batch on this process (the frontend on)."""
+    for x, y, _, _ in share_batches(reader, positions, batch_size):
+        x = x.to(device)
+        yield (data.frontend(x) if data.frontend is not None else x), y
+
+
+def shared_results(cfg: EvaluateConfig, data: Data, backbone, pool: str, device, ranks: Ranks
+                   ) -> tuple[dict[str, Any], Stores]:
+    """What every process computes its share of: classification, the feature stores, the layer-wise kNN."""
+    results: dict[str, Any] = {}
+    if backbone.config.num_classes == data.manifest.num_classes:
+        results["classification"] = shared_classification(backbone, data, cfg.data.batch_size, device, ranks)
+    stores = build_stores(cfg, data, backbone, pool, device, ranks)
+    results["probe_train_samples"] = len(stores.probe)  # drawn from the whole split, on any number of processes
+    if cfg.eval.knn:
+        results["knn_per_layer"] = knn_per_layer(stores.train, stores.probe, stores.val, len(backbone.blocks),
+                                                 data.manifest.num_classes, ranks, device)
+    return results, stores
+
+
+def evaluation(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any], device,
+               ranks: Ranks | None = None) -> dict[str, Any] | None:
+    """Every result the config asks for, written to run.output (``results.json``, ``report.md``, the plots) by
+    the main process, which returns them (the others return None once their shares are done); raises a user error
+    (one line) where a part cannot run."""
+    ev, ranks = cfg.eval, ranks or Ranks()
     backbone = backbone.to(device).eval()
     out_dir = Path(cfg.run.output)
-    if cfg.run.overwrite:  # an earlier evaluation's files go: none of them is listed or read as this one's
+    if cfg.run.overwrite and ranks.main:  # an earlier evaluation's files go: none is listed or read as this one's
         for name in RESULT_FILES:
             (out_dir / name).unlink(missing_ok=True)
     results: dict[str, Any] = {"checkpoint": cfg.model.checkpoint, "method": metadata.get("method")}
-    is_image = data.manifest.modality == "image"
-    if backbone.config.num_classes == data.manifest.num_classes:
-        results["classification"] = classify(backbone, data.val, bs, device, data.frontend)
-    train_x, train_y = first_images(data.train, ev.probe_train_samples, bs)
-    results["probe_train_samples"] = len(train_y)  # the whole train split is read, on any number of processes
-    train = list(zip(train_x.split(bs), train_y.split(bs), strict=True))
-    val = list(data.val.batches(bs, epoch=0))
-    if data.frontend is not None:
-        train = [(data.frontend(x.to(device)).cpu(), y) for x, y in train]
-        val = [(data.frontend(x.to(device)).cpu(), y) for x, y in val]
     try:
         pool = probe_feature_of(metadata, backbone)  # the feature the checkpoint's training trained (docs/design.md)
     except ValueError as exc:
         raise ConfigError(f"{cfg.model.checkpoint}: {exc}") from None
+    try:
+        shared, stores = shared_results(cfg, data, backbone, pool, device, ranks)
+        if not ranks.main:
+            return None
+        return main_results(cfg, data, backbone, metadata, device, {**results, **shared}, stores, pool)
+    finally:  # (an evaluation that fails half-way leaves no features behind either)
+        if ranks.main and not ev.keep_features:
+            shutil.rmtree(out_dir / "features", ignore_errors=True)
+
+
+def main_results(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any], device,
+                 results: dict[str, Any], stores: Stores, pool: str) -> dict[str, Any]:
+    """The main process's part: the probes trained from the stores, the position probe, the image results; the
+    files written."""
+    ev, bs, out_dir = cfg.eval, cfg.data.batch_size, Path(cfg.run.output)
     results["probe_feature"] = pool
     results["probe_pos_embed"] = backbone.config.pos_embed  # with the feature: the random-init control it reads
-    if ev.linear_probe:
-        tr, tr_y = extract_features(backbone, train, pool=pool, device=device)
-        te, te_y = extract_features(backbone, val, pool=pool, device=device)
-        results["linear_probe"] = probe("linear probe", tr[max(tr)], tr_y, te[max(te)], te_y,
-                                        num_classes=data.manifest.num_classes, epochs=ev.probe_epochs)
-        few = subsample_per_class(tr_y, ev.low_label_fraction)  # StoP / I-JEPA also report 1% of the labels
-        results["linear_probe_low_label"] = {**probe(f"linear probe, {ev.low_label_fraction:.0%} of the probe labels",
-                                                     tr[max(tr)][few], tr_y[few], te[max(te)], te_y,
-                                                     num_classes=data.manifest.num_classes, epochs=ev.probe_epochs),
-                                             "fraction": ev.low_label_fraction, "train_samples": len(few)}
-    if ev.label_fractions:
-        if not ev.linear_probe:
-            te, te_y = extract_features(backbone, val, pool=pool, device=device)
-        results["linear_probe_label_fraction"] = label_fraction_probes(
-            backbone, data, ev.label_fractions, cfg.data.label_subset_seed, (te, te_y), pool, bs, device,
-            ev.probe_epochs)
-    if ev.knn:
-        results["knn_per_layer"] = knn_probe_per_layer(backbone, train, val, num_classes=data.manifest.num_classes,
-                                                       device=device, pool="mean" if pool == "cls" else pool)
-    if ev.position_probe:
-        results["position_probe"] = position_probe(backbone, train, val, device=device,
-                                                   class_token=pool != "patch_mean")
-    if is_image:
-        images, _ = first_images(data.val, ev.max_eval_samples, bs)
-        if backbone.config.num_classes == data.manifest.num_classes and ev.consistency_ratios:
+    results.update(frozen_probes(cfg, stores, data.manifest.num_classes, device))
+    if ev.position_probe:  # on the probe's train samples and all of data.val, read batch by batch (main process)
+        probe = torch.from_numpy(np.asarray(stores.train.positions[stores.probe])) if stores.train is not None \
+            else probe_positions(split_rows(data.train), ev.probe_train_samples, cfg.run.seed)
+        results["position_probe"] = position_probe(
+            backbone, positions_batches(data, data.train, probe, bs, device),
+            positions_batches(data, data.val, torch.arange(split_rows(data.val)), bs, device), device=device,
+            class_token=pool != "patch_mean")
+    results.update(image_results(cfg, data, backbone, metadata, device, out_dir))
+    write_results(results, data, out_dir)
+    return results
+
+
+def image_results(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any], device, out_dir: Path
+                  ) -> dict[str, Any]:
+    """MJP consistency, the method's own curves and the privacy evaluation (main process, bounded image sets)."""
+    results: dict[str, Any] = {}
+    if data.manifest.modality == "image":
+        images, _ = first_images(data.val, cfg.eval.max_eval_samples, cfg.data.batch_size)
+        if backbone.config.num_classes == data.manifest.num_classes and cfg.eval.consistency_ratios:
             results["consistency"] = consistency_curve(
-                torch_predict(backbone), images, backbone.config.patch_size, ev.consistency_ratios,
-                mark_unknown=backbone.unknown_pos_embed is not None, batch_size=bs)
+                torch_predict(backbone), images, backbone.config.patch_size, cfg.eval.consistency_ratios,
+                mark_unknown=backbone.unknown_pos_embed is not None, batch_size=cfg.data.batch_size)
         results.update(method_curves(backbone, metadata, Path(cfg.model.checkpoint), images, out_dir))
     if cfg.privacy.enabled:
         results["privacy"] = privacy_evaluation(backbone, data, cfg.privacy, device, out_dir)
+    return results
+
+
+def write_results(results: dict[str, Any], data: Data, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     results["plots"] = plot_evaluation(results, data.manifest.classes, out_dir) + sorted(
         p.name for p in out_dir.glob("*.png") if p.name != "evaluation.png")
     for name, text in (("results.json", json.dumps(results, indent=2) + "\n"), ("report.md", to_markdown(results))):
         with atomic_file(out_dir / name) as tmp:  # a kill never leaves a half-written result
             tmp.write_text(text)
-    return results
+
+
+def ranks_of(accelerator) -> Ranks:
+    """The :class:`Ranks` of an Accelerator (sums on its device: NCCL reduces GPU tensors)."""
+    return Ranks(accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone,
+                 lambda t: accelerator.reduce(t.to(accelerator.device), reduction="sum").cpu())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -594,13 +842,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False, split_train=False)
         backbone, metadata = load_pretrained(cfg.model.checkpoint)
         preflight(cfg, data, backbone, metadata)
-        if not accelerator.is_main_process:
-            return 0
-        results = evaluation(cfg, data, backbone, metadata, accelerator.device)
+        results = evaluation(cfg, data, backbone, metadata, accelerator.device, ranks_of(accelerator))
     except USER_ERRORS as exc:  # ConfigError, DataError, ModelError, PrivacyError, a non-finite output, ...
-        print(f"error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    print(to_markdown(results))
+        return report(exc)  # one line, exit 2; the run.output this launch created is removed while empty
+    if results is not None:  # the main process (the others computed their shares)
+        print(to_markdown(results))
     return 0
 
 

@@ -1,17 +1,24 @@
-"""Evaluation helpers that several entry points share: the first images of a split (evaluate.py's probe set,
-controls.py's), the linear probe with a progress bar (evaluate.py, controls.py), class lists named in one-line
-errors, and MJP's Fig. 5 grid of gradient-inversion reconstructions (evaluate.py's ``privacy.png``, the study's
-privacy figure)."""
+"""Evaluation helpers that several entry points share: the first images of a split (controls.py's probe set,
+evaluate.py's method curves), the linear probe with a progress bar (controls.py), MJP's Fig. 5 grid of
+gradient-inversion reconstructions (evaluate.py's ``privacy.png``, the study's privacy figure); and evaluate.py's
+streamed probes across processes: each process's share of a split (:func:`share_batches`), the feature stores
+built from the shares (:func:`store_split`) and the layer-wise kNN split over processes (:func:`knn_per_layer`)."""
 
 from __future__ import annotations
 
+import itertools
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from patchplace.finetune import linear_probe
+from patchplace.data.memory import MemoryReader
+from patchplace.finetune import FeatureStore, FeatureWriter, knn_vote_counts, linear_probe, merge_parts
 
 
 def first_images(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,3 +64,138 @@ def plot_privacy_grid(originals: np.ndarray, shuffled: np.ndarray, recs_a: dict[
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- streamed probes
+@dataclass
+class Ranks:
+    """The processes an evaluation runs on: this one's ``rank`` of ``world``, a ``barrier`` and ``total`` (the sum
+    of a tensor over every process, back on the CPU)."""
+
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = lambda: None
+    total: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def split_size(reader) -> int:
+    """Samples of the split a reader reads (the whole split, whichever process reads it)."""
+    return len(reader.split) if isinstance(reader, MemoryReader) else sum(reader.counts)
+
+
+def share_batches(reader, positions: torch.Tensor, batch_size: int, rank: int = 0, world: int = 1
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]]:
+    """This process's share of the samples at ``positions`` (sorted indices into the split's manifest order), as
+    ``(inputs, labels, positions, keys)`` batches, every sample read once across processes and workers. The batches
+    are fixed blocks of ``batch_size`` positions — of the split in memory, of each shard streamed — dealt out
+    round-robin (whole shards to the slots when there are enough, else blocks), so a sample is computed in the same
+    batch on any number of processes (and the same float sums: the same numbers)."""
+    if isinstance(reader, MemoryReader):
+        for block in positions.split(batch_size)[rank::world]:
+            on_device = block.to(reader.device)
+            x = reader.inputs[on_device]
+            if reader.transform is not None:
+                x = reader.transform(x, on_device, reader.seed, 0)
+            yield x, reader.labels[on_device].cpu(), block, [reader.split.keys[i] for i in block.tolist()]
+        return
+    share = ShardShare(reader, positions, batch_size, rank, world)
+    yield from DataLoader(share, batch_size=None, num_workers=reader.num_workers, persistent_workers=False,
+                          pin_memory=getattr(reader, "pin_memory", False))
+
+
+class ShardShare(IterableDataset):
+    """Blocks of a streamed split for one process: block ``b`` of shard ``s`` holds the ``b``-th ``batch_size``
+    wanted positions of ``s``; slot ``rank * workers + worker`` reads whole shards (the k-th shard with wanted
+    samples goes to slot ``k % slots``) when there are at least as many as slots, else blocks (``j % slots``,
+    each reader then skipping, undecoded, the samples that are not its own)."""
+
+    def __init__(self, reader, positions: torch.Tensor, batch_size: int, rank: int, world: int) -> None:
+        self.reader, self.workers = reader, max(reader.num_workers, 1)
+        self.rank, slots = rank, world * self.workers
+        starts = [0, *itertools.accumulate(reader.counts)]
+        blocks = []  # (shard, shard's first position, local indices)
+        for shard, (start, end) in enumerate(itertools.pairwise(starts)):
+            local = positions[(positions >= start) & (positions < end)] - start
+            blocks += [(shard, start, block) for block in local.split(batch_size) if len(block)]
+        shards = sorted({shard for shard, _, _ in blocks})
+        if len(shards) >= slots:
+            slot_of = {shard: k % slots for k, shard in enumerate(shards)}
+            self.slots = [[b for b in blocks if slot_of[b[0]] == s] for s in range(slots)]
+        else:
+            self.slots = [blocks[s::slots] for s in range(slots)]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]]:
+        info = get_worker_info()
+        mine = self.slots[self.rank * self.workers + (info.id if info is not None else 0)]
+        for shard, group in itertools.groupby(mine, key=lambda b: b[0]):
+            group = list(group)
+            yield from self._shard_blocks(shard, group[0][1], [block for _, _, block in group])
+
+    def _shard_blocks(self, shard: int, start: int, blocks: list[torch.Tensor]) -> Iterator[tuple]:
+        """The wanted blocks of one shard, each yielded once its last sample is decoded."""
+        where = {int(i): b for b, block in enumerate(blocks) for i in block}
+        last, found = max(where), [[] for _ in blocks]
+        for index, sample in enumerate(self.reader._read_shard(shard)):
+            if index > last:
+                break
+            b = where.get(index)
+            if b is None:
+                continue
+            x, label = self.reader._prepare(sample)[:2]
+            found[b].append((x, label, start + index, sample["__key__"]))
+            if len(found[b]) == len(blocks[b]):
+                xs, labels, positions, keys = zip(*found[b], strict=True)
+                yield torch.stack(xs), torch.tensor(labels), torch.tensor(positions), list(keys)
+                found[b] = []
+
+
+class SharedBatches:
+    """A share of a split behind the ``batches(batch_size, epoch)`` interface of the readers (for ``classify``)."""
+
+    def __init__(self, reader, positions: torch.Tensor, ranks: Ranks) -> None:
+        self.reader, self.positions, self.ranks = reader, positions, ranks
+
+    def batches(self, batch_size: int, epoch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for x, y, _, _ in share_batches(self.reader, self.positions, batch_size, self.ranks.rank, self.ranks.world):
+            yield x, y
+
+
+def store_split(split: str, reader, positions: torch.Tensor, names: list[str], extract: Callable, folder: Path,
+                ranks: Ranks, batch_size: int) -> FeatureStore:
+    """The features ``names`` of ``positions`` of a split in a :class:`FeatureStore` under ``folder``: every process
+    extracts its share (``extract(inputs) -> {name: rows}``), then each merges its share of the features (the
+    main process the labels / keys) in manifest order; the parts are removed once merged."""
+    from tqdm import tqdm
+
+    with FeatureWriter(folder, ranks.rank) as writer, tqdm(
+            total=-(-len(positions) // ranks.world), desc=f"features of {split}", unit="sample", leave=False,
+            disable=not ranks.main) as bar:
+        for x, y, where, keys in share_batches(reader, positions, batch_size, ranks.rank, ranks.world):
+            writer.append(extract(x), y, where, keys)
+            bar.update(len(y))
+    ranks.barrier()
+    merge_parts(folder, ranks.world, len(positions), split, rank=ranks.rank, names=names, meta=ranks.main)
+    ranks.barrier()
+    shutil.rmtree(folder / f"part-{ranks.rank}", ignore_errors=True)
+    return FeatureStore(folder)
+
+
+def knn_per_layer(train: FeatureStore, rows: np.ndarray, test: FeatureStore, layers: int, num_classes: int,
+                  ranks: Ranks, device, block: int = 256, chunk: int = 4096) -> dict[int, float]:
+    """MP3 App. C's layer-wise kNN top-1 from the stores: the test samples in fixed blocks of ``block`` dealt
+    round-robin to the processes, each block voted on against the training ``rows`` ``chunk`` at a time
+    (:func:`knn_vote_counts`: memory of this process's test features and one block x chunk similarity matrix); the
+    correct counts summed over processes (the same as one process)."""
+    mine = [np.arange(s, min(s + block, len(test))) for s in range(0, len(test), block)][ranks.rank::ranks.world]
+    counts = []
+    for layer in range(1, layers + 1):
+        name = f"block{layer}"
+        correct = knn_vote_counts(train.chunks(name, rows, chunk), [test.rows(name, b) for b in mine],
+                                  num_classes=num_classes, device=device)
+        counts.append(correct[1])
+    summed = ranks.total(torch.tensor(counts, dtype=torch.int64))
+    return {layer: int(n) / max(len(test), 1) for layer, n in zip(range(1, layers + 1), summed.tolist(), strict=True)}

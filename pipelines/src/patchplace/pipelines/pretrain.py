@@ -147,7 +147,7 @@ def validate_objective(objective: nn.Module, data: Data, batch_size: int, device
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for x, y in data.val.batches(batch_size, epoch=0):
-                x, y = x.to(device), y.to(device)
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 if data.frontend is not None:
                     x = data.frontend(x)
                 out = objective((x, y), **({"generator": generator} if takes_generator else {}))

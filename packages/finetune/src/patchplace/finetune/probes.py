@@ -16,6 +16,7 @@ from patchplace.models import Backbone
 from patchplace.objectives import get_method, method_names
 
 from .metrics import topk_correct
+from .probe_recipes import ProbeRecipe, train_probe
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
 
@@ -116,29 +117,15 @@ def subsample_per_class(labels: torch.Tensor, fraction: float, seed: int = 0) ->
 
 def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor, *,
                  num_classes: int, epochs: int = 100, lr: float = 1e-2, weight_decay: float = 0.0,
-                 batch_size: int = 256, seed: int = 0, progress: Callable[[], object] | None = None
-                 ) -> dict[str, float]:
-    """Linear classifier on frozen features with a non-affine BatchNorm in front (MAE's linear probe), AdamW,
-    cosine schedule; returns test top-1 / top-5. ``progress`` is called after every epoch (e.g. a bar's update)."""
-    torch.manual_seed(seed)
-    head = nn.Sequential(nn.BatchNorm1d(train_x.shape[1], affine=False, eps=1e-6), nn.Linear(train_x.shape[1],
-                                                                                             num_classes))
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
-    steps = epochs * max(1, -(-len(train_x) // batch_size))
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    for _ in range(epochs):
-        head.train()
-        for idx in torch.randperm(len(train_x)).split(batch_size):
-            if len(idx) < 2:  # BatchNorm needs two samples
-                continue
-            loss = F.cross_entropy(head(train_x[idx]), train_y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-        if progress is not None:
-            progress()
-    head.eval()
+                 batch_size: int = 256, seed: int = 0, progress: Callable[[], object] | None = None,
+                 recipe: ProbeRecipe | None = None) -> dict[str, float]:
+    """Linear classifier on in-memory frozen features, tested on ``test_x``: by default a non-affine BatchNorm in
+    front (MAE's linear probe), AdamW, a per-step cosine to 0; ``recipe`` (:class:`ProbeRecipe`) replaces all of
+    it (then ``epochs`` / ``lr`` / ``weight_decay`` / ``batch_size`` are the recipe's). Returns test top-1 /
+    top-5. ``progress`` is called after every epoch (e.g. a bar's update)."""
+    recipe = recipe or ProbeRecipe(lr=lr, weight_decay=weight_decay, batch_size=batch_size, epochs=epochs)
+    head = train_probe(recipe, lambda index: (train_x[index], train_y[index]), len(train_x), train_x.shape[1],
+                       num_classes, seed=seed, progress=progress)
     with torch.no_grad():
         correct = topk_correct(head(test_x), test_y)
     return {"top1": correct[1] / len(test_y), "top5": correct[5] / len(test_y)}

@@ -31,6 +31,13 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("workers", "workers"), ("same bytes", "identical_to_first"), ("vs Pillow", "vs_pil"),
         ("max abs diff", "max_abs_diff"), ("identical images", "identical_images"), ("images", "images"),
         ("seconds", "seconds")]),
+    "probe_memory": ("evaluate.py's streamed probes: peak anonymous memory vs the train split's size (the feature "
+                     "store on disk, the linear probes, the 1% logistic regression, the layer-wise kNN)", [
+        ("benchmark", "name"), ("train samples", "train_samples"), ("peak RssAnon MB", "peak_rss_anon_mb"),
+        ("added RssAnon MB", "added_rss_anon_mb"), ("peak, fixed mmap threshold", "peak_rss_anon_fixed_mmap_mb"),
+        ("added, fixed mmap threshold", "added_rss_anon_fixed_mmap_mb"), ("store MB", "store_mb"),
+        ("seconds", "seconds"),
+        ("linear probe top-1", "linear_probe_top1"), ("kNN top-1 (last block)", "knn_top1_last")]),
     "data_vs_training": ("Data loader samples/s vs what training consumes (study ViT; measured apart — in training "
                          "both share the cores)", [
                              ("loader workers", "num_workers"), ("loader samples/s", "loader_samples_per_s"),

@@ -18,9 +18,11 @@ from patchplace.research.benchmarks.cpu_speed import cpu_speed_suite
 from patchplace.research.benchmarks.data import data_suite, data_vs_training
 from patchplace.research.benchmarks.data_writer import data_writer_suite
 from patchplace.research.benchmarks.equivalence import equivalence_suite
+from patchplace.research.benchmarks.loader_vs_step import loader_vs_step_suite
 from patchplace.research.benchmarks.mp3 import mp3_table2_suite, saved_bytes_suite
 from patchplace.research.benchmarks.onnx import onnx_suite
 from patchplace.research.benchmarks.pipelines import anchor_suite, ddp_suite, pipelines_suite
+from patchplace.research.benchmarks.probe_memory import probe_memory_suite
 from patchplace.research.benchmarks.profile import profile_suite
 from patchplace.research.benchmarks.speed import speed_suite
 
@@ -56,5 +58,6 @@ SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks
           "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "mp3_table2": mp3_table2_suite,
           "ddp": ddp_suite, "anchor": anchor_suite, "saved_bytes": saved_bytes_suite, "speed": speed_suite,
           "cpu_speed": cpu_speed_suite, "cpu_equivalence": equivalence_suite,
-          "profile": profile_suite, "data_writer": data_writer_suite,
+          "profile": profile_suite, "data_writer": data_writer_suite, "loader_vs_step": loader_vs_step_suite,
+          "probe_memory": probe_memory_suite,
           "all": all_suite}
