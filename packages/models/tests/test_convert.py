@@ -27,7 +27,12 @@ from timm.models.vision_transformer import checkpoint_filter_fn
 from patchplace.models import ModelError, load_pretrained, sincos_2d, timm_data_config, timm_transform
 from patchplace.models.convert import convert_checkpoint, main, read_file
 
-torch.set_grad_enabled(False)
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """Forward passes only: no autograd graph (scoped to each test, so other files in the process keep grad on)."""
+    with torch.no_grad():
+        yield
 
 
 # ------------------------------------------------------------------------------------ the authors' layouts
