@@ -321,6 +321,9 @@ def substitutions(base: Path) -> dict[str, str]:
 # precision a run trained in and the processor it detected (``compute``: run.mixed_precision=auto's record).
 # Left out of both sides before comparing; everything else must still match.
 ADDED_METADATA = ("paper", "compute")
+# What a checkpoint's state/trainer.json records beyond the reference: the config it trained with (``config``, which
+# a resume checks config.yaml against; its run.output / run.resume differ between a cut and a straight run).
+ADDED_TRAINER = ("config",)
 ADDED_CARD_LINE = re.compile(r"^(- \*\*Method\*\*: mp3_speech) — .*$", re.M)
 # Config fields added after the reference, with the value that trains as the reference did (off / null): left out of
 # config.yaml, the checkpoints' recipe and the model card's recipe table where they hold it (a golden run sets none).
@@ -384,6 +387,9 @@ def loaded(path: Path, base: Path):
         data = json.loads(text)
         if path.name == "COMPLETE":  # the files it seals (their bytes: compared one by one as content)
             data["files"] = sorted(data["files"])
+        if path.name == "trainer.json":
+            for key in ADDED_TRAINER:
+                data.pop(key, None)
         return without_additions(data)
     if suffix in (".yaml", ".yml"):
         data = yaml.safe_load(text)

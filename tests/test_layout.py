@@ -122,10 +122,12 @@ ENTRY_POINTS = {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "e
 # Imports of an entry point allowed, each to run that entry point's main() in-process (or, for the pure step, to
 # build pretrain.py's training from its public API): the demo's stages (one mixed precision for all of them) and
 # the benchmark suites that time the pipelines end to end; and the recipe check, which reads each shipped at-scale
-# config through the config class its command line builds (nothing run). The study runs its stages as processes of
-# their own. Nothing else imports an entry point (no helper lives in one).
+# config through the config class its command line builds (nothing run), and the loader_vs_step benchmark, which
+# builds pretraining's loader from a shipped config the same way (nothing trained). The study runs its stages as
+# processes of their own. Nothing else imports an entry point (no helper lives in one).
 STAGES = {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "evaluate")}
 RUNS_MAIN = {"patchplace.pipelines.demo": STAGES, "patchplace.research.recipes": STAGES,
+             "patchplace.research.benchmarks.loader_vs_step": {"patchplace.pipelines.pretrain"},
              "patchplace.research.benchmarks.pipelines": {"patchplace.pipelines.pretrain",
                                                           "patchplace.pipelines.finetune"}}
 

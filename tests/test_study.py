@@ -242,7 +242,7 @@ def test_a_stage_runs_in_process_in_float32_and_as_its_own_process_at_another_pr
     config.write_text("run: {mixed_precision: bf16}\n")
     assert stages.stage_precision(["--config", str(config)]) == "bf16"
     assert stages.stage_precision(["--config", str(config), "run.mixed_precision=no"]) == "no"
-    assert stages.stage_precision(["run.mixed_precision=fp16", "x=1"]) == "fp16"
+    assert stages.stage_precision(["run.mixed_precision=bf16", "x=1"]) == "bf16"
     assert stages.stage_precision(["x=1"]) == "no"
     started: list[list[str]] = []
     monkeypatch.setattr(stages, "_run_process", lambda command: started.append(command) or 0)

@@ -23,6 +23,7 @@ line and computed again.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -52,6 +53,7 @@ from .helpformat import help_formatter
 
 CONSISTENCY_RATIOS = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP Table 1 uses 0.15, Fig. 3 the curve
 # --provider: the execution providers asked for (None: onnx_session's default, CUDA when usable, else CPU)
+SIDECAR_FORMATS = ("patchplace.export/1",)  # the model.json layouts this evaluator reads
 PROVIDERS = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 CUDA_LIBRARIES = "libcublas(Lt).so.13, libcudart.so.13, libcurand.so.10, cuDNN 9"
 IMAGENET_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
@@ -126,6 +128,11 @@ class OnnxModel:
         self.path = path = Path(path)
         prepare_provider(provider)
         self.meta, self.session = load_export(path, providers=PROVIDERS[provider], threads=threads)
+        if self.meta.get("format") not in SIDECAR_FORMATS:  # another layout: its fields would be misread
+            raise ExportError(f"{path.with_suffix('.json')} has format {self.meta.get('format')!r}, and this evaluator "
+                              f"reads {', '.join(SIDECAR_FORMATS)}: evaluate it with the patchplace.export that wrote "
+                              f"it, or re-export the checkpoint with this one (python -m patchplace.export CHECKPOINT "
+                              f"--out {path})")
         check_provider(self.session, provider)
         self.device = "cuda" if self.session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         if self.meta.get("kind") != "classifier" or self.meta.get("modality") != "image":
@@ -568,16 +575,16 @@ def plot(results: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curve = results["consistency"]
-    gammas = [float(g) for g in curve]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
-    axes[0].plot(gammas, [v["consistency"] for v in curve.values()], marker="o")
-    axes[0].set(xlabel="eval jigsaw ratio gamma", ylabel="consistency", title="prediction consistency")
-    axes[1].plot(gammas, [v["diff_norm"] for v in curve.values()], marker="o")
-    axes[1].set(xlabel="eval jigsaw ratio gamma", ylabel="Diff. Norm", title="feature change")
-    fig.tight_layout()
-    fig.savefig(out / "consistency.png", dpi=120)
-    plt.close(fig)
+    if curve := results.get("consistency"):  # (--consistency-limit 0: none)
+        gammas = [float(g) for g in curve]
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+        axes[0].plot(gammas, [v["consistency"] for v in curve.values()], marker="o")
+        axes[0].set(xlabel="eval jigsaw ratio gamma", ylabel="consistency", title="prediction consistency")
+        axes[1].plot(gammas, [v["diff_norm"] for v in curve.values()], marker="o")
+        axes[1].set(xlabel="eval jigsaw ratio gamma", ylabel="Diff. Norm", title="feature change")
+        fig.tight_layout()
+        fig.savefig(out / "consistency.png", dpi=120)
+        plt.close(fig)
     if results.get("robustness", {}).get("errors"):
         errors = results["robustness"]["errors"]
         fig, ax = plt.subplots(figsize=(8, 3))
@@ -606,8 +613,9 @@ def to_markdown(results: dict[str, Any]) -> str:
                   "| --- | --- | --- | --- | --- |",
                   f"| {par['max_abs_logit_diff']:.2e} | {par['mean_abs_logit_diff']:.2e} | "
                   f"{par['argmax_agreement']:.4f} | {par['onnxruntime_top1']:.4f} | {par['pytorch_top1']:.4f} |", ""]
-    lines += ["| eval gamma | consistency | Diff. Norm |", "| --- | --- | --- |"]
-    lines += [f"| {g} | {v['consistency']:.4f} | {v['diff_norm']:.4f} |" for g, v in results["consistency"].items()]
+    if "consistency" in results:
+        lines += ["| eval gamma | consistency | Diff. Norm |", "| --- | --- | --- |"]
+        lines += [f"| {g} | {v['consistency']:.4f} | {v['diff_norm']:.4f} |" for g, v in results["consistency"].items()]
     if "robustness" in results:
         r = results["robustness"]
         lines += ["", f"Corruptions ran: {', '.join(r['ran'])}; failed here: {', '.join(r['failed']) or 'none'}.",
@@ -641,8 +649,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if args.checkpoint and args.parity_limit != 0:
         n = len(images) if args.parity_limit is None else min(args.parity_limit, len(images))
         results["parity"] = parity(model, images[:n], labels[:n], args.checkpoint, args.batch_size)
-    n = min(args.consistency_limit, len(images))
-    results["consistency"] = consistency(model, images[:n], args.batch_size)
+    if args.consistency_limit:  # 0: skipped
+        n = min(args.consistency_limit, len(images))
+        results["consistency"] = consistency(model, images[:n], args.batch_size)
     if args.robustness_limit:
         reference = json.loads(Path(args.reference_errors).read_text()) if args.reference_errors else None
         n = min(args.robustness_limit, len(images))
@@ -690,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--robustness-limit", type=int, default=1000,
                         help="images for the 15 x 5 corruption sweep (0 = skip; default %(default)s)")
-    parser.add_argument("--consistency-limit", type=int, default=2000, help="images for the consistency curves")
+    parser.add_argument("--consistency-limit", type=int, default=2000,
+                        help="images for the consistency curves (0 = skip; default %(default)s)")
     parser.add_argument("--reference-errors", help="a reference model's corruption errors, for CE / mCE (ImageNet-C: "
                         "sum over severities of ours / of its): its results.json, its robustness.errors, or "
                         "{corruption: error or [error per severity]}")
@@ -714,10 +724,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
+        if min(args.consistency_limit, args.robustness_limit) < 0:
+            raise ExportError("--consistency-limit and --robustness-limit count images: give 0 (skip) or more")
         check_outputs(args, argv)
         results = evaluate(args)
     except (ExportError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path this file system cannot hold (--out, --data, --corruption-cache)
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        print(f"error: {exc.filename}: a name in this path is longer than the file system takes (ENAMETOOLONG): "
+              "choose a shorter path", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,8 @@
 """Pipeline configs: YAML files in ``pipelines/configs/`` + ``section.field=value`` overrides on the command line,
 loaded into validated dataclasses by OmegaConf (the dataclasses are its structured-config schema: :func:`build`).
-Unknown keys, wrong types, bad ranges and missing datasets fail up front with one line naming the key.
+Unknown keys, wrong types, bad ranges and missing datasets fail up front with one line naming the key; so do a key
+given twice, a YAML error or object tag (:func:`yaml_problem`), ``${...}`` interpolation and ``.nan``
+(:func:`_checked`), and a path the file system cannot hold (:func:`check_path`).
 
 ``--help`` (:func:`parser`) lists the fields with the values that command line would run with (``--config`` and
 overrides applied, each such value marked) in at most :data:`HELP_WIDTH` columns. A command that reads a section of
@@ -16,6 +18,7 @@ import functools
 import inspect
 import io
 import math
+import os
 import re
 import shutil
 import textwrap
@@ -63,6 +66,27 @@ def one_line(exc: BaseException) -> str:
         last = text.splitlines()[-1]
         text = last.split(": ", 1)[1] if ": " in last and "Error" in last.split(": ", 1)[0] else last
     return " ".join(text.split())
+
+
+def check_path(key: str, path: str) -> None:
+    """A :class:`ConfigError` for a path this file system cannot hold (ENAMETOOLONG: a part longer than its
+    NAME_MAX, or the whole longer than its PATH_MAX, read from the deepest folder of it that exists), before
+    anything is created or read (a 300-character name was an OSError traceback)."""
+    absolute = os.path.abspath(path)
+    folder = absolute
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:  # (isdir: False on ENAMETOOLONG)
+        folder = os.path.dirname(folder)
+    try:
+        name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    except (OSError, ValueError):  # no limits to read: the system call will say
+        return
+    longest = max(Path(absolute).parts, key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > name_max:
+        raise ConfigError(f"{key}: the name {longest[:24]}... in it is {len(os.fsencode(longest))} bytes long, and "
+                          f"this file system takes names of at most {name_max}: choose a shorter {key}")
+    if len(os.fsencode(absolute)) >= path_max:
+        raise ConfigError(f"{key}: its path is {len(os.fsencode(absolute))} bytes long, and this system takes paths "
+                          f"of fewer than {path_max}: choose a shorter {key}")
 
 
 @dataclass
@@ -162,6 +186,7 @@ class DataSection:
         for name in ("train", "val") if self.val != HOLDOUT else ("train",):
             if is_remote(getattr(self, name)):  # a URL (http(s), s3, gs, hf, ...): its manifest is fetched later
                 continue
+            check_path(f"data.{name}", getattr(self, name))
             path = Path(getattr(self, name))
             if not (path / "manifest.json").is_file():
                 hint = dataset_dir_hint(path)
@@ -208,6 +233,19 @@ class ModelSection:
     def validate(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
             raise ConfigError(f"model.attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        if not self.checkpoint:
+            return
+        check_path("model.checkpoint", self.checkpoint)
+        if getattr(self, "overrides", None):  # (evaluate.py's model section has none)
+            given = "{" + ", ".join(f"{k}: {v}" for k, v in self.overrides.items()) + "}"
+            raise ConfigError(f"model.overrides={given} cannot apply to model.checkpoint={self.checkpoint}: "
+                              "a checkpoint brings its architecture; drop model.overrides (or set finetune.* / "
+                              "model.attention), or train model.preset from scratch without model.checkpoint")
+        folder = Path(self.checkpoint)
+        if folder.is_dir() and not (folder / "config.json").exists() and (folder / "checkpoint").exists():
+            best = f", or {folder / 'best'} (its best evaluation)" if (folder / "best").is_dir() else ""
+            raise ConfigError(f"model.checkpoint={self.checkpoint} is a training run's folder, not a checkpoint: use "
+                              f"model.checkpoint={folder / 'checkpoint'} (its last checkpoint){best}")
 
 
 @dataclass
@@ -261,8 +299,10 @@ class OptimSection:
             raise ConfigError(f"optim.max_steps must be >= 1 (or null: train optim.epochs), got {self.max_steps}")
         if self.epochs <= 0 and not self.max_steps:
             raise ConfigError(f"optim.epochs must be > 0 (or set optim.max_steps), got {self.epochs}")
-        if self.lr <= 0 or self.weight_decay < 0:
-            raise ConfigError(f"optim.lr must be > 0 and optim.weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+        if not (math.isfinite(self.lr) and self.lr > 0) or not (math.isfinite(self.weight_decay) and
+                                                                 self.weight_decay >= 0):
+            raise ConfigError(f"optim.lr must be > 0 and optim.weight_decay >= 0 (finite numbers), got {self.lr}, "
+                              f"{self.weight_decay}")
         if not 0 <= self.warmup_fraction < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("optim.warmup_fraction must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
         if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
@@ -332,7 +372,8 @@ class RunSection:
     seed: int = 0
     # no | fp16 | bf16 | auto: bf16 where the device trains faster in it and bf16 training was tested equivalent
     # (a GPU with bf16; a CPU with AMX bf16 units), else no; printed at start, recorded in the run's metadata
-    # (engine/hardware.py: on a CPU without bf16 units a bf16 step runs ~15x slower than float32)
+    # (engine/hardware.py: on a CPU without bf16 units a bf16 step runs ~15x slower than float32); fp16 is a GPU
+    # precision: on a CPU Accelerate trains float32, and the run prints and records no
     mixed_precision: str = "no"
     grad_accum: int = 1  # micro-batches per optimizer step
     log_every: int = 10  # steps
@@ -371,6 +412,7 @@ class RunSection:
     model_ema: float | None = None
 
     def validate(self) -> None:
+        check_path("run.output", self.output)
         if self.mixed_precision not in ("no", "fp16", "bf16", "auto"):
             raise ConfigError(f"run.mixed_precision must be no, fp16, bf16 or auto, got {self.mixed_precision!r}")
         if self.grad_accum < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.eval_every < 0:
@@ -421,6 +463,19 @@ class _Loader(yaml.SafeLoader):
     yes / no / on / off as bools); a number with an exponent is a float with or without a dot or an exponent sign
     (``1e-9``, ``1e3``, ``2.5E4``), in every section, ``objective`` and ``model.overrides`` included."""
 
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """A mapping whose keys are each given once: YAML 1.2 requires it, and PyYAML would keep the last silently
+        (``method: stop`` then ``method: mae`` trains MAE). Keys a merge (``<<``) brings in may be overridden."""
+        lines: dict[str, int] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key.value!r} is given twice (first at line {lines[key.value]}; YAML "
+                        "would keep the last silently): keep one", key.start_mark)
+                lines[key.value] = key.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
 
 _REPLACED = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
@@ -438,7 +493,22 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
 
 
 def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+    """YAML 1.2 text (:class:`_Loader`: a SafeLoader, no arbitrary objects; each key once)."""
+    return yaml.load(text, Loader=_Loader)
+
+
+def yaml_problem(exc: yaml.YAMLError, fix: str) -> str:
+    """``line L, column C: what is wrong`` with YAML text and how to fix it (``fix`` for a syntax error), on one
+    line, without PyYAML's quoted excerpt."""
+    problem = " ".join((getattr(exc, "problem", None) or one_line(exc)).split())
+    if problem.startswith("could not determine a constructor for the tag"):  # !!python/object and the like
+        tag = problem.rsplit(" ", 1)[-1].strip("'").replace("tag:yaml.org,2002:", "!!")
+        problem = (f"the tag {tag} would build an object, and a config holds plain values (numbers, strings, lists, "
+                   "mappings): remove the tag")
+    elif "is given twice" not in problem:
+        problem = f"not valid YAML ({problem}): {fix}"
+    mark = getattr(exc, "problem_mark", None)
+    return (f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else "") + problem
 
 
 def _leaves(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -477,6 +547,7 @@ def shipped_configs() -> Path:
 def config_path(name: str) -> Path:
     """``--config NAME``: an existing file first, else the shipped config of that name (``.yaml`` optional), so the
     console scripts find them from any folder; neither: one line listing the shipped names."""
+    check_path("--config", name)
     if Path(name).is_file():
         return Path(name)
     shipped = shipped_configs()
@@ -494,10 +565,10 @@ def given_values(cls: type, path: str | None, overrides: list[str]) -> tuple[dic
     file: dict[str, Any] = {}
     if path:
         path = str(config_path(path))
-        raw = parse_yaml(Path(path).read_text()) or {}
+        raw = _parsed(Path(path).read_bytes(), f"config file {path}", "fix the file") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path}: expected a mapping (section: {{field: value}}), got {raw!r}")
-        file = _leaves(raw)
+        file = _checked(_leaves(raw), f" (in {path})")
     given: dict[str, Any] = {}
     for assignment in overrides:
         if "=" not in assignment:
@@ -507,11 +578,47 @@ def given_values(cls: type, path: str | None, overrides: list[str]) -> tuple[dic
         for leaves in (file, given):
             for old in [k for k in leaves if _within(k, key) or _within(key, k)]:
                 del leaves[old]
-        given.update(_leaves({key: parse_yaml(text)}))
+        value = _parsed(text, f"override {assignment!r}", "quote or fix the value")
+        given.update(_checked(_leaves({key: value}), ""))
     unread = unread_fields(cls)
     file, given = ({k: v for k, v in leaves.items() if not any(_within(k, u) for u in unread)}
                    for leaves in (file, given))
     return file, given
+
+
+def _parsed(text: str | bytes, what: str, fix: str) -> Any:
+    """YAML ``text`` of a config file (bytes) or an override value, or a :class:`ConfigError` naming ``what`` and
+    where its text is wrong (a syntax error, a key given twice, an object tag, bytes that are not UTF-8) in one
+    line."""
+    try:
+        return parse_yaml(text.decode() if isinstance(text, bytes) else text)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} is not UTF-8 text (byte {exc.start}): {fix}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what}, {yaml_problem(exc, fix)}") from None
+
+
+def _checked(leaves: dict[str, Any], where: str) -> dict[str, Any]:
+    """``leaves`` ({dotted key: value}) once no value is NaN (no field takes one: ``optim.lr: .nan`` reached the
+    optimizer) and no string holds ``${`` outside a ``pipe:`` command (OmegaConf's interpolation is not a feature
+    of these configs: ``${data.train}/x`` would be taken literally and create a folder of that name; a shell
+    expands ``${VAR}`` in a ``pipe:`` command)."""
+    for key, value in leaves.items():
+        for item in _scalars(value):
+            if isinstance(item, float) and math.isnan(item):
+                raise ConfigError(f"{key}{where}: .nan is not a value any field takes: give a number")
+            if isinstance(item, str) and "${" in item and not item.startswith("pipe:"):
+                raise ConfigError(f"{key}={item}{where}: ${{...}} interpolation is not expanded in a config (the "
+                                  "text would be taken literally): write the value out (a shell variable is "
+                                  "expanded in a pipe: command only)")
+    return leaves
+
+
+def _scalars(value: Any) -> list[Any]:
+    """The values inside a list / mapping value, or the value itself."""
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _scalars(v)]
+    return [s for v in value.values() for s in _scalars(v)] if isinstance(value, dict) else [value]
 
 
 def build(cls: type, given: dict[str, Any]) -> Any:

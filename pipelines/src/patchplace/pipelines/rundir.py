@@ -121,7 +121,7 @@ def holds_run(directory: Path) -> bool:
 
 
 def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config: dict[str, Any],
-                      moved: tuple[str, ...] = ()) -> None:
+                      moved: tuple[str, ...] = (), recorded: tuple[int, dict[str, Any]] | None = None) -> None:
     """Check what ``run.output`` holds against ``run.resume`` / ``run.overwrite`` (main process, lock held).
 
     * A directory with a run and neither flag: an error (nothing is overwritten silently).
@@ -129,6 +129,9 @@ def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config:
     * ``run.resume=true`` over a run whose ``config.yaml`` differs in a field that changes what is trained: an
       error listing the fields (the run would otherwise follow its old schedule while config.yaml says otherwise).
       ``moved``: fields that may change too (data locations whose contents the caller compares by fingerprint).
+    * ``run.resume=true`` over a ``config.yaml`` edited since the run wrote it: an error listing the fields that
+      differ from ``recorded`` ((step, config) the newest checkpoint holds); without ``config.yaml``, the launch is
+      compared with ``recorded``.
     """
     if overwrite and resume:
         raise ConfigError("run.resume=true and run.overwrite=true contradict each other: pick one")
@@ -148,23 +151,41 @@ def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config:
         raise ConfigError(f"run.output {directory} already holds {what}: continue it with run.resume=true, replace "
                           "it with run.overwrite=true, or choose another run.output")
     saved = directory / "config.yaml"
-    if saved.is_file():
-        try:
-            old = yaml.safe_load(saved.read_text())
-            if not isinstance(old, dict | None):
-                raise ValueError(f"a {type(old).__name__}, not a mapping")
-        except (ValueError, yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"run.resume=true: {saved} is unreadable ({one_line(exc)}), so the run's settings "
-                              "cannot be checked: restore it, or start over with run.overwrite=true") from None
+    old = _saved_config(saved)
+    if recorded is not None and old is not None:
+        edited = config_changes(recorded[1], old, (*moved, "data.num_workers"))  # (its own rule below)
+        if edited:
+            raise ConfigError(f"run.resume=true: {saved} was edited after the run wrote it: {', '.join(edited)} "
+                              f"(the step-{recorded[0]} checkpoint's value -> the file's), so it no longer says what "
+                              f"the run trained with; restore those values in {saved}, or start a new run (another "
+                              "run.output, or run.overwrite=true)")
+    source = saved
+    if old is None and recorded is not None:  # config.yaml is gone: the checkpoint's record says what was trained
+        old, source = recorded[1], f"what the step-{recorded[0]} checkpoint recorded (no {saved})"
+    if old is not None:
         workers = (old or {}).get("data", {}).get("num_workers"), config.get("data", {}).get("num_workers")
         if workers[0] is not None and workers[0] != workers[1] and streamed(directory, old or {}):
-            raise ConfigError(f"run.resume=true: data.num_workers was {workers[0]} in {saved} and the run streamed "
+            raise ConfigError(f"run.resume=true: data.num_workers was {workers[0]} in {source} and the run streamed "
                               f"data.train, whose epochs it plans (which samples each worker reads, in which order); "
                               f"resume with data.num_workers={workers[0]}, or start a new run")
         changed = config_changes(old or {}, config, (*moved, "data.num_workers"))
         if changed:
-            raise ConfigError(f"run.resume=true: {', '.join(changed)} differ from {saved}; resume with the run's "
+            raise ConfigError(f"run.resume=true: {', '.join(changed)} differ from {source}; resume with the run's "
                               "values, or start a new run (another run.output, or run.overwrite=true)")
+
+
+def _saved_config(saved: Path) -> dict[str, Any] | None:
+    """A run's ``config.yaml`` (None: there is none), or a one-line :class:`ConfigError` when it cannot be read."""
+    if not saved.is_file():
+        return None
+    try:
+        old = yaml.safe_load(saved.read_text())
+        if not isinstance(old, dict | None):
+            raise ValueError(f"a {type(old).__name__}, not a mapping")
+    except (ValueError, yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"run.resume=true: {saved} is unreadable ({one_line(exc)}), so the run's settings "
+                          "cannot be checked: restore it, or start over with run.overwrite=true") from None
+    return old or {}
 
 
 def streamed(directory: Path, saved: dict[str, Any]) -> bool:

@@ -89,6 +89,13 @@ def recorded_data(state: Path) -> dict[str, str]:
         return {}
 
 
+def recorded_config(state: Path) -> tuple[int, dict[str, Any]] | None:
+    """(step, the config the run trained with) a checkpoint records in ``state/trainer.json`` (sealed by its
+    ``COMPLETE`` hashes, unlike ``config.yaml``); None for a checkpoint from before it was recorded."""
+    trainer = json.loads((state / "trainer.json").read_text())
+    return (int(trainer["step"]), trainer["config"]) if isinstance(trainer.get("config"), dict) else None
+
+
 def snapshot_steps(keep_epochs: tuple[float, ...], per_epoch: int, total: int) -> dict[int, float]:
     """``{step: epoch}`` of ``run.keep_epochs``: epoch e is step ``round(e x per_epoch)`` (0: the initial weights).
     Epochs beyond the run's ``total`` steps, or two epochs on one step, are a :class:`ConfigError` naming them."""
@@ -139,15 +146,15 @@ class Checkpointing:
         """What run.output holds against run.resume / run.overwrite and the config; on resume, the newest checkpoint
         against this launch: sealed and intact, written by as many processes, trained on the same data (compared by
         fingerprint, wherever the data lie now). Main process, lock held; reads only."""
-        run, found, recorded = self.run, None, {}
+        run, found, recorded, settings = self.run, None, {}, None
         if run.resume and not run.overwrite:
             found = self._newest_state()
             if found is not None:
                 verify(found[1])
-                recorded = recorded_data(found[0])
+                recorded, settings = recorded_data(found[0]), recorded_config(found[0])
         moved = tuple(name for key in recorded for name in (key, f"{key}_urls"))
         prepare_directory(self.out, resume=run.resume, overwrite=run.overwrite, config=to_dict(self.config),
-                          moved=moved)
+                          moved=moved, recorded=settings)
         if found is None:
             return
         state = found[0]
@@ -214,7 +221,8 @@ class Checkpointing:
             if acc.is_main_process:
                 (partial / "state" / "trainer.json").write_text(json.dumps({
                     "step": step, "world_size": acc.num_processes, "global_batch": self.global_batch,
-                    "data": self.fingerprints, **({"stopped_early": stopped_early} if stopped_early else {})}))
+                    "data": self.fingerprints, **({"stopped_early": stopped_early} if stopped_early else {}),
+                    "config": to_dict(self.config)}))  # what a resume checks config.yaml against
                 final = commit(partial, step)
                 point_checkpoint_link(out, final / "checkpoint")
                 clean(out, keep=final)

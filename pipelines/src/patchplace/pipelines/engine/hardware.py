@@ -13,6 +13,12 @@ step (docs/benchmarks.md, the CPU speed ladder). ``auto`` detects, never assumes
 
 ``run.mixed_precision=no`` or ``bf16`` forces either; the choice and its reason are printed once, recorded in the
 run's metadata (``compute``) and in the study report.
+
+``fp16`` is a GPU precision: Accelerate autocasts fp16 (with its loss scaler) on accelerators only and on a CPU
+leaves the step in float32 (``Accelerator``: ``native_amp`` stays off for ``fp16`` on ``cpu``; measured: the losses
+and weights of fp16 and ``no`` runs are bit-identical on a CPU). A run asked for fp16 on a CPU therefore trains,
+and is recorded (``compute.value``), as ``no``, with a printed line saying so: the shipped GPU recipes (fp16 for
+MAE / MP3 / DeiT / DropPos) still run unchanged on a CPU, without the record claiming a precision that never ran.
 """
 
 from __future__ import annotations
@@ -97,8 +103,12 @@ class Precision:
 
 def resolve_precision(asked: str, device: str | None = None) -> Precision:
     """``run.mixed_precision`` as it will train on ``device`` (default: cuda when available, else cpu): ``auto``
-    resolved by the rules of this module, anything else as asked."""
+    resolved by the rules of this module, fp16 on a CPU as ``no`` (what Accelerate trains), anything else as asked."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if asked == "fp16" and device == "cpu":
+        return Precision(asked, "no", "Accelerate autocasts fp16 on GPUs only, so on this CPU the run trains in "
+                         "float32 (the numbers of run.mixed_precision=no, recorded as compute.value=no); "
+                         "run.mixed_precision=bf16 autocasts on a CPU", device)
     if asked != "auto":
         return Precision(asked, asked, "as asked", device)
     if device == "cuda":
@@ -118,6 +128,8 @@ def resolve_precision(asked: str, device: str | None = None) -> Precision:
 
 
 def precision_line(precision: Precision) -> str:
-    """The one line a run prints about its precision (``auto`` only)."""
+    """The one line a run prints about its precision where it is not the one asked for (``auto``; fp16 on a CPU)."""
+    if precision.asked != "auto":
+        return f"run.mixed_precision={precision.asked}: {precision.why}"
     force = "run.mixed_precision=bf16" if precision.value == "no" else "run.mixed_precision=no"
     return f"run.mixed_precision=auto: {precision.why}; force the other with {force}"

@@ -196,7 +196,7 @@ def make_accelerator(run: RunSection) -> Accelerator:
                               # accelerate writes to <logging_dir>/<run name>: the events land in <output>/tensorboard/
                               project_config=ProjectConfiguration(project_dir=run.output, logging_dir=run.output))
     check_launch(accelerator)
-    if run.mixed_precision == "auto":
+    if precision.value != precision.asked:  # auto, or fp16 on a CPU (engine/hardware.py)
         accelerator.print(precision_line(precision))
     return accelerator
 

@@ -145,7 +145,12 @@ class Trainer(Checkpointing):
         available, accum = len(self.data.train), self.run.grad_accum
         if per_process <= available:
             return
-        m = self.data.train.manifest
+        m, reader = self.data.train.manifest, self.data.train
+        dropping, reader.drop_last = reader.drop_last, False
+        try:  # the hint counts the split's samples (a streamed reader's length under data.drop_last: whole batches)
+            available = len(reader)
+        finally:
+            reader.drop_last = dropping
         asked = f"data.batch_size={self.config.data.batch_size}" + (f" x run.grad_accum={accum}" if accum > 1 else "")
         fix = (f"set data.batch_size <= {available // accum}" if available >= accum else
                f"set data.batch_size x run.grad_accum <= {available}")
