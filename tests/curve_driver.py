@@ -26,6 +26,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from patchplace.data import atomic
 from patchplace.pipelines import (
     engine,
     pretrain,
@@ -35,6 +36,8 @@ from patchplace.pipelines import (
 ROOT = Path(__file__).resolve().parents[1]
 
 RUNDIR_FILE = str(Path(rundir.__file__).resolve())
+# the protocol's lines: rundir.py and the folder swap it calls (patchplace.data.atomic.swap_dir)
+PROTOCOL_FILES = {RUNDIR_FILE, str(Path(atomic.__file__).resolve())}
 # top-1 by step: bests at 2, 4 and 8; 10, 12 (a tie is no better) and 14 are not: patience 3 stops at step 14
 SCRIPT = {2: 0.30, 4: 0.50, 6: 0.45, 8: 0.55, 10: 0.52, 12: 0.55, 14: 0.54, 16: 0.60}
 
@@ -107,7 +110,7 @@ class Killer:
         if event == "line":
             call = self.calls[-1]
             call["events"] += 1
-            if frame.f_code.co_filename == RUNDIR_FILE:
+            if frame.f_code.co_filename in PROTOCOL_FILES:
                 call["rundir_lines"].setdefault(f"{frame.f_code.co_name}:{frame.f_lineno}", call["events"])
             if self.kill_at == (len(self.calls) - 1, call["events"]):
                 os.kill(os.getpid(), signal.SIGKILL)

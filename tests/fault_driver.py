@@ -35,6 +35,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from patchplace.data import atomic
 from patchplace.pipelines import (
     engine,
     finetune,
@@ -45,6 +46,8 @@ from patchplace.pipelines import (
 ROOT = Path(__file__).resolve().parents[1]
 
 RUNDIR_FILE = str(Path(rundir.__file__).resolve())
+# the protocol's lines: rundir.py and the folder swap it calls (patchplace.data.atomic.swap_dir)
+PROTOCOL_FILES = {RUNDIR_FILE, str(Path(atomic.__file__).resolve())}
 
 
 class LineCounter:
@@ -59,7 +62,7 @@ class LineCounter:
         if event == "line":
             save = self.saves[-1]
             save["events"] += 1
-            if frame.f_code.co_filename == RUNDIR_FILE:
+            if frame.f_code.co_filename in PROTOCOL_FILES:
                 save["rundir_events"].append(save["events"])
                 save["rundir_lines"].setdefault(f"{frame.f_code.co_name}:{frame.f_lineno}", save["events"])
             if self.kill_at == (len(self.saves) - 1, save["events"]):

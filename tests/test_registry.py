@@ -206,3 +206,50 @@ def test_a_method_is_one_objective_file_and_one_yaml(shards, tmp_path, throwaway
     tuned, tuned_metadata = load_pretrained(ft / "checkpoint")
     assert tuned.config.global_pool == "mean" and tuned_metadata["method"] == "finetune:throwaway"
     assert "Nobody et al. 2099" in (ft / "checkpoint" / "README.md").read_text(), "the card cites the pretraining's"
+
+
+def test_the_registration_drives_the_backbone_set_up():
+    """Each backbone fact is written once, in the registration: ``setup_backbone`` reads the PE modes, the class
+    token (needed / never fed, so frozen), the modality and the head from it; the class carries its specs in source
+    order (the first names it in errors), and an unregistered class is told to register."""
+    from patchplace.models import create_model
+    from patchplace.objectives import MAE, RandSAC, RandSACConfig
+    from patchplace.objectives.common import BackboneObjective
+
+    facts = {s.name: (s.class_token, s.pos_modes) for s in list_methods()}
+    assert facts["mae"] == facts["droppos"] == ("required", ("sincos2d",))
+    assert facts["ijepa"] == facts["stop"] == facts["randsac"] == ("unused", ("sincos2d",))
+    assert facts["mjp"] == ("optional", ("learned", "sincos2d"))
+    assert [s.name for s in IJEPA.method_specs] == ["ijepa", "stop"] and registry.spec_of(IJEPA).name == "ijepa"
+    micro = {"in_chans": 1, "pos_embed": "sincos2d"}
+    randsac = RandSAC(create_model("vit_micro", **micro), RandSACConfig(decoder_dim=32, decoder_heads=2))
+    assert not randsac.backbone.cls_token.requires_grad and randsac.backbone.patch_embed.proj.weight.requires_grad
+    with pytest.raises(ObjectiveError, match=r"^MAE needs a backbone with a class token \(class_token=True\)$"):
+        MAE(create_model("vit_micro", class_token=False, global_pool="mean", **micro))
+    with pytest.raises(ObjectiveError, match=r"MP3 needs a backbone with pos_embed in .*got 'relbias2d'"):
+        MP3(create_model("vit_micro", in_chans=1, pos_embed="relbias2d"))
+    with pytest.raises(ObjectiveError, match="class_token must be one of"):
+        register_method("mp3_bad", config=MP3Config, pos_embed="none", class_token="sometimes")(MP3)
+
+    class Loose(BackboneObjective):
+        def __init__(self, backbone) -> None:
+            super().__init__()
+            self.config = self.setup_backbone(backbone, MP3Config())
+
+    register_method("loose", config=MP3Config, pos_embed="sincos2d", class_token="unused", display="Loose")(Loose)
+    try:
+        with pytest.raises(ObjectiveError, match=r"Loose needs a backbone with pos_embed in \('sincos2d',\), got "
+                                                 "'learned'"):
+            Loose(create_model("vit_micro", in_chans=1, pos_embed="learned"))
+        assert not Loose(create_model("vit_micro", **micro)).backbone.cls_token.requires_grad
+    finally:
+        unregister_method("loose")
+    assert Loose.method_specs == () and "loose" not in method_names()
+    with pytest.raises(ObjectiveError, match="Loose is not registered: decorate it with register_method"):
+        Loose(create_model("vit_micro", **micro))
+
+
+def test_every_registered_curve_is_one_evaluate_draws():
+    """``MethodSpec.curves`` names the function of ``evaluate.CURVES`` that draws them (no isinstance dispatch)."""
+    assert {s.name: s.curves for s in list_methods() if s.curves} == {"droppos": "position_grid", "mp3": "eta"}
+    assert all(s.curves in evaluate.CURVES for s in list_methods() if s.curves)

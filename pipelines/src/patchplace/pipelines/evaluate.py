@@ -68,8 +68,6 @@ from patchplace.finetune import (
 from patchplace.models import ModelError, load_pretrained
 from patchplace.models.hub import check_finite
 from patchplace.objectives import (
-    MP3,
-    DropPos,
     MethodSpec,
     get_method,
     jigsaw,
@@ -395,33 +393,44 @@ def curve_method(metadata: dict[str, Any]) -> MethodSpec | None:
 
 
 def method_curves(backbone, metadata: dict, checkpoint: Path, images: torch.Tensor, out_dir: Path) -> dict:
-    """MP3 eta curve + reassembled picture, or the DropPos grid, from the saved objective parameters (on the
-    backbone's device; the images and the picture stay on the CPU)."""
+    """The curves the checkpoint's method registers (``MethodSpec.curves``, a name of :data:`CURVES`), drawn from
+    the saved objective parameters (on the backbone's device; the images and the picture stay on the CPU)."""
     spec, extras = curve_method(metadata), checkpoint / "objective.safetensors"
     if spec is None or not extras.is_file():
         return {}
-    method, objective = spec.name, spec.build(backbone, metadata.get("objective", {}))
-    if not isinstance(objective, (MP3, DropPos)):
-        raise ModelError(f"evaluate has no curves for {method} ({type(objective).__name__}): register it with "
-                         "curves=False")
+    if spec.curves not in CURVES:
+        raise ModelError(f"evaluate has no curves {spec.curves!r} for {spec.name}: register it with curves in "
+                         f"{sorted(CURVES)} or none")
+    objective = spec.build(backbone, metadata.get("objective", {}))
     state = objective_state(extras)
     missing, unexpected = objective.load_state_dict(state, strict=False)
     if unexpected or any(not k.startswith("backbone.") for k in missing):
-        raise ModelError(f"{extras} does not match the {method} objective")
+        raise ModelError(f"{extras} does not match the {spec.name} objective")
     device = next(backbone.parameters()).device
-    objective, on_device = objective.to(device), images.to(device)
-    if isinstance(objective, DropPos):
-        grid = position_accuracy_grid(objective, on_device, generator=torch.Generator().manual_seed(0))
-        return {"droppos_grid": {("mean" if k == "mean" else f"gamma={k[0]},gamma_pos={k[1]}"): v
-                                 for k, v in grid.items()}}
+    return CURVES[spec.curves](objective.to(device), images, images.to(device), out_dir)
+
+
+def position_grid_curves(objective, images: torch.Tensor, on_device: torch.Tensor, out_dir: Path) -> dict:
+    """DropPos: position accuracy over the (gamma, gamma_pos) grid (:func:`position_accuracy_grid`)."""
+    grid = position_accuracy_grid(objective, on_device, generator=torch.Generator().manual_seed(0))
+    return {"droppos_grid": {("mean" if k == "mean" else f"gamma={k[0]},gamma_pos={k[1]}"): v
+                             for k, v in grid.items()}}
+
+
+def eta_curves(objective, images: torch.Tensor, on_device: torch.Tensor, out_dir: Path) -> dict:
+    """MP3: position accuracy against the evaluation masking ratio eta (Fig. 3) + a reassembled picture."""
     # 0.55 (where MP3 Fig. 3 puts the train-0.75 peak) last: the masks drawn for the other etas stay the same
     curve = position_accuracy_vs_eta(objective, on_device, etas=(0.0, 0.25, 0.5, 0.75, 0.9, 0.55),
                                      generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = objective.eval().position_logits(on_device[:8], eta=0.0)[0].float().cpu()
-    picture = reassemble(images[:8], logits, backbone.config.patch_size)
+    picture = reassemble(images[:8], logits, objective.backbone.config.patch_size)
     plot_mp3(curve, images[:8], picture, out_dir)
     return {"mp3_position_accuracy": {str(k): v for k, v in curve.items()}}
+
+
+# The curves a method's registration may name (MethodSpec.curves): each draws from its objective and the images.
+CURVES = {"position_grid": position_grid_curves, "eta": eta_curves}
 
 
 def plot_mp3(curve: dict, images: torch.Tensor, picture, out_dir: Path) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from patchplace.data.atomic import umask
+from patchplace.data.atomic import swap_dir, umask
 from patchplace.pipelines.config import ConfigError, one_line
 
 CHECKPOINTS = "checkpoints"
@@ -380,11 +380,7 @@ def publish_folder(final: Path, write: Callable[[Path], None]) -> Path:
         os.chmod(path, mode)
         _fsync(path)
     _fsync(folder)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(folder, final)
-    _fsync(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_dir(folder, final, old, sync=_fsync)
     shutil.rmtree(partial, ignore_errors=True)
     return final
 

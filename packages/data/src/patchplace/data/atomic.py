@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +41,20 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
+    swap_dir(tmp, final, final.with_name(f".{final.name}.old-{os.getpid()}"))
+
+
+def swap_dir(new: Path, final: Path, old: Path, sync: Callable[[Path], None] | None = None) -> None:
+    """Put the complete folder ``new`` at ``final`` with two renames (POSIX-atomic on one filesystem): a previous
+    ``final`` moves to ``old`` for the instant of the swap, then is removed. A kill leaves ``final`` whole (old or
+    new) or, between the renames, missing with ``old`` whole. ``sync(final.parent)`` (an fsync of the folder, for
+    writers that must survive a power cut) runs once the renames are done, before ``old`` is removed."""
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
         os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    os.replace(new, final)
+    if sync is not None:
+        sync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -88,6 +88,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, metadata: di
         (tmp / CARD_NAME).write_text(model_card(model.config, metadata, layout, num_params))
         for file in tmp.iterdir():
             os.chmod(file, 0o666 & ~_umask())  # safetensors creates its files 0600
+        # the swap of patchplace.data.atomic.swap_dir: models may not import data (both depend on nothing of ours)
         old = None
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}")

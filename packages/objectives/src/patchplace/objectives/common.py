@@ -120,32 +120,50 @@ class BackboneObjective(nn.Module):
     in the checkpoint; ``finetune.global_pool: null`` reads it): ``"cls"`` (MP3 §3.3, MJP, DeiT) or ``"mean"``
     (average-pooled patch tokens: MAE's ``--global_pool``, DropPos, I-JEPA, StoP, RandSAC).
 
-    Both are declared once, where the objective's file registers its methods (:func:`.registry.register_method`).
+    Both are declared once, where the objective's file registers its methods (:func:`.registry.register_method`),
+    as are the backbone facts :meth:`setup_backbone` applies (PE modes, modality, class token, classifier head).
     """
 
     backbone: Backbone
+    # the registered methods (MethodSpec) this class trains, in source order; set by register_method (the
+    # registry hands them to the class: this module never imports the registry)
+    method_specs: tuple[Any, ...] = ()
     no_weight_decay_tokens: tuple[str, ...] = ()
     # True for objectives whose steps may leave a trainable parameter without a gradient by design (MJP: E_unk on
     # steps without the jigsaw). A DDP trainer must then look for unused parameters (``find_unused_parameters``).
     leaves_parameters_unused: bool = False
 
+    def setup_backbone(self, backbone: nn.Module, config: ObjectiveConfig) -> ObjectiveConfig:
+        """The set-up every registered objective's constructor starts with, driven by its registration's facts
+        (:class:`.registry.MethodSpec`): a timm ``VisionTransformer`` is adopted with its parameters shared and the
+        pretraining PE (:func:`as_backbone`), ``config`` is validated with its null widths taken from the backbone
+        (:meth:`ObjectiveConfig.for_backbone`), the backbone is checked (PE mode, modality, class token, classifier
+        head) and kept as ``self.backbone``; a class token the method never feeds is frozen. Returns the config."""
+        specs = type(self).method_specs
+        if not specs:
+            raise ObjectiveError(f"{type(self).__name__} is not registered: decorate it with register_method")
+        spec = specs[0]  # the class's own method (a stacked one, e.g. StoP, is a config preset of it)
+        backbone = as_backbone(backbone, spec.pos_embed if spec.pos_embed in ("sincos2d", "none") else None)
+        config = config.validate().for_backbone(backbone)
+        check_backbone(backbone, specs)
+        self.backbone = backbone
+        if spec.class_token == "unused":
+            self.freeze_class_token()
+        return config
+
     @property
     def probe_feature(self) -> str:
         """The registered method's (:mod:`.registry`) on this backbone; an unregistered objective: the feature the
         classifier head reads (``cls`` or ``mean`` of a sequence that holds the class token)."""
-        from .registry import spec_of
-
-        spec = spec_of(type(self))
-        return spec.probe_feature_for(self.backbone) if spec else self.backbone.config.global_pool
+        specs = type(self).method_specs
+        return specs[0].probe_feature_for(self.backbone) if specs else self.backbone.config.global_pool
 
     @property
     def finetune_pool(self) -> str:
         """The registered method's (:mod:`.registry`) on this backbone; an unregistered objective: the pooling the
         classifier head reads (``cls`` or ``mean``)."""
-        from .registry import spec_of
-
-        spec = spec_of(type(self))
-        return spec.finetune_pool_for(self.backbone) if spec else self.backbone.config.global_pool
+        specs = type(self).method_specs
+        return specs[0].finetune_pool_for(self.backbone) if specs else self.backbone.config.global_pool
 
     def freeze_class_token(self) -> None:
         """For objectives that never feed the class token (``probe_feature = "patch_mean"``): it can get no gradient
@@ -288,8 +306,21 @@ def as_backbone(backbone: nn.Module, pos_embed: str | None = None) -> Backbone:
     return adopt_timm(backbone, pos_embed) if is_timm_vit(backbone) else backbone
 
 
-def require_pos_mode(backbone: Backbone, modes: tuple[str, ...], method: str) -> None:
+def check_backbone(backbone: Backbone, specs: tuple[Any, ...]) -> None:
+    """``backbone`` against what the methods ``specs`` of one objective class state (one line naming the fix):
+    a PE mode one of them accepts, a modality one of them trains, the class token and classifier head they need."""
+    name = specs[0].display
+    modes = tuple(dict.fromkeys(mode for spec in specs for mode in spec.pos_modes))
     if backbone.config.pos_embed not in modes:
-        raise ObjectiveError(f"{method} needs a backbone with pos_embed in {modes}, got "
+        raise ObjectiveError(f"{name} needs a backbone with pos_embed in {modes}, got "
                              f"{backbone.config.pos_embed!r}: create it with pos_embed={modes[0]!r} "
                              "(or call backbone.set_pos_embed)")
+    modalities = {spec.modality for spec in specs}
+    if not specs[0].any_modality and backbone.config.modality not in modalities:
+        raise ObjectiveError(f"{name} needs an {' or '.join(sorted(modalities))} backbone, got a "
+                             f"{backbone.config.modality} one")
+    if specs[0].class_token == "required" and backbone.cls_token is None:
+        raise ObjectiveError(f"{name} needs a backbone with a class token (class_token=True)")
+    if specs[0].needs_head and backbone.config.num_classes < 1:
+        raise ObjectiveError(f"{name} needs a classifier head (it trains with labels): create the backbone with "
+                             "num_classes >= 1")

@@ -33,14 +33,12 @@ from .common import (
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
-    as_backbone,
     check_positive,
     check_ratio,
     check_widths,
     gather_rows,
     num_kept,
     random_masking,
-    require_pos_mode,
     split_batch,
     squared_grid_distance,
     topk_accuracy,
@@ -85,8 +83,9 @@ class DropPosConfig(ObjectiveConfig):
 
 # §3, official code (MAE's): the fixed 2-D sin-cos PE, kept by the class token (Eq. 3), so probes read it; fine-tuning
 # follows MAE's code and its --global_pool (average pooling).
-@register_method("droppos", config=DropPosConfig, pos_embed="sincos2d", probe_feature="cls", finetune_pool="mean",
-                 curves=True, display="DropPos",
+# the [CLS] token keeps its PE and drives attentive reconstruction (Eq. 9): it is required
+@register_method("droppos", config=DropPosConfig, pos_embed="sincos2d", class_token="required", probe_feature="cls",
+                 finetune_pool="mean", curves="position_grid", display="DropPos",
                  paper="Wang et al. 2023, DropPos: Pre-Training Vision Transformers by Reconstructing Dropped "
                  "Positions")
 class DropPos(BackboneObjective):
@@ -118,14 +117,9 @@ class DropPos(BackboneObjective):
 
     def __init__(self, backbone: Backbone | nn.Module, config: DropPosConfig | None = None) -> None:
         super().__init__()
-        backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = (config or DropPosConfig()).validate().for_backbone(backbone)
-        require_pos_mode(backbone, ("sincos2d",), "DropPos")  # fixed 2D sin-cos PE (docs/methods/droppos.md)
-        if backbone.cls_token is None:
-            raise ObjectiveError("DropPos needs a backbone with a class token (class_token=True): the [CLS] token "
-                                 "keeps its PE and drives attentive reconstruction (Eq. 9)")
-        c = self.config
-        self.backbone = backbone
+        # fixed 2D sin-cos PE (docs/methods/droppos.md) and a class token: the registration's facts
+        self.config = c = self.setup_backbone(backbone, config or DropPosConfig())
+        backbone = self.backbone
         self.num_patches = backbone.num_patches
         dim = backbone.embed_dim
         # One learnable [MASK] position token p_mask (Eq. 3). trunc-normal .02 as the official code (normal .02,

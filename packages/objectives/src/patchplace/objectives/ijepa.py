@@ -34,12 +34,10 @@ from .common import (
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
-    as_backbone,
     check_positive,
     check_ratio,
     check_widths,
     gather_rows,
-    require_pos_mode,
     split_batch,
 )
 from .registry import register_method
@@ -107,10 +105,12 @@ class IJEPAConfig(ObjectiveConfig):
 # I-JEPA's and StoP's code: the fixed 2-D sin-cos PE. The context encoder never sees a class token: their linear
 # probes read the average of its final-normed patch outputs (docs/design.md), and they fine-tune on average-pooled
 # patch tokens.
-@register_method("ijepa", config=IJEPAConfig, pos_embed="sincos2d", probe_feature="patch_mean", finetune_pool="mean",
+@register_method("ijepa", config=IJEPAConfig, pos_embed="sincos2d", class_token="unused", probe_feature="patch_mean",
+                 finetune_pool="mean",
                  display="I-JEPA", paper="Assran et al. 2023, Self-Supervised Learning from Images with a "
                  "Joint-Embedding Predictive Architecture")
-@register_method("stop", config=IJEPAConfig, pos_embed="sincos2d", probe_feature="patch_mean", finetune_pool="mean",
+@register_method("stop", config=IJEPAConfig, pos_embed="sincos2d", class_token="unused", probe_feature="patch_mean",
+                 finetune_pool="mean",
                  defaults={"stop": True}, display="StoP",
                  paper="Bar et al. 2024, Stochastic positional embeddings improve masked image modeling (StoP)")
 class IJEPA(BackboneObjective):
@@ -141,13 +141,8 @@ class IJEPA(BackboneObjective):
 
     def __init__(self, backbone: Backbone | nn.Module, config: IJEPAConfig | None = None) -> None:
         super().__init__()
-        backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = c = (config or IJEPAConfig()).validate().for_backbone(backbone)
-        require_pos_mode(backbone, ("sincos2d",), "I-JEPA")
-        if backbone.config.modality != "image":
-            raise ObjectiveError("I-JEPA multi-block masks need an image backbone")
-        self.backbone = backbone
-        self.freeze_class_token()  # never fed here (see probe_feature)
+        self.config = c = self.setup_backbone(backbone, config or IJEPAConfig())  # the registration's facts
+        backbone = self.backbone
         self.target_encoder = copy.deepcopy(backbone).requires_grad_(False)  # EMA of the context encoder
         d = backbone.embed_dim
         self.predictor = TransformerDecoder(d, c.predictor_dim, c.predictor_depth, c.predictor_heads)

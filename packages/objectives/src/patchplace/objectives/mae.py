@@ -16,14 +16,12 @@ from .common import (
     ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
-    as_backbone,
     check_positive,
     check_ratio,
     check_widths,
     gather_rows,
     num_kept,
     random_masking,
-    require_pos_mode,
     split_batch,
 )
 from .registry import register_method
@@ -70,7 +68,8 @@ def pixel_targets(images: torch.Tensor, patch_size: int, normalize: bool = True)
 
 # MAE's code: the fixed 2-D sin-cos PE; the encoder runs [CLS; visible] (its linear probe reads the class token);
 # fine-tuning with --global_pool, the average of the patch outputs.
-@register_method("mae", config=MAEConfig, pos_embed="sincos2d", probe_feature="cls", finetune_pool="mean",
+@register_method("mae", config=MAEConfig, pos_embed="sincos2d", class_token="required", probe_feature="cls",
+                 finetune_pool="mean",
                  display="MAE", paper="He et al. 2022, Masked Autoencoders Are Scalable Vision Learners")
 class MAE(BackboneObjective):
     """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token.
@@ -96,17 +95,13 @@ class MAE(BackboneObjective):
 
     def __init__(self, backbone: Backbone | nn.Module, config: MAEConfig | None = None) -> None:
         super().__init__()
-        backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = c = (config or MAEConfig()).validate().for_backbone(backbone)
-        require_pos_mode(backbone, ("sincos2d",), "MAE")
-        if backbone.config.modality != "image" or backbone.cls_token is None:
-            raise ObjectiveError("MAE needs an image backbone with a class token")
+        self.config = c = self.setup_backbone(backbone, config or MAEConfig())  # the registration's facts
+        backbone = self.backbone
         n = backbone.num_patches
         if num_kept(n, c.mask_ratio) >= n:  # the loss is over masked patches only: it would be 0 at every step
             raise ObjectiveError(f"mask_ratio={c.mask_ratio} masks none of the {n} patches, so MAE's loss (over the "
                                  "masked patches) is 0 and nothing trains: use a ratio that masks at least one "
                                  f"(> {0.5 / n:.3g}; the paper's is 0.75)")
-        self.backbone = backbone
         self.patch_size = backbone.config.patch_size
         self.decoder = TransformerDecoder(backbone.embed_dim, c.decoder_dim, c.decoder_depth, c.decoder_heads)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, c.decoder_dim))

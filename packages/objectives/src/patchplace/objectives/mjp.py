@@ -34,14 +34,12 @@ from .common import (
     BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
-    as_backbone,
     check_ratio,
     gather_rows,
     grid_coords,
     image_to_patches,
     noise_device,
     patches_to_image,
-    require_pos_mode,
     split_batch,
 )
 from .registry import register_method
@@ -271,7 +269,9 @@ def dal_loss(regressor: DALRegressor, pe_table: torch.Tensor, keep_mask: torch.T
 # ---------------------------------------------------------------------------------------------- objective
 # DeiT's recipe with labels: a learned, additive PE table (Eq. 3-5) and the classifier head, whose pooling probes
 # read; MJP trains and fine-tunes that classifier on the class token.
-@register_method("mjp", config=MJPConfig, pos_embed="learned", needs_head=True, probe_feature="head",
+# Eq. 3-5: an additive, per-position PE table (learned, or a fixed sincos2d one on which DAL cannot act)
+@register_method("mjp", config=MJPConfig, pos_embed="learned", pos_modes=("learned", "sincos2d"), needs_head=True,
+                 probe_feature="head",
                  finetune_pool="cls", display="MJP",
                  paper="Ren et al. 2023, Masked Jigsaw Puzzle: A Versatile Position Embedding for Vision Transformers")
 class MJP(BackboneObjective):
@@ -315,19 +315,13 @@ class MJP(BackboneObjective):
 
     def __init__(self, backbone: Backbone | nn.Module, config: MJPConfig | None = None) -> None:
         super().__init__()
-        backbone = as_backbone(backbone, None)  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = c = (config or MJPConfig()).validate()
-        require_pos_mode(backbone, ("learned", "sincos2d"), "MJP")  # Eq. 3-5: an additive, per-position PE table
-        if backbone.config.modality != "image":
-            raise ObjectiveError("MJP shuffles 2-D image patches: it needs an image backbone")
-        if backbone.config.num_classes < 1:
-            raise ObjectiveError("MJP is supervised training: create the backbone with num_classes >= 1")
+        self.config = c = self.setup_backbone(backbone, config or MJPConfig())  # the registration's facts
+        backbone = self.backbone
         n = backbone.num_patches
         if c.ratio > 0 and round(c.ratio * n) < 2:
             raise ObjectiveError(f"ratio {c.ratio} selects round({c.ratio} * {n}) = {round(c.ratio * n)} of the "
                                  f"{n} patches: the jigsaw needs at least 2 to permute; use ratio >= {2 / n:.3f}")
         backbone.enable_unknown_pos()
-        self.backbone = backbone
         self.patch_size = backbone.config.patch_size
         self.dal = DALRegressor(backbone.embed_dim, c.dal)
 

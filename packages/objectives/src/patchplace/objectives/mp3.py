@@ -28,7 +28,6 @@ from .common import (
     BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
-    as_backbone,
     check_ratio,
     image_to_patches,
     num_kept,
@@ -62,11 +61,15 @@ class MP3Config(ObjectiveConfig):
 # §3: every position embedding is removed during pretraining; the class token (§3.1) enters without PE, so probes
 # read the mean of the patch outputs of a sequence holding it, and fine-tuning puts "a linear classifier head after
 # the cls token" (§3.3).
-@register_method("mp3", config=MP3Config, pos_embed="none", probe_feature="mean", finetune_pool="cls", curves=True,
+# Pretraining has no position information (§3): a relbias2d backbone would inject it inside attention. Other PE
+# modes are accepted for the anchors (§4.3), which need the backbone's true PE (checked against anchor_ratio).
+@register_method("mp3", config=MP3Config, pos_embed="none", pos_modes=("none", "sincos1d", "sincos2d", "learned"),
+                 any_modality=True, probe_feature="mean", finetune_pool="cls", curves="eta",
                  paper="Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3)",
                  display="MP3")
 # §3.1, §4.3: speech keeps the true sinusoidal PE for its 5% anchors, and pretrains with full attention (eta 0).
-@register_method("mp3_speech", config=MP3Config, pos_embed="sincos1d", probe_feature="mean", finetune_pool="cls",
+@register_method("mp3_speech", config=MP3Config, pos_embed="sincos1d", any_modality=True, probe_feature="mean",
+                 finetune_pool="cls",
                  modality="audio", defaults={"eta": 0.0, "anchor_ratio": 0.05}, display="MP3 speech",
                  paper="Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3), §4.3")
 class MP3(BackboneObjective):
@@ -91,16 +94,11 @@ class MP3(BackboneObjective):
 
     def __init__(self, backbone: Backbone | nn.Module, config: MP3Config | None = None) -> None:
         super().__init__()
-        backbone = as_backbone(backbone, "none")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = (config or MP3Config()).validate()
-        mode = backbone.config.pos_embed
-        if mode == "relbias2d":
-            raise ObjectiveError("MP3 pretrains without any position information; a relbias2d backbone injects it "
-                                 "inside attention: create the backbone with pos_embed='none'")
-        if self.config.anchor_ratio > 0 and mode == "none":
+        self.config = self.setup_backbone(backbone, config or MP3Config())  # the registration's facts
+        backbone = self.backbone
+        if self.config.anchor_ratio > 0 and backbone.config.pos_embed == "none":
             raise ObjectiveError("MP3 anchors need the backbone's true PE: create it with pos_embed='sincos1d' "
                                  "(speech) or 'sincos2d', or set anchor_ratio=0")
-        self.backbone = backbone
         self.num_positions = backbone.num_patches
         self.head = nn.Linear(backbone.embed_dim, self.num_positions)  # App. A: linear_head, D -> N
         nn.init.xavier_uniform_(self.head.weight)

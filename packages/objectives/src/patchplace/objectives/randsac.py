@@ -37,11 +37,9 @@ from .common import (
     BackboneObjective,
     ObjectiveConfig,
     ObjectiveError,
-    as_backbone,
     check_positive,
     check_widths,
     init_linear,
-    require_pos_mode,
     split_batch,
 )
 from .mae import pixel_targets
@@ -129,8 +127,8 @@ class DecoderBlock(nn.Module):
 # §3-4: the fixed 2-D sin-cos PE; the encoder runs the patch tokens alone (no class token), and App. B.2 ("we
 # directly use the averaged pooled feature out of the encoder for both fine-tuning and linear probing") probes and
 # fine-tunes the mean of its patch outputs.
-@register_method("randsac", config=RandSACConfig, pos_embed="sincos2d", probe_feature="patch_mean",
-                 finetune_pool="mean", display="RandSAC",
+@register_method("randsac", config=RandSACConfig, pos_embed="sincos2d", class_token="unused",
+                 probe_feature="patch_mean", finetune_pool="mean", display="RandSAC",
                  paper="Hua et al. 2022, Self-supervision through Random Segments with Autoregressive Coding (RandSAC)")
 class RandSAC(BackboneObjective):
     """RandSAC pretraining on an image backbone with ``pos_embed='sincos2d'``.
@@ -156,13 +154,8 @@ class RandSAC(BackboneObjective):
 
     def __init__(self, backbone: Backbone | nn.Module, config: RandSACConfig | None = None) -> None:
         super().__init__()
-        backbone = as_backbone(backbone, "sincos2d")  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = c = (config or RandSACConfig()).validate().for_backbone(backbone)
-        require_pos_mode(backbone, ("sincos2d",), "RandSAC")
-        if backbone.config.modality != "image":
-            raise ObjectiveError("RandSAC needs an image backbone (2-D token grid)")
-        self.backbone = backbone
-        self.freeze_class_token()  # never fed here (see probe_feature)
+        self.config = c = self.setup_backbone(backbone, config or RandSACConfig())  # the registration's facts
+        backbone = self.backbone
         self.grid = tuple(backbone.grid)
         self.patch_size = backbone.config.patch_size
         if c.segments == "square" and self._num_squares() < 2:

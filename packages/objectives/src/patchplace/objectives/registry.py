@@ -6,10 +6,16 @@ benchmarks, the study, the tests) reads :func:`get_method` / :func:`list_methods
     class MP3(BackboneObjective): ...
 
 A method is a name plus the facts about it that are not in its objective's code: the backbone's PE mode during
-pretraining, whether it trains through a classifier head, the pooled feature probes read and the pooling its own
-fine-tuning protocol puts the head on, the modality, the paper, config defaults that differ from the config class's
-(``stop`` = I-JEPA with ``stop=True``). Adding a method is one objective file under ``patchplace/objectives/`` (found
-by :func:`list_methods` without an import elsewhere) and one YAML config for ``pipelines/pretrain.py``.
+pretraining (and the modes it accepts), whether it trains through a classifier head, whether it needs, ignores or may
+use the class token, the pooled feature probes read and the pooling its own fine-tuning protocol puts the head on, the
+modality, the paper, config defaults that differ from the config class's (``stop`` = I-JEPA with ``stop=True``). The
+registration is the one place each fact is written: the objective's constructor reads them through
+:meth:`~.common.BackboneObjective.setup_backbone`. Adding a method is one objective file under
+``patchplace/objectives/`` (found by :func:`list_methods` without an import elsewhere) and one YAML config for
+``pipelines/pretrain.py``.
+
+As timm's ``_registry.py``, this module imports no objective (it finds them by :func:`_discover`); the decorator
+hands each class its specs (``method_specs``), so :mod:`.common` never imports the registry.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ PROBE_FEATURES = ("cls", "mean", "patch_mean", "head")
 FINETUNE_POOLS = ("cls", "mean", "head")
 MODALITIES = ("image", "audio")
 PE_MODES = ("none", "learned", "sincos1d", "sincos2d", "relbias2d")
+# required: the objective reads it (fails without one); unused: never fed, so frozen (DDP meets no parameter without a
+# gradient); optional: used where the backbone has one
+CLASS_TOKEN = ("required", "unused", "optional")
 
 T = TypeVar("T", bound=type)
 
@@ -51,15 +60,22 @@ class MethodSpec:
     paper: str = ""  # authors, year, title: the model card's reference
     display: str = ""  # the name tables show (the method's own spelling, e.g. I-JEPA); empty: ``name``
     defaults: Mapping[str, Any] = field(default_factory=dict)  # config fields that differ from the class's defaults
-    curves: bool = False  # its saved objective (objective.safetensors) gives evaluation curves
+    # the curves evaluate.py draws from its saved objective (objective.safetensors): a name of
+    # patchplace.pipelines.evaluate.CURVES (e.g. "eta" for MP3, "position_grid" for DropPos); empty: none
+    curves: str = ""
+    pos_modes: tuple[str, ...] = ()  # the backbone PE modes the objective trains on; empty: pos_embed alone
+    class_token: str = "optional"  # required | unused (never fed: frozen) | optional (see CLASS_TOKEN)
+    any_modality: bool = False  # the objective trains a backbone of any modality, not only ``modality``'s
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
         object.__setattr__(self, "display", self.display or self.name)
-        for what, value, allowed in (("pos_embed", self.pos_embed, PE_MODES),
-                                     ("probe_feature", self.probe_feature, PROBE_FEATURES),
-                                     ("finetune_pool", self.finetune_pool, FINETUNE_POOLS),
-                                     ("modality", self.modality, MODALITIES)):
+        object.__setattr__(self, "pos_modes", tuple(self.pos_modes) or (self.pos_embed,))
+        checks = [("pos_embed", self.pos_embed, PE_MODES), ("probe_feature", self.probe_feature, PROBE_FEATURES),
+                  ("finetune_pool", self.finetune_pool, FINETUNE_POOLS), ("modality", self.modality, MODALITIES),
+                  ("class_token", self.class_token, CLASS_TOKEN)]
+        checks += [("pos_modes", mode, PE_MODES) for mode in self.pos_modes]
+        for what, value, allowed in checks:
             if value not in allowed:
                 raise ObjectiveError(f"method {self.name!r}: {what} must be one of {allowed}, got {value!r}")
 
@@ -106,11 +122,14 @@ def register_method(name: str, *, config: type, pos_embed: str, **facts: Any) ->
         if known is not None and _qualname(known.objective_cls) != _qualname(objective_cls):
             raise ObjectiveError(f"method {name!r} is already registered by {_qualname(known.objective_cls)}")
         for other in _METHODS.values():
-            if other.objective_cls is objective_cls and other.name != name and \
-                    (other.probe_feature, other.finetune_pool) != (spec.probe_feature, spec.finetune_pool):
+            if other.objective_cls is objective_cls and other.name != name and _class_facts(other) != \
+                    _class_facts(spec):
                 raise ObjectiveError(f"methods {other.name!r} and {name!r} share {objective_cls.__name__}: they need "
-                                     "the same probe_feature and finetune_pool")
+                                     "the same probe_feature and finetune_pool (and class_token, needs_head, "
+                                     "any_modality)")
         _METHODS[name] = spec  # a module imported again (importlib.reload) replaces its own
+        # stacked decorators run bottom-up: prepending keeps the specs in source order (the first is the class's own)
+        objective_cls.method_specs = (spec, *_own_specs(objective_cls, name))
         return objective_cls
 
     return register
@@ -118,7 +137,9 @@ def register_method(name: str, *, config: type, pos_embed: str, **facts: Any) ->
 
 def unregister_method(name: str) -> None:
     """Removes method ``name`` (a method registered for a while, e.g. by a test)."""
-    _METHODS.pop(name, None)
+    spec = _METHODS.pop(name, None)
+    if spec is not None:
+        spec.objective_cls.method_specs = _own_specs(spec.objective_cls, name)
 
 
 def get_method(name: str) -> MethodSpec:
@@ -141,16 +162,23 @@ def method_names(modality: str | None = None) -> list[str]:
 
 
 def spec_of(objective_cls: type) -> MethodSpec | None:
-    """A method the objective class (or the nearest registered class it derives from) trains; None when none."""
-    for klass in objective_cls.__mro__:
-        for spec in _METHODS.values():
-            if spec.objective_cls is klass:
-                return spec
-    return None
+    """The first method the objective class (or the nearest registered class it derives from) trains, as its file
+    writes them; None when none."""
+    return next(iter(getattr(objective_cls, "method_specs", ())), None)
 
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _class_facts(spec: MethodSpec) -> tuple:
+    """The facts every method of one objective class shares (the class applies them whatever the method)."""
+    return spec.probe_feature, spec.finetune_pool, spec.class_token, spec.needs_head, spec.any_modality
+
+
+def _own_specs(objective_cls: type, without: str) -> tuple[MethodSpec, ...]:
+    """The specs registered on ``objective_cls`` itself (not inherited), less method ``without``."""
+    return tuple(s for s in vars(objective_cls).get("method_specs", ()) if s.name != without)
 
 
 def _discover() -> None:

@@ -11,8 +11,8 @@ from torch import nn
 
 from patchplace.models import Backbone
 
-from .common import BackboneObjective, ObjectiveConfig, ObjectiveError, as_backbone, check_ratio, split_batch
-from .registry import register_method
+from .common import BackboneObjective, ObjectiveConfig, ObjectiveError, check_ratio, split_batch
+from .registry import PE_MODES, register_method
 
 
 @dataclass
@@ -25,9 +25,10 @@ class SupervisedConfig(ObjectiveConfig):
 
 
 # The DeiT baseline: a learned PE, trained through the classifier head, whose pooling probes and fine-tuning read (a
-# fine-tune, this objective on a prepared checkpoint, records the pooling it fine-tuned with).
-@register_method("supervised", config=SupervisedConfig, pos_embed="learned", needs_head=True, probe_feature="head",
-                 finetune_pool="head")
+# fine-tune, this objective on a prepared checkpoint, records the pooling it fine-tuned with). It is the fine-tuning
+# objective too: any PE mode, any modality (speech models fine-tune through it).
+@register_method("supervised", config=SupervisedConfig, pos_embed="learned", pos_modes=PE_MODES, any_modality=True,
+                 needs_head=True, probe_feature="head", finetune_pool="head")
 class Supervised(BackboneObjective):
     """``forward((images, labels))``: labels are class indices (B,) or soft targets (B, classes) from mixup.
 
@@ -49,11 +50,7 @@ class Supervised(BackboneObjective):
 
     def __init__(self, backbone: Backbone | nn.Module, config: SupervisedConfig | None = None) -> None:
         super().__init__()
-        backbone = as_backbone(backbone, None)  # a timm VisionTransformer is adopted, its parameters shared
-        self.config = (config or SupervisedConfig()).validate()
-        if backbone.config.num_classes < 1:
-            raise ObjectiveError("supervised training needs a classifier head: create the backbone with num_classes")
-        self.backbone = backbone
+        self.config = self.setup_backbone(backbone, config or SupervisedConfig())  # the registration's facts
         self.freeze_unknown_pos()  # an MJP checkpoint's E_unk: plain supervised steps never use it
 
     def forward(self, batch, progress: float | None = None) -> dict:
