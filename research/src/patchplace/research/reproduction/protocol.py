@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import platform
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from patchplace.pipelines.engine.hardware import cpu_info
 
 PROVENANCE = "provenance.json"  # in each (row, seed) run directory: one record per start
 
@@ -162,14 +163,8 @@ def unregistered(path: Path) -> str | None:
 
 # -------------------------------------------------------------------------------------------------- provenance
 def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo 'model name', else what platform knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    """The CPU's model name (/proc/cpuinfo 'model name', else what platform knows): the engine's reading."""
+    return cpu_info().name
 
 
 def machine_model() -> str:
