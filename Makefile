@@ -160,8 +160,10 @@ lint: setup
 # once); every test runs one intra-op thread (conftest.py). `$(PY) -m pytest -m "not slow"`: the unit and package
 # tests alone (~2.5 min on 2 cores)
 TEST_WORKERS ?= 2
+# The end-to-end suite (tests/) on xdist workers, then each package's own suite once (package-tests); a bare
+# `pytest` at the root still collects both (pyproject's testpaths)
 test: setup lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 	$(MAKE) --no-print-directory package-tests
 
 # Each package's suite as the README types it: `pytest` in the package's folder, with the machine's default threads
