@@ -1,4 +1,4 @@
-"""The config contract enforces itself (issue 56, item 4): every input the config let through before — a key given
+"""The config contract enforces itself: every input a looser config would let through — a key given
 twice, ``${...}`` interpolation, a NaN, a YAML error or an object tag, overrides a checkpoint cannot take, a run
 folder given as the checkpoint, a hand-edited run record, an unknown export sidecar format, an over-long path — is
 refused through the real entry points in one line naming the key or file and the fix (exit 2, no traceback) with

@@ -1,4 +1,4 @@
-"""Study v5's pre-registered protocol (issue 55): the protocol file and its hash, the rows the report refuses, the
+"""Study v5's pre-registered protocol: the protocol file and its hash, the rows the report refuses, the
 CPU-model pairing rule, the PE-free position ceiling, regimes read on validation only, the doubling rule, one Holm
 family per question, the paper's effect on the log-odds scale, the one-sided label-efficiency proxy, the GPU plan and
 its wave sizing. Synthetic rows throughout; the end-to-end runs (a tiny schedule, a stand-in GPU wave) are slow."""
@@ -121,7 +121,7 @@ FASHION = Path("/usr/share/datasets/fashion-mnist")
 @pytest.mark.skipif(not (FASHION / "train-images-idx3-ubyte.gz").is_file(), reason="no Fashion-MNIST IDX files")
 def test_the_protocols_ceilings_are_those_of_the_validation_images(tmp_path):
     """On Fashion-MNIST padded to 32 px (the 5,000 validation images): 62.2% at 4 px, 82.1% at 8 px (the test
-    split: 62.3% / 82.2%, issue 55), as the protocol records them."""
+    split: 62.3% / 82.2%), as the protocol records them."""
     subprocess.run([sys.executable, str(ROOT / "data" / "fashion_mnist.py"), "--src", str(FASHION), "--out",
                     str(tmp_path / "fm")], check=True, capture_output=True, cwd=ROOT)
     images = proto.validation_images(tmp_path / "fm" / "train", 5000, 0, 32)

@@ -29,7 +29,7 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
   loader_vs_step  does the streaming loader keep up? On --loader-images generated JPEGs (64 px to 640 x 480)
               written to shards by the image-folder recipe, the train loader as the pipelines build it from
               --loader-config (DeiT's: RandomResizedCrop 224 + flip + RandAugment + random erasing), images/s (best
-              of --loader-repeats epochs) per --loader-workers count and --loader-decoders (pillow: before issue 53;
+              of --loader-repeats epochs) per --loader-workers count and --loader-decoders (pillow: Pillow only;
               fast), against the supervised training step of --step-preset (vit_tiny) at 224 px and the same batch
               (--loader-step-batch) on the same machine: ratio = loader / step (>= 1: keeps up), workers needed =
               step / one worker's rate.

@@ -63,7 +63,7 @@ def writer_throughput(src: Path, out: Path, workers: int, images: int) -> tuple[
 def decoder_throughput(files: list[Path], repeats: int = 3) -> list[dict[str, Any]]:
     """Images/s of one thread decoding every file to RGB uint8 (the fastest of ``repeats`` interleaved passes):
     plain Pillow and torchvision.io.decode_jpeg, then the project's decode path before (``decode_with_pillow``:
-    Pillow, the reader until issue 53) and after (``decode_image_bytes``: decode_jpeg where its pixels are
+    Pillow for every JPEG) and after (``decode_image_bytes``: decode_jpeg where its pixels are
     Pillow's), each pair's largest pixel difference."""
     from torchvision.io import ImageReadMode, decode_jpeg
 

@@ -5,7 +5,7 @@ the project's image-folder writer — the train loader exactly as the pipelines 
 --loader-config, by default DeiT's recipe, "Training data-efficient image transformers & distillation through
 attention", arXiv 2012.12877: RandomResizedCrop 224 + flip + RandAugment rand-m9-mstd0.5-inc1 + random erasing, 3
 repeated augmentations): images/s, the fastest of --loader-repeats epochs, with each --loader-workers count and each
-JPEG decoder (pillow: the reader before issue 53; fast: torchvision's decode_jpeg where it gives Pillow's pixels).
+JPEG decoder (pillow: Pillow for every JPEG; fast: torchvision's decode_jpeg where it gives Pillow's pixels).
 Beside it, the supervised training step (forward + backward + AdamW) of --step-preset at the same batch and 224 px
 on the same machine. Ratio = loader / step images/s: >= 1, the loader keeps up. Measured apart: in training both
 share the machine's cores."""
