@@ -114,7 +114,7 @@ study-gpu: setup data
 # The lent machine's python3 (3.12) has torch, timm, scipy, scikit-image, numba, ...; these it lacks (same versions
 # as .venv; --no-deps: their other needs are there)
 GPU_WHEELS := webdataset braceexpand librosa audioread pooch soxr soundfile cffi pycparser decorator platformdirs \
-              imagecorruptions
+              imagecorruptions omegaconf antlr4-python3-runtime
 gpu-carry: setup
 	mkdir -p .gpu/whl .gpu/fashion-mnist
 	cp /usr/share/datasets/fashion-mnist/*.gz .gpu/fashion-mnist/
