@@ -106,3 +106,20 @@ def test_cuda_and_cpu_forwards_agree(shards, tmp_path):
     cpu = backbone.eval()(x)
     gpu = backbone.cuda()(x.cuda()).cpu()
     assert torch.allclose(cpu, gpu, atol=1e-3, rtol=1e-3), (cpu - gpu).abs().max()
+
+
+def test_stop_draws_its_noise_on_the_gpu_from_a_host_generator():
+    """StoP's noise (B x blocks x T x D values a step) is drawn on the GPU when the caller seeds a CPU generator (the
+    benchmark does), by a CUDA generator seeded from it: the same seed gives the same loss."""
+    from patchplace.models import create_model
+    from patchplace.objectives import IJEPA, IJEPAConfig
+    from patchplace.objectives.ijepa import generator_on
+
+    assert generator_on(torch.device("cuda"), torch.Generator()).device.type == "cuda"
+    torch.manual_seed(0)
+    backbone = create_model("vit_micro", img_size=32, patch_size=4, in_chans=3, pos_embed="sincos2d")
+    model = IJEPA(backbone, IJEPAConfig(stop=True, predictor_dim=32, predictor_depth=1, predictor_heads=2,
+                                        min_keep=2)).cuda()
+    images = torch.randn(4, 3, 32, 32, device="cuda")
+    losses = [model((images, None), generator=torch.Generator().manual_seed(1))["loss"].item() for _ in range(2)]
+    assert losses[0] == losses[1] and math.isfinite(losses[0])

@@ -115,3 +115,17 @@ def test_ijepa_with_stop_learns(micro, images):
         losses.append(loss.item())
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.5 * first, (first, last)
+
+
+def test_stop_noise_is_drawn_where_the_features_are():
+    from patchplace.objectives.ijepa import generator_on
+
+    cpu = torch.Generator().manual_seed(0)
+    assert generator_on(torch.device("cpu"), cpu) is cpu, "same device: the given generator, its stream unchanged"
+    assert generator_on(torch.device("cpu"), None) is None, "no generator: the global RNG"
+    if torch.cuda.is_available():  # a seeded host generator fixes the device's draws
+        a = generator_on(torch.device("cuda"), torch.Generator().manual_seed(3))
+        b = generator_on(torch.device("cuda"), torch.Generator().manual_seed(3))
+        assert a.device.type == "cuda"
+        draws = [torch.randn(8, generator=g, device="cuda") for g in (a, b)]
+        torch.testing.assert_close(*draws)

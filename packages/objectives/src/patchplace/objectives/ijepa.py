@@ -102,6 +102,16 @@ class IJEPAConfig(ObjectiveConfig):
         return self
 
 
+def generator_on(device: torch.device, generator: torch.Generator | None) -> torch.Generator | None:
+    """A generator that draws on ``device``: ``generator`` itself when it is there (or None: the global RNG), else
+    one on ``device`` seeded from it, so a seeded CPU generator still fixes StoP's noise while the noise (B x blocks x
+    T x D values a step) is drawn on the accelerator instead of on the host and copied over."""
+    if generator is None or generator.device == torch.device(device):
+        return generator
+    seed = int(torch.randint(2**62, (), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 # I-JEPA's and StoP's code: the fixed 2-D sin-cos PE. The context encoder never sees a class token: their linear
 # probes read the average of its final-normed patch outputs (docs/design.md), and they fine-tune on average-pooled
 # patch tokens.
@@ -200,10 +210,10 @@ class IJEPA(BackboneObjective):
         if not c.stop:
             return ctx, self.mask_token + psi_t  # I-JEPA: m_j = m~ + psi_j
 
-        device = s_x.device if generator is None else generator.device
+        generator = generator_on(s_x.device, generator)
 
         def noise(shape: tuple[int, ...]) -> torch.Tensor:  # fresh per sample, block and token
-            return c.sigma * torch.randn(shape, generator=generator, device=device).to(s_x.device)
+            return c.sigma * torch.randn(shape, generator=generator, device=s_x.device)
 
         r, t, k = target.shape[0], target.shape[1], context.shape[1]
         if c.covariance == "learned":  # Eq. 3: psi^ = A n + psi with n ~ N(0, sigma^2 I) in encoder width
