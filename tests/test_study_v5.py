@@ -220,6 +220,20 @@ def test_a_position_claim_needs_its_pretext_learned_to_half_the_ceiling_on_valid
         at4["MP3 Fig. 3 (train eta 0)"].setting
 
 
+def test_a_claim_before_all_its_planned_seeds_is_pending_untested_and_outside_holm():
+    p = proto.load_protocol(PROTOCOL)
+    assert p.planned_seeds("mp3_eta0") == [0, 1, 2, 3, 4] and p.planned_seeds("mjp") == [0, 1, 2]
+    rows = {name: [m for m in ms if m["seed"] < 3] for name, ms in position_rows().items()}
+    items = by_id(protocol_items(rows, p))
+    claim = items["MP3 Fig. 3 (train eta 0)"]
+    assert claim.pending == "3 of 5 seeds" and not claim.tested and claim.adjusted is None, \
+        "3 seeds are enough for a test, but the protocol plans 5: no test before the last (no optional stopping)"
+    assert claim.verdict.startswith("pending (3 of 5 seeds); so far: ")
+    assert not any(c.tested for c in items.values() if c.family == "position")
+    done = by_id(protocol_items(position_rows(), p))["MP3 Fig. 3 (train eta 0)"]
+    assert not done.pending and done.tested
+
+
 def test_holm_runs_within_each_family_and_mjp_table1_reads_validation_convergence_and_log_odds():
     p = proto.load_protocol(PROTOCOL)
     rows = position_rows(validation=0.6)

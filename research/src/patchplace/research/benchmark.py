@@ -127,8 +127,8 @@ from patchplace.research.benchmarks.suites import SUITES
 
 
 # ---------------------------------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+def _general_options(parser: argparse.ArgumentParser) -> None:
+    """The options of every suite: which suite, where its results go, threads, kernel, device."""
     parser.add_argument("--suite", choices=list(SUITES), default="data", metavar="SUITE",
                         help=f"what to measure: {', '.join(SUITES)} (default: data)")
     parser.add_argument("--out", type=Path, default=None,
@@ -142,10 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "cpu_speed: the measured methods' rows in <out>/benchmark_<suite>.json, keep the others')")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="objectives / matmul device (default: cuda when available)")
+
+
+def _matmul_options(parser: argparse.ArgumentParser) -> None:
+    """--suite matmul: the GEMM peak."""
     g = parser.add_argument_group("matmul")
     g.add_argument("--matmul-size", type=int, nargs="+", default=None,
                    help="square GEMM sizes; the best rate is the peak (default 1024 2048 3072 CPU, 4096 8192 CUDA)")
     g.add_argument("--matmul-repeats", type=int, default=10, help="timed GEMMs per size (default: %(default)s)")
+
+
+def _objectives_options(parser: argparse.ArgumentParser) -> None:
+    """--suite objectives: the objectives' steps, the models suite and MP3 Table 2."""
     g = parser.add_argument_group("objectives (and models)")
     g.add_argument("--preset", default=STUDY["preset"], help="backbone preset (default: %(default)s, the study ViT)")
     g.add_argument("--img-size", type=int, default=None, help="image size (default: the preset's)")
@@ -178,8 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "none: only MP3 and MAE)")
     g.add_argument("--table2-compile", action="store_true",
                    help="mp3_table2: also time torch.compile'd copies (ratios to the compiled supervised step)")
+
+
+def _masks_options(parser: argparse.ArgumentParser) -> None:
+    """--suite masks: the mask generators."""
     g = parser.add_argument_group("masks")
     g.add_argument("--mask-repeats", type=int, default=20, help="timed batches per generator (default: 20)")
+
+
+def _data_options(parser: argparse.ArgumentParser) -> None:
+    """--suite data: shard reads, batched augmentation and MFCC."""
     g = parser.add_argument_group("data")
     g.add_argument("--shards", type=Path, default=Path("shards/fashion_mnist/train"),
                    help="split read by the data and pipelines suites (default: %(default)s)")
@@ -189,13 +205,25 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s; 0: the whole split)")
     g.add_argument("--pad-to", type=int, default=32, help="image padding used by the transform")
     g.add_argument("--mfcc-batches", type=int, default=20, help="timed MFCC batches of 64 clips")
+
+
+def _probe_memory_options(parser: argparse.ArgumentParser) -> None:
+    """--suite probe_memory: the streamed probes' memory."""
     g = parser.add_argument_group("probe_memory")
     g.add_argument("--probe-sizes", type=int, nargs="+", default=[2000, 8000, 32000],
                    help="train split sizes (default: 2000 8000 32000)")
     g.add_argument("--probe-epochs", type=int, default=2, help="epochs of each linear probe (default: %(default)s)")
+
+
+def _data_writer_options(parser: argparse.ArgumentParser) -> None:
+    """--suite data_writer: the image-folder recipe's writer."""
     g = parser.add_argument_group("data_writer")
     g.add_argument("--writer-images", type=int, default=480, help="generated JPEGs written (default: %(default)s)")
     g.add_argument("--writer-workers", type=int, nargs="+", default=[1, 2], help="writer process counts (default: 1 2)")
+
+
+def _loader_vs_step_options(parser: argparse.ArgumentParser) -> None:
+    """--suite loader_vs_step: the streaming loader against the training step."""
     g = parser.add_argument_group("loader_vs_step")
     g.add_argument("--loader-config", default="imagenet_supervised_deitb_train",
                    help="pipelines config whose data section builds the loader (default: %(default)s)")
@@ -210,10 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="epochs per loader setting, decoders alternated; the fastest is kept (default: %(default)s)")
     g.add_argument("--step-preset", default="vit_tiny", help="the ViT whose step is timed (default: %(default)s)")
     g.add_argument("--step-repeats", type=int, default=3, help="timed steps (default: %(default)s)")
+
+
+def _onnx_options(parser: argparse.ArgumentParser) -> None:
+    """--suite onnx: the exported classifier's latency."""
     g = parser.add_argument_group("onnx")
     g.add_argument("--onnx-preset", default=STUDY["preset"], help="classifier to export (default: %(default)s)")
     g.add_argument("--onnx-batches", type=int, nargs="+", default=[1, 8, 64], help="batch sizes")
     g.add_argument("--onnx-repeats", type=int, default=20, help="timed runs per batch size (default: 20)")
+
+
+def _pipelines_options(parser: argparse.ArgumentParser) -> None:
+    """--suite pipelines: pretrain.py end to end, and the anchor suite."""
     g = parser.add_argument_group("pipelines")
     g.add_argument("--steps", type=int, default=20, help="optimizer steps per config (default: %(default)s)")
     g.add_argument("--methods", nargs="+", default=None,
@@ -231,8 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--anchor-epochs", type=float, default=1.0,
                    help="anchor: training epochs of both loops (default: %(default)s)")
     g.add_argument("--anchor-seeds", type=int, nargs="+", default=[0], help="anchor: seeds (default: 0)")
+
+
+def _profile_options(parser: argparse.ArgumentParser) -> None:
+    """--suite profile: torch.profiler over the steps."""
     g = parser.add_argument_group("profile")
     g.add_argument("--profile-top", type=int, default=12, help="operators listed per objective (default: 12)")
+
+
+def _speed_options(parser: argparse.ArgumentParser) -> None:
+    """--suite speed: the GPU speed ladder."""
     g = parser.add_argument_group("speed")
     g.add_argument("--speed-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
                    help="methods to time (finetune: the supervised fine-tuning; default: %(default)s)")
@@ -247,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speed-compile", default="default",
                    help="run.compile of the compile / processes rungs: default | reduce-overhead | max-autotune | "
                    "aot_eager (default: %(default)s)")
+
+
+def _cpu_speed_options(parser: argparse.ArgumentParser) -> None:
+    """--suite cpu_speed: the CPU speed ladder."""
     g = parser.add_argument_group("cpu_speed")
     g.add_argument("--cpu-speed-methods", nargs="+", default=list(SPEED_METHODS), metavar="METHOD",
                    help="methods laddered on the study ViT (finetune: the supervised fine-tuning; default: all)")
@@ -262,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "through a scalar fallback; default: %(default)s)")
     g.add_argument("--cpu-speed-slow-steps", type=int, default=3,
                    help="steps of a bf16 rung on a CPU without bf16 units (default: %(default)s)")
+
+
+def _cpu_equivalence_options(parser: argparse.ArgumentParser) -> None:
+    """--suite cpu_equivalence: bf16 vs fp32 training, and the ddp suite."""
     g = parser.add_argument_group("cpu_equivalence")
     g.add_argument("--equivalence-methods", nargs="+", default=["mp3", "droppos"], metavar="METHOD",
                    help="study rows trained in float32 and bf16 (default: %(default)s)")
@@ -279,6 +331,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directories: <runs>/<fp32|bf16>/seed<k>/<method>/ (resumable; default: %(default)s)")
     g.add_argument("--ddp-repeats", type=int, default=2,
                    help="ddp: alternated runs of every setting, medians reported (default: %(default)s)")
+
+
+# the option groups, in the order --help lists them (one argument group per suite)
+OPTION_GROUPS = (
+    _matmul_options,
+    _objectives_options,
+    _masks_options,
+    _data_options,
+    _probe_memory_options,
+    _data_writer_options,
+    _loader_vs_step_options,
+    _onnx_options,
+    _pipelines_options,
+    _profile_options,
+    _speed_options,
+    _cpu_speed_options,
+    _cpu_equivalence_options,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the general options, then one argument group per suite (``OPTION_GROUPS``)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    _general_options(parser)
+    for add in OPTION_GROUPS:
+        add(parser)
     return parser
 
 

@@ -5,9 +5,11 @@
                 controls.py, ONNX export + ONNX Runtime, each its command line as a process of its own
                 (``python -m ...``); each stage resumable
     metrics.py  the numbers the stages left (results.json, logs), merged with an earlier study.json
-    claims.py   the papers' claims decided by seed-paired tests, the statistics helpers of the tables, the
-                random-init control a row is read against
-    report.py   markdown tables, the claims table, PNG figures and ``results/<name>.{json,md}``
+    claims.py   the papers' claims as a table of specs (``PAPER_CLAIMS``) built in one loop and decided by
+                seed-paired tests, the statistics helpers of the tables, the random-init control a row is read
+                against
+    report.py   markdown tables (one function per section), the claims table, PNG figures and
+                ``results/<name>.{json,md}``
     sittings.py the study in bounded sittings (a lent GPU): the pending units that fit, a bundle per finished
                 unit, the report merged from every bundle
     protocol.py a pre-registered protocol (research/protocols/): its hash and commit, each row's provenance, the

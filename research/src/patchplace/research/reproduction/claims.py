@@ -1,11 +1,14 @@
 """The papers' claims against the study's numbers.
 
-Each claim states the regime its comparison needs (:class:`Claim`: e.g. the rows' features learned by the gate, the
-pretext task learned above a stated level, fine-tuning as long as the paper's figure needs); a claim outside it
-reads "out of regime at this budget" with its measured effect, CI and raw p, never a verdict. The claims in regime
-form one family: each is tested by a two-sided paired t-test over seeds (on-par claims by TOST with the margin
-stated; MP3 Fig. 3's peak by an intersection-union test), their p-values Holm-adjusted (:func:`holm`), and a claim is
-decided (agrees / **contradicts**) only where its adjusted p is below alpha = 0.05.
+The claims are data: :data:`PAPER_CLAIMS`, one frozen :class:`ClaimSpec` per claim (its paper and table, the rows
+and measure it compares, its regime and how that is checked, its test, the paper's effect), built into
+:class:`Claim` items in one loop (:func:`claim_items`). Each claim states the regime its comparison needs
+(:class:`Claim`: e.g. the rows' features learned by the gate, the pretext task learned above a stated level,
+fine-tuning as long as the paper's figure needs); a claim outside it reads "out of regime at this budget" with its
+measured effect, CI and raw p, never a verdict. The claims in regime form one family: each is tested by a two-sided
+paired t-test over seeds (on-par claims by TOST with the margin stated; MP3 Fig. 3's peak by an intersection-union
+test), their p-values Holm-adjusted (:func:`holm`), and a claim is decided (agrees / **contradicts**) only where its
+adjusted p is below alpha = 0.05.
 
 The learned gate (:func:`gate`): a pretrained row's frozen features count as learned where a one-sided Welch
 t-test over >= 3 seeds finds their linear probe on the validation split above the random init of the same
@@ -290,10 +293,11 @@ class Claim:
     family: str = ""  # a protocol's Holm family (one per question); "": the one family of the claims in regime
     refused: str = ""  # why its rows are not paired (rows from two machine models): no effect, no verdict
     paper_scale: str = "difference"  # difference (scale x unit) | log_odds: the scale of paper_effect
+    pending: str = ""  # a protocol's claim whose rows have not all their planned seeds yet ("1 of 5 seeds")
 
     @property
     def tested(self) -> bool:
-        return bool(self.in_regime) and self.p is not None
+        return bool(self.in_regime) and self.p is not None and not self.pending
 
     @property
     def verdict(self) -> str:
@@ -302,6 +306,8 @@ class Claim:
             return "not run"
         if self.refused:
             return f"not paired: {self.refused}"
+        if self.pending:  # no test and no regime verdict before every planned seed has run (no optional stopping)
+            return f"pending ({self.pending}); so far: {self.why or 'in regime'}; measured {self.effect}"
         if not self.in_regime:
             return f"out of regime at this budget ({self.why}); measured {self.effect}, {raw}"
         if self.p is None:
@@ -459,7 +465,7 @@ def classifiers_learned(rows: dict[str, list[dict[str, Any]]], *names: str) -> t
     return True, "classifiers above chance, equal epochs"
 
 
-def finetuned(what: str, paper_effect: float) -> float | None:
+def finetuned(what: str, paper_effect: float | None) -> float | None:
     """The paper's fine-tuning effect where this claim compares fine-tunes; None where a probe stands in (the
     paper gives no probe effect to compare with)."""
     return paper_effect if what.startswith("fine-tuned") else None
@@ -476,154 +482,203 @@ def finetune_or_probe(rows: dict[str, list[dict[str, Any]]], a: str, b: str,
     return {}, {}, ""
 
 
-def claim_items(rows: dict[str, list[dict[str, Any]]], settings: dict[str, str] | None = None) -> list[Claim]:
-    """Every paper claim the study can test, with its regime checked and decided (:func:`decide`). ``settings``:
-    ``speech_corpus`` (the corpus the speech rows trained on)."""
-    settings = settings or {}
+# The claims of the five papers as data (:class:`ClaimSpec`), built into :class:`Claim` items in one loop
+# (:func:`claim_items`). Settings hold ``{here}`` (this study's backbone and budget), ``{budget}`` (the chosen
+# budget) and ``{corpus}`` (the speech corpus), filled per study; ``{pre}``, ``{ft}``, ``{total}`` by the report.
+HERE = "Fashion-MNIST 32 px, `vit_cpu_narrow` (1.2M), {pre} PT"
+LEARNED = "the rows' features learned (the gate, on validation)"
+LONG_FINETUNE = f"fine-tuning >= {FINETUNE_EPOCHS_NEEDED:g} epochs"
+CLASSIFIERS = "both classifiers trained for equal epochs and above chance"
+PROXY = "proxy"  # the measure of :func:`finetune_or_probe`: fine-tuned top-1 of both rows, else their probes
 
-    def m(name: str, key: Value | str) -> dict[int, float]:
-        return per_seed(rows, name, key)
 
-    def eta_curve(eta: str) -> Value:
-        return lambda r: r.get("mp3_eta_curve", {}).get(eta, {}).get("top1")
+@dataclass(frozen=True)
+class ClaimSpec:
+    """One paper claim as this study tests it, as data: which rows it compares on which measure, the regime the
+    comparison needs and how it is checked, the test, and the paper's own effect on that measure."""
 
-    def psnr(attack: str, setting: str) -> Value:
+    paper: str  # MP3 | DropPos | StoP | MJP | RandSAC
+    table: str  # where the paper shows it
+    says: str  # the claim; a PROXY measure appends the measure that stood in
+    setting: str  # paper's setting -> this study's
+    rows: tuple[str, ...]  # (ours, other); a peak test: (the peak, *the ends)
+    measure: str | tuple[str, ...]  # one for every row, or one per row: metric key | mp3_eta@<eta> | psnr@<a>/<s>
+    regime: str  # what the comparison needs, stated beforehand
+    checks: tuple[tuple[str, ...], ...]  # how the regime is checked: (kind, *args) of :func:`regime_check`
+    test: str = "direction"  # direction (two-sided paired t) | on_par (TOST, margin 1 pt) | peak (intersection-union)
+    higher: bool = True  # the paper's direction: ours above the other
+    paper_effect: float | None = None  # the paper's effect on this measure (PROXY: on its fine-tune only)
+    scale: float = 100
+    unit: str = "pt"
+    budget: bool = False  # read at the smallest budget at which every row passes the gate (:func:`chosen_budget`)
+
+    @property
+    def name(self) -> str:
+        return f"{self.paper} {self.table}: {self.says}"
+
+
+PAPER_CLAIMS = (
+    ClaimSpec("MP3", "Table 4 / Fig. 5", "MP3 pretraining + fine-tuning beats supervised training of the same ViT at "
+              "the same total epochs",
+              "ImageNet-1K ViT-B, eta 0.75: 100 PT + 150 FT epochs 83.0 vs 300 supervised 81.8 (Fig. 5: 100 + 60 "
+              "already above) -> {here} + {ft} FT vs {total} supervised epochs, eta 0.5",
+              ("mp3", "supervised"), "top1",
+              f"{LONG_FINETUNE} (MP3 learns its PE in fine-tuning) and {LEARNED}",
+              (("finetuned", "mp3"), ("gated", "mp3")), paper_effect=0.012),
+    ClaimSpec("MP3", "Table 3", "with MP3 pretraining, 2D relative PE is on par with absolute (84.2 vs 84.0)",
+              "CIFAR-100 ViT-S, 2K PT epochs -> {here} + {ft} FT; margin 1 pt",
+              ("mp3_ft_relbias2d", "mp3"), "top1", f"{LONG_FINETUNE} and {LEARNED}",
+              (("finetuned", "mp3_ft_relbias2d"), ("gated", "mp3")), test="on_par"),
+    ClaimSpec("MP3", "Table 3", "MP3 without any PE stays far above supervised without PE (82.6 vs 64.6)",
+              "CIFAR-100 ViT-S, 2K PT epochs vs 400 supervised -> {here} + {ft} FT vs {total} supervised",
+              ("mp3_ft_none", "supervised_nope"), "top1", f"{LONG_FINETUNE} and {LEARNED}",
+              (("finetuned", "mp3_ft_none"), ("gated", "mp3")), paper_effect=0.18),
+    ClaimSpec("MP3", "Fig. 3 (train eta 0)", "position accuracy falls as the evaluation eta grows (eval 0.9 vs eval 0)",
+              "ImageNet-1K ViT-B, 100 PT epochs -> {here}, the pretraining's own head",
+              ("mp3_eta0", "mp3_eta0"), ("mp3_eta@0.9", "mp3_eta@0.0"),
+              f"the position task learned: top-1 at eval eta 0 >= {PRETEXT_LEVEL:.0%} (the paper's curve starts near "
+              "100%)", (("pretext", "mp3_eta0", "mp3_eta@0.0", "position top-1 at eval eta 0"),), higher=False),
+    ClaimSpec("MP3", "Fig. 3 (train eta 0.75)", "position accuracy peaks at an intermediate evaluation eta (eval 0.55 "
+              "above both eval 0 and eval 0.9)",
+              "ImageNet-1K ViT-B, 100 PT epochs, maximum around eval 0.55 -> {here}, the pretraining's own head",
+              ("mp3_eta0.75",) * 3, ("mp3_eta@0.55", "mp3_eta@0.0", "mp3_eta@0.9"),
+              f"the position task learned: top-1 at eval eta 0.55 >= {PRETEXT_LEVEL:.0%}",
+              (("pretext", "mp3_eta0.75", "mp3_eta@0.55", "position top-1 at eval eta 0.55"),), test="peak"),
+    ClaimSpec("MP3", "Fig. 6", "an intermediate eta (0.5) fine-tunes better than eta 0",
+              "CIFAR-100 ViT-S, 200 PT epochs, fine-tuned -> {here}", ("mp3", "mp3_eta0"), PROXY, LEARNED,
+              (("gated", "mp3", "mp3_eta0"),)),
+    ClaimSpec("DropPos", "Table 1", "gamma 0.75 fine-tunes better than gamma 0.5",
+              "ImageNet-1K ViT-B, 200 PT epochs, fine-tuned 82.96 vs 82.78 -> {here}", ("droppos", "droppos_gamma0.5"),
+              PROXY, LEARNED, (("gated", "droppos", "droppos_gamma0.5"),), paper_effect=0.0018),
+    ClaimSpec("DropPos", "Table 3", "sigma = 0 predicts positions better than sigma 1 -> 0 (position accuracy)",
+              "ImageNet-1K ViT-B, 200 PT epochs, 88.81 vs 87.83 (position accuracy) -> {here}, mean of the 4 x 4 "
+              "position grid", ("droppos_sigma0", "droppos"), "position_accuracy",
+              f"the position task learned: grid mean >= {PRETEXT_LEVEL:.0%} (the paper's 87.83% at sigma 1 -> 0)",
+              (("pretext", "droppos", "position_grid", "DropPos position accuracy"),), paper_effect=0.0098),
+    ClaimSpec("DropPos", "Table 3", "... but sigma = 0 fine-tunes worse",
+              "as above, fine-tuned 82.85 vs 82.96 -> {here}", ("droppos_sigma0", "droppos"), PROXY, LEARNED,
+              (("gated", "droppos_sigma0", "droppos"),), higher=False, paper_effect=0.0011),
+    ClaimSpec("DropPos", "Table 4", "tau = inf fine-tunes worse than tau 0.1",
+              "ImageNet-1K ViT-B, 200 PT epochs, fine-tuned 82.84 vs 82.96 -> {here}", ("droppos_tau_inf", "droppos"),
+              PROXY, LEARNED, (("gated", "droppos_tau_inf", "droppos"),), higher=False, paper_effect=0.0012),
+    ClaimSpec("StoP", "Table 1", "StoP beats I-JEPA in linear probing (100% of the labels)",
+              "ImageNet-1K ViT-B/L/H, 300-600 PT epochs (ViT-B: 72.6 vs 70.9) -> Fashion-MNIST 32 px, "
+              "`vit_cpu_narrow`, {budget} PT epochs (the smallest budget at which both pass the gate), probe on 5,000 "
+              "train images", ("stop", "ijepa"), "linear_probe", LEARNED + " at the same budget",
+              (("gated", "stop", "ijepa"),), paper_effect=0.017, budget=True),
+    ClaimSpec("StoP", "Table 6", "... and with 1% of the labels (a class-balanced 1% of the train split)",
+              "ImageNet-1K 1% (~13 images per class; Table 6: 57.8 vs 54.3) -> as above, {budget} PT epochs, 1% = 55 "
+              "images per class", ("stop", "ijepa"), "linear_probe@0.01", LEARNED + " at the same budget",
+              (("gated", "stop", "ijepa"),), paper_effect=0.035, budget=True),
+    ClaimSpec("MJP", "Table 1", "MJP is more consistent under a gamma 0.15 jigsaw than the supervised ViT",
+              "ImageNet-1K DeiT-S, 300 epochs, 82.9 vs 64.3 -> Fashion-MNIST, {total} epochs from scratch, both",
+              ("mjp", "supervised"), "consistency", CLASSIFIERS, (("classifiers", "mjp", "supervised"),),
+              paper_effect=0.186),
+    ClaimSpec("MJP", "Table 3", "larger training gamma -> higher consistency (0.27 vs 0.03)",
+              "ImageNet-1K DeiT-S -> Fashion-MNIST, {total} epochs", ("mjp_gamma0.27", "mjp_gamma0.03"), "consistency",
+              CLASSIFIERS, (("classifiers", "mjp_gamma0.27", "mjp_gamma0.03"),)),
+    ClaimSpec("MJP", "Table 3", "top-1 stays flat across training gamma (0.27 vs 0.03, within 1 pt)",
+              "as above; margin 1 pt", ("mjp_gamma0.27", "mjp_gamma0.03"), "top1", CLASSIFIERS,
+              (("classifiers", "mjp_gamma0.27", "mjp_gamma0.03"),), test="on_par"),
+    ClaimSpec("MJP", "Table 5", "APRIL recovers less from MJP's update on x~ (b) than from the supervised ViT's on x "
+              "(a)", "ImageNet ViT-B updates -> one-image updates of the Fashion-MNIST classifiers",
+              ("mjp_gamma0.27", "supervised"), ("psnr@analytic/b", "psnr@analytic/a"),
+              "the same images and attack budget for every model", (("same_attack",),), higher=False, scale=1,
+              unit="dB PSNR"),
+    ClaimSpec("MJP", "Table 5", "... and MJP's reconstruction is further still from the original x (c vs b)",
+              "ImageNet ViT-B updates -> one-image updates of the Fashion-MNIST classifiers",
+              ("mjp_gamma0.27", "mjp_gamma0.27"), ("psnr@analytic/c", "psnr@analytic/b"),
+              "the same images and attack budget for every model", (("same_attack",),), higher=False, scale=1,
+              unit="dB PSNR"),
+    ClaimSpec("MJP", "Table 5", "a ViT without PE leaks more than MJP (setting a; gradient matching, the attack that "
+              "applies to both)", "ImageNet ViT-B updates -> one-image updates of the Fashion-MNIST classifiers",
+              ("supervised_nope", "mjp_gamma0.27"), "psnr@gradient_matching/a",
+              "the same images and attack budget for every model", (("same_attack",),), scale=1, unit="dB PSNR"),
+    ClaimSpec("RandSAC", "Table 2", "random serialization beats raster order (linear probe)",
+              "CIFAR-10 ViT, 800 PT epochs, 75.53 vs 55.53 -> {here}", ("randsac_patch_random", "randsac_raster"),
+              "linear_probe", LEARNED, (("gated", "randsac_patch_random", "randsac_raster"),), paper_effect=0.20),
+    ClaimSpec("RandSAC", "Table 5", "segments (blob) beat patch-random (linear probe)",
+              "CIFAR-10 ViT, 800 PT epochs, 82.52 vs 75.53 -> {here}", ("randsac_blob_flat", "randsac_patch_random"),
+              "linear_probe", LEARNED, (("gated", "randsac_blob_flat", "randsac_patch_random"),), paper_effect=0.0699),
+    ClaimSpec("RandSAC", "Table 7", "hierarchical blobs (11 -> 5) beat flat blobs (linear probe)",
+              "CIFAR-10 ViT, 1600 PT epochs, normalized pixels, 83.20 vs 82.02 -> {here}",
+              ("randsac", "randsac_blob_flat"), "linear_probe", LEARNED, (("gated", "randsac", "randsac_blob_flat"),),
+              paper_effect=0.0118),
+    ClaimSpec("MP3", "Table 5", "MP3 pretraining improves the keyword-spotting Transformer",
+              "Speech Commands v1, 12 classes, 30K updates each (FT and supervised), early stopping on validation, "
+              "94.2 vs 91.9 -> {corpus}, as many fine-tuning as supervised updates, early stopping on validation",
+              ("speech_mp3", "speech_supervised"), "top1",
+              "real Speech Commands (Table 5's data): a synthetic corpus is not comparable", (("corpus",),),
+              paper_effect=0.023),
+)
+
+
+def claim_measure(name: str) -> Value:
+    """A :class:`ClaimSpec` measure of one seed's metrics on the test split: ``psnr@<attack>/<setting>`` (MJP Table
+    5's PSNR), else :func:`measure`'s (``mp3_eta@<eta>``, a metric key)."""
+    if name.startswith("psnr@"):
+        attack, setting = name.removeprefix("psnr@").split("/")
         return privacy_metric(attack, setting, "psnr")
+    return measure(name)
 
-    here = "Fashion-MNIST 32 px, `vit_cpu_narrow` (1.2M), {pre} PT"
-    learned = "the rows' features learned (the gate, on validation)"
-    items: list[Claim] = []
 
-    items.append(direction_claim(
-        "MP3 Table 4 / Fig. 5: MP3 pretraining + fine-tuning beats supervised training of the same ViT at the same "
-        "total epochs",
-        "ImageNet-1K ViT-B, eta 0.75: 100 PT + 150 FT epochs 83.0 vs 300 supervised 81.8 (Fig. 5: 100 + 60 already "
-        "above) -> " + here + " + {ft} FT vs {total} supervised epochs, eta 0.5",
-        f"fine-tuning >= {FINETUNE_EPOCHS_NEEDED:g} epochs (MP3 learns its PE in fine-tuning) and " + learned,
-        m("mp3", "top1"), m("supervised", "top1"), True,
-        both(finetuned_long_enough(rows, "mp3"), gated(rows, "mp3")), paper_effect=0.012))
-    items.append(on_par_claim(
-        "MP3 Table 3: with MP3 pretraining, 2D relative PE is on par with absolute (84.2 vs 84.0)",
-        "CIFAR-100 ViT-S, 2K PT epochs -> " + here + " + {ft} FT; margin 1 pt",
-        f"fine-tuning >= {FINETUNE_EPOCHS_NEEDED:g} epochs and " + learned,
-        m("mp3_ft_relbias2d", "top1"), m("mp3", "top1"),
-        both(finetuned_long_enough(rows, "mp3_ft_relbias2d"), gated(rows, "mp3"))))
-    items.append(direction_claim(
-        "MP3 Table 3: MP3 without any PE stays far above supervised without PE (82.6 vs 64.6)",
-        "CIFAR-100 ViT-S, 2K PT epochs vs 400 supervised -> " + here + " + {ft} FT vs {total} supervised",
-        f"fine-tuning >= {FINETUNE_EPOCHS_NEEDED:g} epochs and " + learned,
-        m("mp3_ft_none", "top1"), m("supervised_nope", "top1"), True,
-        both(finetuned_long_enough(rows, "mp3_ft_none"), gated(rows, "mp3")), paper_effect=0.18))
-    items.append(direction_claim(
-        "MP3 Fig. 3 (train eta 0): position accuracy falls as the evaluation eta grows (eval 0.9 vs eval 0)",
-        "ImageNet-1K ViT-B, 100 PT epochs -> " + here + ", the pretraining's own head",
-        f"the position task learned: top-1 at eval eta 0 >= {PRETEXT_LEVEL:.0%} (the paper's curve starts near 100%)",
-        m("mp3_eta0", eta_curve("0.9")), m("mp3_eta0", eta_curve("0.0")), False,
-        pretext(m("mp3_eta0", measure("mp3_eta@0.0", "validation")), "position top-1 at eval eta 0")))
-    items.append(peak_claim(
-        "MP3 Fig. 3 (train eta 0.75): position accuracy peaks at an intermediate evaluation eta (eval 0.55 above "
-        "both eval 0 and eval 0.9)",
-        "ImageNet-1K ViT-B, 100 PT epochs, maximum around eval 0.55 -> " + here + ", the pretraining's own head",
-        f"the position task learned: top-1 at eval eta 0.55 >= {PRETEXT_LEVEL:.0%}",
-        m("mp3_eta0.75", eta_curve("0.55")), [m("mp3_eta0.75", eta_curve("0.0")), m("mp3_eta0.75", eta_curve("0.9"))],
-        pretext(m("mp3_eta0.75", measure("mp3_eta@0.55", "validation")), "position top-1 at eval eta 0.55")))
-    ours, other, what = finetune_or_probe(rows, "mp3", "mp3_eta0")
-    items.append(direction_claim(
-        f"MP3 Fig. 6: an intermediate eta (0.5) fine-tunes better than eta 0 ({what or 'fine-tune or probe'})",
-        "CIFAR-100 ViT-S, 200 PT epochs, fine-tuned -> " + here, learned, ours, other, True,
-        gated(rows, "mp3", "mp3_eta0")))
-    ours, other, what = finetune_or_probe(rows, "droppos", "droppos_gamma0.5")
-    items.append(direction_claim(
-        f"DropPos Table 1: gamma 0.75 fine-tunes better than gamma 0.5 ({what or 'fine-tune or probe'})",
-        "ImageNet-1K ViT-B, 200 PT epochs, fine-tuned 82.96 vs 82.78 -> " + here, learned, ours, other, True,
-        gated(rows, "droppos", "droppos_gamma0.5"), paper_effect=finetuned(what, 0.0018)))
-    items.append(direction_claim(
-        "DropPos Table 3: sigma = 0 predicts positions better than sigma 1 -> 0 (position accuracy)",
-        "ImageNet-1K ViT-B, 200 PT epochs, 88.81 vs 87.83 (position accuracy) -> " + here
-        + ", mean of the 4 x 4 position grid",
-        f"the position task learned: grid mean >= {PRETEXT_LEVEL:.0%} (the paper's 87.83% at sigma 1 -> 0)",
-        m("droppos_sigma0", "position_accuracy"), m("droppos", "position_accuracy"), True,
-        pretext(m("droppos", measure("position_grid", "validation")), "DropPos position accuracy"),
-        paper_effect=0.0098))
-    ours, other, what = finetune_or_probe(rows, "droppos_sigma0", "droppos")
-    items.append(direction_claim(
-        f"DropPos Table 3: ... but sigma = 0 fine-tunes worse ({what or 'fine-tune or probe'})",
-        "as above, fine-tuned 82.85 vs 82.96 -> " + here, learned, ours, other, False,
-        gated(rows, "droppos_sigma0", "droppos"), paper_effect=finetuned(what, 0.0011)))
-    ours, other, what = finetune_or_probe(rows, "droppos_tau_inf", "droppos")
-    items.append(direction_claim(
-        f"DropPos Table 4: tau = inf fine-tunes worse than tau 0.1 ({what or 'fine-tune or probe'})",
-        "ImageNet-1K ViT-B, 200 PT epochs, fine-tuned 82.84 vs 82.96 -> " + here, learned, ours, other, False,
-        gated(rows, "droppos_tau_inf", "droppos"), paper_effect=finetuned(what, 0.0012)))
-    budget, _ = chosen_budget(rows, ("stop", "ijepa"))
-    items.append(direction_claim(
-        "StoP Table 1: StoP beats I-JEPA in linear probing (100% of the labels)",
-        "ImageNet-1K ViT-B/L/H, 300-600 PT epochs (ViT-B: 72.6 vs 70.9) -> Fashion-MNIST 32 px, `vit_cpu_narrow`, "
-        f"{budget or '?'} PT epochs (the smallest budget at which both pass the gate), probe on 5,000 train images",
-        learned + " at the same budget", at_budget(rows, "stop", "linear_probe", budget),
-        at_budget(rows, "ijepa", "linear_probe", budget), True, gated(rows, "stop", "ijepa", budget=budget),
-        budget=budget, paper_effect=0.017))
-    items.append(direction_claim(
-        "StoP Table 6: ... and with 1% of the labels (a class-balanced 1% of the train split)",
-        f"ImageNet-1K 1% (~13 images per class; Table 6: 57.8 vs 54.3) -> as above, {budget or '?'} PT epochs, 1% = 55 "
-        "images per class",
-        learned + " at the same budget", at_budget(rows, "stop", "linear_probe@0.01", budget),
-        at_budget(rows, "ijepa", "linear_probe@0.01", budget), True, gated(rows, "stop", "ijepa", budget=budget),
-        budget=budget, paper_effect=0.035))
-    items.append(direction_claim(
-        "MJP Table 1: MJP is more consistent under a gamma 0.15 jigsaw than the supervised ViT",
-        "ImageNet-1K DeiT-S, 300 epochs, 82.9 vs 64.3 -> Fashion-MNIST, {total} epochs from scratch, both",
-        "both classifiers trained for equal epochs and above chance", m("mjp", "consistency"),
-        m("supervised", "consistency"), True, classifiers_learned(rows, "mjp", "supervised"), paper_effect=0.186))
-    items.append(direction_claim(
-        "MJP Table 3: larger training gamma -> higher consistency (0.27 vs 0.03)",
-        "ImageNet-1K DeiT-S -> Fashion-MNIST, {total} epochs", "both classifiers trained for equal epochs and above "
-        "chance", m("mjp_gamma0.27", "consistency"), m("mjp_gamma0.03", "consistency"), True,
-        classifiers_learned(rows, "mjp_gamma0.27", "mjp_gamma0.03")))
-    items.append(on_par_claim(
-        "MJP Table 3: top-1 stays flat across training gamma (0.27 vs 0.03, within 1 pt)",
-        "as above; margin 1 pt", "both classifiers trained for equal epochs and above chance",
-        m("mjp_gamma0.27", "top1"), m("mjp_gamma0.03", "top1"),
-        classifiers_learned(rows, "mjp_gamma0.27", "mjp_gamma0.03")))
-    privacy_regime = "the same images and attack budget for every model"
-    for claim, ours_, other_, higher in (
-            ("MJP Table 5: APRIL recovers less from MJP's update on x~ (b) than from the supervised ViT's on x (a)",
-             m("mjp_gamma0.27", psnr("analytic", "b")), m("supervised", psnr("analytic", "a")), False),
-            ("MJP Table 5: ... and MJP's reconstruction is further still from the original x (c vs b)",
-             m("mjp_gamma0.27", psnr("analytic", "c")), m("mjp_gamma0.27", psnr("analytic", "b")), False),
-            ("MJP Table 5: a ViT without PE leaks more than MJP (setting a; gradient matching, the attack that "
-             "applies to both)", m("supervised_nope", psnr("gradient_matching", "a")),
-             m("mjp_gamma0.27", psnr("gradient_matching", "a")), True)):
-        items.append(direction_claim(claim, "ImageNet ViT-B updates -> one-image updates of the Fashion-MNIST "
-                                     "classifiers", privacy_regime, ours_, other_, higher, (True, "same attack"),
-                                     scale=1, unit="dB PSNR"))
-    items.append(direction_claim(
-        "RandSAC Table 2: random serialization beats raster order (linear probe)",
-        "CIFAR-10 ViT, 800 PT epochs, 75.53 vs 55.53 -> " + here, learned, m("randsac_patch_random", "linear_probe"),
-        m("randsac_raster", "linear_probe"), True, gated(rows, "randsac_patch_random", "randsac_raster"),
-        paper_effect=0.20))
-    items.append(direction_claim(
-        "RandSAC Table 5: segments (blob) beat patch-random (linear probe)",
-        "CIFAR-10 ViT, 800 PT epochs, 82.52 vs 75.53 -> " + here, learned, m("randsac_blob_flat", "linear_probe"),
-        m("randsac_patch_random", "linear_probe"), True, gated(rows, "randsac_blob_flat", "randsac_patch_random"),
-        paper_effect=0.0699))
-    items.append(direction_claim(
-        "RandSAC Table 7: hierarchical blobs (11 -> 5) beat flat blobs (linear probe)",
-        "CIFAR-10 ViT, 1600 PT epochs, normalized pixels, 83.20 vs 82.02 -> " + here, learned,
-        m("randsac", "linear_probe"), m("randsac_blob_flat", "linear_probe"), True,
-        gated(rows, "randsac", "randsac_blob_flat"), paper_effect=0.0118))
-    corpus = settings.get("speech_corpus", "")
-    real = "speech_commands" in corpus.lower()
-    items.append(direction_claim(
-        "MP3 Table 5: MP3 pretraining improves the keyword-spotting Transformer",
-        "Speech Commands v1, 12 classes, 30K updates each (FT and supervised), early stopping on validation, 94.2 vs "
-        "91.9 -> "
-        f"{corpus or 'this corpus'}, as many fine-tuning as supervised updates, early stopping on validation",
-        "real Speech Commands (Table 5's data): a synthetic corpus is not comparable", m("speech_mp3", "top1"),
-        m("speech_supervised", "top1"), True,
-        (real, f"{corpus or 'the corpus'} is " + ("Speech Commands" if real else
-                                                   "synthetic (espeak-ng), not Table 5's data")), paper_effect=0.023))
-    return decide(items)
+def regime_check(rows: dict[str, list[dict[str, Any]]], check: tuple[str, ...], budget: str | None,
+                 corpus: str) -> tuple[bool, str]:
+    """One regime check of a :class:`ClaimSpec`: ``gated`` rows (at ``budget``), ``finetuned`` long enough, the
+    ``pretext`` task learned (row, measure, what; on validation), ``classifiers`` learned, the ``same_attack``, or a
+    real speech ``corpus``."""
+    kind, *args = check
+    if kind == "gated":
+        return gated(rows, *args, budget=budget)
+    if kind == "finetuned":
+        return finetuned_long_enough(rows, args[0])
+    if kind == "pretext":
+        row, name, what = args
+        return pretext(per_seed(rows, row, measure(name, "validation")), what)
+    if kind == "classifiers":
+        return classifiers_learned(rows, *args)
+    if kind == "same_attack":
+        return True, "same attack"
+    if kind == "corpus":
+        real = "speech_commands" in corpus.lower()
+        return real, f"{corpus or 'the corpus'} is " + ("Speech Commands" if real else
+                                                       "synthetic (espeak-ng), not Table 5's data")
+    raise ValueError(f"unknown regime check {kind!r}")
+
+
+def spec_values(rows: dict[str, list[dict[str, Any]]], spec: ClaimSpec,
+                budget: str | None) -> tuple[list[dict[int, float]], str]:
+    """{seed: value} of each of the spec's rows on its measure (at ``budget``), and what a PROXY measure read."""
+    if spec.measure == PROXY:
+        ours, other, what = finetune_or_probe(rows, *spec.rows)
+        return [ours, other], what
+    measures = (spec.measure,) * len(spec.rows) if isinstance(spec.measure, str) else spec.measure
+    return [at_budget(rows, row, key, budget) if spec.budget else per_seed(rows, row, claim_measure(key))
+            for row, key in zip(spec.rows, measures, strict=True)], ""
+
+
+def paper_claim(rows: dict[str, list[dict[str, Any]]], spec: ClaimSpec, corpus: str) -> Claim:
+    """One :class:`ClaimSpec` measured: its values, its regime checked, its test."""
+    budget = chosen_budget(rows, spec.rows)[0] if spec.budget else None
+    values, what = spec_values(rows, spec, budget)
+    name = spec.name + (f" ({what or 'fine-tune or probe'})" if spec.measure == PROXY else "")
+    setting = (spec.setting.replace("{here}", HERE).replace("{budget}", budget or "?")
+               .replace("{corpus}", corpus or "this corpus"))
+    regime_ok = both(*(regime_check(rows, check, budget, corpus) for check in spec.checks))
+    if spec.test == "peak":
+        return peak_claim(name, setting, spec.regime, values[0], values[1:], regime_ok)
+    if spec.test == "on_par":
+        return on_par_claim(name, setting, spec.regime, values[0], values[1], regime_ok)
+    effect = finetuned(what, spec.paper_effect) if spec.measure == PROXY else spec.paper_effect
+    return direction_claim(name, setting, spec.regime, values[0], values[1], spec.higher, regime_ok, spec.scale,
+                           spec.unit, budget, effect)
+
+
+def claim_items(rows: dict[str, list[dict[str, Any]]], settings: dict[str, str] | None = None) -> list[Claim]:
+    """Every paper claim the study can test (:data:`PAPER_CLAIMS`), with its regime checked and decided
+    (:func:`decide`). ``settings``: ``speech_corpus`` (the corpus the speech rows trained on)."""
+    corpus = (settings or {}).get("speech_corpus", "")
+    return decide([paper_claim(rows, spec, corpus) for spec in PAPER_CLAIMS])
 
 
 def null_control(rows: dict[str, list[dict[str, Any]]], margin: float = 0.01) -> str:
@@ -841,6 +896,10 @@ def protocol_claim(rows: dict[str, list[dict[str, Any]]], protocol: Protocol, sp
     refused = pairing_problem(rows, sorted({side["row"] for side in sides}))
     if refused and claim.in_regime is not None:
         claim.refused, claim.in_regime = refused, False
+    planned = min(len(protocol.planned_seeds(side["row"])) for side in sides)
+    have = min(len(v) for v in values)
+    if claim.in_regime is not None and have < planned:
+        claim.pending = f"{have} of {planned} seeds"
     return claim
 
 

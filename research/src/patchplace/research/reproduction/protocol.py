@@ -58,6 +58,15 @@ class Protocol:
     def patch_size(self) -> int:
         return int(self.data["data"]["patch_size"])
 
+    def planned_seeds(self, row: str) -> list[int]:
+        """The seeds the protocol trains ``row`` on: those of its epoch group (the doubling groups share the
+        ``position`` seeds); [] for a row in no group."""
+        doubling = set(self.data["doubling"]["groups"])
+        for group, spec in self.data["epochs"].items():
+            if row in spec["rows"]:
+                return list(self.data["seeds"]["position" if group in doubling else group])
+        return []
+
     def ceiling(self, kind: str, patch: int | None = None) -> float:
         """The PE-free ceiling ``kind`` (``all_patches`` | ``droppos_grid``) at ``patch`` px (default: the
         protocol's patch size) as the protocol records it (computed on validation by :func:`ceilings_of_split`

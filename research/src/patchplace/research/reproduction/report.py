@@ -48,7 +48,7 @@ from patchplace.research.reproduction.metrics import (
     earlier_study,
     read_json,
 )
-from patchplace.research.reproduction.plan import GROUPS, RUNS, StudyConfig, fraction_key
+from patchplace.research.reproduction.plan import RUNS, StudyConfig, fraction_key
 from patchplace.research.reproduction.protocol import (
     Commit,
     Protocol,
@@ -546,13 +546,13 @@ MAIN_COLUMNS = [("pretrain ep", "pretrain_epochs", False), ("fine-tune ep", "fin
                 ("position probe", "position_probe", True)]
 
 
-def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: list[str], hardware: str,
-             minutes: dict[str, Any], controls: dict[str, Any] | None = None,
-             curve_lines: list[str] | None = None, train_images: int | None = None, speech_corpus: str = "") -> str:
-    names = [r.name for r in RUNS]
-    group = {g: [r.name for r in RUNS if r.group == g] for g in GROUPS}
-    settings = {"pre": f"{cfg.pretrain_epochs:g}", "ft": f"{cfg.finetune_epochs:g}",
-                "total": f"{cfg.pretrain_epochs + cfg.finetune_epochs:g}", "speech_corpus": speech_corpus}
+def group_rows(group: str) -> list[str]:
+    """The rows of one study group, in table order."""
+    return [r.name for r in RUNS if r.group == group]
+
+
+def header_lines(cfg: StudyConfig, hardware: str) -> list[str]:
+    """Title, hardware, training precision, the validation protocol and the recipe caveats."""
     protocol = (f"Validation: {cfg.holdout} class-balanced images held out of the train split; every training stage "
                 "validates on them (training-time evaluation, early stopping), label subsets and probe sets are "
                 "drawn from the other train images, and the test split is read once per final number (an "
@@ -560,28 +560,38 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                 "Validation: the test split (the v2 protocol: no held-out split).")
     precision = resolve_precision(cfg.precision)
     how = f"precision=auto: {precision.why}" if cfg.precision == "auto" else f"forced by precision={cfg.precision}"
-    lines = ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "",
-             f"Training precision: {'float32' if precision.value == 'no' else precision.value} ({how})", "",
-             protocol, "",
-             *([f"Recipe choices not re-confirmed on the validation split (chosen on the test split in an earlier "
-                f"version and carried since; a number that depends on them carries that caveat): "
-                f"{'; '.join(cfg.unverified_recipe)}.", ""] if cfg.unverified_recipe else []),
-             f"Fashion-MNIST padded to 32 px, patch 4 (64 positions); backbone `{cfg.preset}` for every image run; "
-             f"pretraining {cfg.pretrain_epochs} epoch(s)"
-             + (" (" + ", ".join(f"{n}: {e:g}" for n, e in cfg.row_pretrain_epochs.items())
-                + (f"; snapshots at {', '.join(f'{b:g}' for b in cfg.gate_budgets)} epoch(s) of the longer ones"
-                   if cfg.gate_budgets else "") + ")" if cfg.row_pretrain_epochs else "")
-             + f" + fine-tuning {cfg.finetune_epochs} epoch(s) "
-             f"(supervised and MJP: {cfg.pretrain_epochs + cfg.finetune_epochs} from scratch); fine-tuning recipe "
-             f"`finetune_fashion_mnist.yaml` + {list(cfg.finetune_overrides)}. Accuracies in %, on "
-             f"{cfg.test_samples or 'the 10,000'} test images (top-1), "
-             f"probes on {cfg.probe_train_samples} train / {cfg.probe_val_samples} test images, "
-             f"consistency / eta / position curves on {cfg.curve_samples} test images; mCE over the corruptions "
-             "that ran, normalized by the supervised run (= 1.00). `mean ± std` where several seeds ran. "
-             "Wall-clock: pretraining + fine-tuning minutes, start-up, evaluation and any stall included, with "
-             "the study's processes sharing the machine. Command and config: "
-             f"`{cfg.name}.json`.", "",
-             ]
+    return ["# Reproduction study (laptop scale)", "", f"Hardware: {hardware}", "",
+            f"Training precision: {'float32' if precision.value == 'no' else precision.value} ({how})", "",
+            protocol, "",
+            *([f"Recipe choices not re-confirmed on the validation split (chosen on the test split in an earlier "
+               f"version and carried since; a number that depends on them carries that caveat): "
+               f"{'; '.join(cfg.unverified_recipe)}.", ""] if cfg.unverified_recipe else []),
+            budget_paragraph(cfg), ""]
+
+
+def budget_paragraph(cfg: StudyConfig) -> str:
+    """The data, backbone, epochs, recipe and evaluation sizes every table is read at."""
+    return (f"Fashion-MNIST padded to 32 px, patch 4 (64 positions); backbone `{cfg.preset}` for every image run; "
+            f"pretraining {cfg.pretrain_epochs} epoch(s)"
+            + (" (" + ", ".join(f"{n}: {e:g}" for n, e in cfg.row_pretrain_epochs.items())
+               + (f"; snapshots at {', '.join(f'{b:g}' for b in cfg.gate_budgets)} epoch(s) of the longer ones"
+                  if cfg.gate_budgets else "") + ")" if cfg.row_pretrain_epochs else "")
+            + f" + fine-tuning {cfg.finetune_epochs} epoch(s) "
+            f"(supervised and MJP: {cfg.pretrain_epochs + cfg.finetune_epochs} from scratch); fine-tuning recipe "
+            f"`finetune_fashion_mnist.yaml` + {list(cfg.finetune_overrides)}. Accuracies in %, on "
+            f"{cfg.test_samples or 'the 10,000'} test images (top-1), "
+            f"probes on {cfg.probe_train_samples} train / {cfg.probe_val_samples} test images, "
+            f"consistency / eta / position curves on {cfg.curve_samples} test images; mCE over the corruptions "
+            "that ran, normalized by the supervised run (= 1.00). `mean ± std` where several seeds ran. "
+            "Wall-clock: pretraining + fine-tuning minutes, start-up, evaluation and any stall included, with "
+            "the study's processes sharing the machine. Command and config: "
+            f"`{cfg.name}.json`.")
+
+
+def learned_lines(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], controls: dict[str, Any] | None,
+                  curve_lines: list[str] | None) -> list[str]:
+    """Does it learn here? The learning curves, the controls beside every method and the learned gate."""
+    lines = []
     if curve_lines:
         lines += ["## Does it learn here? Learning curves against the controls", "", *curve_lines, ""]
     if controls:
@@ -596,61 +606,86 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                   "the control, or with fewer seeds, is not learned). The test split plays no part. The same gate "
                   "chooses the budget a claim reads: the smallest pretraining budget at which every row it compares "
                   "passes.", "", *gate_table(rows), ""]
-    lines += ["## Every method, all labels", ""]
-    lines += table(rows, group["main"], MAIN_COLUMNS, "method")
+    return lines
+
+
+def main_lines(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Every method with all labels, and which rows were fine-tuned on every seed."""
+    lines = ["## Every method, all labels", "", *table(rows, group_rows("main"), MAIN_COLUMNS, "method")]
     if cfg.full_label_rows:
         lines += ["", f"All-label fine-tuning on every seed for {', '.join(cfg.full_label_rows)} (the rows a "
                   "full-label claim reads); the other rows " + (
                       "on the first seed, their probes on every seed." if cfg.first_seed_finetunes else
                       "are probed only (no claim reads their fine-tunes; a first-seed fine-tune in the table was "
                       "merged from an earlier study.json at this budget).")]
-    if cfg.label_fractions:
-        images = f"{train_images:,} " if train_images else ""  # unknown without the shards' manifest
-        lines += ["", "## Label efficiency: fine-tuning and linear probes on a fraction of the labels", "",
-                  f"Class-balanced subsets of the {images}training images left after the "
-                  f"hold-out (the same for every method and seed, `label_subset_seed={cfg.label_subset_seed}`); "
-                  f"pretraining saw those {images}images without labels. "
-                  "Fine-tuning: the same recipe for "
-                  + ", ".join(f"{e:g} epochs over the {f:.0%} subset" for f, e in
-                              zip(cfg.label_fractions, cfg.label_finetune_epochs, strict=True))
-                  + (f" at most, stopped after {cfg.label_patience} validation evaluations without a better top-1 "
-                     "(the best checkpoint tested)" if cfg.label_patience and cfg.holdout else "")
-                  + "; supervised: trained from scratch on the subset the same way. Linear probes: on the same "
-                  "subsets, frozen pretrained backbones. Seed-paired differences to supervised as in the claims."
-                  + ("" if cfg.label_finetune else " The pretrained rows are probed only here (no fine-tune on the "
-                     "subsets at this budget)."), ""]
-        lines += label_table(cfg, rows)
-    lines += ["", "position acc.: MP3 top-1 at the training eta, DropPos mean of its 4 x 4 grid; position probe: a "
-              "linear probe of the patch tokens' positions (DropPos Table 7), for every backbone.", "",
-              "## What the papers claim, and what this study measured", "",
-              "Each claim states the regime its comparison needs; a claim outside it is reported as its measured "
-              "effect (95% CI, raw p), \"out of regime at this budget\", never as agreeing or contradicting. The "
-              "claims in regime are one family: Holm's step-down correction over their p-values, and a claim is "
-              f"decided only where its adjusted p is below {ALPHA}. Where the paper reports its effect on the "
-              "measure a claim in regime compares (its numbers are in the setting column), a one-sided paired "
-              "t-test asks whether an effect that large is excluded here; those tests are a Holm family of their "
-              "own. An excluded size says the effect here is smaller than the paper's, at this budget and scale: "
-              "not that the direction is wrong.", "",
-              *claims(rows, settings)]
+    return lines
+
+
+def label_lines(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], train_images: int | None) -> list[str]:
+    """Label efficiency: how the subsets were drawn and trained on, then :func:`label_table`."""
+    if not cfg.label_fractions:
+        return []
+    images = f"{train_images:,} " if train_images else ""  # unknown without the shards' manifest
+    return ["", "## Label efficiency: fine-tuning and linear probes on a fraction of the labels", "",
+            f"Class-balanced subsets of the {images}training images left after the "
+            f"hold-out (the same for every method and seed, `label_subset_seed={cfg.label_subset_seed}`); "
+            f"pretraining saw those {images}images without labels. "
+            "Fine-tuning: the same recipe for "
+            + ", ".join(f"{e:g} epochs over the {f:.0%} subset" for f, e in
+                        zip(cfg.label_fractions, cfg.label_finetune_epochs, strict=True))
+            + (f" at most, stopped after {cfg.label_patience} validation evaluations without a better top-1 "
+               "(the best checkpoint tested)" if cfg.label_patience and cfg.holdout else "")
+            + "; supervised: trained from scratch on the subset the same way. Linear probes: on the same "
+            "subsets, frozen pretrained backbones. Seed-paired differences to supervised as in the claims."
+            + ("" if cfg.label_finetune else " The pretrained rows are probed only here (no fine-tune on the "
+               "subsets at this budget)."), "", *label_table(cfg, rows)]
+
+
+def claim_lines(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], settings: dict[str, str]) -> list[str]:
+    """What the papers claim and what this study measured (:func:`claims.claims`), and the same rules applied to
+    the earlier study ``cfg.compare_with``."""
+    lines = ["", "position acc.: MP3 top-1 at the training eta, DropPos mean of its 4 x 4 grid; position probe: a "
+             "linear probe of the patch tokens' positions (DropPos Table 7), for every backbone.", "",
+             "## What the papers claim, and what this study measured", "",
+             "Each claim states the regime its comparison needs; a claim outside it is reported as its measured "
+             "effect (95% CI, raw p), \"out of regime at this budget\", never as agreeing or contradicting. The "
+             "claims in regime are one family: Holm's step-down correction over their p-values, and a claim is "
+             f"decided only where its adjusted p is below {ALPHA}. Where the paper reports its effect on the "
+             "measure a claim in regime compares (its numbers are in the setting column), a one-sided paired "
+             "t-test asks whether an effect that large is excluded here; those tests are a Holm family of their "
+             "own. An excluded size says the effect here is smaller than the paper's, at this budget and scale: "
+             "not that the direction is wrong.", "",
+             *claims(rows, settings)]
     earlier = read_json(Path(cfg.compare_with)) if cfg.compare_with else None
     if earlier:
         lines += ["", f"### The same rules applied to the earlier study `{cfg.compare_with}`", "",
                   "Its rows have no gate (measured before it), so every claim on pretrained rows is out of regime "
                   "there: the rules, not its numbers, changed.", "",
                   *claims_versus(rows, earlier["results"], "earlier", settings)]
-    lines += ["", "## MP3: fine-tuning PE (Table 3) and masking ratio (Figs. 3, 6)", ""]
-    lines += table(rows, ["mp3", *group["mp3_pe"], "supervised", "mp3_eta0", "mp3_eta0.75"],
-                   [("fine-tune PE", "finetune_pe", False), ("top-1", "top1", True),
-                    ("linear probe", "linear_probe", True), ("position acc. (train eta)", "position_accuracy", True),
-                    ("consistency@0.15", "consistency", True)])
+    return lines
+
+
+def mp3_lines(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """MP3: fine-tuning PE (Table 3) and masking ratio (Figs. 3, 6), with the eta curves (:func:`eta_table`)."""
+    lines = ["", "## MP3: fine-tuning PE (Table 3) and masking ratio (Figs. 3, 6)", "",
+             *table(rows, ["mp3", *group_rows("mp3_pe"), "supervised", "mp3_eta0", "mp3_eta0.75"],
+                    [("fine-tune PE", "finetune_pe", False), ("top-1", "top1", True),
+                     ("linear probe", "linear_probe", True),
+                     ("position acc. (train eta)", "position_accuracy", True),
+                     ("consistency@0.15", "consistency", True)])]
     eta = eta_table(rows)
     if eta:
         lines += ["", "MP3 position top-1 vs evaluation eta (Fig. 3: the paper's rows are train eta 0 and 0.75):", "",
                   *eta]
-    lines += ["", "## DropPos: gamma (Table 1), sigma (Table 3), tau (Table 4)", ""]
-    lines += table(rows, ["droppos", *group["droppos"]], [("top-1", "top1", True),
-                                                         ("linear probe", "linear_probe", True),
-                                                         ("position acc. (grid mean)", "position_accuracy", True)])
+    return lines
+
+
+def droppos_lines(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """DropPos: gamma (Table 1), sigma (Table 3), tau (Table 4), and the main run's position-accuracy grid."""
+    lines = ["", "## DropPos: gamma (Table 1), sigma (Table 3), tau (Table 4)", "",
+             *table(rows, ["droppos", *group_rows("droppos")],
+                    [("top-1", "top1", True), ("linear probe", "linear_probe", True),
+                     ("position acc. (grid mean)", "position_accuracy", True)])]
     if "droppos" in rows and "droppos_grid" in rows["droppos"][0]:
         grid = rows["droppos"][0]["droppos_grid"]
         cells = {tuple(float(p.split("=")[1]) for p in k.split(",")): v for k, v in grid.items() if k != "mean"}
@@ -659,15 +694,24 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                   "| gamma \\ gamma_pos | " + " | ".join(str(p) for p in gposes) + " |",
                   "|" + " --- |" * (len(gposes) + 1)]
         lines += [f"| {g} | " + " | ".join(f"{cells[(g, p)] * 100:.1f}" for p in gposes) + " |" for g in gammas]
-    lines += ["", "## StoP vs I-JEPA (sigma = 0): linear probe with 100% and 1% of the labels (Tables 1, 6)", ""]
-    lines += table(rows, ["ijepa", "stop"], [("linear probe, all-label probe set", "linear_probe", True),
+    return lines
+
+
+def stop_lines(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """StoP vs I-JEPA: linear probes with 100% and 1% of the labels (StoP Tables 1, 6)."""
+    return ["", "## StoP vs I-JEPA (sigma = 0): linear probe with 100% and 1% of the labels (Tables 1, 6)", "",
+            *table(rows, ["ijepa", "stop"], [("linear probe, all-label probe set", "linear_probe", True),
                                              ("linear probe, 1% of the train labels", "linear_probe@0.01", True),
                                              ("linear probe, 1% of the probe set", "linear_probe_1pct", True),
-                                             ("kNN", "knn", True), ("fine-tuned top-1", "top1", True)])
-    lines += ["", "## MJP: training gamma (Table 3) and consistency vs evaluation gamma (Fig. 3)", ""]
-    lines += table(rows, ["supervised", "mjp_gamma0", "mjp_gamma0.03", "mjp", "mjp_gamma0.27"],
-                   [("top-1", "top1", True), ("consistency@0.15", "consistency", True),
-                    ("Diff. Norm@0.15", "diff_norm", False)])
+                                             ("kNN", "knn", True), ("fine-tuned top-1", "top1", True)])]
+
+
+def mjp_lines(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """MJP: training gamma (Table 3), consistency (Fig. 3) and, where it ran, gradient inversion (Table 5)."""
+    lines = ["", "## MJP: training gamma (Table 3) and consistency vs evaluation gamma (Fig. 3)", "",
+             *table(rows, ["supervised", "mjp_gamma0", "mjp_gamma0.03", "mjp", "mjp_gamma0.27"],
+                    [("top-1", "top1", True), ("consistency@0.15", "consistency", True),
+                     ("Diff. Norm@0.15", "diff_norm", False)])]
     setup = next((m["privacy_setup"] for n in PRIVACY_RUNS for m in rows.get(n, []) if "privacy_setup" in m), None)
     if setup:
         lines += ["", "## MJP: gradient inversion (Table 5, Fig. 5)", "",
@@ -677,17 +721,31 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
                   "labels); `random` scores uniform noise against the same targets. The supervised ViT and the ViT "
                   "without PE see x~ without an unknown PE (they were not trained with one); MJP gets its unknown "
                   "PE on the shuffled positions, as in training. Privacy is better with higher MSE and lower PSNR, "
-                  "SSIM and FFT2D (cosine similarity of the |FFT2| spectra).", ""]
-        lines += privacy_table(rows)
-    lines += ["", "## RandSAC: serialization and segments (Tables 2, 5, 7)", ""]
-    lines += table(rows, ["randsac_raster", "randsac_patch_random", "randsac_square", "randsac_blob_flat", "randsac"],
-                   [("linear probe", "linear_probe", True), ("kNN", "knn", True), ("fine-tuned top-1", "top1", True)])
-    lines += ["", "## Speech: keyword spotting, 12 classes, ~70K-parameter Transformer (MP3 Table 5)", ""]
-    lines += table(rows, group["speech"], [("pretrain ep", "pretrain_epochs", False),
-                                           ("fine-tune ep", "finetune_epochs", False), ("test top-1", "top1", True),
-                                           ("linear probe", "linear_probe", True)])
-    if any(n in rows for n in group["speech"]):
-        lines += speech_lines(rows, speech_corpus)
+                  "SSIM and FFT2D (cosine similarity of the |FFT2| spectra).", "", *privacy_table(rows)]
+    return lines
+
+
+def randsac_lines(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """RandSAC: serialization and segments (Tables 2, 5, 7)."""
+    return ["", "## RandSAC: serialization and segments (Tables 2, 5, 7)", "",
+            *table(rows, ["randsac_raster", "randsac_patch_random", "randsac_square", "randsac_blob_flat", "randsac"],
+                   [("linear probe", "linear_probe", True), ("kNN", "knn", True), ("fine-tuned top-1", "top1", True)])]
+
+
+def speech_section(rows: dict[str, list[dict[str, Any]]], corpus: str) -> list[str]:
+    """Speech: keyword spotting (MP3 Table 5), and what its corpus is (:func:`speech_lines`)."""
+    lines = ["", "## Speech: keyword spotting, 12 classes, ~70K-parameter Transformer (MP3 Table 5)", "",
+             *table(rows, group_rows("speech"), [("pretrain ep", "pretrain_epochs", False),
+                                                 ("fine-tune ep", "finetune_epochs", False),
+                                                 ("test top-1", "top1", True), ("linear probe", "linear_probe", True)])]
+    if any(n in rows for n in group_rows("speech")):
+        lines += speech_lines(rows, corpus)
+    return lines
+
+
+def closing_lines(rows: dict[str, list[dict[str, Any]]], figures: list[str], minutes: dict[str, Any]) -> list[str]:
+    """The corruptions that failed, the figures, the wall-clock per part and the rows not run."""
+    lines = []
     failed = sorted({f for ms in rows.values() for m in ms for f in m.get("corruptions_failed", [])})
     if failed:
         lines += ["", f"Corruptions that failed in this environment (not in mCE): {', '.join(failed)}."]
@@ -695,9 +753,22 @@ def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: l
     spent = wall_clock(minutes)
     if spent:
         lines += ["", "## Wall-clock per part (minutes of the finished stages)", "", *spent]
-    missing = [n for n in names if n not in rows]
+    missing = [r.name for r in RUNS if r.name not in rows]
     if missing:
         lines += ["", f"Not run (yet): {', '.join(missing)}."]
+    return lines
+
+
+def markdown(cfg: StudyConfig, rows: dict[str, list[dict[str, Any]]], figures: list[str], hardware: str,
+             minutes: dict[str, Any], controls: dict[str, Any] | None = None,
+             curve_lines: list[str] | None = None, train_images: int | None = None, speech_corpus: str = "") -> str:
+    """The study's ``results/<name>.md``: one function per section, in the order the report reads."""
+    settings = {"pre": f"{cfg.pretrain_epochs:g}", "ft": f"{cfg.finetune_epochs:g}",
+                "total": f"{cfg.pretrain_epochs + cfg.finetune_epochs:g}", "speech_corpus": speech_corpus}
+    lines = [*header_lines(cfg, hardware), *learned_lines(cfg, rows, controls, curve_lines), *main_lines(cfg, rows),
+             *label_lines(cfg, rows, train_images), *claim_lines(cfg, rows, settings), *mp3_lines(rows),
+             *droppos_lines(rows), *stop_lines(rows), *mjp_lines(rows), *randsac_lines(rows),
+             *speech_section(rows, speech_corpus), *closing_lines(rows, figures, minutes)]
     return "\n".join(lines) + "\n"
 
 
@@ -806,7 +877,7 @@ def family_tables(items: list[Claim], protocol: Protocol) -> list[str]:
                   "| claim (paper) | paper's setting -> this study's | regime (validation) | in regime? | seeds | "
                   "raw p | Holm p | this study |", "|" + " --- |" * 8]
         for c in mine:
-            status = "-" if c.in_regime is None else ("yes" if c.in_regime else "no")
+            status = "-" if c.in_regime is None else "pending" if c.pending else ("yes" if c.in_regime else "no")
             lines.append(f"| {c.claim} | {c.setting} | {c.regime} | {status} | {c.seeds or '-'} | "
                          f"{f'{c.p:.2g}' if c.p is not None else '-'} | "
                          f"{f'{c.adjusted:.2g}' if c.adjusted is not None else '-'} | {c.verdict} |")
