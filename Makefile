@@ -15,6 +15,9 @@ PACKAGES := $(LIBRARIES) export pipelines research
 ORT      ?= cpu
 SHARDS   := shards
 CORPORA  := corpora
+# torch's wheel index: the CPU build for ORT=cpu (PyPI's Linux wheel is the CUDA build, ~5 GB with its nvidia-*
+# wheels), PyPI's for ORT=gpu; `make setup TORCH_INDEX=` keeps pip's configured index
+TORCH_INDEX ?= $(if $(filter gpu,$(ORT)),,https://download.pytorch.org/whl/cpu)
 
 .PHONY: help setup apt venv demo study study-v5 study-curves study-gpu gpu-carry gpu-ort-parts study-gpu-merge \
         benchmark data test package-tests lint clean
@@ -45,7 +48,7 @@ venv: $(VENV)/.installed-$(ORT)
 
 $(VENV)/.installed-$(ORT): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES))
 	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q torch==2.14.1 torchvision==0.29.1 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	@other=$$([ "$(ORT)" = gpu ] && echo onnxruntime || echo onnxruntime-gpu); \
 	if $(PIP) show "$$other" >/dev/null 2>&1; then echo "ORT=$(ORT): removing $$other (one runtime only)"; \
 	$(PIP) uninstall -y -q "$$other" && $(PIP) install -q --force-reinstall --no-deps \
@@ -56,6 +59,8 @@ $(VENV)/.installed-$(ORT): pyproject.toml $(addsuffix /pyproject.toml,$(PACKAGES
 	@# PATCHPLACE_SIBLING_SPEC empty: a sibling is required by name, so the -e of this same command provides it
 	@# (pip refuses an editable beside a direct reference to the same path: pypa/pip#10216); editable_mode=compat
 	@# is for the setuptools-built workspace root, hatchling's editables add src/ to sys.path by themselves
+	@# Each [test] extra holds the optional stacks its suite covers (data's [audio], finetune's [privacy], export's
+	@# [corruptions,audio]); the pipelines require every extra they run
 	@# The libraries first; the pipelines and the research code, which require patchplace-export by name, once it
 	@# is installed (a fresh venv's pip 23.2 found no patchplace-export for them beside the `-e 'export[...]'` of one command)
 	PATCHPLACE_SIBLING_SPEC= $(PIP) install -q --config-settings editable_mode=compat -e '.[dev]' \
@@ -114,7 +119,7 @@ study-gpu: setup data
 # The lent machine's python3 (3.12) has torch, timm, scipy, scikit-image, numba, ...; these it lacks (same versions
 # as .venv; --no-deps: their other needs are there)
 GPU_WHEELS := webdataset braceexpand librosa audioread pooch soxr soundfile cffi pycparser decorator platformdirs \
-              imagecorruptions omegaconf antlr4-python3-runtime
+              imagecorruptions ruamel.yaml pydantic pydantic-core annotated-types typing-inspection
 gpu-carry: setup
 	mkdir -p .gpu/whl .gpu/fashion-mnist
 	cp /usr/share/datasets/fashion-mnist/*.gz .gpu/fashion-mnist/

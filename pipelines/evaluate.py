@@ -3,7 +3,7 @@
 
 import sys
 
-from patchplace.pipelines.evaluate import main
+from patchplace.pipelines.cli import main  # --help without importing torch
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("evaluate"))

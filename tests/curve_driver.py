@@ -94,8 +94,9 @@ def strays(out: Path) -> list[str]:
     return found + [n for n in inside if not n.startswith("step-")] + (inside[1:] if len(inside) > 1 else [])
 
 
-# the traced Trainer methods and the kind of kill point each is
-TRACED = {"_snapshot": "snapshot", "_save_best": "best", "save_checkpoint": "checkpoint", "_inputs": "step"}
+# the traced methods (the Trainer's and its callbacks') and the kind of kill point each is
+TRACED = {(engine.KeepEpochs, "snapshot"): "snapshot", (engine.KeepBest, "save_best"): "best",
+          (engine.Trainer, "save_checkpoint"): "checkpoint", (engine.Trainer, "_inputs"): "step"}
 
 
 class Killer:
@@ -116,25 +117,25 @@ class Killer:
                 os.kill(os.getpid(), signal.SIGKILL)
         return self.trace
 
-    def wrap(self, name: str, kind: str) -> None:
-        original: Callable = getattr(engine.Trainer, name)
+    def wrap(self, owner: type, name: str, kind: str) -> None:
+        original: Callable = getattr(owner, name)
         killer = self
 
-        def traced(trainer, *args, **kwargs):
+        def traced(instance, *args, **kwargs):
             if sys.gettrace() is not None:  # nested (a best/ write inside a checkpoint's call): counted there
-                return original(trainer, *args, **kwargs)
+                return original(instance, *args, **kwargs)
             killer.calls.append({"kind": kind, "events": 0, "rundir_lines": {}})
             sys.settrace(killer.trace)
             try:
-                return original(trainer, *args, **kwargs)
+                return original(instance, *args, **kwargs)
             finally:
                 sys.settrace(None)
 
-        setattr(engine.Trainer, name, traced)
+        setattr(owner, name, traced)
 
     def install(self) -> None:
-        for name, kind in TRACED.items():
-            self.wrap(name, kind)
+        for (owner, name), kind in TRACED.items():
+            self.wrap(owner, name, kind)
 
 
 def with_output(args: list[str], out: Path) -> list[str]:

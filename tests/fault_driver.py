@@ -118,8 +118,8 @@ def kills(report: Path, base: Path, seed: int, count: int, args: list[str]) -> N
     counter = LineCounter()
     counter.install()
     resumed: list[int] = []
-    resume_step = engine.Trainer.resume_step
-    engine.Trainer.resume_step = lambda trainer: resumed.append(resume_step(trainer)) or resumed[-1]
+    resume_step = engine.RunDirectory.resume_step
+    engine.RunDirectory.resume_step = lambda rundir: resumed.append(resume_step(rundir)) or resumed[-1]
     assert script.main(with_output(args, straight)) == 0
     # Count on a second straight run: the first one also ran one-time work (lazy imports, first-call caches) that
     # the forked children, started from this warmed-up process, will not repeat.

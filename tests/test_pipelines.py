@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from fault_driver import sigterm_at
 from pipeline_args import TINY, audio, img, method_args, run_log, small_heads, state_dir
 from safetensors.torch import load_file
@@ -108,7 +109,7 @@ def test_config_values_keep_their_types_and_strings_stay_as_written(shards, tmp_
     assert (cfg.run.keep_epochs, cfg.optim.betas, cfg.data.scale) == ((0.0, 1.0), (0.9, 0.95), (0.35, 1.0))
     assert cfg.objective == {"eta": 0.5} and cfg.model.overrides == {"drop_path_rate": 0.1}
     assert cfg.data.train_urls == "pipe:cat ${DIR}/x.tar"
-    assert "  memory_budget_mb: 4096\n" in pipeline_config.yaml.safe_dump(pipeline_config.to_dict(cfg), sort_keys=False)
+    assert "  memory_budget_mb: 4096\n" in yaml.safe_dump(pipeline_config.to_dict(cfg), sort_keys=False)
     shared = tmp_path / "shared.yaml"
     shared.write_text("data: {hflip: 0.2, batch_size: 16}\nmodel: {preset: vit_tiny, attention: math}\n"
                       "run: {compile: default, mixed_precision: bf16, seed: 3}\n")
@@ -372,9 +373,9 @@ def test_demo_runs_every_stage_and_resumes(shards, tmp_path):
     assert "Training precision: " in report  # --precision auto: what this machine trains in, and why
     # the same ViT from scratch for the same total epochs, beside the pretrained one
     assert "| supervised from scratch |" in report and "| MP3 pretraining + fine-tuning |" in report
-    used = pipeline_config.yaml.safe_load((tmp_path / "demo" / "supervised" / "config.yaml").read_text())
+    used = yaml.safe_load((tmp_path / "demo" / "supervised" / "config.yaml").read_text())
     assert used["optim"]["epochs"] == 2 and used["model"]["checkpoint"] is None
-    tuned = pipeline_config.yaml.safe_load((tmp_path / "demo" / "finetune" / "config.yaml").read_text())
+    tuned = yaml.safe_load((tmp_path / "demo" / "finetune" / "config.yaml").read_text())
     for config in (used, tuned):  # the same short-budget recipe and 8 px patches on both sides of the comparison
         assert config["finetune"]["mixup"] == 0 and config["finetune"]["cutmix"] == 0
         assert config["optim"]["layer_decay"] is None and config["data"]["scale"] == [0.8, 1.0]

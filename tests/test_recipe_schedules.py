@@ -25,7 +25,8 @@ from patchplace.finetune import build_optimizer
 from patchplace.models import load_pretrained
 from patchplace.pipelines import finetune, pretrain
 from patchplace.pipelines.config import ConfigError, OptimSection, RunSection
-from patchplace.pipelines.engine import StepSchedule, Trainer, WeightsEma, make_optimizer, warmup_cosine
+from patchplace.pipelines.engine import StepSchedule, WeightsEma, make_optimizer, warmup_cosine
+from patchplace.pipelines.engine.budget import BatchPlan, start_line
 from patchplace.pipelines.engine.schedules import cosine_weight_decay, lr_factor, warmup_length
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,12 +181,12 @@ def test_each_recipe_field_is_refused_in_one_line_naming_it(section, fields, mes
 
 
 def test_several_processes_print_the_batch_the_peak_lr_and_the_schedule(capsys):
-    """One line at the start of a run on several processes (here a stand-in Trainer with 4 processes)."""
+    """One line at the start of a run on several processes (here a stand-in accelerator with 4 processes)."""
     acc = SimpleNamespace(num_processes=4, is_main_process=True, print=print)
     optim = OptimSection(lr=1e-3, lr_scaling="linear", warmup_epochs=2, start_lr=1e-5, final_lr=1e-6,
                          weight_decay_end=0.4)
-    stand_in = SimpleNamespace(optim_cfg=optim, acc=acc, global_batch=256, peak_lr=4e-3, lr_base_batch=64)
-    Trainer._start_line(stand_in, 64, 50, 1000)
+    plan = BatchPlan(per_process=64, global_batch=256, lr_base_batch=64, peak_lr=4e-3)
+    start_line(acc, optim, plan, 50, 1000)
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["4 processes x 64 samples per step (data.batch_size x run.grad_accum) = global batch 256; peak lr "
                    "0.004 (optim.lr 0.001, optim.lr_scaling=linear from global batch 64); warm-up 100 steps (linear "

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import yaml
 
 from patchplace.pipelines import config as pipeline_config
 from patchplace.pipelines import stages
@@ -76,7 +77,7 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
     runs = tmp_path / "runs" / "seed0"
     for name in ("supervised", "mp3", "stop"):  # label efficiency: fine-tuned (supervised: from scratch) per fraction
         assert {"top1@0.1", "top1@0.5"} <= set(rows[name][0]), name
-        used = pipeline_config.yaml.safe_load((runs / name / "label0.1" / "config.yaml").read_text())
+        used = yaml.safe_load((runs / name / "label0.1" / "config.yaml").read_text())
         assert used["data"]["label_fraction"] == 0.1 and used["data"]["val"] == "holdout", "validated on holdout"
         assert used["data"]["holdout"] == 12 and used["run"]["early_stop_patience"] == 2
         assert used["data"]["batch_size"] == 4, "label_batch_size"
@@ -84,7 +85,7 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
         assert tested["classification"]["count"] == 32, "the final number: the test split, read once"
         assert rows[name][0]["top1@0.1"] == tested["classification"]["top1"]
     assert (runs / "supervised" / "label0.5" / "checkpoint").is_dir() and not (runs / "mjp" / "label0.1").exists()
-    pre = pipeline_config.yaml.safe_load((runs / "mp3" / "pretrain" / "config.yaml").read_text())["data"]
+    pre = yaml.safe_load((runs / "mp3" / "pretrain" / "config.yaml").read_text())["data"]
     assert pre["val"] == "holdout" and pre["holdout"] == 12, "pretraining never reads the validation images"
     curve = result["curves"]["mp3"]  # the learning curve: snapshots at 0 and 0.5 epoch, probed on validation
     assert set(curve["points"]) == {"0.0", "0.5"} and curve["val_samples"] == 12

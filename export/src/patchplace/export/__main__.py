@@ -12,33 +12,27 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from patchplace.data.helpformat import help_formatter
 
-from patchplace.data import DataError, Manifest, ShardDataset, build_transform
-from patchplace.data.mfcc import MFCC
-from patchplace.models import read_config
+from .choices import DEFAULT_OPSET, KINDS, SPEECH_INPUTS
 
-from .exporter import (
-    DEFAULT_OPSET,
-    KINDS,
-    SPEECH_INPUTS,
-    ExportError,
-    check_out,
-    data_of,
-    describe_graph,
-    export_checkpoint,
-    non_finite,
-    onnx_session,
-    quantize_int8,
-    recorded_crop_pct,
-)
-from .helpformat import help_formatter
+if TYPE_CHECKING:  # torch, the models and the exporter are imported once the arguments parse: --help needs none
+    import torch
 
 
 def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_input: str,
                 img_size: int | None = None, crop_pct: float | None = None) -> list[dict[str, torch.Tensor]]:
     """The first ``samples`` inputs of ``split``, preprocessed as for evaluation, as ONNX feeds (+ labels)."""
+    import torch
+
+    from patchplace.data import Manifest, ShardDataset, build_transform
+    from patchplace.data.mfcc import MFCC
+    from patchplace.models import read_config
+
+    from .exporter import recorded_crop_pct
+
     config, metadata = read_config(checkpoint)
     if img_size is not None:
         config = replace(config, img_size=img_size)
@@ -62,6 +56,8 @@ def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_inp
 def quantize(path: str, real: list[dict[str, torch.Tensor]], split: str | None) -> dict:
     """int8 dynamic quantization of the exported graph and its top-1 change on the real samples (an int8 model
     whose logits are non-finite there is removed, and the export fails)."""
+    from .exporter import ExportError, data_of, non_finite, onnx_session, quantize_int8
+
     out = quantize_int8(path)
     sizes = [sum(f.stat().st_size for f in (p, data_of(p)) if f.is_file()) for p in (out, Path(path))]
     result = {"path": str(out), "bytes": sizes[0], "fp32_bytes": sizes[1]}  # external data files counted
@@ -104,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.opset < 17:
         parser.error("--opset must be >= 17")
+    from patchplace.data import DataError
+
+    from .exporter import ExportError, check_out, describe_graph, export_checkpoint
+
     try:
         check_out(args.out)  # before any work: a place the export cannot write is one line, nothing done
         real = real_inputs(args.checkpoint, args.data, args.samples, args.kind, args.speech_input,

@@ -7,7 +7,10 @@ Corruptions and Perturbations", ICLR 2019) fails on two of its 15 corruptions un
 are its code with exactly those two spellings changed — same math, same order of draws from NumPy's global RNG — so
 for one ``np.random.seed`` they give its images (``export/tests/test_ort_at_scale.py`` holds them against the
 library's own functions with the old API shimmed back in). :func:`corrupt` is ``imagecorruptions.corrupt`` with
-these two in place of its broken ones; the other 13 are the library's."""
+these two in place of its broken ones; the other 13 are the library's.
+
+imagecorruptions and scikit-image are patchplace-export's ``[corruptions]`` extra (an image-only export goes
+without them): imported on use, their absence is one :class:`ExportError` line naming the extra."""
 
 from __future__ import annotations
 
@@ -15,13 +18,33 @@ import warnings
 
 import numpy as np
 from PIL import Image
-from skimage.filters import gaussian
+
+from patchplace.data.extras import extra_message
+
+from .exporter import ExportError
 
 MENDED = ("glass_blur", "fog")
 
 
+def require_library() -> None:
+    """imagecorruptions and scikit-image importable (the ``[corruptions]`` extra), else :class:`ExportError`, one
+    line with the pip command (an ExportError: the robustness loop reports it instead of listing every corruption
+    as failed)."""
+    try:
+        with warnings.catch_warnings():  # imagecorruptions imports pkg_resources, which warns on import
+            warnings.simplefilter("ignore")
+            import imagecorruptions  # noqa: F401
+            import skimage.filters  # noqa: F401
+    except ImportError as exc:
+        feature = "the robustness evaluation (ImageNet-C corruptions)"
+        raise ExportError(extra_message(feature, exc.name or str(exc), "patchplace-export", "corruptions", "export")
+                          + "; or leave it out with --robustness-limit 0") from exc
+
+
 def glass_blur(x, severity: int = 1) -> np.ndarray:
     """``imagecorruptions.corruptions.glass_blur`` with ``channel_axis=-1`` for ``multichannel=True``."""
+    from skimage.filters import gaussian  # the [corruptions] extra
+
     c = [(0.7, 1, 2), (0.9, 2, 1), (1, 2, 3), (1.1, 3, 2), (1.5, 4, 2)][severity - 1]
     x = np.uint8(gaussian(np.array(x) / 255., sigma=c[0], channel_axis=-1) * 255)
     x_shape = np.array(x).shape
@@ -93,6 +116,7 @@ def fog(x, severity: int = 1) -> np.ndarray:
 def corrupt(image: np.ndarray, corruption_name: str, severity: int) -> np.ndarray:
     """``imagecorruptions.corrupt(image, severity, corruption_name)`` (uint8 (H, W, 3) -> uint8) with the mended
     ``glass_blur`` / ``fog``; the input checks are the library's (it runs them for the other 13)."""
+    require_library()
     if corruption_name not in MENDED:
         with warnings.catch_warnings():  # it imports pkg_resources (hence setuptools<81), which warns on import
             warnings.simplefilter("ignore")

@@ -45,11 +45,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from patchplace.data import DataError, Manifest, ShardDataset, make_loader
+from patchplace.data.helpformat import help_formatter
 from patchplace.data.manifest import class_list, first_difference
 from patchplace.finetune import consistency_curve
 
 from .exporter import INT8_SUFFIX, Classifier, ExportError, check_writable, fp32_of, load_export, non_finite, ort
-from .helpformat import help_formatter
 
 CONSISTENCY_RATIOS = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP Table 1 uses 0.15, Fig. 3 the curve
 # --provider: the execution providers asked for (None: onnx_session's default, CUDA when usable, else CPU)

@@ -56,11 +56,8 @@ from patchplace.data.manifest import sha256_file
 from patchplace.data.mfcc import MFCC
 from patchplace.models import Backbone, ModelError, load_pretrained
 
+from .choices import DEFAULT_OPSET, KINDS, SPEECH_INPUTS
 from .optimize import fusable, optimize_graph
-
-KINDS = ("classifier", "features")
-SPEECH_INPUTS = ("waveform", "features")
-DEFAULT_OPSET = 18
 
 
 class ExportError(ValueError):

@@ -4,6 +4,8 @@
                                                         ``accelerate launch pipelines/<name>.py``; console scripts
                                                         ``patchplace-<name>``)
     config.py      YAML configs + ``section.field=value`` overrides -> validated dataclasses; ``--help``
+    commands.py    the config classes of pretrain / finetune / evaluate (no torch: ``--help`` answers in a second)
+    cli.py         the scripts' and console scripts' entry: ``--help`` without torch, else the command's ``main``
     engine/        the training engine (see docs/design.md#5-pipelines-and-run-directories)
     rundir.py      one run per directory, and the crash-consistent checkpoint protocol
     stages.py      resumable multi-stage jobs (the demo; the study in patchplace.research)

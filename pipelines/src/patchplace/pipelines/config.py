@@ -1,5 +1,5 @@
 """Pipeline configs: YAML files in ``pipelines/configs/`` + ``section.field=value`` overrides on the command line,
-loaded into validated dataclasses by OmegaConf (the dataclasses are its structured-config schema: :func:`build`).
+read as YAML 1.2 by ruamel.yaml (:func:`parse_yaml`) into dataclasses that pydantic types strictly (:func:`build`).
 Unknown keys, wrong types, bad ranges and missing datasets fail up front with one line naming the key; so do a key
 given twice, a YAML error or object tag (:func:`yaml_problem`), ``${...}`` interpolation and ``.nan``
 (:func:`_checked`), and a path the file system cannot hold (:func:`check_path`).
@@ -17,10 +17,10 @@ import dataclasses
 import functools
 import inspect
 import io
+import json
 import math
 import os
 import re
-import shutil
 import textwrap
 import tokenize
 import typing
@@ -29,14 +29,20 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from pydantic import TypeAdapter, ValidationError
+from ruamel.yaml import YAML
+from ruamel.yaml.constructor import DuplicateKeyError
+from ruamel.yaml.error import YAMLError
+from ruamel.yaml.nodes import MappingNode, SequenceNode
 
-from patchplace.data.manifest import dataset_dir_hint
-from patchplace.data.remote import Network, is_remote
-from patchplace.data.stores import backend_problem
-from patchplace.models import ATTENTION_KERNELS
+from patchplace.data.helpformat import HELP_WIDTH, help_formatter
+
+if typing.TYPE_CHECKING:
+    from patchplace.data.remote import Network
+
+# model.attention: patchplace.models.ATTENTION_KERNELS, written here so that --help imports no torch
+# (tests/test_help_without_torch.py holds them equal)
+ATTENTION_KERNELS = ("sdpa", "math")
 
 LR_SCALING = ("none", "linear", "sqrt")
 OPTIMIZERS = ("adamw", "adam")  # optim.optimizer
@@ -50,7 +56,6 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", 
 HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.train
 RE_MODES = ("const", "rand", "pixel")  # data.re_mode: timm RandomErasing's fills
 MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
-HELP_WIDTH = 100  # --help fits this many columns
 HELP_COLUMN = 44  # where a field's meaning starts in --help ("  section.field = value" before it)
 
 
@@ -179,6 +184,11 @@ class DataSection:
         if not (isinstance(self.shard_deadline, (int, float)) and self.shard_deadline > 0):
             raise ConfigError(f"data.shard_deadline must be > 0 seconds (one shard's whole transfer; default 600), "
                               f"got {self.shard_deadline!r}")
+        # (imported here: patchplace.data imports torch, and --help reads this module)
+        from patchplace.data.manifest import dataset_dir_hint
+        from patchplace.data.remote import is_remote
+        from patchplace.data.stores import backend_problem
+
         for name in ("train", "val", "train_urls", "val_urls", "noise_split"):  # a URL whose backend is missing
             problem = backend_problem(str(getattr(self, name) or ""))
             if problem:
@@ -216,6 +226,8 @@ class DataSection:
 
     def network(self) -> Network:
         """How splits and shards are fetched by URL (data.timeout, data.retries, data.shard_deadline)."""
+        from patchplace.data.remote import Network
+
         return Network(self.timeout, self.retries, deadline=self.shard_deadline)
 
 
@@ -457,58 +469,50 @@ class RunSection:
                               f"installed here: pip install {TRACKERS[missing[0]]}")
 
 
-class _Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2's booleans and floats, for the files and the override values: only true / false (any
-    case) are bools, so ``run.mixed_precision=no`` stays the string "no" (OmegaConf's own loader reads YAML 1.1's
-    yes / no / on / off as bools); a number with an exponent is a float with or without a dot or an exponent sign
-    (``1e-9``, ``1e3``, ``2.5E4``), in every section, ``objective`` and ``model.overrides`` included."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        """A mapping whose keys are each given once: YAML 1.2 requires it, and PyYAML would keep the last silently
-        (``method: stop`` then ``method: mae`` trains MAE). Keys a merge (``<<``) brings in may be overridden."""
-        lines: dict[str, int] = {}
-        for key, _ in node.value:
-            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                if key.value in lines:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key.value!r} is given twice (first at line {lines[key.value]}; YAML "
-                        "would keep the last silently): keep one", key.start_mark)
-                lines[key.value] = key.start_mark.line + 1
-        return super().construct_mapping(node, deep)
-
-
-_REPLACED = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _REPLACED]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
-    [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
-    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
-    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
-    |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+def _yaml() -> YAML:
+    """ruamel.yaml's safe loader: YAML 1.2's core schema (only true / false are bools, so ``run.mixed_precision=no``
+    stays the string "no"; ``1e-9`` is a float), plain values only (no object tags), each key once."""
+    return YAML(typ="safe", pure=True)
 
 
 def parse_yaml(text: str) -> Any:
-    """YAML 1.2 text (:class:`_Loader`: a SafeLoader, no arbitrary objects; each key once)."""
-    return yaml.load(text, Loader=_Loader)
+    """YAML 1.2 text of a config file or an override value (:func:`_yaml`)."""
+    return _yaml().load(text)
 
 
-def yaml_problem(exc: yaml.YAMLError, fix: str) -> str:
-    """``line L, column C: what is wrong`` with YAML text and how to fix it (``fix`` for a syntax error), on one
-    line, without PyYAML's quoted excerpt."""
+def yaml_problem(exc: YAMLError, text: str, fix: str) -> str:
+    """``line L, column C: what is wrong`` with YAML ``text`` and how to fix it (``fix`` for a syntax error), on
+    one line."""
     problem = " ".join((getattr(exc, "problem", None) or one_line(exc)).split())
-    if problem.startswith("could not determine a constructor for the tag"):  # !!python/object and the like
+    mark = getattr(exc, "problem_mark", None)
+    if isinstance(exc, DuplicateKeyError):  # YAML 1.2 requires it; PyYAML kept the last (stop, then mae: MAE)
+        key = re.search(r'duplicate key "(.*?)" with', problem)
+        key = key.group(1) if key else problem
+        problem = f"key {key!r} is given twice ({_first_at(text, key, exc.context_mark)}YAML would keep the " \
+                  "last silently): keep one"
+    elif problem.startswith("could not determine a constructor for the tag"):  # !!python/object and the like
         tag = problem.rsplit(" ", 1)[-1].strip("'").replace("tag:yaml.org,2002:", "!!")
         problem = (f"the tag {tag} would build an object, and a config holds plain values (numbers, strings, lists, "
                    "mappings): remove the tag")
-    elif "is given twice" not in problem:
+    else:
         problem = f"not valid YAML ({problem}): {fix}"
-    mark = getattr(exc, "problem_mark", None)
     return (f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else "") + problem
+
+
+def _first_at(text: str, key: str, mapping: Any) -> str:
+    """``first at line N; `` for the first ``key`` of the mapping that starts at mark ``mapping`` in ``text``."""
+    nodes = [_yaml().compose(text)]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, MappingNode) and (node.start_mark.line, node.start_mark.column) == (
+                mapping.line, mapping.column):
+            line = next((k.start_mark.line + 1 for k, _ in node.value if k.value == key), None)
+            return f"first at line {line}; " if line else ""
+        if isinstance(node, MappingNode):
+            nodes += [n for pair in node.value for n in pair]
+        elif isinstance(node, SequenceNode):
+            nodes += node.value
+    return ""
 
 
 def _leaves(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -559,9 +563,27 @@ def config_path(name: str) -> Path:
                       f"{', '.join(names) or 'none'}")
 
 
-def given_values(cls: type, path: str | None, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def command_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the ``--config`` file, the ``section.field=value`` overrides) of a command line, as :func:`parser` reads
+    them (other options are left out)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config")
+    p.add_argument("overrides", nargs="*")
+    args, _ = p.parse_known_intermixed_args(argv)  # (in any order, as the main parser takes them)
+    return args.config, [a for a in args.overrides if "=" in a]
+
+
+def given_setting(argv: list[str], key: str) -> Any:
+    """The value a command line gives dotted ``key``: its override's, else its ``--config`` file's; None if
+    neither sets it."""
+    file, given = given_values(None, *command_args(argv))
+    return {**file, **given}.get(key)
+
+
+def given_values(cls: type | None, path: str | None, overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """({dotted key: value} the ``--config`` file gives, the same for the ``section.field=value`` overrides). An
-    override replaces what the file gives at its key (a mapping as a whole); :func:`unread_fields` are left out."""
+    override replaces what the file gives at its key (a mapping as a whole); the :func:`unread_fields` of config
+    class ``cls`` are left out."""
     file: dict[str, Any] = {}
     if path:
         path = str(config_path(path))
@@ -580,7 +602,7 @@ def given_values(cls: type, path: str | None, overrides: list[str]) -> tuple[dic
                 del leaves[old]
         value = _parsed(text, f"override {assignment!r}", "quote or fix the value")
         given.update(_checked(_leaves({key: value}), ""))
-    unread = unread_fields(cls)
+    unread = unread_fields(cls) if cls is not None else []
     file, given = ({k: v for k, v in leaves.items() if not any(_within(k, u) for u in unread)}
                    for leaves in (file, given))
     return file, given
@@ -594,13 +616,14 @@ def _parsed(text: str | bytes, what: str, fix: str) -> Any:
         return parse_yaml(text.decode() if isinstance(text, bytes) else text)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{what} is not UTF-8 text (byte {exc.start}): {fix}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what}, {yaml_problem(exc, fix)}") from None
+    except YAMLError as exc:
+        raise ConfigError(f"{what}, {yaml_problem(exc, text if isinstance(text, str) else text.decode(), fix)}") \
+            from None
 
 
 def _checked(leaves: dict[str, Any], where: str) -> dict[str, Any]:
     """``leaves`` ({dotted key: value}) once no value is NaN (no field takes one: ``optim.lr: .nan`` reached the
-    optimizer) and no string holds ``${`` outside a ``pipe:`` command (OmegaConf's interpolation is not a feature
+    optimizer) and no string holds ``${`` outside a ``pipe:`` command (interpolation is not a feature
     of these configs: ``${data.train}/x`` would be taken literally and create a folder of that name; a shell
     expands ``${VAR}`` in a ``pipe:`` command)."""
     for key, value in leaves.items():
@@ -624,34 +647,54 @@ def _scalars(value: Any) -> list[Any]:
 def build(cls: type, given: dict[str, Any]) -> Any:
     """The ``cls`` instance (not validated) with the values ``given`` ({dotted key: value}) over its defaults.
 
-    ``OmegaConf.structured(cls)`` is the schema and holds the owner's defaults (a section given in part keeps them:
-    ``optim.max_steps=5`` on the pretraining config keeps its ``OptimSection(lr=1.5e-3, betas=(0.9, 0.95))``);
-    each value goes in by ``OmegaConf.update``, which names the key it refuses (unknown, or a value it cannot
-    convert); ``OmegaConf.to_object`` gives the dataclasses back. Strings are taken as written (:func:`_literal`).
-    Beyond OmegaConf: a value must have its field's
-    type already (an int or a number's string for a float, a list for a tuple aside: OmegaConf would take "yes" or 1
-    for a bool and 3 for a str), and a field nothing sets keeps its default object (OmegaConf holds
-    ``memory_budget_mb: float = 4096`` as 4096.0, which config.yaml would show)."""
-    schema, unknown = OmegaConf.structured(cls), []
-    for key, value in given.items():
-        try:
-            OmegaConf.update(schema, key, _literal(value), merge=True)
-        except (ConfigAttributeError, ConfigKeyError) as exc:
-            unknown.append(exc.full_key or key)
-        except (OmegaConfBaseException, TypeError, ValueError) as exc:
-            raise ConfigError(_wrong(cls, exc.full_key or key, given)) from None
+    The values go into the defaults of ``cls()`` (a section given in part keeps its owner's: ``optim.max_steps=5``
+    on the pretraining config keeps its ``OptimSection(lr=1.5e-3, betas=(0.9, 0.95))``), and pydantic validates the
+    whole strictly against the dataclasses' types (:func:`_adapter`): a value must have its field's type already
+    (an int for a float and a list for a tuple aside: "yes" or 1 is no bool, 3 no str). Unknown keys are refused
+    together, naming the section's fields; a field nothing sets keeps its default object (pydantic makes
+    ``memory_budget_mb: float = 4096`` 4096.0, which config.yaml would show)."""
+    unknown = list(dict.fromkeys(filter(None, (_unknown(cls, key) for key in given))))
     if unknown:
         section = _section(cls, unknown[0].rpartition(".")[0])
         raise ConfigError(f"unknown config key(s) {unknown}; known: {sorted(f.name for f in fields(section))}")
-    try:
-        config = OmegaConf.to_object(schema)
-    except OmegaConfBaseException as exc:  # e.g. "???", OmegaConf's missing value
-        raise ConfigError(f"{exc.full_key}: {str(exc).splitlines()[0]}") from None
-    for key, value in given.items():
-        if not _kept(value, _at(config, key)):
+    for key, value in given.items():  # YAML's values pydantic's JSON lacks (a date) in a mapping field
+        if any(not isinstance(v, bool | int | float | str | None) for v in _scalars(value)):
             raise ConfigError(_wrong(cls, key, given))
+    values = dataclasses.asdict(cls())
+    for key, value in given.items():
+        *parents, name = key.split(".")
+        place = values
+        for part in parents:
+            place[part] = place[part] if isinstance(place.get(part), dict) else {}
+            place = place[part]
+        place[name] = value
+    try:
+        config = _adapter(cls).validate_json(json.dumps(values), strict=True)
+    except ValidationError as exc:
+        where = ".".join(map(str, exc.errors()[0]["loc"]))
+        key = next((k for k in given if _within(where, k)), where)  # a tuple's item, a union's member: its field
+        raise ConfigError(_wrong(cls, key, given)) from None
     _defaults_kept(config, cls(), given)
     return config
+
+
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter:
+    """pydantic's validator of config class ``cls`` (its dataclasses, their type hints)."""
+    return TypeAdapter(cls)
+
+
+def _unknown(cls: type, key: str) -> str | None:
+    """The part of dotted ``key`` up to its first name that no field of ``cls`` has, or None (a key inside a
+    mapping field is known)."""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not is_dataclass(cls):
+            return None
+        if part not in {f.name for f in fields(cls)}:
+            return ".".join(parts[:i + 1])
+        cls = typing.get_type_hints(cls)[part]
+    return None
 
 
 def load(cls: type, path: str | None, overrides: list[str]) -> Any:
@@ -669,33 +712,6 @@ def _section(cls: type, key: str) -> Any:
     return cls if is_dataclass(cls) else None
 
 
-def _literal(value: Any) -> Any:
-    """``value`` with its strings taken as written: escaped from OmegaConf's ``${...}`` interpolation (e.g. a shell
-    variable in a pipe: URL)."""
-    if isinstance(value, str):
-        return value.replace("${", "\\${")
-    if isinstance(value, list):
-        return [_literal(v) for v in value]
-    return {k: _literal(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-
-def _at(config: Any, key: str) -> Any:
-    """The value at dotted ``key`` of a config instance (sections, then mapping fields)."""
-    for part in key.split("."):
-        config = config[part] if isinstance(config, dict) else getattr(config, part)
-    return config
-
-
-def _kept(value: Any, typed: Any) -> bool:
-    """Whether OmegaConf took ``value`` with its own type: an int or a number's string for a float, a list for a
-    tuple (item by item) and a mapping for a section are the only changes allowed."""
-    if isinstance(value, list):
-        return isinstance(typed, list | tuple) and all(map(_kept, value, typed))
-    if isinstance(value, dict):
-        return isinstance(typed, dict) or is_dataclass(typed)
-    return type(value) is type(typed) or (type(typed) is float and type(value) in (int, str))
-
-
 def _wrong(cls: type, key: str, given: dict[str, Any]) -> str:
     """``key: expected <the field's type>, got <the value given>``."""
     parent, _, name = key.rpartition(".")
@@ -703,7 +719,7 @@ def _wrong(cls: type, key: str, given: dict[str, Any]) -> str:
     hint = next((f.type for f in fields(section) if f.name == name), None) if section else None
     if _section(cls, key):
         expected = "a mapping"
-    elif hint is None:  # inside a mapping field: a value YAML has and OmegaConf lacks
+    elif hint is None:  # inside a mapping field: a value YAML has and JSON lacks
         expected = "a number, string, bool, list or mapping"
     else:
         expected = hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
@@ -732,37 +748,43 @@ def validate(config: Any) -> None:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """What each field of a dataclass means, read from its source: the comment after the field (or the comment
-    lines right above it), else a ``name``: text entry of the class docstring (the objectives' configs)."""
+    """What each field of a dataclass means, read from its source (:func:`source_docs`); a subclass's words win."""
     docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):  # a subclass's words win
+    for klass in reversed(cls.__mro__):
         if not is_dataclass(klass):
             continue
         try:
             lines = inspect.getsource(klass).splitlines()
         except (OSError, TypeError):
             continue
-        comments = {}
-        for token in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
-            if token.type == tokenize.COMMENT:
-                comments[token.start[0] - 1] = token.string.lstrip("#").strip()
-        names, seen = {f.name for f in fields(klass)}, set()
-        for i, line in enumerate(lines):
-            match = re.match(r"\s+(\w+)\s*:", line)
-            if not match or match.group(1) not in names or match.group(1) in seen:
-                continue
-            seen.add(match.group(1))
-            text = comments.get(i) if comments.get(i) and not line.strip().startswith("#") else None
-            above, j = [], i - 1
-            while j >= 0 and lines[j].strip().startswith("#"):
-                above.insert(0, comments.get(j, ""))
-                j -= 1
-            docs[match.group(1)] = text or " ".join(above)
-        for name, text in re.findall(r"``(\w+)``:\s*(.+?)(?=;\s*``|\.?\s*$|\.\s)", " ".join(
-                (klass.__doc__ or "").split()), flags=re.S):
-            if name in names and not docs.get(name):
-                docs[name] = text.strip()
+        docs.update(source_docs(lines, {f.name for f in fields(klass)}, klass.__doc__))
     return {k: v for k, v in docs.items() if v}
+
+
+def source_docs(lines: list[str], names: Collection[str], docstring: str | None) -> dict[str, str]:
+    """{field: meaning} of the fields ``names`` of a class whose source is ``lines``: the comment after the field
+    (or the comment lines right above it), else a ``name``: text entry of the class ``docstring`` (the objectives'
+    configs)."""
+    comments, docs, seen = {}, {}, set()
+    for token in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0] - 1] = token.string.lstrip("#").strip()
+    for i, line in enumerate(lines):
+        match = re.match(r"\s+(\w+)\s*:", line)
+        if not match or match.group(1) not in names or match.group(1) in seen:
+            continue
+        seen.add(match.group(1))
+        text = comments.get(i) if comments.get(i) and not line.strip().startswith("#") else None
+        above, j = [], i - 1
+        while j >= 0 and lines[j].strip().startswith("#"):
+            above.insert(0, comments.get(j, ""))
+            j -= 1
+        docs[match.group(1)] = text or " ".join(above)
+    for name, text in re.findall(r"``(\w+)``:\s*(.+?)(?=;\s*``|\.?\s*$|\.\s)", " ".join(
+            (docstring or "").split()), flags=re.S):
+        if name in names and not docs.get(name):
+            docs[name] = text.strip()
+    return docs
 
 
 def describe(config: Any, prefix: str = "", sources: dict[str, str] | None = None) -> list[str]:
@@ -810,24 +832,14 @@ def help_values(cls: type, argv: list[str]) -> tuple[Any, dict[str, str], str]:
     """What --help shows for this command line: (the ``cls`` instance its ``--config`` file and overrides give, not
     validated; {dotted key: "from file" (the ``--config`` file) or "override"} for every value they set; the
     header naming them). A file or override that does not load leaves the code defaults, and the header says why."""
-    path, overrides, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config" and i + 1 < len(argv):
-            path, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif not arg.startswith("-") and "=" in arg:
-            overrides.append(arg)
-        i += 1
+    path, overrides = command_args(argv)
     header = "config fields (override with section.field=value)"
     if not path and not overrides:
         return cls(), {}, header + ":"
     try:
         file, given = given_values(cls, path, overrides)
         config = build(cls, {**file, **given})
-    except (OSError, yaml.YAMLError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError) as exc:
         what = " and ".join([*([f"--config {path}"] if path else []), *(["the overrides"] if overrides else [])])
         return cls(), {}, f"{header}; the code defaults ({what} not applied: {one_line(exc)}):"
     marks = [*([f'"(from file)" by --config {path}'] if path else []), *(['"(override)" by the command line']
@@ -854,16 +866,11 @@ def help_epilog(cls: type, argv: list[str]) -> str:
     return "\n".join(lines)
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(help_formatter(argparse.RawDescriptionHelpFormatter)):  # type: ignore[misc]
     """Keeps the line breaks of the description and epilog (a module docstring, the field list) and fits them to
-    :data:`HELP_WIDTH` columns: a paragraph with a longer line is filled again, a longer command example (an
-    indented ``python`` / ``accelerate`` line) continues on the next line after a backslash."""
-
-    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
-                 width: int | None = None) -> None:
-        if width is None:
-            width = min(shutil.get_terminal_size().columns - 2, HELP_WIDTH)
-        super().__init__(prog, indent_increment, max_help_position, width)
+    :data:`HELP_WIDTH` columns (patchplace.data.helpformat: every command line's width): a paragraph with a longer
+    line is filled again, a longer command example (an indented ``python`` / ``accelerate`` line) continues on the
+    next line after a backslash."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "\n".join(indent + line for line in fit_lines(text.splitlines(), HELP_WIDTH - len(indent)))

@@ -156,7 +156,7 @@ def report(out: Path, seconds: dict[str, float], precision: Precision) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory (default: %(default)s)")
     parser.add_argument("--pretrain-epochs", type=float, default=PRETRAIN_EPOCHS,
@@ -176,22 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ort-latency-repeats", type=int, default=20, help="timed runs per batch size")
     parser.add_argument("overrides", nargs="*", help="section.field=value passed to every stage (eval.* to the "
                                                      "evaluations only)")
-    args = parser.parse_args(argv)
-    export_main, ort_evaluate_main = ort_stages()
+    return parser.parse_args(argv)
+
+
+def train_stages(args: argparse.Namespace, extra: list[str]) -> dict[str, float]:
+    """MP3 pretraining, its fine-tuning and (unless --no-supervised) the same ViT from scratch: seconds by stage.
+    ``extra``: the overrides every training stage gets (the recipe's fine-tuning adds SHORT_RECIPE)."""
     out = args.out
     model = [f"model.preset={args.preset}", f"model.overrides={{patch_size: {args.patch_size}}}"]
-    # eval.* only reach the evaluations; the recipe and crop scale go first so that overrides win
-    evaluation = ["data.scale=[0.8, 1.0]", *[o for o in args.overrides if not o.startswith("eval.")]]
-    eval_extra = [o for o in args.overrides if o.startswith("eval.")]
-    precision = resolve_precision(args.precision)
-    print(f"[demo] {precision_line(precision)}" if args.precision == "auto" else
-          f"[demo] --precision {args.precision} (forced)", flush=True)
-    # the training stages name their precision unless float32 (a float32 stage's DONE record stays valid); a bf16
-    # stage runs as a process of its own (Accelerate keeps one precision per process)
-    extra = [*evaluation, *([f"run.mixed_precision={precision.value}"] if precision.value != "no" else [])]
     recipe = [*SHORT_RECIPE, *extra]
     train = {name: by_precision(f"patchplace.pipelines.{name}") for name in ("pretrain", "finetune")}
-    out.mkdir(parents=True, exist_ok=True)
     seconds = {
         "pretrain": stage(out, "pretrain", train["pretrain"], [
             "--config", str(CONFIGS / "mp3_fashion_mnist.yaml"), f"run.output={out / 'pretrain'}", "run.resume=true",
@@ -204,6 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         seconds["supervised"] = stage(out, "supervised", train["finetune"], [
             "--config", str(CONFIGS / "finetune_fashion_mnist.yaml"), f"run.output={out / 'supervised'}",
             "run.resume=true", *model, f"optim.epochs={args.pretrain_epochs + args.finetune_epochs}", *recipe])
+    return seconds
+
+
+def evaluation_stages(args: argparse.Namespace, evaluation: list[str], extra: list[str],
+                      ort: tuple[Callable[[list[str]], Any], Callable[[list[str]], Any]]) -> dict[str, float]:
+    """The evaluations of the fine-tuned and pretrained checkpoints, the ONNX export and its ONNX Runtime
+    evaluation (``ort``: :func:`ort_stages`): seconds by stage."""
+    out, seconds = args.out, {}
+    export_main, ort_evaluate_main = ort
+    eval_extra = [o for o in args.overrides if o.startswith("eval.")]
     for name, checkpoint in (("evaluate_finetuned", "finetune"), ("evaluate_pretrained", "pretrain")):
         (out / name).mkdir(exist_ok=True)
         seconds[name] = stage(out, name, evaluate.main, [
@@ -216,6 +220,23 @@ def main(argv: list[str] | None = None) -> int:
         str(out / "export" / "model.onnx"), "--data", val, "--out", str(out / "evaluate_onnx"),
         "--checkpoint", str(out / "finetune" / "checkpoint"), "--robustness-limit", str(args.ort_robustness_limit),
         "--latency-repeats", str(args.ort_latency_repeats)])
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ort = ort_stages()  # before any stage trains
+    out = args.out
+    # eval.* only reach the evaluations; the recipe and crop scale go first so that overrides win
+    evaluation = ["data.scale=[0.8, 1.0]", *[o for o in args.overrides if not o.startswith("eval.")]]
+    precision = resolve_precision(args.precision)
+    print(f"[demo] {precision_line(precision)}" if args.precision == "auto" else
+          f"[demo] --precision {args.precision} (forced)", flush=True)
+    # the training stages name their precision unless float32 (a float32 stage's DONE record stays valid); a bf16
+    # stage runs as a process of its own (Accelerate keeps one precision per process)
+    extra = [*evaluation, *([f"run.mixed_precision={precision.value}"] if precision.value != "no" else [])]
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = {**train_stages(args, extra), **evaluation_stages(args, evaluation, extra, ort)}
     loss_plot({"MP3 pretraining": out / "pretrain" / "log.jsonl", "fine-tuning": out / "finetune" / "log.jsonl"},
               out / "losses.png")
     for picture in ("mp3_position_accuracy.png", "mp3_reassembled.png"):

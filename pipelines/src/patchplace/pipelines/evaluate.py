@@ -33,9 +33,9 @@ import json
 import shutil
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,9 +46,7 @@ from patchplace.data.manifest import class_list, first_difference
 from patchplace.data.memory import balanced_subset
 from patchplace.finetune import (
     LAST_LAYERS,
-    AttackConfig,
     FeatureStore,
-    PrivacyError,
     ProbeRecipe,
     consistency_curve,
     feature_names,
@@ -76,17 +74,8 @@ from patchplace.objectives import (
     position_accuracy_vs_eta,
     reassemble,
 )
-from patchplace.pipelines.config import (
-    HOLDOUT,
-    MAX_SEED,
-    ConfigError,
-    DataSection,
-    ModelSection,
-    RunSection,
-    check_path,
-    load,
-    parser,
-)
+from patchplace.pipelines.commands import EvalSection, EvaluateConfig, PrivacySection, expand_flags
+from patchplace.pipelines.config import HOLDOUT, ConfigError, DataSection, check_path, load, parser
 from patchplace.pipelines.engine import USER_ERRORS, Data, check_inputs, classify, holdout_indices, report, start
 from patchplace.pipelines.evaluation import (
     Ranks,
@@ -98,173 +87,6 @@ from patchplace.pipelines.evaluation import (
     split_size,
     store_split,
 )
-
-
-@dataclass
-class EvalSection:
-    """What to compute (each can be switched off), with how much data, and the linear probe's recipe
-    (docs/pipelines.md#evaluation-protocols: MAE / RandSAC's LARS, StoP / I-JEPA's VISSL SGD and 1% logistic
-    regression)."""
-
-    linear_probe: bool = True  # linear classifier on frozen features, 100% (eval.probe_layers) and low-label
-    knn: bool = True  # kNN top-1 per layer (MP3 App. C)
-    position_probe: bool = True  # linear probe of each patch token's position (DropPos Table 7)
-    consistency_ratios: tuple[float, ...] = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP eval gammas (classifiers)
-    # train samples the probes (and the kNN) train on, drawn at random (run.seed) from data.train; 0 or null: the
-    # whole split (features are streamed through a store on disk: memory does not grow with it)
-    probe_train_samples: int | None = 5000
-    probe_epochs: int = 100  # epochs of each linear probe (MAE / RandSAC 90, VISSL 28)
-    # a second probe (eval.label_probe) on this class-balanced fraction of the probe's samples (StoP: 1%); 0: none
-    low_label_fraction: float = 0.01
-    # linear probes trained on these class-balanced fractions of the *whole* data.train (the label-efficiency
-    # protocol: the same subsets as fine-tuning with data.label_fraction, picked by data.label_subset_seed)
-    label_fractions: tuple[float, ...] = ()
-    # one probe (eval.label_probe) per file listing train samples, one name a line: SimCLR's ImageNet
-    # 1percent.txt / 10percent.txt (n01440764_10026.JPEG), or paths under the split folder
-    label_subset_files: tuple[str, ...] = ()
-    # the low-label probes (low_label_fraction, label_fractions, label_subset_files): linear (the recipe below) |
-    # logistic (StoP's 1% protocol, logistic_eval.py: multinomial L2 logistic regression, standardized features)
-    label_probe: str = "linear"
-    logistic_lambda: float = 0.0025  # label_probe=logistic: L2 lambda, divided by the sample count (StoP README)
-    # features of the 100% linear probe: last (the final-normed last block) and / or last4 (the last 4 blocks,
-    # each final-normed and pooled, concatenated: StoP Table 1 "100%, last 4 layers")
-    probe_layers: tuple[str, ...] = ("last",)
-    # bn_linear: BatchNorm without affine + Linear (MAE) | bn_affine_linear: BatchNorm + Linear (VISSL
-    # eval_mlp) | linear
-    probe_head: str = "bn_linear"
-    probe_optimizer: str = "adamw"  # adamw | lars (MAE / RandSAC: timm's Lars) | sgd (Nesterov momentum: VISSL)
-    probe_lr: float = 1e-2  # absolute, or per eval.probe_lr_batch samples when that is > 0 (MAE 0.1, VISSL 0.01)
-    probe_lr_batch: int = 0  # > 0: lr = probe_lr x probe_batch / this (256: MAE, VISSL); 0: probe_lr is absolute
-    probe_batch: int = 256  # the probe's batch, on one process (MAE 16384, VISSL 256)
-    probe_warmup_epochs: float = 0.0  # linear warm-up from 0 (MAE / RandSAC 10)
-    # cosine: half cycle to 0 by fractional epoch (MAE) | step: x eval.probe_lr_gamma at each milestone (VISSL)
-    probe_schedule: str = "cosine"
-    probe_milestones: tuple[int, ...] = ()  # probe_schedule=step: the epochs of the lr drops (VISSL 8, 16, 24)
-    probe_lr_gamma: float = 0.1  # probe_schedule=step: the lr's factor at each milestone
-    probe_weight_decay: float = 0.0  # never on BatchNorm parameters (MAE / RandSAC 0, VISSL 5e-4)
-    probe_momentum: float = 0.9  # lars / sgd momentum
-    probe_init_std: float = 0.0  # > 0: trunc-normal linear weight of this std, zero bias (MAE 0.01); 0: torch's
-    keep_features: bool = False  # keep run.output/features/ (each split's stored features, .npy) after evaluating
-    max_eval_samples: int = 2000  # images for the method curves (eta curve, DropPos grid, consistency)
-
-    def validate(self) -> None:
-        if any(not 0 < f <= 1 for f in self.label_fractions):
-            raise ConfigError(f"eval.label_fractions must be in (0, 1] (e.g. [0.01, 0.1]), got "
-                              f"{list(self.label_fractions)}")
-        if (self.probe_train_samples or 0) < 0 or not 0 <= self.low_label_fraction <= 1:
-            raise ConfigError(f"eval.probe_train_samples must be >= 0 (0: the whole split) and "
-                              f"eval.low_label_fraction in [0, 1], got {self.probe_train_samples}, "
-                              f"{self.low_label_fraction}")
-        if not self.probe_layers or set(self.probe_layers) - {"last", "last4"}:
-            raise ConfigError(f"eval.probe_layers must list last and / or last4, got {list(self.probe_layers)}")
-        if self.label_probe not in ("linear", "logistic") or self.logistic_lambda <= 0:
-            raise ConfigError(f"eval.label_probe must be linear or logistic and eval.logistic_lambda > 0, got "
-                              f"{self.label_probe!r}, {self.logistic_lambda}")
-        try:
-            self.recipe().validate()
-        except ValueError as exc:
-            raise ConfigError(f"eval.probe_*: {exc}") from None
-
-    def recipe(self) -> ProbeRecipe:
-        """The linear probe's recipe these fields give."""
-        return ProbeRecipe(head=self.probe_head, optimizer=self.probe_optimizer, lr=self.probe_lr,
-                           lr_batch=self.probe_lr_batch, batch_size=self.probe_batch, epochs=self.probe_epochs,
-                           warmup_epochs=self.probe_warmup_epochs, schedule=self.probe_schedule,
-                           milestones=tuple(self.probe_milestones), gamma=self.probe_lr_gamma,
-                           weight_decay=self.probe_weight_decay, momentum=self.probe_momentum,
-                           init_std=self.probe_init_std)
-
-
-@dataclass
-class PrivacySection(AttackConfig):
-    """Gradient-inversion privacy evaluation (MJP §5.4, Table 5): which images and settings, plus the
-    gradient-matching attack's own fields (``AttackConfig``: steps, lr, distance, tv_weight, optimizer, ...)."""
-
-    enabled: bool = False  # also --privacy
-    images: int = 10  # one test image per class (first occurrences), up to this many (the paper: one per class)
-    batch_size: int = 1  # images per client update; the APRIL analytic attack needs 1
-    ratio: float = 0.27  # masked-jigsaw gamma of settings (b) / (c) (Table 5 uses MJP with gamma = 0.27)
-    analytic: bool = True  # APRIL's closed form, for models with a learnable PE
-    steps: int = 200  # gradient-matching attack (a CPU budget)
-    tv_weight: float = 1e-4  # total-variation prior of the gradient-matching attack
-
-    def attack(self) -> AttackConfig:
-        return AttackConfig(**{f.name: getattr(self, f.name) for f in fields(AttackConfig)})
-
-    def validate(self) -> None:
-        try:
-            self.attack().validate()
-        except PrivacyError as exc:
-            raise ConfigError(f"privacy: {exc}") from None
-        if self.images < 1 or self.batch_size < 1 or not 0 < self.ratio < 1:
-            raise ConfigError("privacy.images and privacy.batch_size must be >= 1 and privacy.ratio in (0, 1)")
-
-
-@dataclass
-class EvalDataSection(DataSection):
-    """The splits and their reading, as for training; every split is read unaugmented: these class values stand in
-    for training's augmentation fields (not fields here, so not read from a config)."""
-
-    scale: ClassVar[tuple[float, float]] = (1.0, 1.0)
-    hflip: ClassVar[float] = 0.0
-    auto_augment: ClassVar[str | None] = None
-    re_prob: ClassVar[float] = 0.0
-    re_mode: ClassVar[str] = "const"
-    re_count: ClassVar[int] = 1
-    repeated_aug: ClassVar[int] = 1
-    grayscale: ClassVar[float] = 0.0
-    gaussian_blur: ClassVar[float] = 0.0
-    color_jitter: ClassVar[float] = 0.0
-    mixup: ClassVar[float] = 0.0
-    cutmix: ClassVar[float] = 0.0
-    mixup_prob: ClassVar[float] = 1.0
-    mixup_switch_prob: ClassVar[float] = 0.5
-    noise_split: ClassVar[str | None] = None
-
-
-@dataclass
-class EvalModelSection:
-    """The checkpoint evaluated; it brings its architecture (no preset, no overrides)."""
-
-    checkpoint: str | None = None  # required: the checkpoint/ (or best/) directory of a pretrain or finetune run
-    attention: str = "sdpa"  # attention kernel: sdpa | math (the materialised softmax); the same numbers either way
-
-    def validate(self) -> None:
-        ModelSection.validate(self)  # model.attention, as for training
-
-
-@dataclass
-class EvalRunSection:
-    """Where the results go, and the seed. Evaluation runs in full precision, without gradient accumulation or
-    TensorBoard: the class values below stand in for training's fields of the Accelerator."""
-
-    output: str = "runs/evaluate"  # results.json, report.md and the plots
-    seed: int = 0  # every RNG (random, numpy, torch) and the data readers start from it
-    overwrite: bool = False  # replace the results of an earlier evaluation in run.output (without it: refused)
-    mixed_precision: ClassVar[str] = "no"
-    grad_accum: ClassVar[int] = 1
-    tensorboard: ClassVar[bool] = False
-
-    def validate(self) -> None:
-        if not 0 <= self.seed < MAX_SEED:
-            raise ConfigError(f"run.seed must be in [0, 2**31), got {self.seed}")
-
-
-@dataclass
-class EvaluateConfig:
-    eval: EvalSection = field(default_factory=EvalSection)
-    privacy: PrivacySection = field(default_factory=PrivacySection)
-    data: EvalDataSection = field(default_factory=EvalDataSection)
-    model: EvalModelSection = field(default_factory=EvalModelSection)
-    run: EvalRunSection = field(default_factory=EvalRunSection)
-    # the training sections these stand for: a training config loads too, the fields evaluation's sections lack are
-    # accepted, ignored and named at the end of --help (config.unread_fields)
-    shares: ClassVar[dict[str, type]] = {"data": DataSection, "model": ModelSection, "run": RunSection}
-
-    def validate(self) -> None:
-        if not self.model.checkpoint:
-            raise ConfigError("model.checkpoint is required: the checkpoint/ directory of a pretrain or finetune run")
-
 
 # what an evaluation writes in run.output (run.overwrite=true replaces an earlier one's)
 RESULT_FILES = ("results.json", "report.md", "evaluation.png", "mp3_position_accuracy.png", "mp3_reassembled.png",
@@ -843,8 +665,7 @@ def ranks_of(accelerator) -> Ranks:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--privacy" in argv:  # shorthand for privacy.enabled=true
-        argv = [a for a in argv if a != "--privacy"] + ["privacy.enabled=true"]
+    argv = expand_flags(argv)  # --privacy: privacy.enabled=true
     try:
         args = parser(EvaluateConfig, __doc__, argv).parse_args(argv)
         refuse_earlier_results(load(EvaluateConfig, args.config, args.overrides))  # before anything is read

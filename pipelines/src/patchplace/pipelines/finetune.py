@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchplace.finetune import build_mixup, prepare_for_finetune
-from patchplace.finetune.setup import POS_EMBED_INITS
 from patchplace.models import Backbone, ModelError, create_model, load_pretrained
 from patchplace.objectives import Supervised, SupervisedConfig
-from patchplace.pipelines.config import ConfigError, DataSection, ModelSection, OptimSection, RunSection
+from patchplace.pipelines.commands import POOL_WORDS, POOLS, FinetuneConfig, FinetuneSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import (
     USER_ERRORS,
     Data,
@@ -39,59 +38,6 @@ from patchplace.pipelines.engine import (
     say,
     start,
 )
-
-# mean_fc_norm: MAE's / DropPos's --global_pool (MAE models_vit.py; timm global_pool='avg', fc_norm=True): the mean
-# of the patch tokens through a fresh LayerNorm fc_norm, the final norm after the blocks dropped
-POOLS = ("cls", "mean", "mean_fc_norm")
-POOL_WORDS = {"cls": "the class token", "mean": "average-pooled patch tokens",
-              "mean_fc_norm": "average-pooled patch tokens through a LayerNorm (fc_norm, no final norm)"}
-
-
-@dataclass
-class FinetuneSection:
-    """Fine-tuning recipe (DeiT / MAE style, scaled to small data)."""
-
-    pos_embed: str | None = "learned"  # PE for fine-tuning; None keeps the checkpoint's mode
-    # where a learned PE starts: random (trunc-normal .02 when the PE mode changes; a table of the same mode is kept)
-    # | sincos2d (the fixed 2-D sin-cos values, trainable: MAE's fine-tuning) | checkpoint (the checkpoint's table)
-    pos_embed_init: str = "random"
-    # cls | mean | mean_fc_norm (the mean through a fresh LayerNorm, no final norm: MAE's / DropPos's --global_pool):
-    # the feature the head reads; None: the checkpoint's finetune_pool
-    global_pool: str | None = None
-    drop_path: float = 0.1  # stochastic depth rate (timm DropPath, linear over the blocks)
-    label_smoothing: float = 0.1  # of the (soft) targets
-    mixup: float = 0.8  # Mixup alpha (0: off; timm Mixup)
-    cutmix: float = 1.0  # CutMix alpha (0: off)
-    mixup_prob: float = 1.0  # probability of mixing a batch at all
-
-    def validate(self) -> None:
-        if self.global_pool not in (None, *POOLS):
-            raise ConfigError(f"finetune.global_pool must be one of {POOLS} or null (the checkpoint's finetune_pool), "
-                              f"got {self.global_pool!r}")
-        if self.pos_embed_init not in POS_EMBED_INITS:
-            raise ConfigError(f"finetune.pos_embed_init must be one of {POS_EMBED_INITS}, got {self.pos_embed_init!r}")
-        if self.pos_embed_init != "random" and self.pos_embed != "learned":
-            raise ConfigError(f"finetune.pos_embed_init={self.pos_embed_init} starts a learned PE: set "
-                              f"finetune.pos_embed=learned (got {self.pos_embed})")
-        if not 0 <= self.drop_path < 1 or not 0 <= self.label_smoothing < 1 or not 0 <= self.mixup_prob <= 1:
-            raise ConfigError("finetune.drop_path / label_smoothing must be in [0, 1), mixup_prob in [0, 1]")
-
-
-@dataclass
-class FinetuneConfig:
-    """``model.checkpoint`` = a pretrain run's checkpoint/ (empty: train ``model.preset`` from scratch)."""
-
-    finetune: FinetuneSection = field(default_factory=FinetuneSection)
-    data: DataSection = field(default_factory=DataSection)
-    model: ModelSection = field(default_factory=ModelSection)
-    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-3, layer_decay=0.75))
-    run: RunSection = field(default_factory=lambda: RunSection(output="runs/finetune"))
-
-    def validate(self) -> None:
-        d = self.data
-        if d.mixup or d.cutmix or (d.mixup_prob, d.mixup_switch_prob) != (1.0, 0.5):
-            raise ConfigError("data.mixup / data.cutmix / data.mixup_prob / data.mixup_switch_prob are pretrain.py's; "
-                              "fine-tuning mixes with finetune.mixup / finetune.cutmix / finetune.mixup_prob")
 
 
 def weights_sha256(checkpoint: str | None) -> str | None:

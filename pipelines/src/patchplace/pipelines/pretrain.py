@@ -13,28 +13,17 @@ from __future__ import annotations
 import inspect
 import math
 import sys
-import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
 from patchplace.finetune import build_mixup
 from patchplace.models import create_model, load_pretrained
-from patchplace.objectives import get_method, method_names
-from patchplace.pipelines.config import (
-    HELP_WIDTH,
-    ConfigError,
-    DataSection,
-    ModelSection,
-    OptimSection,
-    RunSection,
-    describe,
-)
+from patchplace.objectives import get_method
+from patchplace.pipelines.commands import PretrainConfig
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import (
     USER_ERRORS,
     Data,
@@ -48,52 +37,6 @@ from patchplace.pipelines.engine import (
     say,
     start,
 )
-
-
-@dataclass
-class PretrainConfig:
-    """``method`` picks the objective; ``objective`` holds its config fields (paper defaults otherwise)."""
-
-    method: str = "mp3"  # a registered method (listed at the end of --help)
-    objective: dict[str, Any] = field(default_factory=dict)  # the method's fields (listed below), e.g. {eta: 0.5}
-    data: DataSection = field(default_factory=DataSection)
-    model: ModelSection = field(default_factory=ModelSection)
-    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1.5e-3, betas=(0.9, 0.95)))
-    run: RunSection = field(default_factory=lambda: RunSection(output="runs/pretrain"))
-
-    @staticmethod
-    def help_fields(argv: list[str], config: PretrainConfig | None = None,
-                    sources: dict[str, str] | None = None) -> list[str]:
-        """--help: the objective fields of the method in force (``config``: the command line's --config and
-        overrides; else ``method=`` / the --config file's; else mp3), with their values and what each means."""
-        method = config.method if config is not None else None
-        if method is None:
-            method = next((a.split("=", 1)[1] for a in argv if a.startswith("method=")), None)
-        if method is None and "--config" in argv[:-1]:
-            try:
-                method = (yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}).get("method")
-            except OSError:
-                method = None
-        names = method_names()
-        method = method if method in names else "mp3"
-        spec = get_method(method)
-        try:  # the values in force: the method's defaults under the config's objective section
-            objective = spec.config(config.objective if config is not None else {})
-        except (ConfigError, TypeError, ValueError):
-            objective = spec.config()
-        return [f"objective fields of method={method} (objective.field=value; another method: method=<name> "
-                "--help):", *describe(objective, "objective.", sources), "",
-                *textwrap.wrap(f"methods: {', '.join(names)}", HELP_WIDTH, break_on_hyphens=False)]
-
-    def validate(self) -> None:
-        if self.method not in method_names():
-            raise ConfigError(f"method {self.method!r} is not one of {method_names()}")
-        get_method(self.method).config(self.objective)  # unknown / out-of-range fields fail here
-        if (self.data.mixup or self.data.cutmix) and not get_method(self.method).needs_head:
-            labelled = ", ".join(n for n in method_names() if get_method(n).needs_head)
-            raise ConfigError(f"data.mixup={self.data.mixup} / data.cutmix={self.data.cutmix} mix labels, and method="
-                              f"{self.method} trains without them: set both to 0 (methods trained with labels: "
-                              f"{labelled})")
 
 
 def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):

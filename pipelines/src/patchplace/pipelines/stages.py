@@ -88,17 +88,11 @@ def by_precision(module: str) -> Callable[[list[str]], int]:
 def stage_precision(argv: list[str]) -> str:
     """The precision a stage's command line trains in: its ``run.mixed_precision`` (``auto`` resolved on this
     machine), ``no`` when neither it nor its config sets it."""
+    from patchplace.pipelines.config import given_setting
     from patchplace.pipelines.engine.hardware import resolve_precision
 
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("run.mixed_precision=")]
-    if given:
-        return resolve_precision(given[-1].strip()).value
-    if "--config" in argv[:-1]:
-        settings = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}
-        run = settings.get("run") if isinstance(settings, dict) else None
-        if isinstance(run, dict) and run.get("mixed_precision") not in (None, "no", False):
-            return resolve_precision(str(run["mixed_precision"])).value
-    return "no"
+    value = given_setting(argv, "run.mixed_precision")
+    return "no" if value in (None, "no") else resolve_precision(str(value).strip()).value
 
 
 def _run_process(command: list[str]) -> int:

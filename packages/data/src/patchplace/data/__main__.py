@@ -4,11 +4,11 @@ HTTP or kept in an object store by its URL too: ``python -m patchplace.data veri
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 from .errors import DataError
+from .helpformat import help_formatter
 from .manifest import MANIFEST_NAME, Manifest, verify_split
 from .remote import Network, is_remote
 
@@ -30,14 +30,9 @@ def _split_dirs(paths: list[str]) -> list[Path | str]:
     return found
 
 
-def _help_formatter(prog: str) -> argparse.HelpFormatter:
-    """--help in at most 100 columns, whatever the terminal's width (as every entry point's)."""
-    return argparse.HelpFormatter(prog, width=min(shutil.get_terminal_size().columns - 2, 100))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m patchplace.data", description=__doc__,
-                                     formatter_class=_help_formatter)
+                                     formatter_class=help_formatter(argparse.HelpFormatter))
     parser.add_argument("command", choices=("show", "verify"),
                         help="show: print each manifest; verify: also check every shard's size and sha256")
     parser.add_argument("paths", nargs="+", help="split directories, manifest files or dataset directories; "

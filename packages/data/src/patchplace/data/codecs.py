@@ -7,14 +7,14 @@ import io
 import warnings
 from collections.abc import Callable
 from math import gcd
+from types import ModuleType
 
 import numpy as np
-import soundfile
 import torch
 from PIL import Image, UnidentifiedImageError
-from scipy.signal import resample_poly
 
 from .errors import DataError
+from .extras import missing
 
 _PIL_MODE = {1: "L", 3: "RGB"}
 
@@ -192,6 +192,15 @@ def encoded_size(data: bytes, key: str = "?") -> tuple[int, int]:
     return height, width
 
 
+def _soundfile(feature: str) -> ModuleType:
+    """soundfile, from the [audio] extra (imported on use: image-only installs go without it)."""
+    try:
+        import soundfile
+    except ImportError as exc:
+        raise missing(exc, feature) from exc
+    return soundfile
+
+
 def encode_wav(wave: np.ndarray, sample_rate: int) -> bytes:
     """16-bit PCM WAV bytes of a mono float waveform in [-1, 1] (clipped)."""
     wave = np.asarray(wave, dtype=np.float32)
@@ -201,6 +210,7 @@ def encode_wav(wave: np.ndarray, sample_rate: int) -> bytes:
     if bad.any():  # NaN would be written as a full-scale click, inf as a clipped one
         raise DataError(f"audio has {int(bad.sum())} non-finite sample(s) (NaN / inf), the first at index "
                         f"{int(np.argmax(bad))}: fix or drop the clip before writing it")
+    soundfile = _soundfile("writing WAV audio")
     buf = io.BytesIO()
     soundfile.write(buf, np.clip(wave, -1.0, 1.0), sample_rate, format="WAV", subtype="PCM_16")
     return buf.getvalue()
@@ -210,6 +220,10 @@ def resample(wave: np.ndarray, orig_rate: int, target_rate: int) -> np.ndarray:
     """Polyphase resampling (scipy), exact rational ratio."""
     if orig_rate == target_rate:
         return wave
+    try:  # the [audio] extra (patchplace.data.extras)
+        from scipy.signal import resample_poly
+    except ImportError as exc:
+        raise missing(exc, "resampling audio") from exc
     g = gcd(orig_rate, target_rate)
     return resample_poly(wave, target_rate // g, orig_rate // g).astype(np.float32)
 
@@ -217,6 +231,7 @@ def resample(wave: np.ndarray, orig_rate: int, target_rate: int) -> np.ndarray:
 def decode_wav(source: bytes | str, key: str = "?") -> tuple[np.ndarray, int]:
     """A WAV (bytes or path) as a float32 mono waveform (channels **downmixed**: their mean) and its sample rate;
     files soundfile cannot parse raise a DataError naming the sample."""
+    soundfile = _soundfile("reading WAV audio")
     try:
         wave, rate = soundfile.read(io.BytesIO(source) if isinstance(source, bytes) else source,
                                     dtype="float32", always_2d=True)

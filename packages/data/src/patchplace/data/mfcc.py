@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import warnings
 
-import librosa
 import numpy as np
-import scipy.fft
-import scipy.signal
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import DataError
+from .extras import missing
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -110,6 +108,13 @@ class MFCC(nn.Module):
             raise DataError(f"MFCC top_db must be >= 0 or None, got {top_db!r}")
         self.fmin, self.fmax, self.center = fmin, fmax, center
         self.top_db = None if top_db is None else float(top_db)
+        try:  # the [audio] extra: librosa's mel matrix, scipy's window and DCT; not at the top, so that importing
+            # this module (the export does) needs neither
+            import librosa
+            import scipy.fft
+            import scipy.signal
+        except ImportError as exc:
+            raise missing(exc, "the MFCC frontend") from exc
 
         with warnings.catch_warnings():
             # librosa only warns about empty bands; they are turned into a DataError just below.

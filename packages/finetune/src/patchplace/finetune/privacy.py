@@ -34,18 +34,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structural_similarity
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class PrivacyError(ValueError):
     """A privacy evaluation that cannot run as asked (model without what the attack needs, bad settings)."""
+
+
+def _skimage_metrics() -> ModuleType:
+    """``skimage.metrics``: patchplace-finetune's ``[privacy]`` extra, imported on use (the rest of the package
+    goes without it); missing, a one-line :class:`PrivacyError` with the pip command."""
+    try:
+        import skimage.metrics
+    except ImportError as exc:
+        raise PrivacyError(f"the privacy evaluation's SSIM / PSNR needs {exc.name or exc}, which is not installed; "
+                           "it comes with the [privacy] extra: pip install 'patchplace-finetune[privacy]' (from a "
+                           "checkout: pip install './packages/finetune[privacy]')") from exc
+    return skimage.metrics
 
 
 @dataclass
@@ -239,15 +251,16 @@ def image_similarity(reconstruction: torch.Tensor, original: torch.Tensor) -> di
     if reconstruction.shape != original.shape:
         raise PrivacyError(f"reconstruction {tuple(reconstruction.shape)} and original {tuple(original.shape)} "
                            "differ in shape")
+    metrics = _skimage_metrics()
     rec = reconstruction.detach().float().cpu().clamp(0, 1).numpy().astype(np.float64)
     org = original.detach().float().cpu().clamp(0, 1).numpy().astype(np.float64)
     per: dict[str, list[float]] = {"mse": [], "psnr": [], "ssim": [], "fft2d": []}
     for r, o in zip(rec, org, strict=True):
-        per["mse"].append(float(mean_squared_error(o, r)))
+        per["mse"].append(float(metrics.mean_squared_error(o, r)))
         # identical images: PSNR is infinite; capped at 100 dB so means stay finite
-        per["psnr"].append(min(float(peak_signal_noise_ratio(o, r, data_range=1.0)), 100.0)
+        per["psnr"].append(min(float(metrics.peak_signal_noise_ratio(o, r, data_range=1.0)), 100.0)
                            if per["mse"][-1] > 0 else 100.0)
-        per["ssim"].append(float(structural_similarity(o, r, data_range=1.0, channel_axis=0)))
+        per["ssim"].append(float(metrics.structural_similarity(o, r, data_range=1.0, channel_axis=0)))
         per["fft2d"].append(fft2d_similarity(o, r))
     return {**{k: float(np.mean(v)) for k, v in per.items()}, "per_image": per}
 
@@ -276,6 +289,7 @@ def privacy_settings(model: nn.Module, images: torch.Tensor, labels: torch.Tenso
     every setting. The analytic attack runs when ``analytic``, ``batch_size`` is 1 and the model has a learnable
     PE; the gradient-matching attack always."""
     cfg = (attack or AttackConfig()).validate()
+    _skimage_metrics()  # before minutes of attack, not after them
     if batch_size < 1 or len(images) % batch_size:
         raise PrivacyError(f"batch_size {batch_size} must divide the {len(images)} images")
     m = torch.tensor(mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)

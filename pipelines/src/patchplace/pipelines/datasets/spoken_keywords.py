@@ -261,14 +261,7 @@ def synthesize_corpus(out: str | Path, clips_per_keyword: int = 200, clips_per_u
 
     ``noise_seconds`` fixes every noise file's length (default: each drawn from 30-60 s).
     """
-    if clips_per_keyword < 1 or clips_per_unknown_word < 0:
-        raise DataError(f"--clips-per-keyword must be >= 1 and --clips-per-unknown-word >= 0, "
-                        f"got {clips_per_keyword}, {clips_per_unknown_word}")
-    if noise_seconds is not None and noise_seconds < 1:
-        raise DataError(f"noise_seconds must be >= 1 (silence clips are 1 s cuts), got {noise_seconds}")
-    jobs = jobs or os.cpu_count() or 1
-    if jobs < 1:
-        raise DataError(f"--jobs must be >= 1, got {jobs}")
+    jobs = check_corpus_args(clips_per_keyword, clips_per_unknown_word, noise_seconds, jobs)
     exe = find_espeak()
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     version = version.split("  Data at")[0].strip()  # drop the data path: same corpus on every machine
@@ -281,35 +274,10 @@ def synthesize_corpus(out: str | Path, clips_per_keyword: int = 200, clips_per_u
         for word in KEYWORDS + UNKNOWN_WORDS:
             if any(c.text == word for c in clips):
                 (tmp / word).mkdir()
-        with ThreadPoolExecutor(jobs) as pool, \
-                tqdm(total=len(clips) + len(babble_plan), desc=f"espeak-ng -> {out}", unit="utt",
-                     disable=not progress) as bar:
-            def clip_job(utt: Utterance) -> dict:
-                facts = render_clip(exe, utt, tmp)
-                bar.update()
-                return facts
-
-            def babble_job(utt: Utterance) -> np.ndarray:
-                speech = speak(exe, utt)[0]
-                bar.update()
-                return speech / np.abs(speech).max()
-
-            try:
-                facts = list(pool.map(clip_job, clips))
-                babble = list(pool.map(babble_job, babble_plan))
-            except BaseException:
-                pool.shutdown(cancel_futures=True)  # do not finish thousands of queued calls after an error
-                raise
-
-        noise_dir = tmp / BACKGROUND_NOISE_DIR
-        noise_dir.mkdir()
-        for i, (name, rms) in enumerate(NOISE_RMS.items()):
-            rng = np.random.default_rng([seed, 2, i])
-            n = int(seconds[name] * SAMPLE_RATE)
-            wave = (mix_babble(rng, n, babble) if name == "babble"
-                    else colored_noise(rng, n, {"white_noise": 0, "pink_noise": 1, "brown_noise": 2}[name]))
-            soundfile.write(noise_dir / f"{name}.wav", to_rms(wave, rms), SAMPLE_RATE, subtype="PCM_16")
-
+        facts, babble = render_all(exe, clips, babble_plan, tmp, jobs,
+                                   tqdm(total=len(clips) + len(babble_plan), desc=f"espeak-ng -> {out}", unit="utt",
+                                        disable=not progress))
+        write_noise(tmp / BACKGROUND_NOISE_DIR, seed, seconds, babble)
         rels = sorted(c.rel for c in clips)
         sets = {rel: which_set(rel) for rel in rels}
         for set_name, list_name in (("validation", "validation_list.txt"), ("testing", "testing_list.txt")):
@@ -334,6 +302,54 @@ def synthesize_corpus(out: str | Path, clips_per_keyword: int = 200, clips_per_u
     log(f"wrote {len(clips)} clips from {len(speakers)} speakers + {len(NOISE_RMS)} noise files to {out} "
         f"in {time.perf_counter() - start:.1f} s ({meta['splits']})")
     return out
+
+
+def check_corpus_args(clips_per_keyword: int, clips_per_unknown_word: int, noise_seconds: float | None,
+                      jobs: int | None) -> int:
+    """The corpus's sizes and the worker count (default: the CPUs), refused in one line; returns the workers."""
+    if clips_per_keyword < 1 or clips_per_unknown_word < 0:
+        raise DataError(f"--clips-per-keyword must be >= 1 and --clips-per-unknown-word >= 0, "
+                        f"got {clips_per_keyword}, {clips_per_unknown_word}")
+    if noise_seconds is not None and noise_seconds < 1:
+        raise DataError(f"noise_seconds must be >= 1 (silence clips are 1 s cuts), got {noise_seconds}")
+    jobs = jobs or os.cpu_count() or 1
+    if jobs < 1:
+        raise DataError(f"--jobs must be >= 1, got {jobs}")
+    return jobs
+
+
+def render_all(exe: str, clips: list[Utterance], babble_plan: list[Utterance], tmp: Path, jobs: int,
+               bar: tqdm) -> tuple[list[dict], list[np.ndarray]]:
+    """Every clip rendered into ``tmp`` and every babble utterance spoken (peak-normalized), on ``jobs`` threads:
+    (the clips' facts, the babble waveforms), both in plan order."""
+    with ThreadPoolExecutor(jobs) as pool, bar:
+        def clip_job(utt: Utterance) -> dict:
+            facts = render_clip(exe, utt, tmp)
+            bar.update()
+            return facts
+
+        def babble_job(utt: Utterance) -> np.ndarray:
+            speech = speak(exe, utt)[0]
+            bar.update()
+            return speech / np.abs(speech).max()
+
+        try:
+            return list(pool.map(clip_job, clips)), list(pool.map(babble_job, babble_plan))
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # do not finish thousands of queued calls after an error
+            raise
+
+
+def write_noise(noise_dir: Path, seed: int, seconds: dict[str, float], babble: list[np.ndarray]) -> None:
+    """The background-noise files: white / pink / brown noise and babble mixed from the spoken utterances, each at
+    its RMS (16-bit PCM)."""
+    noise_dir.mkdir()
+    for i, (name, rms) in enumerate(NOISE_RMS.items()):
+        rng = np.random.default_rng([seed, 2, i])
+        n = int(seconds[name] * SAMPLE_RATE)
+        wave = (mix_babble(rng, n, babble) if name == "babble"
+                else colored_noise(rng, n, {"white_noise": 0, "pink_noise": 1, "brown_noise": 2}[name]))
+        soundfile.write(noise_dir / f"{name}.wav", to_rms(wave, rms), SAMPLE_RATE, subtype="PCM_16")
 
 
 def readme(meta: dict) -> str:

@@ -7,14 +7,17 @@ what a run directory holds: docs/design.md#5-pipelines-and-run-directories.
     optim.py        AdamW / Adam, the per-step schedule (StepSchedule), ``run.compile``
     schedules.py    the papers' warm-up, lr and weight-decay schedules (pure functions of the step)
     ema.py          ``run.model_ema``: timm's ModelEmaV3 of the trained weights
-    trainer.py      the Trainer: ``train_step`` and ``after_step``
-    checkpoints.py  the run directory: checks, checkpoints, snapshots, best/, resume
+    trainer.py      the Trainer: ``train_step`` and ``after_step``, the loop that calls the callbacks
+    budget.py       the batch, the budget, the checks across sections before a run starts
+    checkpoints.py  the run directory the Trainer holds (RunDirectory): checks, checkpoints, resume
+    callbacks.py    what a run keeps beside its checkpoints: snapshots, best/ and early stopping, model EMA
     guards.py       the finite checks and the stop signals
     logs.py         log.jsonl, the throughput record, printing clear of the progress bar
     scoring.py      ``classify`` and early stopping's ``BestTracker``
 """
 
-from patchplace.pipelines.engine.checkpoints import recipe, snapshot_steps
+from patchplace.pipelines.engine.callbacks import Callback, Callbacks, KeepBest, KeepEma, KeepEpochs
+from patchplace.pipelines.engine.checkpoints import RunDirectory, recipe, snapshot_steps
 from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.guards import FiniteCheck, StopSignals
 from patchplace.pipelines.engine.inputs import (
@@ -52,9 +55,10 @@ from patchplace.pipelines.engine.scoring import BestTracker, classify
 from patchplace.pipelines.engine.trainer import Trainer
 
 __all__ = [
-    "MAX_PROCESSES", "RUN_ERRORS", "SEEDS_PER_RANK", "USER_ERRORS", "BestTracker", "Data", "DiskFull", "Diverged",
-    "FiniteCheck", "Interrupted", "JsonlLog", "NonFiniteOutput", "StepSchedule", "StopSignals", "Throughput",
-    "Trainer", "WeightsEma", "build_data", "check_inputs", "check_seed", "classify", "command_line", "compile_blocks",
+    "MAX_PROCESSES", "RUN_ERRORS", "SEEDS_PER_RANK", "USER_ERRORS", "BestTracker", "Callback", "Callbacks", "Data",
+    "DiskFull", "Diverged", "FiniteCheck", "Interrupted", "JsonlLog", "KeepBest", "KeepEma", "KeepEpochs",
+    "NonFiniteOutput", "RunDirectory", "StepSchedule", "StopSignals", "Throughput", "Trainer",
+    "WeightsEma", "build_data", "check_inputs", "check_seed", "classify", "command_line", "compile_blocks",
     "cosine_weight_decay", "data_fingerprints", "data_metadata", "holdout_indices", "lr_factor", "make_accelerator",
     "make_optimizer", "memory_choice", "metrics_split", "pair_mixing", "rank_seed", "read_log", "recipe", "relaunch",
     "report", "say", "snapshot_steps", "start", "training_statistics", "truncate_log", "warmup_cosine", "warmup_length",

@@ -1,6 +1,7 @@
-"""The run directory of a training (with ``rundir.py``, its write protocol): the checks before a run starts or
-resumes, the crash-consistent checkpoints, the backbone folders kept beside them, and resuming from the newest
-complete checkpoint.
+"""The run directory of a training as one object the Trainer holds (:class:`RunDirectory`; ``rundir.py`` is its
+write protocol): the checks before a run starts or resumes, the crash-consistent checkpoints, the backbone folders
+kept beside them, and resuming from the newest complete checkpoint. What fills ``snapshots/`` and ``best/`` are the
+callbacks of ``callbacks.py``.
 
 Run directory (``run.output``; one run at a time, see ``rundir.py``)::
 
@@ -24,28 +25,35 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from dataclasses import asdict, is_dataclass
+import signal
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from safetensors.torch import save_file
+from torch import nn
 
 from patchplace.data.atomic import atomic_file, write_json_atomic
-from patchplace.models import save_pretrained
-from patchplace.pipelines.config import ConfigError, to_dict
+from patchplace.models import Backbone, save_pretrained
+from patchplace.pipelines.config import ConfigError, OptimSection, RunSection, to_dict
+from patchplace.pipelines.engine.ema import WeightsEma
+from patchplace.pipelines.engine.guards import FiniteCheck
 from patchplace.pipelines.engine.inputs import metrics_split
-from patchplace.pipelines.engine.launch import relaunch
-from patchplace.pipelines.engine.logs import read_log, truncate_log
+from patchplace.pipelines.engine.launch import Interrupted, every_rank, relaunch
+from patchplace.pipelines.engine.logs import Console, JsonlLog, read_log, trackers, truncate_log
 from patchplace.pipelines.rundir import (
     CheckpointError,
+    RunLock,
     clean,
     commit,
     complete_steps,
     disk_error,
     disk_message,
+    latest_step,
     load_state_strictly,
     partial_dir,
     point_checkpoint_link,
@@ -74,6 +82,19 @@ def recipe(config: Any, processes: int) -> dict[str, Any]:
     if run is not None:
         out["run"] = {k: getattr(run, k) for k in ("seed", "mixed_precision", "grad_accum") if hasattr(run, k)}
     return out
+
+
+def training_metadata(metadata: dict[str, Any], objective: nn.Module, backbone: Backbone, config: Any,
+                      processes: int, recorded: dict[str, Any], compute: dict[str, Any]) -> dict[str, Any]:
+    """What every backbone folder of a training records: the pipeline's ``metadata``, which pooled feature it
+    trained (so probes read that one; docs/design.md), the pooling its method's own fine-tuning protocol uses
+    (finetune.global_pool=null reads it), the recipe (``recorded``: what the run adds to it, the global batch and
+    the peak lr) and ``compute``: the precision it trained in, and why (run.mixed_precision=auto: what was
+    detected)."""
+    pool = backbone.config.global_pool
+    return {**metadata, "probe_feature": getattr(objective, "probe_feature", pool),
+            "finetune_pool": getattr(objective, "finetune_pool", pool),
+            "recipe": {**recipe(config, processes), **recorded}, "compute": compute}
 
 
 def recorded_data(state: Path) -> dict[str, str]:
@@ -126,12 +147,70 @@ def folder_step(folder: Path) -> int | None:
         return None
 
 
-class Checkpointing:
-    """The :class:`~patchplace.pipelines.engine.trainer.Trainer`'s run directory: what it checks before training,
-    the checkpoints and backbone folders it writes, and the resume. Reads the Trainer's ``acc``, ``out``, ``run``,
-    ``config``, ``command``, ``metadata``, ``backbone``, ``objective``, ``global_batch``, ``fingerprints``,
-    ``snapshots``, ``tracker``, ``stopped_early``, ``log``, ``finite``, ``bar`` and ``ema`` (run.model_ema or
-    None)."""
+def divergence(out: Path, peak_lr: float) -> Callable[[int, str], str]:
+    """The message of a diverged step (:class:`~patchplace.pipelines.engine.guards.FiniteCheck`): what of the run
+    is kept, and what to change."""
+    def message(step: int, what: str) -> str:
+        last = latest_step(out)
+        kept = (f"the last good checkpoint (step {last}) is kept in {out / 'checkpoints'}" if last is not None
+                else "no checkpoint was written")
+        return (f"training diverged at step {step}: {what}; nothing of it was saved, {kept}; try a lower optim.lr "
+                f"(peak {peak_lr:g}), a longer optim.warmup_fraction, optim.clip_grad, or run.mixed_precision="
+                "bf16 / no instead of fp16, in a new run (run.overwrite=true or another run.output)")
+    return message
+
+
+@dataclass
+class Saved:
+    """What a checkpoint holds of a training: the backbone (``save_pretrained`` with ``metadata``), the objective's
+    other parameters (``objective.safetensors``), ``run.model_ema``'s average (or None), and what
+    ``state/trainer.json`` records beside the step (the global batch, the data fingerprints)."""
+
+    objective: nn.Module
+    backbone: Backbone
+    metadata: dict[str, Any]
+    ema: WeightsEma | None
+    global_batch: int
+    fingerprints: dict[str, str]
+
+
+class RunDirectory:
+    """``run.output`` of one training, held by the :class:`~patchplace.pipelines.engine.trainer.Trainer`: the checks
+    before it starts or resumes (:meth:`claim`), the crash-consistent checkpoints (:meth:`save`), the backbone
+    folders beside them (:meth:`publish`), the resume (:meth:`resume`) and the records of the run (config.yaml,
+    optimizer.json, the evaluations in log.jsonl and the trackers)."""
+
+    def __init__(self, accelerator: Accelerator, run: RunSection, config: Any, saved: Saved, *, log: JsonlLog,
+                 finite: FiniteCheck, console: Console, command: str) -> None:
+        self.acc, self.run, self.config, self.saved = accelerator, run, config, saved
+        self.log, self.finite, self.console, self.command = log, finite, console, command
+        self.out = Path(run.output)
+        self.stopped_early: dict[str, Any] | None = None  # the early stop a resumed checkpoint records
+        self.lock = RunLock(self.out) if accelerator.is_main_process else None
+
+    # ------------------------------------------------------------------ before training
+    def claim(self) -> None:
+        """One run per directory: the main process holds run.output's lock until :meth:`release` and, before
+        anything is written, checks what the directory holds (:meth:`_check_directory`). A refusal reaches every
+        rank (one line, exit 2 everywhere) and leaves every file of the run as it was."""
+        refusal: ConfigError | None = None
+        if self.lock is not None:
+            try:
+                self.lock.acquire()
+                try:
+                    self._check_directory()
+                except BaseException:
+                    self.lock.release(restore=True)
+                    raise
+            except ConfigError as exc:
+                refusal = exc
+        refusal = self._from_main(refusal)
+        if refusal is not None:
+            raise every_rank(refusal)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     def _from_main(self, refusal: ConfigError | None) -> ConfigError | None:
         """The main process's refusal (None: none), on every rank."""
@@ -155,10 +234,12 @@ class Checkpointing:
         moved = tuple(name for key in recorded for name in (key, f"{key}_urls"))
         prepare_directory(self.out, resume=run.resume, overwrite=run.overwrite, config=to_dict(self.config),
                           moved=moved, recorded=settings)
-        if found is None:
-            return
-        state = found[0]
-        trainer = json.loads((state / "trainer.json").read_text())
+        if found is not None:
+            trainer = json.loads((found[0] / "trainer.json").read_text())
+            self._check_processes(found[0], trainer)
+            self._check_data(recorded, trainer["step"])
+
+    def _check_processes(self, state: Path, trainer: dict[str, Any]) -> None:
         saved = trainer.get("world_size") or len(list(state.glob("random_states_*.pkl")))
         if saved != self.acc.num_processes:
             raise CheckpointError(
@@ -167,13 +248,15 @@ class Checkpointing:
                 f"data and its random stream would change; resume with "
                 f"{relaunch(saved, f'{self.command} run.resume=true')}, or start a new run (another run.output, or "
                 "run.overwrite=true)")
+
+    def _check_data(self, recorded: dict[str, str], step: int) -> None:
         for key, fingerprint in recorded.items():
-            now = self.fingerprints.get(key)
+            now = self.saved.fingerprints.get(key)
             if now != fingerprint:
                 where = getattr(self.config.data, key.split(".")[1], "?")
                 raise ConfigError(
                     f"run.resume=true: {key}={where} holds other data (fingerprint {str(now)[:16]}) than the "
-                    f"step-{trainer['step']} checkpoint in {self.out} was trained on (fingerprint "
+                    f"step-{step} checkpoint in {self.out} was trained on (fingerprint "
                     f"{fingerprint[:16]}): point {key} at that data (its path may change: the fingerprint is "
                     "compared, not the path), or train on this data in a new run (another run.output, or "
                     "run.overwrite=true)")
@@ -192,19 +275,19 @@ class Checkpointing:
                 + (f"step {newest}" if steps else "scratch") + ", or start over with run.overwrite=true")
         return (steps[-1][1] / "state", steps[-1][1]) if steps else None
 
-    def save_checkpoint(self, step: int, metrics: dict[str, Any] | None = None,
-                        stopped_early: dict[str, Any] | None = None) -> None:
+    # ------------------------------------------------------------------ writes
+    def save(self, step: int, metrics: dict[str, Any] | None = None, records: dict[str, Any] | None = None) -> None:
         """Crash-consistent (``rundir.py``): write ``checkpoints/.partial-step-N`` (backbone + objective extras,
         Accelerate state with every rank's RNG), seal it with ``COMPLETE``, rename it to ``step-N``, point the
         ``checkpoint`` link at it, then remove the previous step. ``metrics`` (the end-of-run evaluation) go into
-        the model card and config.json *before* the seal: nothing rewrites a sealed checkpoint; ``stopped_early``
-        (the early stop's summary) goes into ``state/trainer.json``. Weights that are not finite are never saved
-        (:class:`Diverged`); a full disk is a one-line error."""
-        acc, out = self.acc, self.out
-        self.finite.weights(self.objective, step)
+        the model card and config.json *before* the seal: nothing rewrites a sealed checkpoint; ``records`` (the
+        callbacks' ``on_end``: the early stop's summary) go into ``state/trainer.json``. Weights that are not
+        finite are never saved (:class:`Diverged`); a full disk is a one-line error."""
+        acc, out, saved = self.acc, self.out, self.saved
+        self.finite.weights(saved.objective, step)
         partial = partial_dir(out, step)
         acc.wait_for_everyone()
-        metadata = {**self.metadata, "step": step, **({"metrics": metrics, "metrics_split": metrics_split(
+        metadata = {**saved.metadata, "step": step, **({"metrics": metrics, "metrics_split": metrics_split(
             self.config.data)} if metrics else {})}
         try:
             if acc.is_main_process:
@@ -213,19 +296,13 @@ class Checkpointing:
                 partial.mkdir(parents=True)
             acc.wait_for_everyone()
             if acc.is_main_process:
-                self._save_backbone(partial / "checkpoint", metadata)
+                self.save_backbone(partial / "checkpoint", metadata)
             acc.save_state(str(partial / "state"))  # every process writes its own random_states_<rank>.pkl
-            if acc.is_main_process and self.ema is not None:  # run.model_ema's average (the same on every rank)
-                self.ema.save_state(partial / "state")
+            if acc.is_main_process and saved.ema is not None:  # run.model_ema's average (the same on every rank)
+                saved.ema.save_state(partial / "state")
             acc.wait_for_everyone()  # ... before the main process seals the directory
             if acc.is_main_process:
-                (partial / "state" / "trainer.json").write_text(json.dumps({
-                    "step": step, "world_size": acc.num_processes, "global_batch": self.global_batch,
-                    "data": self.fingerprints, **({"stopped_early": stopped_early} if stopped_early else {}),
-                    "config": to_dict(self.config)}))  # what a resume checks config.yaml against
-                final = commit(partial, step)
-                point_checkpoint_link(out, final / "checkpoint")
-                clean(out, keep=final)
+                self._seal(partial, step, records or {})
         except Exception as exc:  # OSError, torch's RuntimeError, SafetensorError: only disk errors are caught
             if not disk_error(exc):
                 raise
@@ -233,73 +310,62 @@ class Checkpointing:
             raise CheckpointError(disk_message(out, step, exc)) from None
         acc.wait_for_everyone()
 
-    def _save_backbone(self, folder: Path, metadata: dict[str, Any]) -> None:
+    def _seal(self, partial: Path, step: int, records: dict[str, Any]) -> None:
+        """``state/trainer.json``, then the seal, the rename, the link and the previous step's removal."""
+        (partial / "state" / "trainer.json").write_text(json.dumps({
+            "step": step, "world_size": self.acc.num_processes, "global_batch": self.saved.global_batch,
+            "data": self.saved.fingerprints, **records,
+            "config": to_dict(self.config)}))  # what a resume checks config.yaml against
+        final = commit(partial, step)
+        point_checkpoint_link(self.out, final / "checkpoint")
+        clean(self.out, keep=final)
+
+    def save_backbone(self, folder: Path, metadata: dict[str, Any]) -> None:
         """The backbone checkpoint folder (``save_pretrained`` + the objective's extra parameters in
         ``objective.safetensors``): what ``checkpoint/``, ``snapshots/*`` and ``best/`` hold. Main process."""
-        save_pretrained(self.backbone, folder, metadata=metadata)
-        extras = {k: v.detach().contiguous().cpu() for k, v in self.acc.unwrap_model(self.objective)
+        save_pretrained(self.saved.backbone, folder, metadata=metadata)
+        extras = {k: v.detach().contiguous().cpu() for k, v in self.acc.unwrap_model(self.saved.objective)
                   .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
         if extras:
             save_file(extras, str(folder / "objective.safetensors"))
 
-    def _snapshot(self, step: int, missing_only: bool = False) -> None:
-        """Keep the backbone of ``step`` (a run.keep_epochs step) in ``snapshots/epoch-E/`` (every rank calls
-        this; the main process writes). ``missing_only``: unless it is there already (the step a run starts at)."""
-        self.finite.weights(self.objective, step)
-        epoch = self.snapshots[step]
-        name = snapshot_name(epoch)
+    def publish(self, name: str, step: int, metadata: dict[str, Any], missing_only: bool = False) -> bool:
+        """The backbone of ``step`` as the folder ``name`` (``snapshots/epoch-E``, ``best``), replaced whole
+        (``metadata`` added to the training's). Every rank calls this (the finite check); the main process writes,
+        unless ``missing_only`` and the folder is there already. True: it was written."""
+        self.finite.weights(self.saved.objective, step)
         if not self.acc.is_main_process or (missing_only and (self.out / name).is_dir()):
-            return
-        publish_folder(self.out / name, lambda folder: self._save_backbone(
-            folder, {**self.metadata, "step": step, "epoch": epoch}))
-        self.log.write({"step": step, "snapshot": name})
-        self._print(f"snapshot: epoch {epoch:g} (step {step}) in {self.out / name}")
+            return False
+        publish_folder(self.out / name, lambda folder: self.save_backbone(
+            folder, {**self.saved.metadata, "step": step, **metadata}))
+        return True
 
-    def _save_best(self, step: int) -> None:
-        """Write ``best/``: the backbone of ``step``, the best evaluation so far (every rank calls this; the main
-        process writes). Called after the checkpoint of that step, so a run resumed from it can rewrite it."""
-        self.finite.weights(self.objective, step)
-        tracker = self.tracker
-        if not self.acc.is_main_process or tracker is None:
-            return
-        metrics = {k: v for k, v in tracker.best_eval.items() if isinstance(v, int | float | str)}
-        publish_folder(self.out / "best", lambda folder: self._save_backbone(folder, {
-            **self.metadata, "step": step, "best_metric": tracker.metric, "best_value": tracker.best,
-            "metrics": metrics, "metrics_split": metrics_split(self.config.data)}))
-
-    def _catch_up(self, step: int) -> None:
-        """What a kill may have left unwritten of the step this run starts at (its weights are loaded): its
-        snapshot (step 0: the initial weights) and ``best/`` when that step is the best. Older ones are on disk
-        (a snapshot step is a checkpoint step, written before its checkpoint; best/ right after its checkpoint)."""
-        if step in self.snapshots:
-            self._snapshot(step, missing_only=True)
-        tracker = self.tracker
-        if not self.acc.is_main_process or tracker is None or tracker.best_step is None:
-            return
-        if folder_step(self.out / "best") != tracker.best_step:
-            if tracker.best_step == step:
-                self._save_best(step)
-            else:
-                print(f"warning: {self.out / 'best'} does not hold the best step ({tracker.best_step}) of the log, "
-                      "whose weights are gone (was it changed by hand?); it is rewritten at the next better "
-                      "evaluation", file=sys.stderr)
-
-    def _print(self, text: str) -> None:
-        """A line of the main process, clear of the progress bar."""
+    def record_run(self, plan: Any, optim: OptimSection, groups: Any) -> None:
+        """``optimizer.json`` (the peak lr, its scaling, and ``groups``: what every parameter really gets) and
+        ``config.yaml``, written by the main process once the resume is accepted: a refused one leaves the run's
+        files alone."""
         if self.acc.is_main_process:
-            (self.bar.write if getattr(self, "bar", None) is not None else print)(text)
+            write_json_atomic(self.out / "optimizer.json", {
+                "lr": plan.peak_lr, "config_lr": optim.lr, "lr_scaling": optim.lr_scaling,
+                "lr_base_batch": plan.lr_base_batch, "global_batch": plan.global_batch,
+                "processes": self.acc.num_processes, "layer_decay": optim.layer_decay,
+                "weight_decay": optim.weight_decay, "parameters": groups})
+            with atomic_file(self.out / "config.yaml") as tmp:
+                tmp.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
 
-    def _report_best(self) -> None:
-        tracker = self.tracker
-        if tracker is not None and tracker.best_step is not None:
-            self._print(f"best: {self.out / 'best'} (step {tracker.best_step}, {tracker.metric} {tracker.best:.4g}): "
-                        "the checkpoint to evaluate")
+    def record_eval(self, step: int, result: dict[str, Any], key: str = "eval", prefix: str = "val/") -> None:
+        """An evaluation of ``step`` in log.jsonl (under ``key``) and the trackers (``prefix``: val/top1, ...).
+        Main process."""
+        self.log.write({"step": step, key: result})
+        if trackers(self.run):  # beside train/*
+            self.acc.log({f"{prefix}{k}": v for k, v in result.items() if isinstance(v, int | float)
+                          and k != "count"}, step=step)
 
+    # ------------------------------------------------------------------ resume
     def resume_step(self) -> int:
         """``run.resume=true``: load the newest complete checkpoint (0: none yet), which the main process checked
-        when the Trainer was made (:meth:`_check_directory`: sealed, intact, as many processes, the same data). A
-        state file the safe loader refuses or cannot read is refused in one line (Accelerate would skip a bad
-        random state)."""
+        in :meth:`claim` (sealed, intact, as many processes, the same data). A state file the safe loader refuses
+        or cannot read is refused in one line (Accelerate would skip a bad random state)."""
         if not self.run.resume:
             return 0
         found = self._newest_state()
@@ -310,51 +376,43 @@ class Checkpointing:
         trainer = json.loads((state / "trainer.json").read_text())
         self.stopped_early = trainer.get("stopped_early")
         load_state_strictly(self.acc, state)
-        if self.ema is not None:
-            self.ema.load_state(state)
+        if self.saved.ema is not None:
+            self.saved.ema.load_state(state)
         return int(trainer["step"])
 
-    def _resume(self) -> int:
+    def resume(self) -> int:
         """The step this session starts at (:meth:`resume_step`), with the run directory made whole for it: what a
-        kill in a snapshot / best/ write left is removed, the log is cut back to that step (the later steps are
-        logged again), early stopping's state replays the log's evaluations up to it, and that step's snapshot and
-        best/ are written where a kill left them unwritten."""
+        kill in a snapshot / best/ write left is removed and the log is cut back to that step (the later steps are
+        logged again). What the callbacks kept of that step is theirs to restore (``on_start``)."""
         step = self.resume_step()
         if self.acc.is_main_process:
             for parent in (self.out, self.out / "snapshots"):  # what a kill in a snapshot / best/ write left
                 tidy_folders(parent)
             if self.run.resume:
                 truncate_log(self.out / "log.jsonl", step)  # the steps after the checkpoint are logged again
-                log = self.out / "log.jsonl"
-                if self.tracker is not None and log.is_file():  # early stopping: the evaluations up to the checkpoint
-                    self.tracker.replay(read_log(log)[0])
-        self._catch_up(step)
         return step
 
-    def _finished(self, step: int, total: int) -> dict[str, Any]:
+    def records(self) -> list[dict[str, Any]]:
+        """log.jsonl's records (main process; none elsewhere or before the first)."""
+        path = self.out / "log.jsonl"
+        return read_log(path)[0] if self.acc.is_main_process and path.is_file() else []
+
+    def finish_resumed(self, step: int, total: int) -> dict[str, Any]:
         """A resumed run that had finished (``step`` of ``total``, or stopped early): nothing to train, nothing to
         rewrite, only what a kill in its last save left undone (the link, the old step). Returns its last
-        evaluation."""
+        evaluation (the last in its log)."""
         if self.acc.is_main_process:
             final = complete_steps(self.out)[-1][1]
             point_checkpoint_link(self.out, final / "checkpoint")
             clean(self.out, keep=final)
         how = f"stopped early at step {step} of {total}" if self.stopped_early else f"step {step} of {total}"
         self.acc.print(f"run.resume=true: {self.out} is complete ({how}); nothing to do")
-        self._report_best()
-        return self._finished_result()
-
-    def _record_run(self, optimizer: dict[str, Any]) -> None:
-        """``optimizer.json`` (``optimizer``: what every parameter really gets) and ``config.yaml``, written by the
-        main process once the resume is accepted: a refused one leaves the run's files alone."""
-        if self.acc.is_main_process:
-            write_json_atomic(self.out / "optimizer.json", optimizer)
-            with atomic_file(self.out / "config.yaml") as tmp:
-                tmp.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
-
-    def _finished_result(self) -> dict[str, Any]:
-        """What a finished run measured at its end (the last evaluation in its log), for a resumed finished run."""
-        path = self.out / "log.jsonl"
-        records = read_log(path)[0] if self.acc.is_main_process and path.is_file() else []
-        evals = [r["eval"] for r in records if isinstance(r.get("eval"), dict)]
+        evals = [r["eval"] for r in self.records() if isinstance(r.get("eval"), dict)]
         return evals[-1] if evals else {}
+
+    def interrupted(self, step: int, signum: int) -> Interrupted:
+        """The stop a signal asked for, after the checkpoint of ``step``: how to resume (exit 128 + signal)."""
+        name = signal.Signals(signum).name
+        launcher = "python" if self.acc.num_processes == 1 else "accelerate launch <the same launch options>"
+        return Interrupted(f"interrupted by {name} at step {step}: checkpoint saved in {self.out}/checkpoints; "
+                           f"resume with: {launcher} {self.command} run.resume=true", 128 + signum)

@@ -95,25 +95,15 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
     normalization = training_statistics(manifest, checkpoint)
-    if manifest.modality == "image":
-        options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, scale=cfg.scale, hflip=cfg.hflip,
-                       auto_augment=cfg.auto_augment, re_prob=cfg.re_prob, **recipe_options(cfg))
-        eval_options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, **eval_recipe_options(cfg))
-    else:
-        options, eval_options = {"noise_bank": cfg.noise_split}, {}
+    options, eval_options = transform_options(cfg, manifest)
     rank, world = (accelerator.process_index, accelerator.num_processes) if split_train else (0, 1)
     budget = int(cfg.memory_budget_mb * 2**20)
     readers, path, held, train_labels = {}, {}, None, None
     for key, m, urls, train, opts in (("data.train", manifest, cfg.train_urls, True, options),
                                       ("data.val", val_manifest, cfg.val_urls, False, eval_options)):
-        augmented = augment and train
         why = None if holdout and not train else memory_choice(cfg, m, budget, key, augment)
-        if why is not None and train and cfg.holdout:
-            raise ConfigError(f"data.holdout={cfg.holdout} needs data.train in memory, but it streams ({why}); set "
-                              "data.in_memory=auto and enough data.memory_budget_mb")
-        if why is not None and train and cfg.label_fraction is not None:
-            raise ConfigError(f"data.label_fraction={cfg.label_fraction} needs data.train in memory, but it streams "
-                              f"({why}); set data.in_memory=auto and enough data.memory_budget_mb")
+        check_streamed(cfg, why, train)
+        statistics = with_statistics(m, normalization)
         if why is None:
             if holdout and not train:
                 split = held  # data.val=holdout: the samples held out of data.train
@@ -121,41 +111,84 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                 split = InMemorySplit.load(m, budget, urls=urls, skip_corrupt=train and cfg.skip_corrupt,
                                            num_workers=cfg.num_workers, verify=cfg.verify_shards)  # in parallel
                 budget -= decoded_bytes(m)
-            if train and cfg.holdout:  # kept out of data.train whichever split validates (the same train images)
-                train_labels = split.labels
-                split, held = hold_out(split, cfg, accelerator)
-            if train and cfg.label_fraction is not None:  # the label-efficiency protocol: a fixed balanced subset
-                split = split.subset(balanced_subset(split.labels, cfg.label_fraction, cfg.label_subset_seed))
-                per_class = torch.bincount(split.labels, minlength=m.num_classes).tolist()
-                accelerator.print(f"data.train: {cfg.label_fraction:.4g} of the labels, {len(split)} samples "
-                                  f"({min(per_class)}-{max(per_class)} per class, data.label_subset_seed="
-                                  f"{cfg.label_subset_seed})")
-            readers[key] = MemoryReader(split, build_batched_transform(with_statistics(m, normalization),
-                                                                       augmented, **opts), seed=seed,
-                                        rank=rank if train else 0, world_size=world if train else 1, shuffle=train,
-                                        device=accelerator.device)
+            if train:
+                split, held, train_labels = training_subset(split, cfg, m.num_classes, accelerator)
+            readers[key] = MemoryReader(split, build_batched_transform(statistics, augment and train, **opts),
+                                        seed=seed, rank=rank if train else 0, world_size=world if train else 1,
+                                        shuffle=train, device=accelerator.device)
             path[key.split(".")[1]] = "memory"
             accelerator.print(f"{key}: in memory on {accelerator.device} ({m.dataset}/{m.split}, {len(split)} "
                               f"samples, {decoded_bytes(m) / 2**20:.3g} MiB decoded), batched "
-                              f"{'augmentation' if augmented else 'preprocessing'} there")
+                              f"{'augmentation' if augment and train else 'preprocessing'} there")
         else:
-            if train:
-                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(with_statistics(m, normalization),
-                                                                                    augment, **opts),
-                                            shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=rank, world_size=world,
-                                            num_workers=cfg.num_workers, seeded_transforms=True,
-                                            skip_corrupt=cfg.skip_corrupt, verify=cfg.verify_shards,
-                                            repeated_aug=cfg.repeated_aug if augment else 1,
-                                            batch_size=cfg.batch_size, drop_last=cfg.drop_last and split_train)
-            else:
-                readers[key] = ShardDataset(m, urls=urls, transform=build_transform(with_statistics(m, normalization),
-                                                                                    False, **opts),
-                                            num_workers=cfg.num_workers, verify=cfg.verify_shards)
+            readers[key] = streamed_reader(cfg, m, urls, statistics, opts, train=train, augment=augment, seed=seed,
+                                           rank=rank, world=world, split_train=split_train)
             path[key.split(".")[1]] = "streaming"
             accelerator.print(f"{key}: streaming from {len(m.shards)} shard(s) with {cfg.num_workers} worker(s) "
                               f"({why})")
     train, val = readers["data.train"], readers["data.val"]
-    train.drop_last = cfg.drop_last and split_train  # training only: evaluation reads every sample
+    finish_readers(cfg, train, val, accelerator, split_train)
+    frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
+    return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
+
+
+def transform_options(cfg: DataSection, manifest: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The transform options of data.train and of the unaugmented reads (audio: the noise bank only)."""
+    if manifest.modality != "image":
+        return {"noise_bank": cfg.noise_split}, {}
+    options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, scale=cfg.scale, hflip=cfg.hflip,
+                   auto_augment=cfg.auto_augment, re_prob=cfg.re_prob, **recipe_options(cfg))
+    return options, dict(pad_to=cfg.pad_to, img_size=cfg.img_size, **eval_recipe_options(cfg))
+
+
+def check_streamed(cfg: DataSection, why: str | None, train: bool) -> None:
+    """data.holdout and data.label_fraction draw from data.train in memory: refused when it streams (``why``)."""
+    if why is not None and train and cfg.holdout:
+        raise ConfigError(f"data.holdout={cfg.holdout} needs data.train in memory, but it streams ({why}); set "
+                          "data.in_memory=auto and enough data.memory_budget_mb")
+    if why is not None and train and cfg.label_fraction is not None:
+        raise ConfigError(f"data.label_fraction={cfg.label_fraction} needs data.train in memory, but it streams "
+                          f"({why}); set data.in_memory=auto and enough data.memory_budget_mb")
+
+
+def training_subset(split: InMemorySplit, cfg: DataSection, num_classes: int,
+                    accelerator: Accelerator) -> tuple[InMemorySplit, InMemorySplit | None, torch.Tensor | None]:
+    """What of data.train (in memory) trains: (the split, the hold-out, the whole split's labels). data.holdout is
+    kept out whichever split validates (the same train images); data.label_fraction keeps a fixed balanced subset
+    (the label-efficiency protocol)."""
+    held, train_labels = None, None
+    if cfg.holdout:
+        train_labels = split.labels
+        split, held = hold_out(split, cfg, accelerator)
+    if cfg.label_fraction is not None:
+        split = split.subset(balanced_subset(split.labels, cfg.label_fraction, cfg.label_subset_seed))
+        per_class = torch.bincount(split.labels, minlength=num_classes).tolist()
+        accelerator.print(f"data.train: {cfg.label_fraction:.4g} of the labels, {len(split)} samples "
+                          f"({min(per_class)}-{max(per_class)} per class, data.label_subset_seed="
+                          f"{cfg.label_subset_seed})")
+    return split, held, train_labels
+
+
+def streamed_reader(cfg: DataSection, m: Manifest, urls: Any, statistics: Any, opts: dict[str, Any], *,
+                    train: bool, augment: bool, seed: int, rank: int, world: int,
+                    split_train: bool) -> ShardDataset:
+    """A split streamed from its shards: data.train shuffled, split by rank, augmented (seeded per sample);
+    data.val read whole and in order."""
+    if not train:
+        return ShardDataset(m, urls=urls, transform=build_transform(statistics, False, **opts),
+                            num_workers=cfg.num_workers, verify=cfg.verify_shards)
+    return ShardDataset(m, urls=urls, transform=build_transform(statistics, augment, **opts),
+                        shuffle_buffer=cfg.shuffle_buffer, seed=seed, rank=rank, world_size=world,
+                        num_workers=cfg.num_workers, seeded_transforms=True, skip_corrupt=cfg.skip_corrupt,
+                        verify=cfg.verify_shards, repeated_aug=cfg.repeated_aug if augment else 1,
+                        batch_size=cfg.batch_size, drop_last=cfg.drop_last and split_train)
+
+
+def finish_readers(cfg: DataSection, train: ShardDataset | MemoryReader, val: ShardDataset | MemoryReader,
+                   accelerator: Accelerator, split_train: bool) -> None:
+    """data.drop_last (training only: evaluation reads every sample), pinned streamed batches, the epoch limits
+    (data.train_limit / data.val_limit) and the line on what a streamed data.train leaves out per epoch."""
+    train.drop_last = cfg.drop_last and split_train
     for reader in (train, val):  # streamed batches go to the device by non_blocking copies
         if isinstance(reader, ShardDataset):
             reader.pin_memory = pins_memory(accelerator.device)
@@ -173,8 +206,6 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
         accelerator.print(f"data.train: {train.dropped(cfg.batch_size)} of {n} samples left out per epoch ("
                           f"{n % world} so that {world} process(es) read as many"
                           + (f", {tail} of ragged last batches under data.drop_last=true" if tail else "") + ")")
-    frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
-    return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
 
 
 def pins_memory(device: torch.device) -> bool:

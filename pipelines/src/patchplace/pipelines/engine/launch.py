@@ -11,6 +11,7 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from patchplace.pipelines.config import MAX_SEED, ConfigError, RunSection, load,
 from patchplace.pipelines.engine import inputs
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.engine.logs import accelerator_log_with
+from patchplace.pipelines.rundir import disk_error, disk_message
 
 
 class Diverged(ValueError):
@@ -85,6 +87,20 @@ def remove_created_output() -> None:
         except OSError:
             break
     _CREATED.clear()
+
+
+def reported(fit: Callable[[], dict[str, Any]], out: Path) -> tuple[dict[str, Any], int]:
+    """``fit()`` for a pipeline's ``main``: (last evaluation, exit code). An interruption prints how to resume
+    (exit 143 / 130), an error training meets prints one line (exit 2)."""
+    try:
+        try:
+            return fit(), 0
+        except OSError as exc:  # a write outside a checkpoint (log, config, optimizer.json, a tracker)
+            if not disk_error(exc):
+                raise
+            raise DiskFull(disk_message(out, None, exc)) from None
+    except (Interrupted, *RUN_ERRORS) as exc:  # e.g. a full disk, a corrupt checkpoint, a bad shard, a NaN loss
+        return {}, report(exc)
 
 
 def report(exc: BaseException) -> int:

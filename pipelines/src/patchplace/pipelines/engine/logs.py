@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from patchplace.data.atomic import atomic_file
@@ -23,6 +24,18 @@ def say(text: str, file: Any = None) -> None:
     stream = sys.stdout if file is None else file
     tqdm.write(text, file=stream)
     stream.flush()
+
+
+class Console:
+    """The main process's lines during a training, clear of the Trainer's progress bar once it runs (``bar``)."""
+
+    def __init__(self, main: bool) -> None:
+        self.main = main
+        self.bar: tqdm | None = None
+
+    def print(self, text: str) -> None:
+        if self.main:
+            (self.bar.write if self.bar is not None else print)(text)
 
 
 class JsonlLog:
@@ -140,3 +153,29 @@ def tracker_project(run: Any) -> str:
     """The ``init_trackers`` project: "tensorboard" for TensorBoard alone (output/tensorboard/), else
     ``run.log_project``."""
     return "tensorboard" if trackers(run) == ["tensorboard"] else run.log_project
+
+
+class StepLog:
+    """A training step's record in log.jsonl (and the trackers' train/*): the objective's scalars averaged over
+    ranks, the lr the step trained with (groups carry it x their layer-decay lr_scale), the epoch, the weight decay
+    under a schedule of it, the throughput (``meter``), the shards data.skip_corrupt skipped; the bar's loss."""
+
+    def __init__(self, acc: Any, log: JsonlLog, run: Any, data: Any, meter: Throughput, bar: tqdm,
+                 decaying: Any | None) -> None:
+        self.acc, self.log, self.run, self.data, self.meter, self.bar = acc, log, run, data, meter, bar
+        self.decaying = decaying  # the optimizer whose weight decay follows optim.weight_decay_end, else None
+
+    def write(self, step: int, epoch: int, out: dict[str, Any], lr: float) -> None:
+        acc = self.acc
+        scalars = {k: float(acc.reduce(v.detach().float(), "mean")) for k, v in out.items()
+                   if torch.is_tensor(v) and v.numel() == 1}
+        scalars.update(lr=lr, epoch=epoch)
+        if self.decaying is not None:  # the weight decay the decaying groups trained with
+            scalars["wd"] = max(group["weight_decay"] for group in self.decaying.param_groups)
+        scalars.update(self.meter.record(acc.num_processes))
+        if self.data.train.skipped:  # data.skip_corrupt (counted in this process; workers warn)
+            scalars["skipped_shards"] = len(set(self.data.train.skipped))
+        self.log.write({"step": step, **scalars, "world_size": acc.num_processes, "data": self.data.path})
+        if trackers(self.run):  # namespaced as TensorBoard groups them: train/loss, train/lr, ...
+            acc.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+        self.bar.set_postfix(loss=f"{scalars['loss']:.4f}")

@@ -1,17 +1,21 @@
 """The optimizer and its lr schedule: AdamW on the objective's parameter groups, the warm-up + cosine factor set
-before every optimizer step (:class:`StepSchedule`), and ``run.compile``'s regional compilation."""
+before every optimizer step (:class:`StepSchedule`), ``run.compile``'s regional compilation, and the objective and
+optimizer prepared for DDP (:func:`prepare_model`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
 from patchplace.finetune import build_optimizer
 from patchplace.models.backbone import Block
 from patchplace.pipelines.config import ConfigError, OptimSection
+from patchplace.pipelines.engine.schedules import lr_factor, warmup_length, weight_decay_schedule
 
 
 def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
@@ -28,16 +32,18 @@ def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
         raise ConfigError(f"optim.layer_decay: {exc}") from None
 
 
-def compile_blocks(model: nn.Module, mode: str) -> int:
+def compile_blocks(model: nn.Module, mode: str, say: Callable[[str], None] | None = None) -> int:
     """``run.compile``: torch.compile every Transformer block of ``model`` in place (``nn.Module.compile``: regional
     compilation, the blocks of the backbone and of any decoder / predictor; parameter names and checkpoints
-    unchanged). Returns how many blocks were compiled."""
+    unchanged). Returns how many blocks were compiled (``say``: a line naming them, when there are)."""
     if mode == "no":
         return 0
     kwargs = {"backend": "aot_eager"} if mode == "aot_eager" else {"mode": mode}
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(**kwargs)
+    if blocks and say is not None:
+        say(f"run.compile={mode}: {len(blocks)} Transformer blocks compiled (the first steps compile them)")
     return len(blocks)
 
 
@@ -69,6 +75,13 @@ class StepSchedule:
         # optim.weight_decay_end: the groups built with a weight decay follow it; norms, biases, PEs, tokens stay 0
         self.decays = [group["weight_decay"] > 0 for group in optimizer.param_groups]
 
+    @classmethod
+    def of_run(cls, optimizer: torch.optim.Optimizer, cfg: OptimSection, per_epoch: int, total: int,
+               peak_lr: float) -> StepSchedule:
+        """The run's warm-up + lr schedule (and weight-decay schedule) over ``total`` steps (``schedules.py``)."""
+        warmup = warmup_length(cfg, per_epoch, total)
+        return cls(optimizer, lr_factor(cfg, total, warmup, peak_lr), weight_decay_schedule(cfg, total))
+
     def set(self, step: int) -> float:
         """Give every group its lr (and, with a weight-decay schedule, the decaying groups their weight decay) for
         optimizer step ``step`` (0-based); returns the lr factor."""
@@ -81,3 +94,15 @@ class StepSchedule:
                 if decays:
                     group["weight_decay"] = decay
         return factor
+
+
+def prepare_model(acc: Any, objective: nn.Module, optimizer: torch.optim.Optimizer,
+                  find_unused: bool | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``acc.prepare`` of the objective and its optimizer, DDP with ``find_unused_parameters`` per
+    ``run.find_unused_parameters`` (null, auto: only objectives that may leave a parameter without gradient, MJP's
+    ``leaves_parameters_unused``). The schedule is not prepared: Accelerate's wrapper would step it once per process
+    (:class:`StepSchedule`)."""
+    if find_unused is None:
+        find_unused = bool(getattr(objective, "leaves_parameters_unused", False))
+    acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=find_unused)
+    return acc.prepare(objective, optimizer)

@@ -1,0 +1,49 @@
+"""The command lines' entry points (pipelines/*.py, the ``patchplace-*`` console scripts): ``--help`` is answered
+from the torch-free config classes (:mod:`patchplace.pipelines.commands`) and the command module's docstring read
+from its source, in about a second; anything else imports the command (torch, timm, accelerate) and runs it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from patchplace.pipelines import commands
+from patchplace.pipelines.config import parser
+
+CONFIGS = {"pretrain": commands.PretrainConfig, "finetune": commands.FinetuneConfig,
+           "evaluate": commands.EvaluateConfig}
+
+
+def help_asked(argv: list[str]) -> bool:
+    """Whether argparse would print the help for ``argv`` (``-h`` / ``--help`` or an abbreviation of it)."""
+    return any(arg == "-h" or (len(arg) > 3 and "--help".startswith(arg)) for arg in argv)
+
+
+def description(command: str) -> str:
+    """The docstring of ``patchplace.pipelines.<command>``, read from its source without running it."""
+    spec = importlib.util.find_spec(f"patchplace.pipelines.{command}")
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text()), clean=False) or ""
+
+
+def main(command: str, argv: list[str] | None = None) -> int:
+    """``command``'s main on ``argv`` (default: the process's arguments); ``--help`` without importing it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if help_asked(argv):
+        argv = commands.expand_flags(argv) if command == "evaluate" else argv
+        parser(CONFIGS[command], description(command), argv).parse_args(argv)  # prints the help, exits 0
+    return importlib.import_module(f"patchplace.pipelines.{command}").main(argv)
+
+
+def pretrain() -> int:
+    return main("pretrain")
+
+
+def finetune() -> int:
+    return main("finetune")
+
+
+def evaluate() -> int:
+    return main("evaluate")

@@ -1,0 +1,315 @@
+"""The config classes of the command lines (pretrain.py, finetune.py, evaluate.py): the sections of config.py
+plus each command's own, importable without torch so that ``--help`` starts in a second (what they validate
+against that lives beside torch, e.g. the registered methods, is imported when they validate)."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from patchplace.pipelines import objective_fields
+from patchplace.pipelines.config import (
+    HELP_WIDTH,
+    MAX_SEED,
+    ConfigError,
+    DataSection,
+    ModelSection,
+    OptimSection,
+    RunSection,
+    field_entry,
+    help_values,
+    source_of,
+)
+
+if TYPE_CHECKING:
+    from patchplace.finetune import AttackConfig, ProbeRecipe
+
+
+@dataclass
+class PretrainConfig:
+    """``method`` picks the objective; ``objective`` holds its config fields (paper defaults otherwise)."""
+
+    method: str = "mp3"  # a registered method (listed at the end of --help)
+    objective: dict[str, Any] = field(default_factory=dict)  # the method's fields (listed below), e.g. {eta: 0.5}
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1.5e-3, betas=(0.9, 0.95)))
+    run: RunSection = field(default_factory=lambda: RunSection(output="runs/pretrain"))
+
+    @staticmethod
+    def help_fields(argv: list[str], config: PretrainConfig | None = None,
+                    sources: dict[str, str] | None = None) -> list[str]:
+        """--help: the objective fields of the method in force (``config``: the command line's --config and
+        overrides, else read from ``argv``; mp3 where its method is not registered), with their values and what
+        each means (without torch: :mod:`patchplace.pipelines.objective_fields`)."""
+        if config is None:
+            config, sources, _ = help_values(PretrainConfig, argv)
+        registered = objective_fields.methods()
+        method = config.method if config.method in registered else "mp3"
+        spec = registered[method]
+        given = config.objective if isinstance(config.objective, dict) and set(config.objective) <= set(
+            spec.defaults) else {}  # unknown fields: the defaults (the run would refuse them)
+        values = {**spec.defaults, **given}
+        entries = [field_entry(f"objective.{name}", value, spec.docs.get(name),
+                               source_of(sources or {}, f"objective.{name}")) for name, value in values.items()]
+        return [f"objective fields of method={method} (objective.field=value; another method: method=<name> "
+                "--help):", *entries, "",
+                *textwrap.wrap(f"methods: {', '.join(registered)}", HELP_WIDTH, break_on_hyphens=False)]
+
+    def validate(self) -> None:
+        from patchplace.objectives import get_method, method_names  # (imports torch)
+
+        if self.method not in method_names():
+            raise ConfigError(f"method {self.method!r} is not one of {method_names()}")
+        get_method(self.method).config(self.objective)  # unknown / out-of-range fields fail here
+        if (self.data.mixup or self.data.cutmix) and not get_method(self.method).needs_head:
+            labelled = ", ".join(n for n in method_names() if get_method(n).needs_head)
+            raise ConfigError(f"data.mixup={self.data.mixup} / data.cutmix={self.data.cutmix} mix labels, and method="
+                              f"{self.method} trains without them: set both to 0 (methods trained with labels: "
+                              f"{labelled})")
+
+
+
+# mean_fc_norm: MAE's / DropPos's --global_pool (MAE models_vit.py; timm global_pool='avg', fc_norm=True): the mean
+# of the patch tokens through a fresh LayerNorm fc_norm, the final norm after the blocks dropped
+POOLS = ("cls", "mean", "mean_fc_norm")
+POOL_WORDS = {"cls": "the class token", "mean": "average-pooled patch tokens",
+              "mean_fc_norm": "average-pooled patch tokens through a LayerNorm (fc_norm, no final norm)"}
+
+
+@dataclass
+class FinetuneSection:
+    """Fine-tuning recipe (DeiT / MAE style, scaled to small data)."""
+
+    pos_embed: str | None = "learned"  # PE for fine-tuning; None keeps the checkpoint's mode
+    # where a learned PE starts: random (trunc-normal .02 when the PE mode changes; a table of the same mode is kept)
+    # | sincos2d (the fixed 2-D sin-cos values, trainable: MAE's fine-tuning) | checkpoint (the checkpoint's table)
+    pos_embed_init: str = "random"
+    # cls | mean | mean_fc_norm (the mean through a fresh LayerNorm, no final norm: MAE's / DropPos's --global_pool):
+    # the feature the head reads; None: the checkpoint's finetune_pool
+    global_pool: str | None = None
+    drop_path: float = 0.1  # stochastic depth rate (timm DropPath, linear over the blocks)
+    label_smoothing: float = 0.1  # of the (soft) targets
+    mixup: float = 0.8  # Mixup alpha (0: off; timm Mixup)
+    cutmix: float = 1.0  # CutMix alpha (0: off)
+    mixup_prob: float = 1.0  # probability of mixing a batch at all
+
+    def validate(self) -> None:
+        if self.global_pool not in (None, *POOLS):
+            raise ConfigError(f"finetune.global_pool must be one of {POOLS} or null (the checkpoint's finetune_pool), "
+                              f"got {self.global_pool!r}")
+        from patchplace.finetune.setup import POS_EMBED_INITS  # (patchplace.finetune imports torch)
+
+        if self.pos_embed_init not in POS_EMBED_INITS:
+            raise ConfigError(f"finetune.pos_embed_init must be one of {POS_EMBED_INITS}, got {self.pos_embed_init!r}")
+        if self.pos_embed_init != "random" and self.pos_embed != "learned":
+            raise ConfigError(f"finetune.pos_embed_init={self.pos_embed_init} starts a learned PE: set "
+                              f"finetune.pos_embed=learned (got {self.pos_embed})")
+        if not 0 <= self.drop_path < 1 or not 0 <= self.label_smoothing < 1 or not 0 <= self.mixup_prob <= 1:
+            raise ConfigError("finetune.drop_path / label_smoothing must be in [0, 1), mixup_prob in [0, 1]")
+
+
+@dataclass
+class FinetuneConfig:
+    """``model.checkpoint`` = a pretrain run's checkpoint/ (empty: train ``model.preset`` from scratch)."""
+
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-3, layer_decay=0.75))
+    run: RunSection = field(default_factory=lambda: RunSection(output="runs/finetune"))
+
+    def validate(self) -> None:
+        d = self.data
+        if d.mixup or d.cutmix or (d.mixup_prob, d.mixup_switch_prob) != (1.0, 0.5):
+            raise ConfigError("data.mixup / data.cutmix / data.mixup_prob / data.mixup_switch_prob are pretrain.py's; "
+                              "fine-tuning mixes with finetune.mixup / finetune.cutmix / finetune.mixup_prob")
+
+
+
+@dataclass
+class EvalSection:
+    """What to compute (each can be switched off), with how much data, and the linear probe's recipe
+    (docs/pipelines.md#evaluation-protocols: MAE / RandSAC's LARS, StoP / I-JEPA's VISSL SGD and 1% logistic
+    regression)."""
+
+    linear_probe: bool = True  # linear classifier on frozen features, 100% (eval.probe_layers) and low-label
+    knn: bool = True  # kNN top-1 per layer (MP3 App. C)
+    position_probe: bool = True  # linear probe of each patch token's position (DropPos Table 7)
+    consistency_ratios: tuple[float, ...] = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP eval gammas (classifiers)
+    # train samples the probes (and the kNN) train on, drawn at random (run.seed) from data.train; 0 or null: the
+    # whole split (features are streamed through a store on disk: memory does not grow with it)
+    probe_train_samples: int | None = 5000
+    probe_epochs: int = 100  # epochs of each linear probe (MAE / RandSAC 90, VISSL 28)
+    # a second probe (eval.label_probe) on this class-balanced fraction of the probe's samples (StoP: 1%); 0: none
+    low_label_fraction: float = 0.01
+    # linear probes trained on these class-balanced fractions of the *whole* data.train (the label-efficiency
+    # protocol: the same subsets as fine-tuning with data.label_fraction, picked by data.label_subset_seed)
+    label_fractions: tuple[float, ...] = ()
+    # one probe (eval.label_probe) per file listing train samples, one name a line: SimCLR's ImageNet
+    # 1percent.txt / 10percent.txt (n01440764_10026.JPEG), or paths under the split folder
+    label_subset_files: tuple[str, ...] = ()
+    # the low-label probes (low_label_fraction, label_fractions, label_subset_files): linear (the recipe below) |
+    # logistic (StoP's 1% protocol, logistic_eval.py: multinomial L2 logistic regression, standardized features)
+    label_probe: str = "linear"
+    logistic_lambda: float = 0.0025  # label_probe=logistic: L2 lambda, divided by the sample count (StoP README)
+    # features of the 100% linear probe: last (the final-normed last block) and / or last4 (the last 4 blocks,
+    # each final-normed and pooled, concatenated: StoP Table 1 "100%, last 4 layers")
+    probe_layers: tuple[str, ...] = ("last",)
+    # bn_linear: BatchNorm without affine + Linear (MAE) | bn_affine_linear: BatchNorm + Linear (VISSL
+    # eval_mlp) | linear
+    probe_head: str = "bn_linear"
+    probe_optimizer: str = "adamw"  # adamw | lars (MAE / RandSAC: timm's Lars) | sgd (Nesterov momentum: VISSL)
+    probe_lr: float = 1e-2  # absolute, or per eval.probe_lr_batch samples when that is > 0 (MAE 0.1, VISSL 0.01)
+    probe_lr_batch: int = 0  # > 0: lr = probe_lr x probe_batch / this (256: MAE, VISSL); 0: probe_lr is absolute
+    probe_batch: int = 256  # the probe's batch, on one process (MAE 16384, VISSL 256)
+    probe_warmup_epochs: float = 0.0  # linear warm-up from 0 (MAE / RandSAC 10)
+    # cosine: half cycle to 0 by fractional epoch (MAE) | step: x eval.probe_lr_gamma at each milestone (VISSL)
+    probe_schedule: str = "cosine"
+    probe_milestones: tuple[int, ...] = ()  # probe_schedule=step: the epochs of the lr drops (VISSL 8, 16, 24)
+    probe_lr_gamma: float = 0.1  # probe_schedule=step: the lr's factor at each milestone
+    probe_weight_decay: float = 0.0  # never on BatchNorm parameters (MAE / RandSAC 0, VISSL 5e-4)
+    probe_momentum: float = 0.9  # lars / sgd momentum
+    probe_init_std: float = 0.0  # > 0: trunc-normal linear weight of this std, zero bias (MAE 0.01); 0: torch's
+    keep_features: bool = False  # keep run.output/features/ (each split's stored features, .npy) after evaluating
+    max_eval_samples: int = 2000  # images for the method curves (eta curve, DropPos grid, consistency)
+
+    def validate(self) -> None:
+        if any(not 0 < f <= 1 for f in self.label_fractions):
+            raise ConfigError(f"eval.label_fractions must be in (0, 1] (e.g. [0.01, 0.1]), got "
+                              f"{list(self.label_fractions)}")
+        if (self.probe_train_samples or 0) < 0 or not 0 <= self.low_label_fraction <= 1:
+            raise ConfigError(f"eval.probe_train_samples must be >= 0 (0: the whole split) and "
+                              f"eval.low_label_fraction in [0, 1], got {self.probe_train_samples}, "
+                              f"{self.low_label_fraction}")
+        if not self.probe_layers or set(self.probe_layers) - {"last", "last4"}:
+            raise ConfigError(f"eval.probe_layers must list last and / or last4, got {list(self.probe_layers)}")
+        if self.label_probe not in ("linear", "logistic") or self.logistic_lambda <= 0:
+            raise ConfigError(f"eval.label_probe must be linear or logistic and eval.logistic_lambda > 0, got "
+                              f"{self.label_probe!r}, {self.logistic_lambda}")
+        try:
+            self.recipe().validate()
+        except ValueError as exc:
+            raise ConfigError(f"eval.probe_*: {exc}") from None
+
+    def recipe(self) -> ProbeRecipe:
+        """The linear probe's recipe these fields give."""
+        from patchplace.finetune import ProbeRecipe  # (imports torch)
+
+        return ProbeRecipe(head=self.probe_head, optimizer=self.probe_optimizer, lr=self.probe_lr,
+                           lr_batch=self.probe_lr_batch, batch_size=self.probe_batch, epochs=self.probe_epochs,
+                           warmup_epochs=self.probe_warmup_epochs, schedule=self.probe_schedule,
+                           milestones=tuple(self.probe_milestones), gamma=self.probe_lr_gamma,
+                           weight_decay=self.probe_weight_decay, momentum=self.probe_momentum,
+                           init_std=self.probe_init_std)
+
+
+@dataclass
+class PrivacySection:
+    """Gradient-inversion privacy evaluation (MJP §5.4, Table 5): which images and settings, plus the
+    gradient-matching attack's own fields (patchplace.finetune's ``AttackConfig``: steps, lr, distance, tv_weight,
+    optimizer, ...: written out here in its order, so that --help imports no torch; tests/test_help_without_torch.py
+    holds them equal)."""
+
+    steps: int = 200  # gradient-matching attack (a CPU budget)
+    lr: float = 0.1  # attack optimizer step size
+    distance: str = "cosine"  # "cosine" (Geiping et al.) or "l2" (DLG)
+    tv_weight: float = 1e-4  # total-variation prior of the gradient-matching attack
+    optimizer: str = "adam"  # "adam" (signed gradients, lr x0.1 at 3/8, 5/8, 7/8 of the steps) or "lbfgs"
+    restarts: int = 1  # independent random starts; the best final gradient distance wins
+    known_labels: bool = True  # False: labels inferred from the classifier bias gradient (iDLG)
+    seed: int = 0  # the dummy images' initialization
+    enabled: bool = False  # also --privacy
+    images: int = 10  # one test image per class (first occurrences), up to this many (the paper: one per class)
+    batch_size: int = 1  # images per client update; the APRIL analytic attack needs 1
+    ratio: float = 0.27  # masked-jigsaw gamma of settings (b) / (c) (Table 5 uses MJP with gamma = 0.27)
+    analytic: bool = True  # APRIL's closed form, for models with a learnable PE
+
+    def attack(self) -> AttackConfig:
+        from patchplace.finetune import AttackConfig  # (imports torch)
+
+        return AttackConfig(**{f.name: getattr(self, f.name) for f in fields(AttackConfig)})
+
+    def validate(self) -> None:
+        from patchplace.finetune import PrivacyError  # (imports torch)
+
+        try:
+            self.attack().validate()
+        except PrivacyError as exc:
+            raise ConfigError(f"privacy: {exc}") from None
+        if self.images < 1 or self.batch_size < 1 or not 0 < self.ratio < 1:
+            raise ConfigError("privacy.images and privacy.batch_size must be >= 1 and privacy.ratio in (0, 1)")
+
+
+@dataclass
+class EvalDataSection(DataSection):
+    """The splits and their reading, as for training; every split is read unaugmented: these class values stand in
+    for training's augmentation fields (not fields here, so not read from a config)."""
+
+    scale: ClassVar[tuple[float, float]] = (1.0, 1.0)
+    hflip: ClassVar[float] = 0.0
+    auto_augment: ClassVar[str | None] = None
+    re_prob: ClassVar[float] = 0.0
+    re_mode: ClassVar[str] = "const"
+    re_count: ClassVar[int] = 1
+    repeated_aug: ClassVar[int] = 1
+    grayscale: ClassVar[float] = 0.0
+    gaussian_blur: ClassVar[float] = 0.0
+    color_jitter: ClassVar[float] = 0.0
+    mixup: ClassVar[float] = 0.0
+    cutmix: ClassVar[float] = 0.0
+    mixup_prob: ClassVar[float] = 1.0
+    mixup_switch_prob: ClassVar[float] = 0.5
+    noise_split: ClassVar[str | None] = None
+
+
+@dataclass
+class EvalModelSection:
+    """The checkpoint evaluated; it brings its architecture (no preset, no overrides)."""
+
+    checkpoint: str | None = None  # required: the checkpoint/ (or best/) directory of a pretrain or finetune run
+    attention: str = "sdpa"  # attention kernel: sdpa | math (the materialised softmax); the same numbers either way
+
+    def validate(self) -> None:
+        ModelSection.validate(self)  # model.attention, as for training
+
+
+@dataclass
+class EvalRunSection:
+    """Where the results go, and the seed. Evaluation runs in full precision, without gradient accumulation or
+    TensorBoard: the class values below stand in for training's fields of the Accelerator."""
+
+    output: str = "runs/evaluate"  # results.json, report.md and the plots
+    seed: int = 0  # every RNG (random, numpy, torch) and the data readers start from it
+    overwrite: bool = False  # replace the results of an earlier evaluation in run.output (without it: refused)
+    mixed_precision: ClassVar[str] = "no"
+    grad_accum: ClassVar[int] = 1
+    tensorboard: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        if not 0 <= self.seed < MAX_SEED:
+            raise ConfigError(f"run.seed must be in [0, 2**31), got {self.seed}")
+
+
+@dataclass
+class EvaluateConfig:
+    eval: EvalSection = field(default_factory=EvalSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
+    data: EvalDataSection = field(default_factory=EvalDataSection)
+    model: EvalModelSection = field(default_factory=EvalModelSection)
+    run: EvalRunSection = field(default_factory=EvalRunSection)
+    # the training sections these stand for: a training config loads too, the fields evaluation's sections lack are
+    # accepted, ignored and named at the end of --help (config.unread_fields)
+    shares: ClassVar[dict[str, type]] = {"data": DataSection, "model": ModelSection, "run": RunSection}
+
+    def validate(self) -> None:
+        if not self.model.checkpoint:
+            raise ConfigError("model.checkpoint is required: the checkpoint/ directory of a pretrain or finetune run")
+
+
+def expand_flags(argv: list[str]) -> list[str]:
+    """evaluate.py's shorthand flags as the overrides they stand for (``--privacy``: ``privacy.enabled=true``)."""
+    if "--privacy" not in argv:
+        return argv
+    return [a for a in argv if a != "--privacy"] + ["privacy.enabled=true"]

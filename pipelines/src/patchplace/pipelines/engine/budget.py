@@ -1,0 +1,104 @@
+"""A training's batch and budget, and the checks across config sections that the Trainer makes before it touches
+the run directory: the global batch and the peak lr ``optim.lr_scaling`` gives it (:func:`plan_batch`), whether
+such a batch can be formed from data.train (:func:`check_batch`), the steps per epoch and in all (:func:`budget`),
+the start line under several processes (:func:`start_line`), and ``run.finite_check=lazy``'s need of a fused AdamW
+(:func:`check_finite_mode`)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from accelerate import Accelerator
+
+from patchplace.data import DataError, ShardDataset
+from patchplace.data.memory import MemoryReader
+from patchplace.pipelines.config import ConfigError, OptimSection, RunSection
+from patchplace.pipelines.engine.schedules import schedule_words, warmup_length
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The samples of one optimizer step: per process (data.batch_size x run.grad_accum) and in all, the global
+    batch ``optim.lr`` is given at (``optim.lr_base_batch``, default the per-process batch) and the peak lr the
+    scaling rule gives this run (recorded in the model card and optimizer.json)."""
+
+    per_process: int
+    global_batch: int
+    lr_base_batch: int
+    peak_lr: float
+
+
+def plan_batch(batch_size: int, grad_accum: int, optim: OptimSection, processes: int) -> BatchPlan:
+    per_process = batch_size * grad_accum
+    return BatchPlan(per_process, per_process * processes, optim.lr_base_batch or per_process,
+                     optim.scaled_lr(per_process * processes, default_base=per_process))
+
+
+def check_batch(plan: BatchPlan, train: ShardDataset | MemoryReader, batch_size: int, grad_accum: int,
+                processes: int) -> None:
+    """An optimizer step's samples (data.batch_size x run.grad_accum) must fit in what each process reads of
+    data.train per epoch: a larger batch cannot be formed (the loader would give smaller ones, while the lr
+    scaling, the model card and the logged throughput counted the asked one)."""
+    available = len(train)
+    if plan.per_process <= available:
+        return
+    dropping, train.drop_last = train.drop_last, False
+    try:  # the hint counts the split's samples (a streamed reader's length under data.drop_last: whole batches)
+        available = len(train)
+    finally:
+        train.drop_last = dropping
+    m = train.manifest
+    asked = f"data.batch_size={batch_size}" + (f" x run.grad_accum={grad_accum}" if grad_accum > 1 else "")
+    fix = (f"set data.batch_size <= {available // grad_accum}" if available >= grad_accum else
+           f"set data.batch_size x run.grad_accum <= {available}")
+    raise ConfigError(f"{asked} asks for {plan.per_process} samples per optimizer step on each of {processes} "
+                      f"process(es) (global batch {plan.global_batch}), but data.train ({m.dataset}/{m.split}) gives "
+                      f"each process {available} samples per epoch: no such batch can be formed; {fix} (or train on "
+                      "more data)")
+
+
+def budget(train: ShardDataset | MemoryReader, batch_size: int, grad_accum: int,
+           optim: OptimSection) -> tuple[int, int]:
+    """(optimizer steps per epoch, total optimizer steps)."""
+    per_epoch = max(1, train.num_batches(batch_size) // grad_accum)
+    return per_epoch, optim.max_steps or max(1, round(optim.epochs * per_epoch))
+
+
+def start_line(acc: Accelerator, optim: OptimSection, plan: BatchPlan, per_epoch: int, total: int) -> None:
+    """Under several processes, one line on stdout: the batch per process and in all, the peak lr after
+    ``optim.lr_scaling``, the warm-up steps and the schedule. A warm-up given in steps or epochs that outlasts
+    the run is warned about (its lr never reaches the peak)."""
+    warmup = warmup_length(optim, per_epoch, total)
+    if acc.num_processes > 1:
+        rule = f" from global batch {plan.lr_base_batch}" if optim.lr_scaling != "none" else ""
+        acc.print(f"{acc.num_processes} processes x {plan.per_process} samples per step (data.batch_size x "
+                  f"run.grad_accum) = global batch {plan.global_batch}; peak lr {plan.peak_lr:.4g} (optim.lr "
+                  f"{optim.lr:g}, optim.lr_scaling={optim.lr_scaling}{rule}); "
+                  f"{schedule_words(optim, warmup, total)}")
+    if warmup >= total and (optim.warmup_steps is not None or optim.warmup_epochs is not None) and \
+            acc.is_main_process:
+        print(f"warning: the warm-up ({warmup} steps) is not shorter than the run ({total} steps): the lr never "
+              "reaches its peak", file=sys.stderr)
+
+
+def check_finite_mode(run: RunSection, optimizer: Any) -> None:
+    """``run.finite_check=lazy`` skips a non-finite step inside AdamW's fused kernel: it needs one."""
+    if run.finite_check == "lazy" and not optimizer.defaults.get("fused"):
+        raise ConfigError("run.finite_check=lazy skips a non-finite step inside AdamW's fused kernel: set "
+                          "optim.fused=true (null means fused on a GPU only), or run.finite_check=step")
+
+
+def scaling_line(acc: Accelerator, optim: OptimSection, plan: BatchPlan) -> None:
+    """One process under ``optim.lr_scaling``: the peak lr it gives (several: in :func:`start_line`)."""
+    if optim.lr_scaling != "none" and acc.num_processes == 1:
+        acc.print(f"optim.lr_scaling={optim.lr_scaling}: peak lr {optim.lr:g} at global batch {plan.lr_base_batch} "
+                  f"-> {plan.peak_lr:.4g} at global batch {plan.global_batch} ({acc.num_processes} process(es))")
+
+
+def no_batches(epoch: int) -> DataError:
+    """An epoch of data.train without a batch while steps of the budget are left."""
+    return DataError(f"epoch {epoch} of data.train yielded 0 batch(es), none left to train on (data.skip_corrupt "
+                     "skipped every shard of this process?): check the split with "
+                     "`python -m patchplace.data verify <split dir>`")
