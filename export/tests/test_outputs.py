@@ -152,7 +152,8 @@ def test_an_output_that_cannot_be_written_is_one_line_before_any_work(toy, tmp_p
     (tmp_path / "ev" / "results.json").mkdir(parents=True)
     read_only = Path("/proc/patchplace-test")  # no process, root included, creates files in /proc
     exports = {str(tmp_path / "model.onnx"): "is a directory", str(a_file / "m.onnx"): "is a file, not a directory",
-               str(read_only / "m.onnx"): "cannot create files in /proc"}
+               str(read_only / "m.onnx"): "cannot create files in /proc",
+               str(tmp_path / ("a" * 300 + ".onnx")): "305 bytes long, and this file system takes names of at most"}
     for out, said in exports.items():
         assert export_main([str(toy / "ckpt_a"), "--out", out, "--data", str(toy / "shards" / "test")]) == 2
         assert said in _one_line(capsys.readouterr().err), out

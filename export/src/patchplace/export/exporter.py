@@ -52,6 +52,7 @@ import onnxscript  # noqa: F401 - torch.onnx.export(dynamo=True) builds the grap
 import torch
 from torch import nn
 
+from patchplace.data.atomic import path_problem
 from patchplace.data.manifest import sha256_file
 from patchplace.data.mfcc import MFCC
 from patchplace.models import Backbone, ModelError, load_pretrained
@@ -358,6 +359,8 @@ def check_out(out: str | os.PathLike) -> Path:
     sidecar ``NAME.json`` and the int8 copy ``NAME.int8.onnx`` are named from it), an int8 copy's name, a directory
     where the model, its sidecar or its int8 copy go, or a place that cannot be written. -> ``out`` as a Path."""
     out = Path(out)
+    if problem := path_problem("--out", out):
+        raise ExportError(problem)
     if not out.name.endswith(".onnx") or out.name == ".onnx":
         raise ExportError(f"--out {out}: name the model NAME.onnx (e.g. --out {out.with_name(out.name + '.onnx')}"
                           f"): its sidecar NAME.json and int8 copy NAME.int8.onnx are named from it")

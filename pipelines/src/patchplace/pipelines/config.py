@@ -19,7 +19,6 @@ import inspect
 import io
 import json
 import math
-import os
 import re
 import textwrap
 import tokenize
@@ -74,24 +73,11 @@ def one_line(exc: BaseException) -> str:
 
 
 def check_path(key: str, path: str) -> None:
-    """A :class:`ConfigError` for a path this file system cannot hold (ENAMETOOLONG: a part longer than its
-    NAME_MAX, or the whole longer than its PATH_MAX, read from the deepest folder of it that exists), before
-    anything is created or read (a 300-character name was an OSError traceback)."""
-    absolute = os.path.abspath(path)
-    folder = absolute
-    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:  # (isdir: False on ENAMETOOLONG)
-        folder = os.path.dirname(folder)
-    try:
-        name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
-    except (OSError, ValueError):  # no limits to read: the system call will say
-        return
-    longest = max(Path(absolute).parts, key=lambda part: len(os.fsencode(part)))
-    if len(os.fsencode(longest)) > name_max:
-        raise ConfigError(f"{key}: the name {longest[:24]}... in it is {len(os.fsencode(longest))} bytes long, and "
-                          f"this file system takes names of at most {name_max}: choose a shorter {key}")
-    if len(os.fsencode(absolute)) >= path_max:
-        raise ConfigError(f"{key}: its path is {len(os.fsencode(absolute))} bytes long, and this system takes paths "
-                          f"of fewer than {path_max}: choose a shorter {key}")
+    """A :class:`ConfigError` for a path this file system cannot hold, before anything is created or read."""
+    from patchplace.data.atomic import path_problem
+
+    if problem := path_problem(key, path):
+        raise ConfigError(problem)
 
 
 @dataclass

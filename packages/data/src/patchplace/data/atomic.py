@@ -12,6 +12,28 @@ from pathlib import Path
 from typing import Any
 
 
+def path_problem(what: str, path: str | os.PathLike) -> str | None:
+    """The one line for a path this file system cannot hold (ENAMETOOLONG: a part longer than its NAME_MAX, or the
+    whole longer than its PATH_MAX, read from the deepest folder of it that exists), or None; checked before
+    anything is created or read, where the system call would raise an OSError mid-way."""
+    absolute = os.path.abspath(path)
+    folder = absolute
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:  # (isdir: False on ENAMETOOLONG)
+        folder = os.path.dirname(folder)
+    try:
+        name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    except (OSError, ValueError):  # no limits to read: the system call will say
+        return None
+    longest = max(Path(absolute).parts, key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) > name_max:
+        return (f"{what}: the name {longest[:24]}... in it is {len(os.fsencode(longest))} bytes long, and this file "
+                f"system takes names of at most {name_max}: choose a shorter {what}")
+    if len(os.fsencode(absolute)) >= path_max:
+        return (f"{what}: its path is {len(os.fsencode(absolute))} bytes long, and this system takes paths of fewer "
+                f"than {path_max}: choose a shorter {what}")
+    return None
+
+
 def umask() -> int:
     """The process umask (read by setting it and putting it back)."""
     mask = os.umask(0o022)
