@@ -15,9 +15,9 @@ PACKAGES := $(LIBRARIES) export pipelines research
 ORT      ?= cpu
 SHARDS   := shards
 CORPORA  := corpora
-# torch's wheel index: the CPU build for ORT=cpu (PyPI's Linux wheel is the CUDA build, ~5 GB with its nvidia-*
-# wheels), PyPI's for ORT=gpu; `make setup TORCH_INDEX=` keeps pip's configured index
-TORCH_INDEX ?= $(if $(filter gpu,$(ORT)),,https://download.pytorch.org/whl/cpu)
+# torch's wheel index: empty keeps pip's configured one (a local wheel store, PyPI: on Linux the CUDA build, ~5 GB
+# with its nvidia-* wheels); `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the CPU build
+TORCH_INDEX ?=
 
 .PHONY: help setup apt venv demo study study-v5 study-curves study-gpu gpu-carry gpu-ort-parts study-gpu-merge \
         benchmark data test package-tests lint clean
