@@ -232,6 +232,9 @@ def test_a_claim_before_all_its_planned_seeds_is_pending_untested_and_outside_ho
     assert not any(c.tested for c in items.values() if c.family == "position")
     done = by_id(protocol_items(position_rows(), p))["MP3 Fig. 3 (train eta 0)"]
     assert not done.pending and done.tested
+    below = {name: [m for m in ms if m["seed"] == 0] for name, ms in position_rows(validation=0.40).items()}
+    stopped = by_id(protocol_items(below, p))["MP3 Fig. 3 (train eta 0)"]
+    assert not stopped.pending and stopped.in_regime is False, "below its level on what ran: out of regime, not pending"
 
 
 def test_holm_runs_within_each_family_and_mjp_table1_reads_validation_convergence_and_log_odds():

@@ -881,7 +881,8 @@ def protocol_claim(rows: dict[str, list[dict[str, Any]]], protocol: Protocol, sp
     patch = settings.get("patch_size") or protocol.patch_size
     regime = "; ".join(regime_text(protocol, req, patch) for req in spec["regime"])
     setting = spec["setting"].format(patch=patch, positions=(32 // patch) ** 2)
-    ok, why = both(*(protocol_regime(rows, protocol, req, settings) for req in spec["regime"]))
+    checks = [protocol_regime(rows, protocol, req, settings) for req in spec["regime"]]
+    ok, why = both(*checks)
     if spec["test"] == "peak":
         claim = peak_claim(spec["claim"], setting, regime, values[0], values[1:], (ok, why))
     else:
@@ -896,9 +897,12 @@ def protocol_claim(rows: dict[str, list[dict[str, Any]]], protocol: Protocol, sp
     refused = pairing_problem(rows, sorted({side["row"] for side in sides}))
     if refused and claim.in_regime is not None:
         claim.refused, claim.in_regime = refused, False
+    # before every planned seed has run, a claim is pending unless a regime already fails on what was measured (a
+    # pretext below its level, a baseline at its cap: e.g. the GPU waves' stopping rule ends its seeds there)
     planned = min(len(protocol.planned_seeds(side["row"])) for side in sides)
     have = min(len(v) for v in values)
-    if claim.in_regime is not None and have < planned:
+    failed_on_measure = any(not passed and "not measured" not in text for passed, text in checks)
+    if claim.in_regime is not None and not claim.refused and have < planned and not failed_on_measure:
         claim.pending = f"{have} of {planned} seeds"
     return claim
 

@@ -59,12 +59,12 @@ class Protocol:
         return int(self.data["data"]["patch_size"])
 
     def planned_seeds(self, row: str) -> list[int]:
-        """The seeds the protocol trains ``row`` on: those of its epoch group (the doubling groups share the
-        ``position`` seeds); [] for a row in no group."""
-        doubling = set(self.data["doubling"]["groups"])
+        """The seeds the protocol trains ``row`` on: those named after its epoch group, else the ``position``
+        seeds (the MP3 and DropPos groups share them); [] for a row in no group."""
+        seeds = self.data["seeds"]
         for group, spec in self.data["epochs"].items():
             if row in spec["rows"]:
-                return list(self.data["seeds"]["position" if group in doubling else group])
+                return list(seeds.get(group, seeds.get("position", [])))
         return []
 
     def ceiling(self, kind: str, patch: int | None = None) -> float:
