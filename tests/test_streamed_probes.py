@@ -105,10 +105,10 @@ def test_a_subset_list_naming_samples_the_split_lacks_is_one_line(shards, classi
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("eval.probe_layers=[last,last8]", "eval.probe_layers must list last and / or last4"),
+    ("eval.probe_layers=[last,last8]", "eval.probe_layers must be one of last, last4, got 'last8'"),
     ("eval.probe_optimizer=adam", "eval.probe_*: optimizer must be one of adamw, lars, sgd"),
     ("eval.probe_schedule=step", "eval.probe_*: milestones"),
-    ("eval.label_probe=svm", "eval.label_probe must be linear or logistic"),
+    ("eval.label_probe=svm", "eval.label_probe must be one of linear, logistic, got 'svm'"),
     ("eval.probe_train_samples=-1", "eval.probe_train_samples must be >= 0")])
 def test_probe_fields_are_checked_before_anything_runs(shards, capsys, override, message):
     assert evaluate.main([*img(shards), "model.checkpoint=unused", override]) == 2

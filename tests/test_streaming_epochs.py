@@ -79,7 +79,7 @@ def test_the_samples_left_out_are_printed_at_start(splits):
 
 
 def test_data_drop_last_is_validated():
-    with pytest.raises(ConfigError, match=r"data\.drop_last must be true or false"):
+    with pytest.raises(ConfigError, match=r"data\.drop_last: expected bool, got 'yes'"):
         DataSection(drop_last="yes").validate()
 
 

@@ -5,18 +5,31 @@ against that lives beside torch, e.g. the registered methods, is imported when t
 from __future__ import annotations
 
 import textwrap
+import typing
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
 
 from patchplace.pipelines import objective_fields
 from patchplace.pipelines.config import (
     HELP_WIDTH,
-    MAX_SEED,
+    STRICT,
+    Attention,
     ConfigError,
+    Count,
     DataSection,
+    Fraction,
     ModelSection,
     OptimSection,
+    Positive,
+    Probability,
+    Rate,
     RunSection,
+    Seed,
+    Size,
+    Words,
+    check,
     field_entry,
     help_values,
     source_of,
@@ -36,6 +49,8 @@ class PretrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1.5e-3, betas=(0.9, 0.95)))
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/pretrain"))
+
+    __pydantic_config__ = STRICT
 
     @staticmethod
     def help_fields(argv: list[str], config: PretrainConfig | None = None,
@@ -73,7 +88,8 @@ class PretrainConfig:
 
 # mean_fc_norm: MAE's / DropPos's --global_pool (MAE models_vit.py; timm global_pool='avg', fc_norm=True): the mean
 # of the patch tokens through a fresh LayerNorm fc_norm, the final norm after the blocks dropped
-POOLS = ("cls", "mean", "mean_fc_norm")
+Pool = Literal["cls", "mean", "mean_fc_norm"]
+POOLS = typing.get_args(Pool)
 POOL_WORDS = {"cls": "the class token", "mean": "average-pooled patch tokens",
               "mean_fc_norm": "average-pooled patch tokens through a LayerNorm (fc_norm, no final norm)"}
 
@@ -88,26 +104,31 @@ class FinetuneSection:
     pos_embed_init: str = "random"
     # cls | mean | mean_fc_norm (the mean through a fresh LayerNorm, no final norm: MAE's / DropPos's --global_pool):
     # the feature the head reads; None: the checkpoint's finetune_pool
-    global_pool: str | None = None
-    drop_path: float = 0.1  # stochastic depth rate (timm DropPath, linear over the blocks)
-    label_smoothing: float = 0.1  # of the (soft) targets
+    global_pool: Annotated[Pool, Words(note="(or null: the checkpoint's finetune_pool)")] | None = None
+    drop_path: Rate = 0.1  # stochastic depth rate (timm DropPath, linear over the blocks)
+    label_smoothing: Rate = 0.1  # of the (soft) targets
     mixup: float = 0.8  # Mixup alpha (0: off; timm Mixup)
     cutmix: float = 1.0  # CutMix alpha (0: off)
-    mixup_prob: float = 1.0  # probability of mixing a batch at all
+    mixup_prob: Probability = 1.0  # probability of mixing a batch at all
+
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "finetune"
+
+    @model_validator(mode="after")
+    def _cross(self) -> FinetuneSection:
+        """A PE start other than random needs a learned PE."""
+        if self.pos_embed_init != "random" and self.pos_embed != "learned":
+            raise ConfigError(f"finetune.pos_embed_init={self.pos_embed_init} starts a learned PE: set "
+                              f"finetune.pos_embed=learned (got {self.pos_embed})")
+        return self
 
     def validate(self) -> None:
-        if self.global_pool not in (None, *POOLS):
-            raise ConfigError(f"finetune.global_pool must be one of {POOLS} or null (the checkpoint's finetune_pool), "
-                              f"got {self.global_pool!r}")
+        """The declared checks (:func:`check`), then finetune.pos_embed_init's choices (patchplace.finetune's)."""
+        check(self)
         from patchplace.finetune.setup import POS_EMBED_INITS  # (patchplace.finetune imports torch)
 
         if self.pos_embed_init not in POS_EMBED_INITS:
             raise ConfigError(f"finetune.pos_embed_init must be one of {POS_EMBED_INITS}, got {self.pos_embed_init!r}")
-        if self.pos_embed_init != "random" and self.pos_embed != "learned":
-            raise ConfigError(f"finetune.pos_embed_init={self.pos_embed_init} starts a learned PE: set "
-                              f"finetune.pos_embed=learned (got {self.pos_embed})")
-        if not 0 <= self.drop_path < 1 or not 0 <= self.label_smoothing < 1 or not 0 <= self.mixup_prob <= 1:
-            raise ConfigError("finetune.drop_path / label_smoothing must be in [0, 1), mixup_prob in [0, 1]")
 
 
 @dataclass
@@ -120,12 +141,16 @@ class FinetuneConfig:
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-3, layer_decay=0.75))
     run: RunSection = field(default_factory=lambda: RunSection(output="runs/finetune"))
 
-    def validate(self) -> None:
+    __pydantic_config__ = STRICT
+
+    @model_validator(mode="after")
+    def _cross(self) -> FinetuneConfig:
+        """pretrain.py's mixing fields left at their defaults (fine-tuning mixes with its own)."""
         d = self.data
         if d.mixup or d.cutmix or (d.mixup_prob, d.mixup_switch_prob) != (1.0, 0.5):
             raise ConfigError("data.mixup / data.cutmix / data.mixup_prob / data.mixup_switch_prob are pretrain.py's; "
                               "fine-tuning mixes with finetune.mixup / finetune.cutmix / finetune.mixup_prob")
-
+        return self
 
 
 @dataclass
@@ -140,23 +165,23 @@ class EvalSection:
     consistency_ratios: tuple[float, ...] = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP eval gammas (classifiers)
     # train samples the probes (and the kNN) train on, drawn at random (run.seed) from data.train; 0 or null: the
     # whole split (features are streamed through a store on disk: memory does not grow with it)
-    probe_train_samples: int | None = 5000
+    probe_train_samples: Size | None = 5000
     probe_epochs: int = 100  # epochs of each linear probe (MAE / RandSAC 90, VISSL 28)
     # a second probe (eval.label_probe) on this class-balanced fraction of the probe's samples (StoP: 1%); 0: none
-    low_label_fraction: float = 0.01
+    low_label_fraction: Annotated[float, Field(ge=0, le=1)] = 0.01
     # linear probes trained on these class-balanced fractions of the *whole* data.train (the label-efficiency
     # protocol: the same subsets as fine-tuning with data.label_fraction, picked by data.label_subset_seed)
-    label_fractions: tuple[float, ...] = ()
+    label_fractions: tuple[Annotated[Fraction, Words(note="(e.g. [0.01, 0.1])")], ...] = ()
     # one probe (eval.label_probe) per file listing train samples, one name a line: SimCLR's ImageNet
     # 1percent.txt / 10percent.txt (n01440764_10026.JPEG), or paths under the split folder
     label_subset_files: tuple[str, ...] = ()
     # the low-label probes (low_label_fraction, label_fractions, label_subset_files): linear (the recipe below) |
     # logistic (StoP's 1% protocol, logistic_eval.py: multinomial L2 logistic regression, standardized features)
-    label_probe: str = "linear"
-    logistic_lambda: float = 0.0025  # label_probe=logistic: L2 lambda, divided by the sample count (StoP README)
+    label_probe: Literal["linear", "logistic"] = "linear"
+    logistic_lambda: Positive = 0.0025  # label_probe=logistic: L2 lambda, divided by the sample count (StoP README)
     # features of the 100% linear probe: last (the final-normed last block) and / or last4 (the last 4 blocks,
     # each final-normed and pooled, concatenated: StoP Table 1 "100%, last 4 layers")
-    probe_layers: tuple[str, ...] = ("last",)
+    probe_layers: tuple[Literal["last", "last4"], ...] = ("last",)
     # bn_linear: BatchNorm without affine + Linear (MAE) | bn_affine_linear: BatchNorm + Linear (VISSL
     # eval_mlp) | linear
     probe_head: str = "bn_linear"
@@ -175,19 +200,14 @@ class EvalSection:
     keep_features: bool = False  # keep run.output/features/ (each split's stored features, .npy) after evaluating
     max_eval_samples: int = 2000  # images for the method curves (eta curve, DropPos grid, consistency)
 
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "eval"
+
     def validate(self) -> None:
-        if any(not 0 < f <= 1 for f in self.label_fractions):
-            raise ConfigError(f"eval.label_fractions must be in (0, 1] (e.g. [0.01, 0.1]), got "
-                              f"{list(self.label_fractions)}")
-        if (self.probe_train_samples or 0) < 0 or not 0 <= self.low_label_fraction <= 1:
-            raise ConfigError(f"eval.probe_train_samples must be >= 0 (0: the whole split) and "
-                              f"eval.low_label_fraction in [0, 1], got {self.probe_train_samples}, "
-                              f"{self.low_label_fraction}")
-        if not self.probe_layers or set(self.probe_layers) - {"last", "last4"}:
-            raise ConfigError(f"eval.probe_layers must list last and / or last4, got {list(self.probe_layers)}")
-        if self.label_probe not in ("linear", "logistic") or self.logistic_lambda <= 0:
-            raise ConfigError(f"eval.label_probe must be linear or logistic and eval.logistic_lambda > 0, got "
-                              f"{self.label_probe!r}, {self.logistic_lambda}")
+        """The declared checks (:func:`check`), then the probe's recipe (patchplace.finetune's checks)."""
+        check(self)
+        if not self.probe_layers:
+            raise ConfigError("eval.probe_layers must list last and / or last4, got []")
         try:
             self.recipe().validate()
         except ValueError as exc:
@@ -221,9 +241,10 @@ class PrivacySection:
     known_labels: bool = True  # False: labels inferred from the classifier bias gradient (iDLG)
     seed: int = 0  # the dummy images' initialization
     enabled: bool = False  # also --privacy
-    images: int = 10  # one test image per class (first occurrences), up to this many (the paper: one per class)
-    batch_size: int = 1  # images per client update; the APRIL analytic attack needs 1
-    ratio: float = 0.27  # masked-jigsaw gamma of settings (b) / (c) (Table 5 uses MJP with gamma = 0.27)
+    images: Count = 10  # one test image per class (first occurrences), up to this many (the paper: one per class)
+    batch_size: Count = 1  # images per client update; the APRIL analytic attack needs 1
+    # masked-jigsaw gamma of settings (b) / (c) (Table 5 uses MJP with gamma = 0.27)
+    ratio: Annotated[float, Field(gt=0, lt=1)] = 0.27
     analytic: bool = True  # APRIL's closed form, for models with a learnable PE
 
     def attack(self) -> AttackConfig:
@@ -231,15 +252,18 @@ class PrivacySection:
 
         return AttackConfig(**{f.name: getattr(self, f.name) for f in fields(AttackConfig)})
 
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "privacy"
+
     def validate(self) -> None:
+        """The declared checks (:func:`check`), then the attack's (patchplace.finetune's)."""
         from patchplace.finetune import PrivacyError  # (imports torch)
 
+        check(self)
         try:
             self.attack().validate()
         except PrivacyError as exc:
             raise ConfigError(f"privacy: {exc}") from None
-        if self.images < 1 or self.batch_size < 1 or not 0 < self.ratio < 1:
-            raise ConfigError("privacy.images and privacy.batch_size must be >= 1 and privacy.ratio in (0, 1)")
 
 
 @dataclass
@@ -269,7 +293,10 @@ class EvalModelSection:
     """The checkpoint evaluated; it brings its architecture (no preset, no overrides)."""
 
     checkpoint: str | None = None  # required: the checkpoint/ (or best/) directory of a pretrain or finetune run
-    attention: str = "sdpa"  # attention kernel: sdpa | math (the materialised softmax); the same numbers either way
+    # attention kernel: sdpa | math (the materialised softmax); the same numbers either way
+    attention: Attention = "sdpa"
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "model"
 
     def validate(self) -> None:
         ModelSection.validate(self)  # model.attention, as for training
@@ -281,15 +308,16 @@ class EvalRunSection:
     TensorBoard: the class values below stand in for training's fields of the Accelerator."""
 
     output: str = "runs/evaluate"  # results.json, report.md and the plots
-    seed: int = 0  # every RNG (random, numpy, torch) and the data readers start from it
+    seed: Seed = 0  # every RNG (random, numpy, torch) and the data readers start from it
     overwrite: bool = False  # replace the results of an earlier evaluation in run.output (without it: refused)
     mixed_precision: ClassVar[str] = "no"
     grad_accum: ClassVar[int] = 1
     tensorboard: ClassVar[bool] = False
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "run"
 
     def validate(self) -> None:
-        if not 0 <= self.seed < MAX_SEED:
-            raise ConfigError(f"run.seed must be in [0, 2**31), got {self.seed}")
+        check(self)
 
 
 @dataclass
@@ -302,6 +330,7 @@ class EvaluateConfig:
     # the training sections these stand for: a training config loads too, the fields evaluation's sections lack are
     # accepted, ignored and named at the end of --help (config.unread_fields)
     shares: ClassVar[dict[str, type]] = {"data": DataSection, "model": ModelSection, "run": RunSection}
+    __pydantic_config__ = STRICT
 
     def validate(self) -> None:
         if not self.model.checkpoint:

@@ -1,8 +1,10 @@
 """Pipeline configs: YAML files in ``pipelines/configs/`` + ``section.field=value`` overrides on the command line,
-read as YAML 1.2 by ruamel.yaml (:func:`parse_yaml`) into dataclasses that pydantic types strictly (:func:`build`).
-Unknown keys, wrong types, bad ranges and missing datasets fail up front with one line naming the key; so do a key
-given twice, a YAML error or object tag (:func:`yaml_problem`), ``${...}`` interpolation and ``.nan``
-(:func:`_checked`), and a path the file system cannot hold (:func:`check_path`).
+read as YAML 1.2 by ruamel.yaml (:func:`parse_yaml`) into dataclasses that declare their fields' types, ranges
+(``Annotated[int, Field(ge=1)]``), choices (``Literal``) and cross-field checks (``model_validator``), which
+pydantic enforces strictly (:func:`build`, :func:`check`; :func:`problem` words its refusal). Unknown keys, wrong
+types, bad ranges and missing datasets fail up front with one line naming the key; so do a key given twice, a
+YAML error or object tag (:func:`yaml_problem`), ``${...}`` interpolation and ``.nan`` (:func:`_checked`), and a path
+the file system cannot hold (:func:`check_path`).
 
 ``--help`` (:func:`parser`) lists the fields with the values that command line would run with (``--config`` and
 overrides applied, each such value marked) in at most :data:`HELP_WIDTH` columns. A command that reads a section of
@@ -22,13 +24,14 @@ import math
 import re
 import textwrap
 import tokenize
+import types
 import typing
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import AllowInfNan, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from ruamel.yaml import YAML
 from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import YAMLError
@@ -41,25 +44,47 @@ if typing.TYPE_CHECKING:
 
 # model.attention: patchplace.models.ATTENTION_KERNELS, written here so that --help imports no torch
 # (tests/test_help_without_torch.py holds them equal)
-ATTENTION_KERNELS = ("sdpa", "math")
-
-LR_SCALING = ("none", "linear", "sqrt")
-OPTIMIZERS = ("adamw", "adam")  # optim.optimizer
-SCHEDULES = ("cosine", "step", "constant")  # optim.schedule: the lr after the warm-up
-WARMUP_MODES = ("linear", "constant")  # optim.warmup_mode
+Attention = Literal["sdpa", "math"]
+ATTENTION_KERNELS = typing.get_args(Attention)
 # run.compile: torch.compile modes of every Transformer block (aot_eager: traced without code generation, a check)
-COMPILE_MODES = ("no", "default", "reduce-overhead", "max-autotune", "aot_eager")
+CompileMode = Literal["no", "default", "reduce-overhead", "max-autotune", "aot_eager"]
+COMPILE_MODES = typing.get_args(CompileMode)
 # run.log_with: Accelerate's experiment trackers (accelerate.utils.LoggerType but "all"), with the package each needs
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "comet_ml": "comet-ml", "aim": "aim",
             "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio"}
 HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.train
-RE_MODES = ("const", "rand", "pixel")  # data.re_mode: timm RandomErasing's fills
+ReMode = Literal["const", "rand", "pixel"]  # data.re_mode: timm RandomErasing's fills
 MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
 HELP_COLUMN = 44  # where a field's meaning starts in --help ("  section.field = value" before it)
+# every section: pydantic checks values of the field's type (no coercion: "yes" is no bool), unknown keys refused
+STRICT = ConfigDict(strict=True, extra="forbid")
 
 
 class ConfigError(ValueError):
     """A config file or override is wrong (names the key and what is expected)."""
+
+
+@dataclass(frozen=True)
+class Words:
+    """How a bounded field's one-line message (:func:`field_problem`) names what it takes (``what``: "a
+    probability") and a note after its range ("(0: off)"); pydantic ignores it."""
+
+    what: str = ""
+    note: str = ""
+
+
+FINITE = AllowInfNan(False)  # inf (YAML .inf) refused too
+Count = Annotated[int, Field(ge=1)]
+Integer = Annotated[int, Field(ge=1), Words("an integer")]
+Size = Annotated[int, Field(ge=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+Rate = Annotated[float, Field(ge=0, lt=1)]
+Probability = Annotated[float, Field(ge=0, le=1), Words("a probability")]
+Alpha = Annotated[float, Field(ge=0), Words(note="(0: off)")]
+Lr = Annotated[float, Field(ge=0), FINITE, Words("an lr")]
+Seed = Annotated[int, Field(ge=0, lt=MAX_SEED)]
 
 
 def one_line(exc: BaseException) -> str:
@@ -90,86 +115,80 @@ class DataSection:
     val: str = "shards/fashion_mnist/test"
     train_urls: str | None = None  # optional override: brace pattern or pipe: URLs of the same shards
     val_urls: str | None = None  # the same for data.val
-    batch_size: int = 128  # per process
+    batch_size: Count = 128  # per process
     # training: drop each epoch's ragged tail, so every step has the full per-process batch (false: one short batch)
     drop_last: bool = True
-    num_workers: int = 2  # streaming only: DataLoader worker processes
-    shuffle_buffer: int = 5000  # streaming only
+    num_workers: Size = 2  # streaming only: DataLoader worker processes
+    shuffle_buffer: Size = 5000  # streaming only
     in_memory: bool | str = "auto"  # auto | true | false: hold splits in memory, augment batches on the device
-    memory_budget_mb: float = 4096  # auto: the decoded splits (train + val) must fit this, per process
+    memory_budget_mb: NonNegative = 4096  # auto: the decoded splits (train + val) must fit this, per process
     pad_to: int | None = 32  # images: zero-pad (28 -> 32 for patch 4)
     img_size: int | None = None  # images: resize/crop side (default: native or padded side)
     scale: tuple[float, float] = (0.35, 1.0)  # RandomResizedCrop area range
     hflip: float = 0.5  # horizontal flip probability (training)
     auto_augment: str | None = None  # timm auto-augment policy, e.g. rand-m9-mstd0.5 (streaming path only)
     re_prob: float = 0.0  # random erasing probability (timm RandomErasing)
-    re_mode: str = "const"  # random erasing fill (timm): const (zeros) | rand (per channel) | pixel (DeiT)
-    re_count: int = 1  # random erasing: up to this many boxes per image (timm max_count)
+    re_mode: ReMode = "const"  # random erasing fill (timm): const (zeros) | rand (per channel) | pixel (DeiT)
+    re_count: Integer = 1  # random erasing: up to this many boxes per image (timm max_count)
     # evaluation splits (data.val, evaluate.py): resize the short side to img_size / crop_pct (bicubic), centre crop
     # img_size, as timm's eval transform (ImageNet: 0.875, DeiT / MAE); < 1 streams data.val
-    crop_pct: float = 1.0
+    crop_pct: Annotated[Fraction, Words(note="(ImageNet: 0.875)")] = 1.0
     # repeated augmentation (DeiT, arXiv 2012.12877): each streamed training sample is read this many times,
     # independently augmented, in an epoch of unchanged length (~1 / N of the distinct images; DeiT: 3). Unlike
     # timm's RASampler the copies stay on one rank (the shuffle buffer mixes them); > 1 streams data.train
-    repeated_aug: int = 1
+    repeated_aug: Integer = 1
     # I-JEPA / StoP pretraining (arXiv 2301.08243; StoP: flip, grayscale 0.2, blur 0.5, scale [0.3, 1]), after the
     # crop / flip, streamed: RandomGrayscale probability (channels kept)
-    grayscale: float = 0.0
-    gaussian_blur: float = 0.0  # I-JEPA's PIL Gaussian blur probability (radius ~ U(0.1, 2)), streamed
+    grayscale: Probability = 0.0
+    gaussian_blur: Probability = 0.0  # I-JEPA's PIL Gaussian blur probability (radius ~ U(0.1, 2)), streamed
     # I-JEPA's colour distortion strength s: ColorJitter(.8s, .8s, .8s, .2s) with p 0.8 (0: off), streamed
-    color_jitter: float = 0.0
+    color_jitter: Alpha = 0.0
     # Mixup alpha (0: off) of the training batches of methods trained with labels (supervised, mjp; timm Mixup,
     # soft targets smoothed by objective.label_smoothing); finetune.py mixes with finetune.mixup instead
-    mixup: float = 0.0
-    cutmix: float = 0.0  # CutMix alpha (0: off); as data.mixup
-    mixup_prob: float = 1.0  # probability of mixing a batch (data.mixup / data.cutmix)
-    mixup_switch_prob: float = 0.5  # with both alphas > 0: probability of CutMix rather than Mixup
+    mixup: Alpha = 0.0
+    cutmix: Alpha = 0.0  # CutMix alpha (0: off); as data.mixup
+    mixup_prob: Probability = 1.0  # probability of mixing a batch (data.mixup / data.cutmix)
+    mixup_switch_prob: Probability = 0.5  # with both alphas > 0: probability of CutMix rather than Mixup
     noise_split: str | None = None  # audio: background_noise split for noise mixing
     train_limit: int | None = None  # cap on samples per process per epoch (None: the whole split)
-    label_fraction: float | None = None  # train on a fixed class-balanced fraction of data.train (e.g. 0.01: 1%)
+    # train on a fixed class-balanced fraction of data.train (e.g. 0.01: 1%)
+    label_fraction: Annotated[Fraction, Words(note="(e.g. 0.01 for 1% of the labels)")] | None = None
     label_subset_seed: int = 0  # which balanced subset (the same for every method and run)
     skip_corrupt: bool = False  # skip unreadable / truncated train shards (warned, counted in the log), not fail
     verify_shards: bool = True  # check each shard's size + sha256 against its manifest when read (~1% of a load)
-    timeout: float = 60.0  # splits / shards by URL (http(s), s3): seconds a connection or a read may wait
+    timeout: Positive = 60.0  # splits / shards by URL (http(s), s3): seconds a connection or a read may wait
     # URLs (http(s), object stores): further attempts after a transient failure (connection refused / reset,
     # timeout, HTTP 429 / 5xx, throttling), 1 s apart, doubling; a 404 / 403 / missing bucket or key fails at once
-    retries: int = 4
+    retries: Size = 4
     # URLs: seconds one shard's (or manifest's) whole transfer may take, however steadily its bytes trickle in; a
     # transfer still going prints a progress line (bytes so far, rate) every 30 s
-    shard_deadline: float = 600.0
+    shard_deadline: Annotated[Positive, Words(note="(seconds: one shard's whole transfer; default 600)")] = 600.0
     val_limit: int | None = None  # evaluate on the first N samples of data.val (None: all)
     # a validation split held out of data.train: N class-balanced samples (data.holdout_seed) that training never
     # reads; data.val=holdout evaluates on them (recipe choices read validation, the test split is read once);
     # with data.val=<test split> they are still kept out of data.train (a final evaluation on the same train images)
-    holdout: int = 0
+    holdout: Size = 0
     holdout_seed: int = 0  # which samples are held out (the same for every method and run)
 
-    def validate(self) -> None:
-        for name in ("batch_size",):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
-        self.validate_recipe()
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "data"
+
+    @model_validator(mode="after")
+    def _cross(self) -> DataSection:
+        """Fields that hold together (checked by pydantic after the fields' own types and ranges)."""
         if self.in_memory not in ("auto", True, False):
             raise ConfigError(f"data.in_memory must be auto, true or false, got {self.in_memory!r}")
-        if self.label_fraction is not None and not 0 < self.label_fraction <= 1:
-            raise ConfigError(f"data.label_fraction must be in (0, 1] (e.g. 0.01 for 1% of the labels), got "
-                              f"{self.label_fraction}")
-        if self.memory_budget_mb < 0:
-            raise ConfigError(f"data.memory_budget_mb must be >= 0, got {self.memory_budget_mb}")
-        if self.num_workers < 0 or self.shuffle_buffer < 0:
-            raise ConfigError("data.num_workers and data.shuffle_buffer must be >= 0")
-        if not isinstance(self.drop_last, bool):
-            raise ConfigError(f"data.drop_last must be true or false, got {self.drop_last!r}")
         if self.val == HOLDOUT and self.holdout <= 0:
             raise ConfigError(f"data.val=holdout needs data.holdout > 0 (got {self.holdout}): hold samples out of "
                               "data.train to validate on them")
-        if self.holdout < 0:
-            raise ConfigError(f"data.holdout must be >= 0, got {self.holdout}")
-        if not self.timeout > 0 or self.retries < 0:
-            raise ConfigError(f"data.timeout must be > 0 and data.retries >= 0, got {self.timeout} and {self.retries}")
-        if not (isinstance(self.shard_deadline, (int, float)) and self.shard_deadline > 0):
-            raise ConfigError(f"data.shard_deadline must be > 0 seconds (one shard's whole transfer; default 600), "
-                              f"got {self.shard_deadline!r}")
+        if self.color_jitter and self.auto_augment:
+            raise ConfigError(f"data.color_jitter={self.color_jitter} (I-JEPA's) and data.auto_augment="
+                              f"{self.auto_augment} (timm's) both distort colour: set one")
+        return self
+
+    def validate(self) -> None:
+        """The declared checks (:func:`check`), then the splits: a URL's backend installed, a folder's manifest."""
+        check(self)
         # (imported here: patchplace.data imports torch, and --help reads this module)
         from patchplace.data.manifest import dataset_dir_hint
         from patchplace.data.remote import is_remote
@@ -191,25 +210,6 @@ class DataSection:
                 raise ConfigError(f"data.{name}: no manifest.json in {path}; build the shards first (make data, or "
                                   f"python data/fashion_mnist.py --out {path.parent})")
 
-    def validate_recipe(self) -> None:
-        """The augmentation recipe's fields (papers' ImageNet recipes), each refused in one line naming it."""
-        if self.re_mode not in RE_MODES:
-            raise ConfigError(f"data.re_mode must be one of {', '.join(RE_MODES)}, got {self.re_mode!r}")
-        for name in ("re_count", "repeated_aug"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"data.{name} must be an integer >= 1, got {getattr(self, name)}")
-        if not 0 < self.crop_pct <= 1:
-            raise ConfigError(f"data.crop_pct must be in (0, 1] (ImageNet: 0.875), got {self.crop_pct}")
-        for name in ("grayscale", "gaussian_blur", "mixup_prob", "mixup_switch_prob"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"data.{name} must be a probability in [0, 1], got {getattr(self, name)}")
-        for name in ("color_jitter", "mixup", "cutmix"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"data.{name} must be >= 0 (0: off), got {getattr(self, name)}")
-        if self.color_jitter and self.auto_augment:
-            raise ConfigError(f"data.color_jitter={self.color_jitter} (I-JEPA's) and data.auto_augment="
-                              f"{self.auto_augment} (timm's) both distort colour: set one")
-
     def network(self) -> Network:
         """How splits and shards are fetched by URL (data.timeout, data.retries, data.shard_deadline)."""
         from patchplace.data.remote import Network
@@ -226,11 +226,14 @@ class ModelSection:
     checkpoint: str | None = None  # save_pretrained() directory to start from
     # attention kernel: sdpa (fused where the device has it) | math (the materialised softmax of the papers' time,
     # e.g. to measure MP3 Table 2 in its setting); the same numbers either way
-    attention: str = "sdpa"
+    attention: Attention = "sdpa"
+
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "model"
 
     def validate(self) -> None:
-        if self.attention not in ATTENTION_KERNELS:
-            raise ConfigError(f"model.attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        """The declared checks (:func:`check`), then the checkpoint: a folder that holds one, no overrides."""
+        check(self)
         if not self.checkpoint:
             return
         check_path("model.checkpoint", self.checkpoint)
@@ -252,92 +255,67 @@ class OptimSection:
     decay (engine/schedules.py)."""
 
     epochs: float = 1.0  # passes over data.train (fractions allowed)
-    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
-    lr: float = 1e-3  # peak learning rate (AdamW), after the linear warm-up
-    weight_decay: float = 0.05  # AdamW; none on norms, biases, PEs and tokens
+    # stop after this many optimizer steps (overrides epochs)
+    max_steps: Annotated[int, Field(ge=1), Words(note="(or null: train optim.epochs)")] | None = None
+    lr: Annotated[float, Field(gt=0), FINITE] = 1e-3  # peak learning rate (AdamW), after the linear warm-up
+    weight_decay: Annotated[float, Field(ge=0), FINITE] = 0.05  # AdamW; none on norms, biases, PEs and tokens
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
-    warmup_fraction: float = 0.05  # fraction of the steps spent warming the lr up linearly
-    min_lr_ratio: float = 0.01  # the cosine ends at lr x this
+    warmup_fraction: Rate = 0.05  # fraction of the steps spent warming the lr up linearly
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.01  # the cosine ends at lr x this
     clip_grad: float | None = 1.0  # gradient-norm clipping (None: off)
-    layer_decay: float | None = None  # layer-wise lr decay (fine-tuning, e.g. 0.75)
+    layer_decay: Fraction | None = None  # layer-wise lr decay (fine-tuning, e.g. 0.75)
     # none | linear | sqrt: rescale optim.lr from optim.lr_base_batch to the run's global batch (data.batch_size x
     # processes x run.grad_accum): linear (Goyal et al. 2017; MAE's blr x batch / 256) or square root
-    lr_scaling: str = "none"
-    lr_base_batch: int | None = None  # the global batch optim.lr was tuned at (null: data.batch_size x run.grad_accum)
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    # the global batch optim.lr was tuned at (null: data.batch_size x run.grad_accum)
+    lr_base_batch: Count | None = None
     # AdamW's fused kernel (one launch for every parameter's update; the same update rule): null = on a GPU only
     fused: bool | None = None
     # adamw | adam: torch.optim.Adam on the same groups (MP3's speech recipe, arXiv 2207.07611 §4.3); adam needs
     # optim.weight_decay=0 (Adam's decay is an L2 term in the gradient, not AdamW's decoupled decay)
-    optimizer: str = "adamw"
+    optimizer: Literal["adamw", "adam"] = "adamw"
     # the lr after the warm-up: cosine (down to optim.final_lr, else lr x optim.min_lr_ratio) | step (x
     # optim.step_gamma every optim.step_every steps) | constant (the peak lr)
-    schedule: str = "cosine"
+    schedule: Literal["cosine", "step", "constant"] = "cosine"
     # warm-up length in optimizer steps (overrides optim.warmup_epochs and optim.warmup_fraction; MP3 speech: 500)
-    warmup_steps: int | None = None
+    warmup_steps: Size | None = None
     # warm-up length in epochs of data.train, as papers state it (e.g. 40, 15, 5; overrides optim.warmup_fraction)
-    warmup_epochs: float | None = None
+    warmup_epochs: Annotated[float, Field(ge=0), FINITE, Words("a number")] | None = None
     # absolute lr of the first warm-up step, rising linearly to the peak (timm's warmup_lr_init; I-JEPA / StoP's
     # start_lr 2e-4 -> lr 8e-4); not rescaled by optim.lr_scaling; null: from peak / warm-up steps
-    start_lr: float | None = None
+    start_lr: Lr | None = None
     # linear | constant: the lr stays at optim.start_lr through the warm-up, then jumps to the peak (MP3 speech
     # §4.3: 500 steps at 1e-4, then 1e-3)
-    warmup_mode: str = "linear"
+    warmup_mode: Literal["linear", "constant"] = "linear"
     # absolute lr the cosine ends at (overrides optim.min_lr_ratio; I-JEPA final_lr 1e-6, DeiT min_lr 1e-5); not
     # rescaled by optim.lr_scaling
-    final_lr: float | None = None
+    final_lr: Lr | None = None
     # optim.schedule=step: optimizer steps between two lr drops, counted from the warm-up's end (MP3 speech: 10000)
     step_every: int | None = None
-    step_gamma: float = 0.5  # optim.schedule=step: the lr's factor at each drop (MP3 speech: halved)
+    step_gamma: Fraction = 0.5  # optim.schedule=step: the lr's factor at each drop (MP3 speech: halved)
     # cosine weight decay from optim.weight_decay to this over the run, on the groups that decay (I-JEPA / StoP's
     # CosineWDSchedule: 0.04 -> 0.4); null: constant
-    weight_decay_end: float | None = None
+    weight_decay_end: NonNegative | None = None
 
-    def validate(self) -> None:
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"optim.max_steps must be >= 1 (or null: train optim.epochs), got {self.max_steps}")
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "optim"
+
+    @model_validator(mode="after")
+    def _cross(self) -> OptimSection:
+        """The length, the optimizer and its weight-decay schedule (fields that hold together)."""
         if self.epochs <= 0 and not self.max_steps:
             raise ConfigError(f"optim.epochs must be > 0 (or set optim.max_steps), got {self.epochs}")
-        if not (math.isfinite(self.lr) and self.lr > 0) or not (math.isfinite(self.weight_decay) and
-                                                                 self.weight_decay >= 0):
-            raise ConfigError(f"optim.lr must be > 0 and optim.weight_decay >= 0 (finite numbers), got {self.lr}, "
-                              f"{self.weight_decay}")
-        if not 0 <= self.warmup_fraction < 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("optim.warmup_fraction must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
-        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
-            raise ConfigError(f"optim.layer_decay must be in (0, 1], got {self.layer_decay}")
-        if self.lr_scaling not in LR_SCALING:
-            raise ConfigError(f"optim.lr_scaling must be one of {', '.join(LR_SCALING)}, got {self.lr_scaling!r}")
-        if self.lr_base_batch is not None and self.lr_base_batch < 1:
-            raise ConfigError(f"optim.lr_base_batch must be >= 1 (or null), got {self.lr_base_batch}")
-        self._validate_optimizer()
-        self._validate_schedule()
-
-    def _validate_optimizer(self) -> None:
-        """optim.optimizer and the weight-decay schedule."""
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.optimizer == "adam" and self.weight_decay:
             raise ConfigError(f"optim.optimizer=adam takes no weight decay (Adam's is an L2 term in the gradient, not "
                               f"AdamW's decoupled decay): set optim.weight_decay=0 (got {self.weight_decay}), or use "
                               "optim.optimizer=adamw")
-        if self.weight_decay_end is not None and not (self.weight_decay_end >= 0 and self.weight_decay > 0):
+        if self.weight_decay_end is not None and not self.weight_decay > 0:
             raise ConfigError(f"optim.weight_decay_end must be >= 0 with optim.weight_decay > 0 (the cosine runs from "
                               f"it on the groups that decay), got {self.weight_decay_end} and {self.weight_decay}")
+        return self._cross_schedule()
 
-    def _validate_schedule(self) -> None:
-        """The warm-up and the lr schedule's fields (each names itself and what it expects)."""
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.warmup_mode not in WARMUP_MODES:
-            raise ConfigError(f"optim.warmup_mode must be one of {', '.join(WARMUP_MODES)}, got {self.warmup_mode!r}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ConfigError(f"optim.warmup_steps must be >= 0 (or null), got {self.warmup_steps}")
-        if self.warmup_epochs is not None and not (math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
-            raise ConfigError(f"optim.warmup_epochs must be a number >= 0 (or null), got {self.warmup_epochs}")
-        for name in ("start_lr", "final_lr"):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"optim.{name} must be an lr >= 0 (or null), got {value}")
+    def _cross_schedule(self) -> OptimSection:
+        """The warm-up and the lr schedule's fields that hold together (each names itself and the fix)."""
         if self.warmup_mode == "constant" and self.start_lr is None:
             raise ConfigError("optim.warmup_mode=constant holds the lr at optim.start_lr through the warm-up: set "
                               "optim.start_lr (e.g. 1e-4)")
@@ -350,8 +328,10 @@ class OptimSection:
         if self.schedule != "step" and self.step_every is not None:
             raise ConfigError(f"optim.step_every is read by optim.schedule=step only (got {self.schedule}); set it to "
                               "null")
-        if not 0 < self.step_gamma <= 1:
-            raise ConfigError(f"optim.step_gamma must be in (0, 1], got {self.step_gamma}")
+        return self
+
+    def validate(self) -> None:
+        check(self)
 
     def scaled_lr(self, global_batch: int, default_base: int) -> float:
         """The peak lr of a run at ``global_batch`` under ``lr_scaling`` (``default_base``: the base batch when
@@ -367,16 +347,16 @@ class RunSection:
     output: str = "runs/default"  # run directory (log.jsonl, checkpoints, tensorboard/)
     # weights, data order, augmentation; masks / noise / drop path: a stream per (seed, rank) (several processes:
     # seed < 2**20, engine.rank_seed)
-    seed: int = 0
+    seed: Seed = 0
     # no | fp16 | bf16 | auto: bf16 where the device trains faster in it and bf16 training was tested equivalent
     # (a GPU with bf16; a CPU with AMX bf16 units), else no; printed at start, recorded in the run's metadata
     # (engine/hardware.py: on a CPU without bf16 units a bf16 step runs ~15x slower than float32); fp16 is a GPU
     # precision: on a CPU Accelerate trains float32, and the run prints and records no
-    mixed_precision: str = "no"
-    grad_accum: int = 1  # micro-batches per optimizer step
-    log_every: int = 10  # steps
-    checkpoint_every: int = 0  # steps; 0 = only at the end
-    eval_every: int = 0  # steps; 0 = only at the end
+    mixed_precision: Literal["no", "fp16", "bf16", "auto"] = "no"
+    grad_accum: Count = 1  # micro-batches per optimizer step
+    log_every: Count = 10  # steps
+    checkpoint_every: Size = 0  # steps; 0 = only at the end
+    eval_every: Size = 0  # steps; 0 = only at the end
     resume: bool = False  # continue from the newest complete checkpoint in output/checkpoints (if any)
     overwrite: bool = False  # replace the run already in run.output (without it, reusing a directory is an error)
     tensorboard: bool = True  # events in output/tensorboard/ (train/*, val/*)
@@ -394,48 +374,43 @@ class RunSection:
     # stop after this many evaluations (run.eval_every) without a better run.early_stop_metric (0: off; needs a
     # pipeline that evaluates: finetune.py). output/best/ holds the best evaluation's backbone: evaluate that one.
     # The cosine lr schedule still spans optim.epochs: an early stop cuts it short
-    early_stop_patience: int = 0
+    early_stop_patience: Annotated[int, Field(ge=0), Words(note="(0: off)")] = 0
     early_stop_metric: str = "top1"  # what early stopping follows: higher is better, lower if its name has "loss"
     # torch.compile every Transformer block in place (regional compilation; weight names unchanged): no | default |
     # reduce-overhead (CUDA graphs) | max-autotune | aot_eager (traced, no code generated: a check). A GPU knob: a
     # small ViT's step is launch-bound there (results/benchmark.md); on a CPU compiling costs more than it saves
-    compile: str = "no"
+    compile: CompileMode = "no"
     # when a non-finite loss is looked for: step (every step, a host sync: the run stops before the step reaches the
     # weights) | lazy (no per-step sync, a GPU knob: the flags stay on the device, a bad step's update is skipped
     # inside AdamW's fused kernel, and the run stops with the same one line at the next log, checkpoint or
     # evaluation, before anything is saved; needs optim.fused and not fp16)
-    finite_check: str = "step"
+    finite_check: Literal["step", "lazy"] = "step"
     # EMA of the weights, this decay per optimizer step (timm ModelEmaV3, e.g. DeiT's 0.99996): resumed exactly,
     # saved in output/ema/ and evaluated at the end (val/ema_*) beside the trained weights; null: off
-    model_ema: float | None = None
+    model_ema: Annotated[float, Field(gt=0, lt=1), Words("a decay", "(e.g. 0.99996; null: off)")] | None = None
 
-    def validate(self) -> None:
-        check_path("run.output", self.output)
-        if self.mixed_precision not in ("no", "fp16", "bf16", "auto"):
-            raise ConfigError(f"run.mixed_precision must be no, fp16, bf16 or auto, got {self.mixed_precision!r}")
-        if self.grad_accum < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.eval_every < 0:
-            raise ConfigError("run.grad_accum and run.log_every must be >= 1, checkpoint/eval cadences >= 0")
-        if not 0 <= self.seed < MAX_SEED:
-            raise ConfigError(f"run.seed must be in [0, 2**31), got {self.seed}")
+    __pydantic_config__ = STRICT
+    key: ClassVar[str] = "run"
+
+    @model_validator(mode="after")
+    def _cross(self) -> RunSection:
+        """Fields that hold together, and the snapshot epochs (one message naming every bad one)."""
         bad = [e for e in self.keep_epochs if not (math.isfinite(e) and e >= 0)]
         if bad:
             raise ConfigError(f"run.keep_epochs holds {', '.join(f'{e:g}' for e in bad)}: epochs must be finite and "
                               ">= 0, e.g. [0, 0.5, 1, 2]")
-        if self.finite_check not in ("step", "lazy"):
-            raise ConfigError(f"run.finite_check must be step or lazy, got {self.finite_check!r}")
         if self.finite_check == "lazy" and self.mixed_precision == "fp16":
             raise ConfigError("run.finite_check=lazy skips a bad step in AdamW's fused kernel, and fp16's loss scaler "
                               "skips steps of its own: use run.mixed_precision=bf16 or no, or run.finite_check=step")
-        if self.compile not in COMPILE_MODES:
-            raise ConfigError(f"run.compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        if self.early_stop_patience < 0:
-            raise ConfigError(f"run.early_stop_patience must be >= 0 (0: off), got {self.early_stop_patience}")
         if self.early_stop_patience and not self.eval_every:
             raise ConfigError(f"run.early_stop_patience={self.early_stop_patience} counts evaluations, and "
                               "run.eval_every=0 evaluates only at the end: set run.eval_every (steps) too")
-        if self.model_ema is not None and not 0 < self.model_ema < 1:
-            raise ConfigError(f"run.model_ema must be a decay in (0, 1) (e.g. 0.99996), or null: off; got "
-                              f"{self.model_ema}")
+        return self
+
+    def validate(self) -> None:
+        """The declared checks (:func:`check`), then run.output's path and the trackers' packages."""
+        check(self)
+        check_path("run.output", self.output)
         self._validate_trackers()
 
     def _validate_trackers(self) -> None:
@@ -631,18 +606,17 @@ def _scalars(value: Any) -> list[Any]:
 
 
 def build(cls: type, given: dict[str, Any]) -> Any:
-    """The ``cls`` instance (not validated) with the values ``given`` ({dotted key: value}) over its defaults.
+    """The ``cls`` instance with the values ``given`` ({dotted key: value}) over its defaults, as pydantic
+    validates it (:func:`_adapter`); what it refuses is one :class:`ConfigError` line (:func:`problem`).
 
     The values go into the defaults of ``cls()`` (a section given in part keeps its owner's: ``optim.max_steps=5``
-    on the pretraining config keeps its ``OptimSection(lr=1.5e-3, betas=(0.9, 0.95))``), and pydantic validates the
-    whole strictly against the dataclasses' types (:func:`_adapter`): a value must have its field's type already
-    (an int for a float and a list for a tuple aside: "yes" or 1 is no bool, 3 no str). Unknown keys are refused
-    together, naming the section's fields; a field nothing sets keeps its default object (pydantic makes
-    ``memory_budget_mb: float = 4096`` 4096.0, which config.yaml would show)."""
-    unknown = list(dict.fromkeys(filter(None, (_unknown(cls, key) for key in given))))
-    if unknown:
-        section = _section(cls, unknown[0].rpartition(".")[0])
-        raise ConfigError(f"unknown config key(s) {unknown}; known: {sorted(f.name for f in fields(section))}")
+    on the pretraining config keeps its ``OptimSection(lr=1.5e-3, betas=(0.9, 0.95))``). Each section declares
+    its fields' types, ranges and choices (``Annotated`` / ``Literal``), ``extra="forbid"`` and its cross-field
+    checks (``model_validator``); strict: a value must have its field's type already (an int for a float and a
+    list for a tuple aside: "yes" or 1 is no bool, 3 no str). What needs the file system or torch (a split's
+    manifest, a tracker's package, the registered method) is the sections' ``validate()``. A field nothing sets
+    keeps its default object (pydantic makes ``memory_budget_mb: float = 4096`` 4096.0, which config.yaml would
+    show)."""
     for key, value in given.items():  # YAML's values pydantic's JSON lacks (a date) in a mapping field
         if any(not isinstance(v, bool | int | float | str | None) for v in _scalars(value)):
             raise ConfigError(_wrong(cls, key, given))
@@ -657,30 +631,98 @@ def build(cls: type, given: dict[str, Any]) -> Any:
     try:
         config = _adapter(cls).validate_json(json.dumps(values), strict=True)
     except ValidationError as exc:
-        where = ".".join(map(str, exc.errors()[0]["loc"]))
-        key = next((k for k in given if _within(where, k)), where)  # a tuple's item, a union's member: its field
-        raise ConfigError(_wrong(cls, key, given)) from None
+        raise ConfigError(problem(cls, exc, given)) from None
     _defaults_kept(config, cls(), given)
     return config
 
 
+def check(section: Any) -> None:
+    """The checks ``section`` (a dataclass instance with a ``key`` such as "optim") declares, by pydantic, as
+    :func:`build` runs them: for a section built in code (``OptimSection(schedule="step").validate()``)."""
+    try:
+        _adapter(type(section)).validate_json(json.dumps(dataclasses.asdict(section), default=str), strict=True)
+    except ValidationError as exc:
+        raise ConfigError(problem(type(section), exc, {}, f"{section.key}.")) from None
+
+
 @functools.cache
 def _adapter(cls: type) -> TypeAdapter:
-    """pydantic's validator of config class ``cls`` (its dataclasses, their type hints)."""
+    """pydantic's validator of config class ``cls`` (its dataclasses, their type hints and validators); a section
+    class that declares no pydantic config (another package's, e.g. research's) gets :data:`STRICT` too."""
+    sections = [cls]
+    while sections:
+        section = sections.pop()
+        if "__pydantic_config__" not in vars(section):
+            section.__pydantic_config__ = STRICT
+        sections += [hint for hint in typing.get_type_hints(section).values() if is_dataclass(hint)]
     return TypeAdapter(cls)
 
 
-def _unknown(cls: type, key: str) -> str | None:
-    """The part of dotted ``key`` up to its first name that no field of ``cls`` has, or None (a key inside a
-    mapping field is known)."""
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        if not is_dataclass(cls):
-            return None
-        if part not in {f.name for f in fields(cls)}:
-            return ".".join(parts[:i + 1])
+def problem(cls: type, exc: ValidationError, given: dict[str, Any], prefix: str = "") -> str:
+    """pydantic's first refusal of config class ``cls`` as one line naming the key (``prefix`` + its place):
+    unknown keys all together with the section's fields; a cross-field check's own :class:`ConfigError`; a range
+    or choice as :func:`field_problem` words it; a wrong type as ``key: expected <type>, got <value>``."""
+    errors = exc.errors()
+    unknown = list(dict.fromkeys(prefix + ".".join(map(str, e["loc"])) for e in errors
+                                 if e["type"] == "unexpected_keyword_argument"))
+    if unknown:
+        section = _section(cls, unknown[0][len(prefix):].rpartition(".")[0])
+        return f"unknown config key(s) {unknown}; known: {sorted(f.name for f in fields(section))}"
+    error = errors[0]
+    if isinstance(cause := (error.get("ctx") or {}).get("error"), ConfigError):
+        return str(cause)
+    key = _field_key(cls, error["loc"])  # a tuple's item, a union's member: its field
+    if error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number",
+                         "literal_error"):
+        return prefix + field_problem(_hint(cls, key), key, error["input"])
+    return prefix + _wrong(cls, key, given or {key: error["input"]})
+
+
+def _field_key(cls: type, loc: tuple[Any, ...]) -> str:
+    """The dotted field of config class ``cls`` that pydantic's error location ``loc`` lies in."""
+    parts: list[str] = []
+    for part in loc:
+        if not (is_dataclass(cls) and part in {f.name for f in fields(cls)}):
+            break
+        parts.append(part)
         cls = typing.get_type_hints(cls)[part]
-    return None
+    return ".".join(parts)
+
+
+def _hint(cls: type, key: str) -> Any:
+    """The type hint of dotted field ``key`` of ``cls``, its ``Annotated`` metadata kept."""
+    for part in key.split("."):
+        cls = typing.get_type_hints(cls, include_extras=True)[part]
+    return cls
+
+
+def field_problem(hint: Any, key: str, value: Any) -> str:
+    """``key must be [what] <its choices or range> [note], got value``: the words of a field's declared
+    ``Literal`` or ``Ge`` / ``Gt`` / ``Le`` / ``Lt`` bounds and :class:`Words` (of an item, for a tuple)."""
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is tuple:
+        hint = typing.get_args(hint)[0]
+    meta = [m for a in (typing.get_args(hint)[1:] if typing.get_origin(hint) is Annotated else ())
+            for m in getattr(a, "metadata", [a])]  # a Field's bounds, one object each
+    words = next((m for m in meta if isinstance(m, Words)), Words(note="(a finite number)" * (FINITE in meta)))
+    note = words.note or ("(or null)" if optional else "")
+    hint = typing.get_args(hint)[0] if meta else hint
+    if typing.get_origin(hint) is Literal:
+        choices = ", ".join(map(str, typing.get_args(hint)))
+        return " ".join(filter(None, [f"{key} must be one of {choices}", note])) + f", got {value!r}"
+    bounds = {name: getattr(m, name) for m in meta for name in ("ge", "gt", "le", "lt") if hasattr(m, name)}
+    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else ""
+    high = f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})" if "lt" in bounds else ""
+    if low and high:
+        span = f"in {low}, {high}".replace(str(MAX_SEED), "2**31")
+    elif low:
+        span = (">= " if low[0] == "[" else "> ") + low[1:]
+    else:
+        span = ("<= " if high[-1:] == "]" else "< ") + high[:-1] if high else ""
+    return " ".join(filter(None, [f"{key} must be", words.what, span, note])) + f", got {value!r}"
 
 
 def load(cls: type, path: str | None, overrides: list[str]) -> Any:
@@ -702,15 +744,24 @@ def _wrong(cls: type, key: str, given: dict[str, Any]) -> str:
     """``key: expected <the field's type>, got <the value given>``."""
     parent, _, name = key.rpartition(".")
     section = _section(cls, parent)
-    hint = next((f.type for f in fields(section) if f.name == name), None) if section else None
+    hint = typing.get_type_hints(section).get(name) if section else None  # (its Annotated bounds left out)
     if _section(cls, key):
         expected = "a mapping"
     elif hint is None:  # inside a mapping field: a value YAML has and JSON lacks
         expected = "a number, string, bool, list or mapping"
     else:
-        expected = hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
+        expected = _type_text(hint)
     value = given[key] if key in given else {k[len(key) + 1:]: v for k, v in given.items() if _within(k, key)}
     return f"{key}: expected {expected}, got {value!r}"
+
+
+def _type_text(hint: Any) -> str:
+    """A type hint as its source writes it (``float | None``, ``tuple[float, float]``)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) is not None or not hasattr(hint, "__name__"):
+        return str(hint).replace("typing.", "")
+    return "None" if hint is type(None) else hint.__name__
 
 
 def _defaults_kept(config: Any, default: Any, given: Collection[str], prefix: str = "") -> None:
