@@ -229,6 +229,7 @@ def test_a_claim_before_all_its_planned_seeds_is_pending_untested_and_outside_ho
     assert claim.pending == "3 of 5 seeds" and not claim.tested and claim.adjusted is None, \
         "3 seeds are enough for a test, but the protocol plans 5: no test before the last (no optional stopping)"
     assert claim.verdict.startswith("pending (3 of 5 seeds); so far: ")
+    assert "raw p" not in claim.verdict
     assert not any(c.tested for c in items.values() if c.family == "position")
     done = by_id(protocol_items(position_rows(), p))["MP3 Fig. 3 (train eta 0)"]
     assert not done.pending and done.tested

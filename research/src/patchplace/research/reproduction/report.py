@@ -879,7 +879,7 @@ def family_tables(items: list[Claim], protocol: Protocol) -> list[str]:
         for c in mine:
             status = "-" if c.in_regime is None else "pending" if c.pending else ("yes" if c.in_regime else "no")
             lines.append(f"| {c.claim} | {c.setting} | {c.regime} | {status} | {c.seeds or '-'} | "
-                         f"{f'{c.p:.2g}' if c.p is not None else '-'} | "
+                         f"{f'{c.p:.2g}' if c.p is not None and not c.pending else '-'} | "
                          f"{f'{c.adjusted:.2g}' if c.adjusted is not None else '-'} | {c.verdict} |")
         lines.append("")
     return lines
