@@ -100,7 +100,7 @@ def test_a_section_given_in_part_keeps_the_pipelines_defaults_for_the_rest(shard
 
 def test_config_values_keep_their_types_and_strings_stay_as_written(shards, tmp_path):
     """Tuple fields come back as tuples; a number with an exponent is a float in the free-form sections too; a
-    string is taken as written (a pipe: URL's ${VAR} is no OmegaConf interpolation); a field nothing sets keeps its
+    string is taken as written (a pipe: URL's ${VAR} is no interpolation); a field nothing sets keeps its
     default object (config.yaml writes memory_budget_mb: 4096). A training config loads for evaluation: the training
     fields of its data / model / run sections are accepted and ignored."""
     cfg = pipeline_config.load(pretrain.PretrainConfig, None, [
