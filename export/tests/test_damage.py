@@ -259,6 +259,7 @@ def test_a_failed_int8_quantization_leaves_nothing(pairs, tmp_path, monkeypatch)
 
 def test_an_int8_model_with_non_finite_logits_is_not_kept(pairs, tmp_path, monkeypatch, capsys):
     import patchplace.export.__main__ as cli
+    from patchplace.export import exporter
     from patchplace.export.exporter import quantize_int8
 
     def nan_int8(path):  # a quantization gone wrong: NaN logits
@@ -270,7 +271,7 @@ def test_an_int8_model_with_non_finite_logits_is_not_kept(pairs, tmp_path, monke
         onnx.save(graph, str(out))
         return out
 
-    monkeypatch.setattr(cli, "quantize_int8", nan_int8)
+    monkeypatch.setattr(exporter, "quantize_int8", nan_int8)  # the command imports it from there when it runs
     assert cli.main([str(pairs / "ckpt_a"), "--out", str(tmp_path / "m.onnx"), "--data",
                      str(pairs / "shards" / "test"), "--samples", "4", "--quantize", "--no-optimize"]) == 2
     err = capsys.readouterr().err  # after the export's "graph: ..." line
