@@ -181,6 +181,20 @@ def test_a_row_is_refused_by_its_commit_and_rows_need_the_protocol_committed_unc
     assert len(proto.read_starts(tmp_path / "run" / proto.PROVENANCE)) == 1
 
 
+def test_a_unit_records_its_start_when_a_stage_runs_and_a_visit_to_a_finished_unit_records_nothing(tmp_path):
+    from patchplace.research.reproduction.runner import Study
+
+    study = Study.__new__(Study)  # (its stage wrapper alone: the config it reads is the protocol's path)
+    study.cfg, study.unstarted = StudyConfig(protocol=None), tmp_path / "unit"
+    provenance = tmp_path / "unit" / proto.PROVENANCE
+    ran: list[list[str]] = []
+    assert study.stage(tmp_path / "unit" / "pretrain", lambda argv: ran.append(argv) or 0, ["a=1"]) >= 0
+    assert ran == [["a=1"]] and len(proto.read_starts(provenance)) == 1 and study.unstarted is None
+    study.unstarted = tmp_path / "unit"  # the unit visited again: its stage is DONE, so nothing runs or records
+    study.stage(tmp_path / "unit" / "pretrain", lambda argv: ran.append(argv) or 0, ["a=1"])
+    assert ran == [["a=1"]] and len(proto.read_starts(provenance)) == 1
+
+
 def test_a_claim_never_pairs_rows_from_two_cpu_models():
     p = proto.load_protocol(PROTOCOL)
     same = by_id(protocol_items(position_rows(), p))

@@ -58,6 +58,20 @@ class Study:
         # resolved once: a training stage's argv names its precision when it is not float32 (a float32 stage's
         # argv has no precision argument, so its DONE record matches on any machine that trains in float32)
         self.precision = resolve_precision(cfg.precision)
+        # the (row, seed) directory whose start is recorded when one of its stages first runs (:meth:`stage`)
+        self.unstarted: Path | None = None
+
+    def stage(self, directory: Path, run: Callable[[list[str]], int], argv: list[str], label: str = "") -> float:
+        """:func:`patchplace.pipelines.stages.stage`, which records the start of the unit being run
+        (:func:`record_start`) just before the first of its stages that runs: a visit to a finished unit records
+        nothing (its rows keep the machine models they ran on)."""
+        def recorded(args: list[str]) -> int:
+            if self.unstarted is not None:
+                record_start(self.unstarted, Path(self.cfg.protocol) if self.cfg.protocol else None)
+                self.unstarted = None
+            return run(args)
+
+        return stage(directory, recorded, argv, label)
 
     def dir(self, run: Run, seed: int) -> Path:
         """A (row, seed)'s run directory; with ``epochs_in_path`` a pretrained row's names its epochs
@@ -147,10 +161,10 @@ class Study:
             pe = "sincos1d" if run.speech else run.scratch_pe
             if run.speech:
                 extra = [*self.speech_stopping(), *extra]
-            return stage(out, self.launch["finetune"], ["--config", str(self.finetune_config(run)), *common,
+            return self.stage(out, self.launch["finetune"], ["--config", str(self.finetune_config(run)), *common,
                                               "optim.layer_decay=null", f"finetune.pos_embed={pe}",
                                               *self.finetune_extra(run), *extra], label=f"{out} train")
-        return stage(out, self.launch["pretrain"], ["--config", str(CONFIGS / f"{run.config}.yaml"), *common,
+        return self.stage(out, self.launch["pretrain"], ["--config", str(CONFIGS / f"{run.config}.yaml"), *common,
                                                     *run.objective,
                                           *extra], label=f"{out} train")
 
@@ -160,7 +174,7 @@ class Study:
         checkpoint = self.source(run, seed) / "pretrain" / "checkpoint"
         if run.speech:
             extra = [*self.speech_stopping(), *extra]
-        return stage(out, self.launch["finetune"], [
+        return self.stage(out, self.launch["finetune"], [
             "--config", str(self.finetune_config(run)), f"run.output={out}", f"optim.epochs={epochs}",
             f"model.checkpoint={checkpoint}", f"finetune.pos_embed={pe}", *self.common(run, seed),
             *self.finetune_extra(run), *extra], label=f"{out} finetune")
@@ -198,7 +212,7 @@ class Study:
             return self.final(d / "train"), self.final(d / "train"), seconds
         source = self.source(run, seed)
         null = run.name == "speech_null"  # the null-pretraining control: one step of pretraining
-        seconds["pretrain"] = stage(source / "pretrain", self.launch["pretrain"], [
+        seconds["pretrain"] = self.stage(source / "pretrain", self.launch["pretrain"], [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
             f"optim.epochs={pre}", *(["optim.max_steps=1"] if null else []), *run.objective,
             *([f"run.keep_epochs=[{','.join(f'{b:g}' for b in self.budgets(run))}]"] if self.budgets(run) else []),
@@ -248,7 +262,7 @@ class Study:
     def test(self, run: Run, out: Path, checkpoint: Path) -> None:
         """Top-1 of a classifier on the test split (``test_samples`` of it), nothing else."""
         c = self.cfg
-        stage(out, evaluate, [
+        self.stage(out, evaluate, [
             *EVALUATE, f"run.output={out}",
             f"model.checkpoint={checkpoint}", "eval.linear_probe=false", "eval.knn=false",
             "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
@@ -260,7 +274,7 @@ class Study:
         (pretrained main rows), the MP3 eta curve / DropPos grid of its pretraining head."""
         c = self.cfg
         fractions = list(c.label_fractions) if run.label_efficiency and not run.classifier_only else []
-        stage(out, evaluate, [
+        self.stage(out, evaluate, [
             *EVALUATE, f"run.output={out}",
             f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
             f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
@@ -281,7 +295,7 @@ class Study:
         saved = json.loads((backbone / "config.json").read_text())
         feature = f"{saved['backbone']['pos_embed']}/{saved['metadata'].get('probe_feature', 'mean')}"
         checkpoints = [*(self.snapshot(run, seed, b) for b in self.budgets(run)), backbone]
-        stage(d / "gate", controls, [
+        self.stage(d / "gate", controls, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'gate'}",
             f"controls.seeds=[{seed}]", f"model.preset={c.preset}", f"controls.random_inits=[{feature}]",
             "controls.label_fractions=[]", f"controls.probe_train_samples={c.probe_train_samples}",
@@ -294,7 +308,7 @@ class Study:
         (``validation_positions``; ``<run>/position_val``): what a protocol's regime and doubling rule read, never
         the test split."""
         c, d = self.cfg, self.dir(run, seed)
-        stage(d / "position_val", evaluate, [
+        self.stage(d / "position_val", evaluate, [
             *EVALUATE, f"run.output={d / 'position_val'}", f"model.checkpoint={backbone}",
             "eval.linear_probe=false", "eval.knn=false", "eval.position_probe=false", "eval.consistency_ratios=[]",
             f"eval.max_eval_samples={min(c.curve_samples, c.holdout)}", *self.data(run)], label=f"{d} position_val")
@@ -303,7 +317,7 @@ class Study:
         c, d = self.cfg, self.dir(run, seed)
         data = self.data(run, evaluation=True)
         if run.speech:  # one evaluation on the test split: top-1 + probes of the fine-tuned model
-            stage(d / "eval", evaluate, [
+            self.stage(d / "eval", evaluate, [
                 *EVALUATE, f"run.output={d / 'eval'}",
                 f"model.checkpoint={classifier}", "data.pad_to=null", "eval.position_probe=false",
                 f"eval.probe_epochs={c.probe_epochs}", *data], label=f"{d} eval")
@@ -319,22 +333,22 @@ class Study:
                 self.probe(run, d / f"probe_e{budget:g}", self.snapshot(run, seed, budget))
         if classifier is None:
             return
-        stage(d / "eval", evaluate, [
+        self.stage(d / "eval", evaluate, [
             *EVALUATE, f"run.output={d / 'eval'}",
             f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
             "eval.position_probe=false", "eval.probe_train_samples=128", f"eval.max_eval_samples={c.curve_samples}",
             *data, *limit], label=f"{d} eval")
         if run.ort and c.ort:
             onnx = d / "export" / "model.onnx"
-            stage(d / "export", export, [str(classifier), "--out", str(onnx)], label=f"{d} export")
-            stage(d / "ort", evaluate_onnx, [
+            self.stage(d / "export", export, [str(classifier), "--out", str(onnx)], label=f"{d} export")
+            self.stage(d / "ort", evaluate_onnx, [
                 str(onnx), "--data", str(Path(c.fashion_mnist) / "test"), "--out", str(d / "ort"),
                 *(["--limit", str(c.test_samples)] if c.test_samples else []),
                 "--consistency-limit", str(c.ort_consistency_samples), "--robustness-limit",
                 str(c.robustness_samples), "--latency-repeats", "0", "--corruption-cache",
                 str(self.root / "corruptions")], label=f"{d} ort")
         if run.privacy and c.privacy_images:  # MJP Table 5: the same images and attack budget for every model
-            stage(d / "privacy", evaluate, [
+            self.stage(d / "privacy", evaluate, [
                 "--privacy", *EVALUATE, f"run.output={d / 'privacy'}",
                 f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
                 "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
@@ -349,7 +363,7 @@ class Study:
         if not c.controls:
             return
         image = next(r for r in RUNS if r.name == "supervised")
-        stage(self.root / "controls", controls, [
+        self.stage(self.root / "controls", controls, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={self.root / 'controls'}",
             f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}", *self.model_overrides(image),
             f"controls.label_fractions=[{','.join(map(str, c.label_fractions))}]",
@@ -365,7 +379,7 @@ class Study:
         their 1% linear probes on the validation split beside the controls (raw pixels, random init per seed):
         ``runs/curves/<run>/``."""
         c, d = self.cfg, self.curve_dir(run.name)
-        stage(d / "pretrain", self.launch["pretrain"], [
+        self.stage(d / "pretrain", self.launch["pretrain"], [
             "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'pretrain'}",
             f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
             *run.objective, *self.common(run, c.curve_seed), *self.model_overrides(run)], label=f"{d} pretrain")
@@ -374,7 +388,7 @@ class Study:
         # recorded probe_feature)
         saved = json.loads((snapshots[0] / "config.json").read_text())
         feature = f"{saved['backbone']['pos_embed']}/{saved['metadata'].get('probe_feature', 'mean')}"
-        stage(d / "probes", controls, [
+        self.stage(d / "probes", controls, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'probes'}",
             f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
             f"controls.random_inits=[{feature}]",
@@ -401,9 +415,10 @@ class Study:
             for seed in (s for s in self.seeds(run) if (not self.cfg.only_seeds or s in self.cfg.only_seeds)
                          and (run.name, s) not in done):
                 start = time.perf_counter()
-                record_start(self.dir(run, seed), Path(self.cfg.protocol) if self.cfg.protocol else None)
+                self.unstarted = self.dir(run, seed)
                 backbone, classifier, _ = self.train(run, seed)
                 self.label_efficiency(run, seed)
                 self.evaluate(run, seed, backbone, classifier)
                 print(f"[study] {run.name} seed {seed}: {(time.perf_counter() - start) / 60:.1f} min this call",
                       flush=True)
+                self.unstarted = None
