@@ -2,7 +2,7 @@
 
 import sys
 
-from patchplace.research.controls import main
+from patchplace.research.cli import main  # --help and usage errors without importing torch
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("controls"))

@@ -223,7 +223,7 @@ def test_floats_written_with_an_exponent_are_floats_in_every_section(shards, tmp
     cfg = pipeline_config.load(pretrain.PretrainConfig, str(config), ["data.memory_budget_mb=2e3",
                                                                       f"data.train={shards / 'img' / 'train'}",
                                                                       f"data.val={shards / 'img' / 'test'}"])
-    assert cfg.objective["mask_ratio"] == 0.5 and cfg.optim.lr == 1e-3 and cfg.optim.betas == (0.9, 0.95)
+    assert cfg.objective.mask_ratio == 0.5 and cfg.optim.lr == 1e-3 and cfg.optim.betas == (0.9, 0.95)
     assert cfg.model.overrides["drop_path_rate"] == 0.1 and cfg.data.memory_budget_mb == 2000.0
     assert pipeline_config.parse_yaml("[10, 1_000, 0x10, no, 1e, .5]") == [10, 1000, 16, "no", "1e", 0.5]
 

@@ -8,6 +8,7 @@ curves; a split smaller than one batch names its samples."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from patchplace.export import export_checkpoint
 from patchplace.models import create_model, save_pretrained
 from patchplace.pipelines import config as pipeline_config
 from patchplace.pipelines import evaluate, finetune, pretrain
+from patchplace.pipelines.commands import FinetuneConfig
 
 LONG = "a" * 300  # one name over the 255 bytes of every common Linux file system
 
@@ -109,6 +111,34 @@ def test_model_overrides_cannot_apply_to_a_checkpoint(shards, tmp_path, capsys, 
     refused(capsys, code, f"model.overrides={{patch_size: 8}} cannot apply to model.checkpoint={checkpoint}",
             "drop model.overrides")
     assert not out.exists()
+
+
+def test_a_preset_override_must_name_the_checkpoints_own(shards, tmp_path, capsys, checkpoint):
+    """``model.preset=vit_tiny`` beside a vit_micro checkpoint was ignored (the checkpoint brings its architecture):
+    refused. Taken: a preset of the checkpoint's size, the preset its config.json records, and a config file's preset
+    (the file's from-scratch baseline, which a checkpoint on the command line replaces)."""
+    out, ckpt = tmp_path / "run", checkpoint / "checkpoint"
+    code = finetune.main([*img(shards), *TINY, f"model.checkpoint={ckpt}", "model.preset=vit_tiny",
+                          f"run.output={out}"])
+    refused(capsys, code, f"model.preset=vit_tiny cannot apply to model.checkpoint={ckpt}: a checkpoint brings its "
+            "architecture; drop model.preset")
+    assert not out.exists()
+
+    def load(file: Path | None, folder: Path, *overrides: str) -> FinetuneConfig:
+        return pipeline_config.load(FinetuneConfig, file and str(file), [*img(shards), f"model.checkpoint={folder}",
+                                                                         *overrides])
+
+    assert load(None, ckpt, "model.preset=vit_micro").model.preset == "vit_micro"  # its size
+    scratch = tmp_path / "scratch.yaml"
+    scratch.write_text("model: {preset: vit_tiny}\n")
+    assert load(scratch, ckpt).model.preset == "vit_tiny"
+    recorded = tmp_path / "recorded"
+    shutil.copytree(ckpt, recorded)
+    saved = json.loads((recorded / "config.json").read_text())
+    (recorded / "config.json").write_text(json.dumps({**saved, "metadata": {**saved["metadata"], "preset": "vit_cpu"}}))
+    assert load(None, recorded, "model.preset=vit_cpu").model.preset == "vit_cpu"
+    with pytest.raises(pipeline_config.ConfigError, match=r"^model.preset=vit_micro cannot apply"):
+        load(None, recorded, "model.preset=vit_micro")  # the recorded name wins over the size
 
 
 def test_a_run_folder_given_as_the_checkpoint_names_its_checkpoint(shards, tmp_path, capsys, checkpoint):

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 import pytest
 
 from patchplace.pipelines import commands
-from patchplace.pipelines.config import ConfigError, OptimSection, build, check
+from patchplace.pipelines.config import ConfigError, build, check
+from patchplace.pipelines.sections import OptimSection
 
 CONFIGS = (commands.PretrainConfig, commands.FinetuneConfig, commands.EvaluateConfig)
 

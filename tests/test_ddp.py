@@ -267,7 +267,7 @@ def test_two_processes_follow_the_lr_schedule_of_one_at_the_same_global_batch(sh
 def test_lr_scaling_follows_the_global_batch_and_is_recorded(shards, tmp_path):
     """``optim.lr_scaling=linear``: the lr tuned at one process's batch (8) doubles on 2 processes (global 16); the
     peak lr, the rule and the global batch are in optimizer.json and the model card. (``sqrt``: sqrt(2)x.)"""
-    from patchplace.pipelines.config import OptimSection
+    from patchplace.pipelines.sections import OptimSection
 
     assert OptimSection(lr=1e-3, lr_scaling="sqrt").scaled_lr(16, default_base=8) == pytest.approx(1e-3 * 2**0.5)
     assert OptimSection(lr=1e-3, lr_scaling="linear", lr_base_batch=256).scaled_lr(2048, 8) == pytest.approx(8e-3)
@@ -388,7 +388,8 @@ def test_rank_seeds_are_distinct_for_every_accepted_seed_and_rank():
     2**32 (torch's CPU generator keeps a seed's low 32 bits, numpy takes no more); rank 0 keeps any seed below
     2**31, and seeds of 2**20 or more on several processes, or more than 2048 processes, are refused."""
     from patchplace.pipelines import engine
-    from patchplace.pipelines.config import MAX_SEED, ConfigError
+    from patchplace.pipelines.config import ConfigError
+    from patchplace.pipelines.sections import MAX_SEED
 
     rank_seed, top = engine.rank_seed, engine.SEEDS_PER_RANK - 1
     seeds = [0, 1, 2, 2**19 - 1, 2**19, 2**19 + 1, top - 1, top]

@@ -357,15 +357,34 @@ def without_added_card_rows(text: str) -> str:
     return "\n".join(line for line in text.split("\n") if line not in rows)
 
 
+def objective_in_force(method, given):
+    """The objective fields ``method`` trains with: the current code records every one (config.yaml, a checkpoint's
+    metadata and recipe, the model card's recipe rows), the reference the given ones; both sides are completed by
+    the method's defaults (the config class's, then the registration's) before comparing, as JSON writes them
+    (tuples as lists). A default that changed would still show in the weights."""
+    from patchplace.pipelines.objective_fields import methods
+
+    known = methods().get(method) if isinstance(method, str) else None
+    if known is None or not isinstance(given, dict | None):
+        return given
+    return json.loads(json.dumps({**known.defaults, **(given or {})}))
+
+
 def without_additions(data):
     """``data`` (a parsed config.json) without the keys :data:`ADDED_METADATA` in its metadata and the
-    :data:`ADDED_CONFIG` fields at their default in its recipe."""
+    :data:`ADDED_CONFIG` fields at their default in its recipe, its objective fields in force
+    (:func:`objective_in_force`)."""
     metadata = data.get("metadata") if isinstance(data, dict) else None
     for section in (metadata, (metadata or {}).get("pretrain_metadata")):
         if isinstance(section, dict):
             for key in ADDED_METADATA:
                 section.pop(key, None)
             without_added_config(section.get("recipe"))
+            if "objective" in section:
+                section["objective"] = objective_in_force(section.get("method"), section["objective"])
+                if isinstance(section.get("recipe"), dict):
+                    recipe = section["recipe"]
+                    recipe["objective"] = objective_in_force(section.get("method"), recipe.get("objective"))
     return data
 
 
@@ -396,8 +415,13 @@ def loaded(path: Path, base: Path):
         for section, keys in DROPPED_CONFIG.items():
             for key in keys:
                 (data.get(section) or {}).pop(key, None)
+        if "objective" in data:
+            data["objective"] = objective_in_force(data.get("method"), data["objective"])
         return without_added_config(data)
-    return without_added_card_rows(ADDED_CARD_LINE.sub(r"\1", text)) if path.name == "README.md" else text
+    if path.name == "README.md":  # (the objective's recipe rows: compared in config.json, in force)
+        text = "\n".join(line for line in text.split("\n") if not line.startswith("| objective."))
+        return without_added_card_rows(ADDED_CARD_LINE.sub(r"\1", text))
+    return text
 
 
 def run_files(run: Path) -> dict[str, Path]:

@@ -20,7 +20,8 @@ from patchplace.pipelines import (
     engine,
     pretrain,
 )
-from patchplace.pipelines.config import ConfigError, DataSection
+from patchplace.pipelines.config import ConfigError
+from patchplace.pipelines.sections import DataSection
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines

@@ -11,7 +11,7 @@ import torch
 import patchplace.data.reader as reader_module
 from patchplace.data import ShardDataset, make_loader
 from patchplace.pipelines import engine
-from patchplace.pipelines.config import DataSection
+from patchplace.pipelines.sections import DataSection
 
 
 def _accelerator(device: str) -> SimpleNamespace:

@@ -27,6 +27,7 @@ from patchplace.pipelines import (
     finetune,
     pretrain,
 )
+from patchplace.pipelines.sections import OptimSection
 from patchplace.research import recipes
 from patchplace.research.reproduction import plan as study_plan
 
@@ -65,7 +66,8 @@ def test_every_shipped_config_loads_and_validates(shards):
     (["optim.lrr=1"], r"unknown config key\(s\) \['optim.lrr'\]"),
     (["optim.lr=-1"], "optim.lr must be > 0"),
     (["method=mp4"], "method 'mp4' is not one of"),
-    (["objective.eta=1.5"], r"eta must be in \[0, 1\)"),
+    (["objective.eta=1.5"], r"^error: objective\.eta must be in \[0, 1\), got 1\.5$"),
+    (["objective.eta=yes"], r"^error: objective\.eta: expected float, got 'yes'$"),  # (was a TypeError traceback)
     (["data.train=/nowhere/train"], "data.train: no manifest.json in /nowhere/train"),
     (["data.batch_size=many"], "data.batch_size: expected int"),
     (["optim.max_steps=-5"], r"optim.max_steps must be >= 1 \(or null"),  # 0 steps would train nothing
@@ -74,6 +76,50 @@ def test_bad_configs_fail_with_one_line(shards, capsys, overrides, message):
     assert pretrain.main([*img(shards), *overrides]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and __import__("re").search(message, err), err
+
+
+def test_the_objective_section_is_the_methods_own_config_once_validated(shards, tmp_path):
+    """``objective`` is the registered method's config object: the class's defaults, the registration's
+    (``stop``: I-JEPA's with ``stop=True``), then the file's and the overrides' fields, typed as every section; an
+    unknown or mistyped field is one line naming ``objective.<field>``."""
+    file = tmp_path / "stop.yaml"
+    file.write_text("method: stop\nobjective: {sigma: 0.5, target_scale: [0.1, 0.3]}\n")
+    cfg = pipeline_config.load(pretrain.PretrainConfig, str(file), [*img(shards), "objective.min_keep=2"])
+    assert cfg.objective == get_method("ijepa").config_cls(stop=True, sigma=0.5, target_scale=(0.1, 0.3), min_keep=2)
+    assert cfg.objective_config() is cfg.objective and cfg.objective_values()["stop"] is True
+    assert get_method("stop").config(cfg.objective) is cfg.objective, "the registry takes the built object"
+    with pytest.raises(ValueError, match="method 'mp3' is configured by MP3Config, not IJEPAConfig"):
+        get_method("mp3").config(cfg.objective)
+    recorded = yaml.safe_load(yaml.safe_dump(pipeline_config.to_dict(cfg), sort_keys=False))["objective"]
+    assert list(recorded) == list(cfg.objective_values()), "config.yaml records every field in force"
+    assert (recorded["stop"], recorded["target_scale"], recorded["ema_end"]) == (True, [0.1, 0.3], 1.0)
+    for overrides, message in (
+            (["objective.sigmaa=0.5"], r"unknown config key\(s\) \['objective.sigmaa'\]; method=stop knows: "),
+            (["objective.sigma=x"], r"objective.sigma: expected float, got 'x'"),
+            (["objective.stop=1"], r"objective.stop: expected bool, got 1"),
+            (["objective.sigma=-1"], r"objective.sigma \(a standard deviation\) must be >= 0, got -1.0")):
+        with pytest.raises(pipeline_config.ConfigError, match=f"^{message}") as refused:
+            pipeline_config.load(pretrain.PretrainConfig, str(file), [*img(shards), *overrides])
+        assert "\n" not in str(refused.value)
+
+
+def test_a_run_recorded_with_the_given_objective_fields_only_still_resumes(shards, tmp_path, capsys):
+    """config.yaml records every objective field in force; a run whose record holds the given ones only (written
+    before it did) compares by its method's defaults: it resumes, and a changed field is named."""
+    from patchplace.pipelines.rundir import config_changes
+
+    full = {"method": "stop", "objective": dict(vars(get_method("stop").config({"sigma": 0.5})))}  # as recorded now
+    assert config_changes({"method": "stop", "objective": {"sigma": 0.5}}, full) == []
+    assert config_changes({"method": "stop", "objective": {}}, full) == ["objective.sigma (0.25 -> 0.5)"]
+    out, args = tmp_path / "run", [*method_args(shards, "mp3"), "optim.max_steps=2"]
+    assert pretrain.main([*args, f"run.output={out}"]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["objective"] == {"eta": 0.75, "anchor_ratio": 0.0}, "every field in force"
+    assert json.loads((out / "checkpoint" / "config.json").read_text())["metadata"]["objective"] == saved["objective"]
+    (out / "config.yaml").write_text(yaml.safe_dump({**saved, "objective": {}}, sort_keys=False))  # an older record
+    assert pretrain.main([*args, f"run.output={out}", "run.resume=true"]) == 0
+    assert pretrain.main([*args, f"run.output={out}", "run.resume=true", "objective.eta=0.5"]) == 2
+    assert "objective.eta (0.75 -> 0.5) differ from" in capsys.readouterr().err
 
 
 def test_overrides_read_yes_no_on_off_as_words_and_only_true_false_as_bools(shards):
@@ -107,7 +153,7 @@ def test_config_values_keep_their_types_and_strings_stay_as_written(shards, tmp_
         *img(shards), "run.keep_epochs=[0, 1]", "objective.eta=5e-1", "model.overrides={drop_path_rate: 1e-1}",
         "data.train_urls=pipe:cat ${DIR}/x.tar"])
     assert (cfg.run.keep_epochs, cfg.optim.betas, cfg.data.scale) == ((0.0, 1.0), (0.9, 0.95), (0.35, 1.0))
-    assert cfg.objective == {"eta": 0.5} and cfg.model.overrides == {"drop_path_rate": 0.1}
+    assert cfg.objective == get_method("mp3").config_cls(eta=0.5) and cfg.model.overrides == {"drop_path_rate": 0.1}
     assert cfg.data.train_urls == "pipe:cat ${DIR}/x.tar"
     assert "  memory_budget_mb: 4096\n" in yaml.safe_dump(pipeline_config.to_dict(cfg), sort_keys=False)
     shared = tmp_path / "shared.yaml"
@@ -166,7 +212,7 @@ def test_compiled_blocks_and_the_fused_optimizer_train_to_the_same_losses_and_ch
     model = torch.nn.Sequential(*(Block(16, 2, 2.0, True, 0.0, 0.0, 0.0, 1e-6) for _ in range(2)))
     assert engine.compile_blocks(model, "no") == 0 and engine.compile_blocks(model, "aot_eager") == 2
     assert all(b._compiled_call_impl is not None for b in model)  # compiled in place: same module, same names
-    cfg = pipeline_config.OptimSection()
+    cfg = OptimSection()
     assert not engine.make_optimizer(model, cfg, device=torch.device("cpu")).defaults["fused"]  # null: GPU only
     assert engine.make_optimizer(model, cfg, device=torch.device("cuda")).defaults["fused"]
     cfg.fused = True

@@ -17,8 +17,9 @@ from torch import nn
 
 from patchplace.data import ShardDataset
 from patchplace.pipelines import engine, finetune, pretrain
-from patchplace.pipelines.config import ConfigError, DataSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import inputs
+from patchplace.pipelines.sections import DataSection
 
 
 @pytest.mark.parametrize("override,message", [

@@ -24,10 +24,11 @@ from torch import nn
 from patchplace.finetune import build_optimizer
 from patchplace.models import load_pretrained
 from patchplace.pipelines import finetune, pretrain
-from patchplace.pipelines.config import ConfigError, OptimSection, RunSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import StepSchedule, WeightsEma, make_optimizer, warmup_cosine
 from patchplace.pipelines.engine.budget import BatchPlan, start_line
 from patchplace.pipelines.engine.schedules import cosine_weight_decay, lr_factor, warmup_length
+from patchplace.pipelines.sections import OptimSection, RunSection
 
 ROOT = Path(__file__).resolve().parents[1]
 FT_CONFIG = str(ROOT / "pipelines" / "configs" / "finetune_fashion_mnist.yaml")

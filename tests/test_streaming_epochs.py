@@ -16,9 +16,10 @@ import pytest
 import yaml
 
 from patchplace.data import ShardDataset, SplitWriter
-from patchplace.pipelines.config import ConfigError, DataSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import inputs
 from patchplace.pipelines.rundir import prepare_directory
+from patchplace.pipelines.sections import DataSection
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))

@@ -8,8 +8,9 @@ import pytest
 from pipeline_args import TINY, img
 
 from patchplace.pipelines import finetune
-from patchplace.pipelines.config import TRACKERS, ConfigError, RunSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.logs import accelerator_log_with, tracker_project, trackers
+from patchplace.pipelines.sections import TRACKERS, RunSection
 
 
 def test_the_names_are_accelerates_trackers():

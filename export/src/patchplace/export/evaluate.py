@@ -22,6 +22,14 @@ line and computed again.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m patchplace.export.evaluate`, before the imports below load torch: the
+    # arguments parse torch-free (--help, usage errors), then this module, imported by its name, runs them
+    from patchplace.export import cli
+
+    sys.exit(cli.evaluate())
+
 import argparse
 import errno
 import hashlib
@@ -30,7 +38,6 @@ import os
 import platform
 import shlex
 import statistics
-import sys
 import time
 import warnings
 import zipfile
@@ -45,16 +52,15 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from patchplace.data import DataError, Manifest, ShardDataset, make_loader
-from patchplace.data.helpformat import help_formatter
 from patchplace.data.manifest import class_list, first_difference
 from patchplace.finetune import consistency_curve
 
+from .choices import PROVIDERS
+from .cli import evaluate_parser
 from .exporter import INT8_SUFFIX, Classifier, ExportError, check_writable, fp32_of, load_export, non_finite, ort
 
 CONSISTENCY_RATIOS = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP Table 1 uses 0.15, Fig. 3 the curve
-# --provider: the execution providers asked for (None: onnx_session's default, CUDA when usable, else CPU)
 SIDECAR_FORMATS = ("patchplace.export/1",)  # the model.json layouts this evaluator reads
-PROVIDERS = {"auto": None, "cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 CUDA_LIBRARIES = "libcublas(Lt).so.13, libcudart.so.13, libcurand.so.10, cuDNN 9"
 IMAGENET_C = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
               "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
@@ -688,39 +694,7 @@ def check_outputs(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m patchplace.export.evaluate", description=__doc__,
-                                     formatter_class=help_formatter(argparse.RawDescriptionHelpFormatter))
-    parser.add_argument("model", help="model.onnx written by python -m patchplace.export")
-    parser.add_argument("--data", required=True,
-                        help="test split directory (manifest.json + shards), or its URL (http(s)://, s3://, gs://, "
-                        "hf://, ...)")
-    parser.add_argument("--out", default="runs/ort_eval", help="output directory (default: %(default)s)")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N test images (default: all)")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--robustness-limit", type=int, default=1000,
-                        help="images for the 15 x 5 corruption sweep (0 = skip; default %(default)s)")
-    parser.add_argument("--consistency-limit", type=int, default=2000,
-                        help="images for the consistency curves (0 = skip; default %(default)s)")
-    parser.add_argument("--reference-errors", help="a reference model's corruption errors, for CE / mCE (ImageNet-C: "
-                        "sum over severities of ours / of its): its results.json, its robustness.errors, or "
-                        "{corruption: error or [error per severity]}")
-    parser.add_argument("--corruption-cache", type=Path, help="directory caching the corrupted images (reused by "
-                                                                "every model evaluated on the same images)")
-    parser.add_argument("--checkpoint", help="the PyTorch checkpoint the model was exported from: parity with PyTorch "
-                        "eager (on the provider's device) and PyTorch eager timed beside ONNX Runtime")
-    parser.add_argument("--provider", choices=list(PROVIDERS), default="auto",
-                        help="ONNX Runtime execution provider: auto (CUDA when torch sees a GPU and ONNX Runtime has "
-                             "the CUDA provider, else CPU), cpu, or cuda (refused in one line unless the session "
-                             "really runs on CUDAExecutionProvider; PyTorch then runs on the same GPU). Default: "
-                             "%(default)s")
-    parser.add_argument("--parity-limit", type=int, default=None,
-                        help="images for the parity check against --checkpoint (default: every evaluated image; "
-                             "0 = skip)")
-    parser.add_argument("--latency-repeats", type=int, default=20, help="timed runs per batch size (0 = skip)")
-    parser.add_argument("--latency-batches", type=int, nargs="+", default=[1, 8, 64], metavar="B",
-                        help="batch sizes timed (default: 1 8 64)")
-    parser.add_argument("--latency-warmup", type=int, default=3,
-                        help="untimed runs per runner and batch size first (default: %(default)s)")
+    parser = evaluate_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
@@ -745,6 +719,3 @@ def main(argv: list[str] | None = None) -> int:
     print(to_markdown(results))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,6 +4,7 @@
                                                         ``accelerate launch pipelines/<name>.py``; console scripts
                                                         ``patchplace-<name>``)
     config.py      YAML configs + ``section.field=value`` overrides -> validated dataclasses; ``--help``
+    sections.py    the training sections (data, model, optim, run): each field's type, range and meaning
     commands.py    the config classes of pretrain / finetune / evaluate (no torch: ``--help`` answers in a second)
     cli.py         the scripts' and console scripts' entry: ``--help`` without torch, else the command's ``main``
     engine/        the training engine (see docs/design.md#5-pipelines-and-run-directories)

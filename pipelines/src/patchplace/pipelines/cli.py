@@ -5,6 +5,7 @@ from its source, in about a second; anything else imports the command (torch, ti
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import sys
@@ -23,8 +24,9 @@ def help_asked(argv: list[str]) -> bool:
 
 
 def description(command: str) -> str:
-    """The docstring of ``patchplace.pipelines.<command>``, read from its source without running it."""
-    spec = importlib.util.find_spec(f"patchplace.pipelines.{command}")
+    """The docstring of ``patchplace.pipelines.<command>`` (or of the module a dotted ``command`` names in full, e.g.
+    ``patchplace.research.study``), read from its source without running it."""
+    spec = importlib.util.find_spec(command if "." in command else f"patchplace.pipelines.{command}")
     return ast.get_docstring(ast.parse(Path(spec.origin).read_text()), clean=False) or ""
 
 
@@ -37,13 +39,5 @@ def main(command: str, argv: list[str] | None = None) -> int:
     return importlib.import_module(f"patchplace.pipelines.{command}").main(argv)
 
 
-def pretrain() -> int:
-    return main("pretrain")
-
-
-def finetune() -> int:
-    return main("finetune")
-
-
-def evaluate() -> int:
-    return main("evaluate")
+# the console scripts (pipelines/pyproject.toml: patchplace-pretrain, patchplace-finetune, patchplace-evaluate)
+pretrain, finetune, evaluate = (functools.partial(main, command) for command in ("pretrain", "finetune", "evaluate"))

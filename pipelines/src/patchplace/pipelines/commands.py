@@ -1,4 +1,4 @@
-"""The config classes of the command lines (pretrain.py, finetune.py, evaluate.py): the sections of config.py
+"""The config classes of the command lines (pretrain.py, finetune.py, evaluate.py): the sections of sections.py
 plus each command's own, importable without torch so that ``--help`` starts in a second (what they validate
 against that lives beside torch, e.g. the registered methods, is imported when they validate)."""
 
@@ -15,8 +15,15 @@ from patchplace.pipelines import objective_fields
 from patchplace.pipelines.config import (
     HELP_WIDTH,
     STRICT,
-    Attention,
     ConfigError,
+    Words,
+    check,
+    field_entry,
+    help_values,
+    source_of,
+)
+from patchplace.pipelines.sections import (
+    Attention,
     Count,
     DataSection,
     Fraction,
@@ -28,11 +35,6 @@ from patchplace.pipelines.config import (
     RunSection,
     Seed,
     Size,
-    Words,
-    check,
-    field_entry,
-    help_values,
-    source_of,
 )
 
 if TYPE_CHECKING:
@@ -41,7 +43,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class PretrainConfig:
-    """``method`` picks the objective; ``objective`` holds its config fields (paper defaults otherwise)."""
+    """``method`` picks the objective; ``objective`` holds its config fields (paper defaults otherwise): as read
+    from the file and overrides, the fields given; once validated, the registered method's own config object (e.g.
+    ``MP3Config(eta=0.5, anchor_ratio=0.0)``: :meth:`objective_config`), which config.yaml records field by field."""
 
     method: str = "mp3"  # a registered method (listed at the end of --help)
     objective: dict[str, Any] = field(default_factory=dict)  # the method's fields (listed below), e.g. {eta: 0.5}
@@ -77,12 +81,50 @@ class PretrainConfig:
 
         if self.method not in method_names():
             raise ConfigError(f"method {self.method!r} is not one of {method_names()}")
-        get_method(self.method).config(self.objective)  # unknown / out-of-range fields fail here
+        self.objective = self.objective_config()  # unknown / mistyped / out-of-range fields fail here
         if (self.data.mixup or self.data.cutmix) and not get_method(self.method).needs_head:
             labelled = ", ".join(n for n in method_names() if get_method(n).needs_head)
             raise ConfigError(f"data.mixup={self.data.mixup} / data.cutmix={self.data.cutmix} mix labels, and method="
                               f"{self.method} trains without them: set both to 0 (methods trained with labels: "
                               f"{labelled})")
+
+    def objective_config(self) -> Any:
+        """The registered method's config (e.g. ``MP3Config``) the ``objective`` section gives: the config class's
+        defaults, then the registration's (``stop``: I-JEPA's with ``stop=True``), then the given fields, typed
+        strictly as every section is (:func:`~patchplace.pipelines.config.build`: "0.5x" is no float, 1 no bool)
+        and checked by the class; what it refuses is one line naming ``objective.<field>``. An ``objective`` that
+        is the config object already (validated) is that object."""
+        from patchplace.objectives import ObjectiveError, get_method  # (imports torch)
+        from patchplace.pipelines.config import build
+
+        spec = get_method(self.method)
+        if not isinstance(self.objective, dict):
+            return spec.config(self.objective)
+        names = [f.name for f in fields(spec.config_cls)]
+        unknown = [f"objective.{name}" for name in self.objective if name not in names]
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; method={self.method} knows: {sorted(names)}")
+        try:
+            typed = build(spec.config_cls, self.objective)  # the given fields' types; the class checks the values
+            return spec.config({name: getattr(typed, name) for name in self.objective})
+        except (ConfigError, ObjectiveError) as exc:
+            raise ConfigError(PretrainConfig._named(str(exc), names)) from None
+
+    @staticmethod
+    def _named(message: str, names: list[str]) -> str:
+        """``message`` (a config class's refusal: "eta must be in [0, 1), got 1.5") with each of the field
+        ``names`` it mentions written as its key, ``objective.eta``."""
+        import re
+
+        pattern = r"(?<![\w.])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?!\w)"
+        return re.sub(pattern, r"objective.\1", message) if names else message
+
+    def objective_values(self) -> dict[str, Any]:
+        """{field: value} of :meth:`objective_config`: every field in force once validated (what a run's metadata
+        records), the given fields before."""
+        if isinstance(self.objective, dict):
+            return dict(self.objective)
+        return {f.name: getattr(self.objective, f.name) for f in fields(self.objective)}
 
 
 

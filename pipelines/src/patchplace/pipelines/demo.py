@@ -21,13 +21,15 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from patchplace.pipelines import CONFIGS, evaluate
+from patchplace.pipelines import CONFIGS
 from patchplace.pipelines.config import HelpFormatter
-from patchplace.pipelines.engine.hardware import Precision, precision_line, resolve_precision
 from patchplace.pipelines.stages import StageError, by_precision
 from patchplace.pipelines.stages import stage as run_stage
+
+if TYPE_CHECKING:  # the engine and the evaluator load torch: imported when the demo runs, not for --help
+    from patchplace.pipelines.engine.hardware import Precision
 
 # MP3 2 + fine-tune 3 epochs: calibrated so that fine-tuned top-1 clears 0.85 (2 + 2 measured 0.856) in ~20 min
 PRETRAIN_EPOCHS, FINETUNE_EPOCHS = 2.0, 3.0
@@ -205,6 +207,8 @@ def evaluation_stages(args: argparse.Namespace, evaluation: list[str], extra: li
                       ort: tuple[Callable[[list[str]], Any], Callable[[list[str]], Any]]) -> dict[str, float]:
     """The evaluations of the fine-tuned and pretrained checkpoints, the ONNX export and its ONNX Runtime
     evaluation (``ort``: :func:`ort_stages`): seconds by stage."""
+    from patchplace.pipelines import evaluate
+
     out, seconds = args.out, {}
     export_main, ort_evaluate_main = ort
     eval_extra = [o for o in args.overrides if o.startswith("eval.")]
@@ -225,6 +229,8 @@ def evaluation_stages(args: argparse.Namespace, evaluation: list[str], extra: li
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
+
     ort = ort_stages()  # before any stage trains
     out = args.out
     # eval.* only reach the evaluations; the recipe and crop scale go first so that overrides win

@@ -29,9 +29,17 @@ its own, and inputs the model cannot take. Every split is normalized with the ch
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m patchplace.pipelines.evaluate`, before the imports below load torch:
+    # cli answers --help from the torch-free config classes (as for pipelines/evaluate.py, byte for byte) and runs
+    # anything else through this module imported by its name
+    from patchplace.pipelines import cli
+
+    sys.exit(cli.main("evaluate"))
+
 import json
 import shutil
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +83,7 @@ from patchplace.objectives import (
     reassemble,
 )
 from patchplace.pipelines.commands import EvalSection, EvaluateConfig, PrivacySection, expand_flags
-from patchplace.pipelines.config import HOLDOUT, ConfigError, DataSection, check_path, load, parser
+from patchplace.pipelines.config import ConfigError, check_path, load, parser
 from patchplace.pipelines.engine import USER_ERRORS, Data, check_inputs, classify, holdout_indices, report, start
 from patchplace.pipelines.evaluation import (
     Ranks,
@@ -87,6 +95,7 @@ from patchplace.pipelines.evaluation import (
     split_size,
     store_split,
 )
+from patchplace.pipelines.sections import HOLDOUT, DataSection
 
 # what an evaluation writes in run.output (run.overwrite=true replaces an earlier one's)
 RESULT_FILES = ("results.json", "report.md", "evaluation.png", "mp3_position_accuracy.png", "mp3_reassembled.png",
@@ -678,7 +687,3 @@ def main(argv: list[str] | None = None) -> int:
     if results is not None:  # the main process (the others computed their shares)
         print(to_markdown(results))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,8 +15,16 @@ I-JEPA, StoP and RandSAC). Top-1 / top-5 on ``data.val`` are logged at every eva
 
 from __future__ import annotations
 
-import json
 import sys
+
+if __name__ == "__main__":  # `python -m patchplace.pipelines.finetune`, before the imports below load torch:
+    # cli answers --help from the torch-free config classes (as for pipelines/finetune.py, byte for byte) and runs
+    # anything else through this module imported by its name
+    from patchplace.pipelines import cli
+
+    sys.exit(cli.main("finetune"))
+
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -176,7 +184,3 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"final": final, "checkpoint": f"{cfg.run.output}/checkpoint",
                           **({"best": str(best)} if best.is_dir() else {})}))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,9 +10,17 @@ own). MJP is a supervised training recipe (jigsaw + unknown PE + DAL, with label
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m patchplace.pipelines.pretrain`, before the imports below load torch:
+    # cli answers --help from the torch-free config classes (as for pipelines/pretrain.py, byte for byte) and runs
+    # anything else through this module imported by its name
+    from patchplace.pipelines import cli
+
+    sys.exit(cli.main("pretrain"))
+
 import inspect
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +76,7 @@ def build_mixup_transform(cfg: PretrainConfig, num_classes: int, modality: str,
     if modality != "image":
         raise ConfigError(f"data.mixup={d.mixup} / data.cutmix={d.cutmix} mix images only; this data is {modality}: "
                           "set both to 0")
-    smoothing = getattr(get_method(cfg.method).config(cfg.objective), "label_smoothing", 0.0)
+    smoothing = getattr(cfg.objective_config(), "label_smoothing", 0.0)  # cfg.objective itself once validated
     mixup = build_mixup(num_classes, mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
                         switch_prob=d.mixup_switch_prob, label_smoothing=smoothing)
     return pair_mixing(mixup, objective, "data.mixup/cutmix")
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         m = data.manifest
         objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality, data)
         paper = get_method(cfg.method).paper  # the model card's reference (patchplace.models knows no method)
-        metadata = {"method": cfg.method, "objective": cfg.objective, **({"paper": paper} if paper else {}),
+        metadata = {"method": cfg.method, "objective": cfg.objective_values(), **({"paper": paper} if paper else {}),
                     **data_metadata(data, cfg.data)}
 
         def evaluate(model: nn.Module, step: int) -> dict[str, Any]:  # run.eval_every and the end of training
@@ -137,7 +145,3 @@ def main(argv: list[str] | None = None) -> int:
     if accelerator.is_main_process:
         print(f"checkpoint: {cfg.run.output}/checkpoint")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from patchplace.data.atomic import swap_dir, umask
+from patchplace.pipelines import objective_fields
 from patchplace.pipelines.config import ConfigError, one_line
 
 CHECKPOINTS = "checkpoints"
@@ -212,7 +213,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and key != "objective":
+        if isinstance(value, dict) and value:
             flat.update(_flatten(value, f"{name}."))
         else:
             flat[name] = value
@@ -225,10 +226,20 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _objective_in_force(tree: dict[str, Any]) -> dict[str, Any]:
+    """A pretraining config with its ``objective`` section completed by its method's defaults (the config class's,
+    then the registration's): config.yaml records every objective field in force, a run written before it did the
+    given fields only, and both must compare by what they train with (resuming such a run, its checkpoint's
+    record). Other configs, or a method no longer registered, as they are."""
+    method, given = tree.get("method"), tree.get("objective")
+    spec = objective_fields.methods().get(method) if isinstance(method, str) and isinstance(given, dict) else None
+    return {**tree, "objective": {**spec.defaults, **given}} if spec is not None else tree
+
+
 def config_changes(saved: dict[str, Any], current: dict[str, Any], moved: tuple[str, ...] = ()) -> list[str]:
     """``field (old -> new)`` for every field of both configs that differs and is not in RESUMABLE_CHANGES (nor
     in ``moved``)."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = _flatten(_objective_in_force(saved)), _flatten(_objective_in_force(current))
     # early stopping counts evaluations: their cadence changes where it stops
     fixed = {"run.eval_every"} if new.get("run.early_stop_patience") else set()
     return [f"{k} ({old[k]!r} -> {new[k]!r})" for k in sorted(old.keys() & new.keys())

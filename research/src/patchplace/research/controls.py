@@ -23,69 +23,33 @@ a learning curve ("does it learn here?") with its controls, the data decoded onc
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m patchplace.research.controls`, before the imports below load torch: the
+    # arguments parse without it (--help, a usage error), then this module runs imported by its name
+    from patchplace.research import cli
+
+    sys.exit(cli.main("controls"))
+
 import itertools
 import json
 import statistics
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from patchplace.data.memory import MemoryReader, balanced_subset
-from patchplace.finetune import PROBE_FEATURES, extract_features, knn_classify, probe_feature_of
+from patchplace.finetune import extract_features, knn_classify, probe_feature_of
 from patchplace.models import create_model, load_pretrained
-from patchplace.pipelines.config import ConfigError, DataSection, ModelSection, RunSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import USER_ERRORS, start
 from patchplace.pipelines.evaluation import first_images, probe
+from patchplace.research.cli import ControlsConfig, ControlsSection, split_study
 from patchplace.research.reproduction.claims import ALPHA, MIN_SEEDS, random_key, welch_greater
 from patchplace.research.reproduction.plan import RUNS
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class ControlsSection:
-    """What the controls are computed on."""
-
-    seeds: tuple[int, ...] = (0, 1, 2)  # one random-init backbone and one probe initialisation per seed
-    label_fractions: tuple[float, ...] = (0.01, 0.1)  # class-balanced subsets of the whole train split
-    probe_train_samples: int = 5000  # the all-label probe set: the first N train images (as evaluate.py)
-    probe_epochs: int = 100  # epochs of each linear probe (as the study's)
-    knn_k: int = 20  # neighbours of the kNN (cosine, DINO's weighting)
-    # the random-init controls, each "[pos_embed/]feature": a random-init model.preset with that PE (default: the
-    # preset's) probed on that feature — mean (all tokens) | cls | patch_mean (patch tokens only). A method's probe
-    # is read against the random init of its own architecture and feature (e.g. DropPos: sincos2d/cls). The first
-    # is also written as the default control (random_linear / random_knn).
-    random_inits: tuple[str, ...] = ("mean",)
-    random_init: bool = True  # the random-init controls (false: raw pixels and checkpoints only)
-    checkpoints: tuple[str, ...] = ()  # also probe these checkpoints (their probe_feature) on the same sets
-
-    def validate(self) -> None:
-        if not self.seeds or any(not 0 < f < 1 for f in self.label_fractions) or self.probe_train_samples < 0:
-            raise ConfigError("controls.seeds needs a seed, label_fractions must be in (0, 1), "
-                              "probe_train_samples >= 0")
-        if not self.label_fractions and not self.probe_train_samples:
-            raise ConfigError("controls: no set to probe (label_fractions empty and probe_train_samples 0)")
-        bad = [v for v in self.random_inits if v.rpartition("/")[2] not in PROBE_FEATURES]
-        if not self.random_inits or bad:
-            raise ConfigError(f"controls.random_inits: each entry is [pos_embed/]feature with feature one of "
-                              f"{PROBE_FEATURES}, e.g. sincos2d/cls; got {list(self.random_inits)}")
-
-
-@dataclass
-class ControlsConfig:
-    """``model.preset`` (+ ``model.overrides``) is the backbone whose random initialisation is the control."""
-
-    controls: ControlsSection = field(default_factory=ControlsSection)
-    data: DataSection = field(default_factory=DataSection)
-    model: ModelSection = field(default_factory=lambda: ModelSection(preset="vit_cpu_narrow"))
-    run: RunSection = field(default_factory=lambda: RunSection(output="results/controls"))
-
-    @staticmethod
-    def help_fields(argv: list[str]) -> list[str]:
-        return ["--study STUDY.json: also read that study's probes (its results) against the random-init control"]
 
 
 def train_sets(data, cfg: ControlsConfig) -> dict[str, Batches]:
@@ -264,11 +228,7 @@ def report(measured: dict[str, Any], study: dict[str, Any] | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    study_path = None
-    if "--study" in argv:
-        i = argv.index("--study")
-        study_path, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2:]
+    study_path, argv = split_study(list(sys.argv[1:] if argv is None else argv))
     try:
         cfg, accelerator, data = start(ControlsConfig, __doc__, argv, augment=False, split_train=False)
         study = json.loads(study_path.read_text())["results"] if study_path else None

@@ -20,13 +20,31 @@ import importlib
 import sys
 from typing import Any
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+PIPELINES = {"pretrain": "patchplace.pipelines.pretrain", "finetune": "patchplace.pipelines.finetune"}
+USAGE = f"usage: python -m patchplace.research.emulated_bf16 {{{','.join(PIPELINES)}}} ARGS..."
+
+
+def usage_answer(argv: list[str]) -> int | None:
+    """What the command line answers without running a pipeline: the help (exit 0) or the usage (exit 2); None
+    when ``argv`` names a pipeline to run."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return 0
+    if not argv or argv[0] not in PIPELINES:
+        print(f"{USAGE} (--help: what it does)", file=sys.stderr)
+        return 2
+    return None
+
+
+if __name__ == "__main__" and (code := usage_answer(sys.argv[1:])) is not None:  # before torch loads below
+    sys.exit(code)
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 aten = torch.ops.aten
 # the matmuls of a Transformer's training step (forward and backward: linear layers, their gradients)
 MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-PIPELINES = {"pretrain": "patchplace.pipelines.pretrain", "finetune": "patchplace.pipelines.finetune"}
 
 
 def _up(value: Any) -> Any:
@@ -47,13 +65,10 @@ class EmulatedBF16Matmuls(TorchDispatchMode):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    usage = f"usage: python -m patchplace.research.emulated_bf16 {{{','.join(PIPELINES)}}} ARGS..."
-    if argv[:1] in (["-h"], ["--help"]):
-        print(f"{usage}\n\n{__doc__.strip()}")
-        raise SystemExit(0)
-    if not argv or argv[0] not in PIPELINES:
-        print(f"{usage} (--help: what it does)", file=sys.stderr)
-        return 2
+    if (code := usage_answer(argv)) is not None:
+        if code == 0:
+            raise SystemExit(0)  # as argparse's --help
+        return code
     pipeline = importlib.import_module(PIPELINES[argv[0]])
     with EmulatedBF16Matmuls():
         return pipeline.main(argv[1:])

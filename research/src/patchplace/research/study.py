@@ -24,17 +24,25 @@ all in the config (epochs, seeds, probe sizes, threads); the defaults finish on 
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m patchplace.research.study`, before the imports below load torch: the
+    # arguments parse without it (--help, a usage error), then this module runs imported by its name
+    from patchplace.research import cli
+
+    sys.exit(cli.main("study"))
+
 import argparse
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from patchplace.pipelines.config import ConfigError, HelpFormatter, help_epilog, load
+from patchplace.pipelines.config import ConfigError, load
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.stages import StageError
+from patchplace.research.cli import study_parser
 from patchplace.research.reproduction.plan import StudyConfig
 from patchplace.research.reproduction.protocol import ProtocolError, load_protocol
 from patchplace.research.reproduction.report import report
@@ -130,25 +138,7 @@ def sittings_main(args: argparse.Namespace, cfg: StudyConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    helping = bool({"-h", "--help"} & set(argv))  # the fields with the values this command line runs with
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
-                                     epilog=help_epilog(StudyConfig, argv) if helping else None)
-    parser.add_argument("--config", help="YAML file (pipelines/configs/study_fashion_mnist.yaml)")
-    parser.add_argument("--report-only", action="store_true", help="only (re)write the results from finished runs")
-    parser.add_argument("--jobs", type=int, default=1, help="study processes sharing the groups (default: 1)")
-    parser.add_argument("--no-report", action="store_true",
-                        help="run the stages only, write no report (--jobs gives each unit's process this: the "
-                             "report is written once, when every unit has finished)")
-    parser.add_argument("--sitting", type=float, metavar="MIN",
-                        help="run the pending units that fit MIN minutes, a bundle per finished unit in --bundles "
-                             "(a lent GPU's bounded stretch; see reproduction/sittings.py)")
-    parser.add_argument("--bundles", help="the sittings' bundles (e.g. results/study_gpu_bundles)")
-    parser.add_argument("--bundles-out", help="--sitting: also write each bundle here (e.g. $OUT of a lent machine)")
-    parser.add_argument("--max-units", type=int, help="--sitting: stop after this many finished units")
-    parser.add_argument("--merge", action="store_true",
-                        help="rebuild results/<name>.{json,md} from every bundle in --bundles, list what is pending")
-    parser.add_argument("overrides", nargs="*", help="field=value, e.g. seeds=[0,1,2] groups=[main]")
-    args = parser.parse_args(argv)
+    args = study_parser(argv).parse_args(argv)  # (research/cli.py: the options, --help without torch)
     try:
         cfg = load(StudyConfig, args.config, args.overrides)
     except ConfigError as exc:

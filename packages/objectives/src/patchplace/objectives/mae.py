@@ -99,7 +99,7 @@ class MAE(BackboneObjective):
         backbone = self.backbone
         n = backbone.num_patches
         if num_kept(n, c.mask_ratio) >= n:  # the loss is over masked patches only: it would be 0 at every step
-            raise ObjectiveError(f"mask_ratio={c.mask_ratio} masks none of the {n} patches, so MAE's loss (over the "
+            raise ObjectiveError(f"mask_ratio={c.mask_ratio:g} masks none of the {n} patches, so MAE's loss (over the "
                                  "masked patches) is 0 and nothing trains: use a ratio that masks at least one "
                                  f"(> {0.5 / n:.3g}; the paper's is 0.75)")
         self.patch_size = backbone.config.patch_size

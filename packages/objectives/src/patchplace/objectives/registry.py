@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from .common import ObjectiveError
+from .common import ObjectiveConfig, ObjectiveError
 
 # ``head``: the pooling of the backbone's classifier head (``global_pool``), for methods that train through it.
 PROBE_FEATURES = ("cls", "mean", "patch_mean", "head")
@@ -79,12 +79,19 @@ class MethodSpec:
             if value not in allowed:
                 raise ObjectiveError(f"method {self.name!r}: {what} must be one of {allowed}, got {value!r}")
 
-    def config(self, fields: Mapping[str, Any] | None = None):
-        """The method's config: the class's defaults, then :attr:`defaults`, then ``fields`` (validated)."""
+    def config(self, fields: Mapping[str, Any] | ObjectiveConfig | None = None) -> ObjectiveConfig:
+        """The method's config: the class's defaults, then :attr:`defaults`, then ``fields`` (validated); ``fields``
+        that are a :attr:`config_cls` object already (a pipeline's validated ``objective`` section) are that object,
+        validated."""
+        if fields is not None and not isinstance(fields, Mapping):
+            if not isinstance(fields, self.config_cls):
+                raise ObjectiveError(f"method {self.name!r} is configured by {self.config_cls.__name__}, not "
+                                     f"{type(fields).__name__}")
+            return fields.validate()
         return self.config_cls.from_dict({**self.defaults, **(fields or {})})
 
-    def build(self, backbone: Any, fields: Mapping[str, Any] | None = None):
-        """The objective around ``backbone`` with :meth:`config` ``(fields)``."""
+    def build(self, backbone: Any, fields: Mapping[str, Any] | ObjectiveConfig | None = None):
+        """The objective around ``backbone`` with :meth:`config` ``(fields)``: given fields or the config object."""
         return self.objective_cls(backbone, self.config(fields))
 
     def probe_feature_for(self, backbone: Any) -> str:

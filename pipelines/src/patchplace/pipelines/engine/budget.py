@@ -14,8 +14,9 @@ from accelerate import Accelerator
 
 from patchplace.data import DataError, ShardDataset
 from patchplace.data.memory import MemoryReader
-from patchplace.pipelines.config import ConfigError, OptimSection, RunSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.schedules import schedule_words, warmup_length
+from patchplace.pipelines.sections import OptimSection, RunSection
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from patchplace.pipelines.config import ConfigError, RunSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.checkpoints import RunDirectory, folder_step, snapshot_name
 from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.inputs import metrics_split
 from patchplace.pipelines.engine.scoring import BestTracker
 from patchplace.pipelines.rundir import publish_folder
+from patchplace.pipelines.sections import RunSection
 
 Evaluate = Callable[[nn.Module, int], dict[str, Any]]
 

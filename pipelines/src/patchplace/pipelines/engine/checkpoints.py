@@ -39,7 +39,7 @@ from torch import nn
 
 from patchplace.data.atomic import atomic_file, write_json_atomic
 from patchplace.models import Backbone, save_pretrained
-from patchplace.pipelines.config import ConfigError, OptimSection, RunSection, to_dict
+from patchplace.pipelines.config import ConfigError, to_dict
 from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.guards import FiniteCheck
 from patchplace.pipelines.engine.inputs import metrics_split
@@ -63,6 +63,7 @@ from patchplace.pipelines.rundir import (
     unsealed_steps,
     verify,
 )
+from patchplace.pipelines.sections import OptimSection, RunSection
 
 
 def recipe(config: Any, processes: int) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from patchplace.data.batched import build_batched_transform
 from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset, decoded_bytes
 from patchplace.data.mfcc import MFCC
 from patchplace.models import Backbone
-from patchplace.pipelines.config import HOLDOUT, ConfigError, DataSection
+from patchplace.pipelines.config import ConfigError
+from patchplace.pipelines.sections import HOLDOUT, DataSection
 
 
 @dataclass

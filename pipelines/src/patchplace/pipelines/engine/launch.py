@@ -22,11 +22,12 @@ from accelerate.utils import ProjectConfiguration, parse_flag_from_env, set_seed
 from patchplace.data import DataError
 from patchplace.models import ModelError, set_attention_kernel
 from patchplace.objectives import ObjectiveError
-from patchplace.pipelines.config import MAX_SEED, ConfigError, RunSection, load, one_line, parser
+from patchplace.pipelines.config import ConfigError, load, one_line, parser
 from patchplace.pipelines.engine import inputs
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.engine.logs import accelerator_log_with
 from patchplace.pipelines.rundir import disk_error, disk_message
+from patchplace.pipelines.sections import MAX_SEED, RunSection
 
 
 class Diverged(ValueError):

@@ -14,8 +14,9 @@ from torch import nn
 
 from patchplace.finetune import build_optimizer
 from patchplace.models.backbone import Block
-from patchplace.pipelines.config import ConfigError, OptimSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.schedules import lr_factor, warmup_length, weight_decay_schedule
+from patchplace.pipelines.sections import OptimSection
 
 
 def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,

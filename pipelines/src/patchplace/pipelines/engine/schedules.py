@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from patchplace.pipelines.config import OptimSection
+from patchplace.pipelines.sections import OptimSection
 
 
 def warmup_length(cfg: OptimSection, per_epoch: int, total: int) -> int:

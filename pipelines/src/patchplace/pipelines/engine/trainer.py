@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from patchplace.finetune import parameter_groups
 from patchplace.models import Backbone
-from patchplace.pipelines.config import ConfigError, OptimSection, RunSection
+from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import budget as plans
 from patchplace.pipelines.engine import launch
 from patchplace.pipelines.engine.callbacks import Callback, Callbacks, Evaluation, run_callbacks
@@ -43,6 +43,7 @@ from patchplace.pipelines.engine.inputs import Data, data_fingerprints
 from patchplace.pipelines.engine.launch import check_seed, every_rank, reported
 from patchplace.pipelines.engine.logs import Console, JsonlLog, StepLog, Throughput, tracker_project, trackers
 from patchplace.pipelines.engine.optim import StepSchedule, compile_blocks, make_optimizer, prepare_model
+from patchplace.pipelines.sections import OptimSection, RunSection
 
 
 class Trainer:

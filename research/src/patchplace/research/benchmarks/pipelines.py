@@ -62,7 +62,8 @@ def pure_step_main(argv: list[str]) -> int:
         objective, backbone = pretrain.build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)),
                                                        m.modality, data)
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, config=cfg,
-                          metadata={"method": cfg.method, "objective": cfg.objective}, command="pure step")
+                          metadata={"method": cfg.method, "objective": cfg.objective_values()},
+                          command="pure step")
     except USER_ERRORS as exc:
         return report(exc)
     return trainer.train(cfg.data.batch_size)[1]

@@ -13,13 +13,21 @@ is silent the authors' released config or code is the source, and the entry says
 
 from __future__ import annotations
 
+import argparse
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from patchplace.pipelines.config import _leaves, _within, build, given_values, parse_yaml, shipped_configs
+from patchplace.pipelines.config import (
+    HelpFormatter,
+    _leaves,
+    _within,
+    build,
+    given_values,
+    parse_yaml,
+    shipped_configs,
+)
 
 HERE = Path(__file__).parent
 STAGES = ("pretrain", "finetune", "linprobe")
@@ -98,9 +106,8 @@ def value_at(config: Any, field: str) -> Any:
     """The value in force at dotted ``field``: objective fields through the method's config (its defaults where the
     file is silent), ``model.overrides.X`` through the preset's backbone config."""
     head, _, rest = field.partition(".")
-    if head == "objective":
-        from patchplace.objectives import get_method
-        return getattr(get_method(config.method).config(config.objective), rest)
+    if head == "objective":  # (a PretrainConfig: built, not validated, so the section holds the given fields)
+        return getattr(config.objective_config(), rest)
     if field.startswith("model.overrides."):
         from patchplace.models.registry import PRESETS
         name = field.removeprefix("model.overrides.")
@@ -205,10 +212,19 @@ def write_docs(docs: Path, recipes: list[Recipe]) -> list[Path]:
     return written
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (``--help``, a usage error: exit 2): parsed before any pipeline config, so before torch."""
+    parser = argparse.ArgumentParser(prog="python -m patchplace.research.recipes", description=__doc__,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--write-docs", action="store_true",
+                        help='regenerate the "Recipe at scale" tables in docs/methods/ instead of checking')
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     recipes = load_recipes()
-    if "--write-docs" in argv:
+    if args.write_docs:
         root = Path(__file__).resolve().parents[5]
         for path in write_docs(root / "docs", recipes):
             print(f"wrote {path.relative_to(root)}")

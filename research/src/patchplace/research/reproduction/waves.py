@@ -18,13 +18,20 @@ float32, every number only proves the machinery (tests/test_gpu_waves.py).
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m patchplace.research.reproduction.waves`, before the imports below load
+    # torch: the arguments parse without it (--help, a usage error), then this module runs imported by its name
+    from patchplace.research import cli
+
+    sys.exit(cli.main("waves"))
+
 import argparse
 import json
 import math
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -35,7 +42,8 @@ from typing import Any
 from patchplace.data import Manifest
 from patchplace.data.atomic import write_json_atomic
 from patchplace.pipelines import CONFIGS
-from patchplace.pipelines.config import ConfigError, HelpFormatter, load
+from patchplace.pipelines.config import ConfigError, load
+from patchplace.research.cli import waves_parser
 from patchplace.research.reproduction.claims import measure
 from patchplace.research.reproduction.metrics import read_json
 from patchplace.research.reproduction.plan import RUNS, StudyConfig
@@ -199,20 +207,8 @@ def run_wave(cfg: StudyConfig, units: list[Any], command: list[str], bundles: Pa
     return finished, sorted(running)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--config", required=True, help="the GPU rows' study config (study_v5_gpu4px.yaml)")
-    p.add_argument("--wave", type=int, required=True, help="run the first pending wave up to this one (1: seed 0)")
-    p.add_argument("--bundles", required=True, help="the bundles (and sizing.json) so far, e.g. results/..._bundles")
-    p.add_argument("--out", help="also write each bundle and sizing.json here ($OUT of a lent machine)")
-    p.add_argument("--seconds", type=float, default=500, help="this command's time, start-up and the rate included")
-    p.add_argument("--standin", action="store_true", help="rehearse on the CPU (also PATCHPLACE_GPU_STANDIN=1)")
-    p.add_argument("overrides", nargs="*", help="study config field=value (e.g. tiny data for a rehearsal)")
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args, began = parser().parse_args(argv), time.monotonic()
+    args, began = waves_parser().parse_args(argv), time.monotonic()  # (research/cli.py: without torch)
     try:
         cfg = load(StudyConfig, args.config, args.overrides)
         protocol = load_protocol(cfg.protocol or "")
