@@ -1,10 +1,13 @@
 """``--help`` of every entry point imports no torch (it took 17-42 s when torch, timm and torchvision loaded
-first): the scripts (``python pipelines/<command>.py``), the modules (``python -m patchplace.pipelines.<command>``,
+first): the scripts (``python pipelines/<command>.py``: the training commands, the demo, the study, the controls,
+the benchmark), the modules (``python -m patchplace.pipelines.<command>``, ``patchplace.research.<command>``,
+``patchplace.research.recipes``, ``.reproduction.waves``, ``.emulated_bf16``, ``patchplace.models.convert``,
 ``patchplace.export``, ``patchplace.export.evaluate``, ``patchplace.data``) and the console scripts
 (``patchplace-<command>``), each run as a user runs it, in a subprocess with ``-X importtime``; the modules it
-imported are read back. A module prints what its script prints, byte for byte. The torch-free copies ``--help``
-reads (the objectives' fields from their source, the attack's fields, the attention kernels, the export's choices)
-are held equal to the originals here."""
+imported are read back. A usage error is argparse's, exit 2, before torch too. A module prints what its script
+prints, byte for byte. The torch-free copies ``--help`` reads (the objectives' fields and registration facts from
+their source, the attack's fields, the attention kernels, the export's choices, the benchmark's suites, the
+controls' probe features) are held equal to the originals here."""
 
 from __future__ import annotations
 
@@ -28,8 +31,12 @@ ARGS = {"pretrain": ["--config", str(CONFIGS / "stop_fashion_mnist.yaml"), "obje
         "finetune": ["--config", str(CONFIGS / "finetune_fashion_mnist.yaml"), "run.seed=3"],
         "evaluate": ["--privacy", "--config", str(CONFIGS / "evaluate_fashion_mnist.yaml")]}
 SCRIPTS = tomllib.loads((ROOT / "pipelines" / "pyproject.toml").read_text())["project"]["scripts"]
-# console scripts whose --help still imports torch: demo.py imports the evaluator and the engine at module top
-NOT_YET = {"patchplace-demo"}
+# the other entry points: the demo and the research commands as scripts (pipelines/<name>.py, also as the module
+# each runs) and modules alone
+RESEARCH = {"study": "patchplace.research.study", "controls": "patchplace.research.controls",
+            "benchmark": "patchplace.research.benchmark"}
+MODULES = {"recipes": "patchplace.research.recipes", "waves": "patchplace.research.reproduction.waves",
+           "emulated_bf16": "patchplace.research.emulated_bf16", "convert": "patchplace.models.convert"}
 
 
 def console_script(name: str) -> list[str]:
@@ -46,7 +53,16 @@ COMMANDS = {
     "-m export": [PY, "-m", "patchplace.export"],
     "-m export.evaluate": [PY, "-m", "patchplace.export.evaluate"],
     "-m data": [PY, "-m", "patchplace.data"],
+    "demo.py": [PY, str(ROOT / "pipelines" / "demo.py")],
+    "-m pipelines.demo": [PY, "-m", "patchplace.pipelines.demo"],
+    "patchplace-demo": console_script("patchplace-demo"),
+    **{f"{c}.py": [PY, str(ROOT / "pipelines" / f"{c}.py")] for c in RESEARCH},
+    **{f"-m research.{c}": [PY, "-m", module] for c, module in RESEARCH.items()},
+    **{f"-m {c}": [PY, "-m", module] for c, module in MODULES.items()},
 }
+# the commands whose --help lists config fields (run.seed among them)
+FIELD_LISTS = {*(f"{c}.py" for c in ARGS), *(f"-m pipelines.{c}" for c in ARGS), *(f"patchplace-{c}" for c in ARGS),
+               "controls.py", "-m research.controls", "study.py", "-m research.study"}
 # seconds: ~0.3 s on an idle 2-core EPYC; the bound leaves room for a loaded machine, far below torch's import
 LIMIT_S = 6.0
 
@@ -67,8 +83,8 @@ def run_traced(command: list[str], cwd: Path) -> tuple[subprocess.CompletedProce
 def check_help(name: str, result: subprocess.CompletedProcess, seconds: float, cwd: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("usage:"), result.stdout[:500]
-    if name.startswith(("-m pipelines.", "patchplace-")) or name.endswith(".py"):  # the field list
-        assert "\n  run.seed = " in result.stdout, result.stdout[-2000:]
+    if name in FIELD_LISTS:
+        assert "\n  run.seed = " in result.stdout or "\n  seeds = " in result.stdout, result.stdout[-2000:]
     heavy = sorted(set(HEAVY) & imported(result))
     assert not heavy, f"{name} --help imported {heavy}"
     assert seconds < LIMIT_S, f"{name} --help took {seconds:.1f} s"
@@ -80,10 +96,45 @@ def test_help_imports_no_torch(command, tmp_path):
     check_help(command, *run_traced([*COMMANDS[command], "--help"], tmp_path), tmp_path)
 
 
-def test_every_console_script_is_covered():
-    """A console script added to pyproject.toml is checked above, or named here as not torch-free yet."""
-    assert set(SCRIPTS) == {f"patchplace-{c}" for c in ARGS} | NOT_YET
+def test_every_entry_point_is_covered():
+    """A console script added to pyproject.toml, or a script added to pipelines/, is checked above."""
+    assert set(SCRIPTS) <= set(COMMANDS)
     assert all(SCRIPTS[f"patchplace-{c}"] == f"patchplace.pipelines.cli:{c}" for c in ARGS)
+    assert {p.name for p in (ROOT / "pipelines").glob("*.py")} <= set(COMMANDS)
+
+
+# a usage error of each command that parses its arguments before torch: exit 2, argparse's line (or the usage)
+USAGE_ERRORS = {"demo.py": (["--nosuch-flag"], "error: unrecognized arguments: --nosuch-flag"),
+                "study.py": (["--jobs", "two"], "error: argument --jobs: invalid int value: 'two'"),
+                "controls.py": (["--nosuch-flag"], "error: unrecognized arguments: --nosuch-flag"),
+                "benchmark.py": (["--suite", "nosuch"], "error: argument --suite: invalid choice: 'nosuch'"),
+                "-m research.study": (["--jobs", "two"], "error: argument --jobs: invalid int value: 'two'"),
+                "-m recipes": (["--nosuch-flag"], "error: unrecognized arguments: --nosuch-flag"),
+                "-m waves": ([], "error: the following arguments are required: --config, --wave, --bundles"),
+                "-m convert": (["x.pth"], "error: the following arguments are required: --from, --out"),
+                "-m emulated_bf16": (["train"], "usage: python -m patchplace.research.emulated_bf16 {pretrain,"
+                                                "finetune} ARGS... (--help: what it does)")}
+
+
+@pytest.mark.parametrize("command", USAGE_ERRORS)
+def test_usage_error_imports_no_torch(command, tmp_path):
+    extra, line = USAGE_ERRORS[command]
+    result, _ = run_traced([*COMMANDS[command], *extra], tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert line in result.stderr, result.stderr[-2000:]
+    assert not set(HEAVY) & imported(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["demo", *RESEARCH])
+def test_module_answers_as_its_script(command):
+    """``python -m <module>`` prints the --help of ``python pipelines/<command>.py``, byte for byte."""
+    module = f"-m pipelines.{command}" if command == "demo" else f"-m research.{command}"
+    env = {**os.environ, "COLUMNS": "250"}
+    script, run = (subprocess.run([*COMMANDS[form], "--help"], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=120, env=env) for form in (f"{command}.py", module))
+    assert script.returncode == 0, script.stderr[-2000:]
+    assert (run.returncode, run.stdout, run.stderr) == (script.returncode, script.stdout, script.stderr)
 
 
 @pytest.mark.parametrize("command", ARGS)
@@ -131,7 +182,8 @@ def test_pretrain_help_shows_the_method_in_force():
 
 def test_objective_fields_match_the_registered_configs():
     """The fields read from the objective files' source are each registered method's config: names, order,
-    defaults (the registration's included) and a meaning for every one that documents itself."""
+    defaults (the registration's included), a meaning for every one that documents itself, and the registration's
+    facts (PE mode, classifier head, modality, display name: the study's plan and the benchmark read them)."""
     from patchplace.objectives import get_method, method_names
     from patchplace.pipelines import objective_fields
     from patchplace.pipelines.config import field_docs
@@ -144,6 +196,8 @@ def test_objective_fields_match_the_registered_configs():
         values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         assert list(read[name].defaults.items()) == list(values.items()), name
         assert read[name].docs == {k: v for k, v in field_docs(type(config)).items() if k in values}, name
+        spec = get_method(name)
+        assert read[name].facts == {k: getattr(spec, k) for k in objective_fields.FACTS}, name
 
 
 def test_torch_free_copies_match_their_originals():
@@ -163,3 +217,16 @@ def test_torch_free_copies_match_their_originals():
     assert COPY == ATTENTION_KERNELS
     assert (exporter.KINDS, exporter.SPEECH_INPUTS, exporter.DEFAULT_OPSET) == \
         (choices.KINDS, choices.SPEECH_INPUTS, choices.DEFAULT_OPSET)
+
+
+def test_research_copies_match_their_originals():
+    """What the research commands' --help reads instead of importing torch: the benchmark's suite names (the
+    registered methods' facts it reads are held equal to the registry's by the objective fields' test above), the
+    controls' probe features."""
+    from patchplace.finetune import PROBE_FEATURES
+    from patchplace.research import cli
+    from patchplace.research.benchmarks import options
+    from patchplace.research.benchmarks.suites import SUITES
+
+    assert tuple(SUITES) == options.SUITES
+    assert cli.PROBE_FEATURES == PROBE_FEATURES

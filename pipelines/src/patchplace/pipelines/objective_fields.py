@@ -1,5 +1,6 @@
 """The registered methods and their objective fields, read from the source of ``patchplace.objectives`` without
-importing it (it imports torch): what ``pretrain.py --help`` lists. Each objective file registers its methods with
+importing it (it imports torch): what ``pretrain.py --help`` lists, and the registrations' facts the study's plan
+and the benchmark's options read (:data:`FACTS`). Each objective file registers its methods with
 ``@register_method("name", config=XConfig, defaults={...})`` above the objective class, and declares ``XConfig``
 (a dataclass of literal defaults, their meaning in comments) in the same file (see patchplace.objectives.registry).
 Where the package is imported already, its registry answers. tests/test_help_without_torch.py holds the two equal
@@ -31,6 +32,11 @@ class MethodFields:
     name: str
     defaults: dict[str, Any]
     docs: dict[str, str]
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # FACTS of its registration (MethodSpec's)
+
+
+# the registration's facts read here (a keyword of ``register_method``; absent: MethodSpec's default, stated here)
+FACTS = {"pos_embed": None, "needs_head": False, "modality": "image", "display": ""}
 
 
 def _value(node: ast.expr, where: str) -> Any:
@@ -52,8 +58,9 @@ def _config_fields(node: ast.ClassDef, lines: list[str], where: str) -> tuple[di
     return defaults, source_docs(source, set(defaults), ast.get_docstring(node))
 
 
-def _registrations(tree: ast.Module) -> list[tuple[str, str, dict[str, Any]]]:
-    """(method, config class name, registration defaults) of each ``@register_method`` in a module."""
+def _registrations(tree: ast.Module) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
+    """(method, config class name, registration defaults, :data:`FACTS`) of each ``@register_method`` in a module
+    (an empty display is the method's name, as MethodSpec's)."""
     found = []
     for node in ast.walk(tree):
         for deco in getattr(node, "decorator_list", []):
@@ -61,7 +68,10 @@ def _registrations(tree: ast.Module) -> list[tuple[str, str, dict[str, Any]]]:
                 continue
             keywords = {k.arg: k.value for k in deco.keywords}
             defaults = _value(keywords["defaults"], "register_method") if "defaults" in keywords else {}
-            found.append((_value(deco.args[0], "register_method"), ast.unparse(keywords["config"]), defaults))
+            name = _value(deco.args[0], "register_method")
+            facts = {k: _value(keywords[k], "register_method") if k in keywords else v for k, v in FACTS.items()}
+            facts["display"] = facts["display"] or name
+            found.append((name, ast.unparse(keywords["config"]), defaults, facts))
     return found
 
 
@@ -87,9 +97,9 @@ def _read(path: Path) -> dict[str, MethodFields]:
     tree, lines = ast.parse(text), text.splitlines()
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     found = {}
-    for name, config, extra in _registrations(tree):
+    for name, config, extra, facts in _registrations(tree):
         defaults, docs = _config_fields(classes[config], lines, path.name)
-        found[name] = MethodFields(name, {**defaults, **extra}, docs)
+        found[name] = MethodFields(name, {**defaults, **extra}, docs, facts)
     return found
 
 
@@ -99,7 +109,9 @@ def _registered() -> dict[str, MethodFields]:
 
     found = {}
     for name in method_names():
-        config = get_method(name).config()
+        spec = get_method(name)
+        config = spec.config()
         defaults = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        found[name] = MethodFields(name, defaults, {k: v for k, v in field_docs(type(config)).items() if k in defaults})
+        docs = {k: v for k, v in field_docs(type(config)).items() if k in defaults}
+        found[name] = MethodFields(name, defaults, docs, {k: getattr(spec, k) for k in FACTS})
     return found

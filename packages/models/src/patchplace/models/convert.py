@@ -19,11 +19,17 @@ layout than ``--from`` says is one line naming the key and the layout expected.
 
 from __future__ import annotations
 
-import argparse
+import sys
+
+if __name__ == "__main__":  # `python -m patchplace.models.convert`, before the imports below load torch: the
+    # arguments parse without it (--help, a usage error), then this module runs imported by its name
+    from patchplace.models.cli import convert
+
+    sys.exit(convert())
+
 import hashlib
 import math
 import re
-import sys
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -33,6 +39,7 @@ from typing import Any
 import torch
 
 from .backbone import VisionTransformer
+from .cli import parse_args
 from .config import BackboneConfig
 from .errors import ModelError
 from .hub import CONFIG_NAME, save_pretrained
@@ -494,39 +501,6 @@ def describe(conv: Conversion) -> str:
              f"  method {conv.metadata['method']}, probes read {conv.metadata['probe_feature']}, fine-tuning "
              f"pools {conv.metadata['finetune_pool']}, license {conv.metadata['license']}"]
     return "\n".join(lines)
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """--help in at most 100 columns whatever the terminal's width, as every patchplace command's."""
-
-    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
-                 width: int | None = None) -> None:
-        import shutil
-
-        width = min(width or shutil.get_terminal_size().columns - 2, 100)
-        super().__init__(prog, indent_increment, max_help_position, width)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m patchplace.models.convert", formatter_class=_HelpFormatter,
-        description="The authors' released weights -> a patchplace checkpoint (config.json + model.safetensors + "
-                    "card), with the metadata evaluation reads.",
-        epilog="Layouts and where their files are published: docs/interop.md, section \"The authors' released "
-               "weights\".")
-    parser.add_argument("file", help="the released .pth / .pth.tar / .bin / .safetensors file")
-    parser.add_argument("--from", dest="layout", required=True, choices=list(LAYOUTS), help="the file's layout")
-    parser.add_argument("--out", required=True, help="checkpoint directory to write (new, or a checkpoint)")
-    parser.add_argument("--encoder", choices=["target", "context"],
-                        help="ijepa / stop: the target encoder (default: what the papers evaluate) or the context one")
-    parser.add_argument("--num-heads", type=int, help="attention heads (default: the standard ViT's for its width)")
-    parser.add_argument("--method", choices=list(METHODS), help="timm: the training that made the weights "
-                                                                "(default: supervised)")
-    parser.add_argument("--mean", type=float, nargs="+", default=list(IMAGENET_MEAN), help="normalization mean")
-    parser.add_argument("--std", type=float, nargs="+", default=list(IMAGENET_STD), help="normalization std")
-    parser.add_argument("--crop-pct", type=float, help="evaluation crop (default: 0.875 at 224 px, else 1)")
-    parser.add_argument("--dataset", default="imagenet-1k", help="the data the weights were trained on")
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

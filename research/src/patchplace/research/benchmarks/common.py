@@ -7,8 +7,7 @@ import argparse
 import torch
 
 from patchplace.models import PRESETS
-
-STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pipelines/configs/study_fashion_mnist.yaml
+from patchplace.research.benchmarks.options import STUDY as STUDY  # stated with the command line (no torch)
 
 
 def device_of(args: argparse.Namespace) -> str:

@@ -7,7 +7,6 @@ import argparse
 import json
 from typing import Any
 
-from patchplace.objectives import method_names
 from patchplace.research.benchmarks.common import STUDY
 from patchplace.research.benchmarks.compute import run_objectives
 
@@ -20,10 +19,9 @@ MP3_PAPER = {"eta": 0.75, "time_ratio": round(MP3_TABLE2["mp3"][0.75][0] / MP3_T
              "flop_bound": 0.84}  # the headline of Table 2, and docs/design.md's FLOP bound
 
 
-# The other registered image methods, timed beside MP3 and MAE on the same GPU step (the GPU-evidence issue, part 3):
-# each one's time ratio to the supervised step should track its FLOP ratio on the fused kernel (|time / FLOP - 1| <=
-# 10%).
-TABLE2_OTHERS = tuple(name for name in method_names("image") if name not in ("supervised", "mp3", "mae"))
+# The other registered image methods (options.TABLE2_OTHERS), timed beside MP3 and MAE on the same GPU step (the
+# GPU-evidence issue, part 3): each one's time ratio to the supervised step should track its FLOP ratio on the fused
+# kernel (|time / FLOP - 1| <= 10%).
 FLOP_TRACKING = 0.10  # the tolerance of "time ratio within 10% of the FLOP ratio"
 
 

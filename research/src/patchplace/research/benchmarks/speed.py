@@ -24,15 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from patchplace.models import load_pretrained
-from patchplace.objectives import Supervised, get_method, method_names
+from patchplace.objectives import Supervised, get_method
 from patchplace.pipelines import CONFIGS
 from patchplace.research.benchmarks.common import STUDY, device_of
 from patchplace.research.benchmarks.compute import peak_of
 from patchplace.research.benchmarks.flops import train_flops_or_none
+from patchplace.research.benchmarks.options import SPEED_METHODS  # (the command line lists them, without torch)
 
-# every registered image method with a Fashion-MNIST config, and the supervised fine-tuning (finetune)
-SPEED_METHODS = (*(name for name in method_names("image") if (CONFIGS / f"{name}_fashion_mnist.yaml").is_file()),
-                 "finetune")
 STUDY_GPU_BATCH = 256  # study_gpu.yaml's data.batch_size: the setting the ladder starts from
 
 
