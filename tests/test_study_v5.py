@@ -17,7 +17,7 @@ import yaml
 
 from patchplace.pipelines import config as pipeline_config
 from patchplace.research.reproduction import protocol as proto
-from patchplace.research.reproduction.claims import label_items, protocol_items
+from patchplace.research.reproduction.claims import holm, label_items, protocol_items
 from patchplace.research.reproduction.gpu_plan import read_plan, status, step_done
 from patchplace.research.reproduction.plan import RUNS, StudyConfig
 from patchplace.research.reproduction.schedule import epochs_overrides, mismatch
@@ -234,7 +234,7 @@ def test_a_position_claim_needs_its_pretext_learned_to_half_the_ceiling_on_valid
         at4["MP3 Fig. 3 (train eta 0)"].setting
 
 
-def test_a_claim_before_all_its_planned_seeds_is_pending_untested_and_outside_holm():
+def test_a_claim_before_all_its_planned_seeds_is_pending_untested_and_counted_at_p_1_in_holm():
     p = proto.load_protocol(PROTOCOL)
     assert p.planned_seeds("mp3_eta0") == [0, 1, 2, 3, 4] and p.planned_seeds("mjp") == [0, 1, 2]
     rows = {name: [m for m in ms if m["seed"] < 3] for name, ms in position_rows().items()}
@@ -250,6 +250,13 @@ def test_a_claim_before_all_its_planned_seeds_is_pending_untested_and_outside_ho
     below = {name: [m for m in ms if m["seed"] == 0] for name, ms in position_rows(validation=0.40).items()}
     stopped = by_id(protocol_items(below, p))["MP3 Fig. 3 (train eta 0)"]
     assert not stopped.pending and stopped.in_regime is False, "below its level on what ran: out of regime, not pending"
+    # MP3's rows whole, DropPos's at seed 0: MP3's claims are tested in a Holm family of 3, DropPos's counted at p = 1
+    mixed = {name: [m for m in ms if name.startswith("mp3") or m["seed"] == 0] for name, ms in position_rows().items()}
+    family = [c for c in protocol_items(mixed, p) if c.family == "position"]
+    tested = sorted((c for c in family if c.tested), key=lambda c: c.p)
+    assert len(family) == 3 and len(tested) == 2 and [c.pending for c in family if not c.tested] == ["1 of 5 seeds"]
+    assert [c.adjusted for c in tested] == holm([tested[0].p, tested[1].p, 1.0])[:2]
+    assert tested[0].adjusted == pytest.approx(min(1.0, 3 * tested[0].p)), "3 in the family, not the 2 tested"
 
 
 def test_holm_runs_within_each_family_and_mjp_table1_reads_validation_convergence_and_log_odds():

@@ -908,15 +908,17 @@ def protocol_claim(rows: dict[str, list[dict[str, Any]]], protocol: Protocol, sp
 
 
 def decide_families(items: list[Claim]) -> list[Claim]:
-    """Holm within each family (one per question) over its claims in regime with a test; the paper's-effect tests
-    are a family of their own (``size``)."""
+    """Holm within each family (one per question) over its claims in regime with a test, and its pending claims
+    counted at p = 1: Holm's adjusted p-values never fall as a raw p rises, so a tested claim's is an upper bound
+    that can only fall once the pending ones are tested (a verdict reached now stands). The paper's-effect tests
+    are a family of their own (``size``), counted the same way."""
     for family in dict.fromkeys(c.family for c in items):
-        tested = [c for c in items if c.family == family and c.tested]
-        for c, adjusted in zip(tested, holm([c.p for c in tested]), strict=True):
-            c.adjusted = adjusted
-    sizes = [c for c in items if c.tested and c.excluded_p is not None]
-    for c, adjusted in zip(sizes, holm([c.excluded_p for c in sizes]), strict=True):
-        c.excluded_adjusted = adjusted
+        members = [c for c in items if c.family == family and (c.tested or c.pending)]
+        for c, adjusted in zip(members, holm([c.p if c.tested else 1.0 for c in members]), strict=True):
+            c.adjusted = adjusted if c.tested else None
+    sizes = [c for c in items if (c.tested and c.excluded_p is not None) or (c.pending and c.paper_effect is not None)]
+    for c, adjusted in zip(sizes, holm([c.excluded_p if c.tested else 1.0 for c in sizes]), strict=True):
+        c.excluded_adjusted = adjusted if c.tested else None
     return items
 
 
