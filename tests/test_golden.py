@@ -318,9 +318,10 @@ def substitutions(base: Path) -> dict[str, str]:
 # What the current code writes beyond the reference, by design (the method registry): a checkpoint's
 # metadata records its method's paper for the model card (``paper``; a fine-tune's under ``pretrain_metadata``), and
 # the card of an MP3 speech checkpoint cites that paper (the reference's card table had no entry for mp3_speech); the
-# precision a run trained in and the processor it detected (``compute``: run.mixed_precision=auto's record).
+# precision a run trained in and the processor it detected (``compute``: run.mixed_precision=auto's record); the
+# preset the backbone was built from (``preset``: what a command-line model.preset beside a checkpoint is checked by).
 # Left out of both sides before comparing; everything else must still match.
-ADDED_METADATA = ("paper", "compute")
+ADDED_METADATA = ("paper", "compute", "preset")
 # What a checkpoint's state/trainer.json records beyond the reference: the config it trained with (``config``, which
 # a resume checks config.yaml against; its run.output / run.resume differ between a cut and a straight run).
 ADDED_TRAINER = ("config",)

@@ -189,6 +189,7 @@ def test_finetune_pools_like_the_checkpoints_method_unless_told(shards, tmp_path
     assert written["backbone"]["global_pool"] == "mean"
     assert written["metadata"]["finetune_pool"] == written["metadata"]["probe_feature"] == "mean"
     assert written["metadata"]["pretrain_metadata"]["finetune_pool"] == "mean"
+    assert written["metadata"]["preset"] == written["metadata"]["pretrain_metadata"]["preset"], "its checkpoint's"
     backbone, metadata = load_pretrained(out / "checkpoint")
     assert probe_feature_of(metadata, backbone) == "mean", "evaluate's probes read the fine-tuned head's pooling"
 

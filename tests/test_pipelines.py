@@ -265,6 +265,8 @@ def test_every_method_pretrains_end_to_end(shards, tmp_path, method, precision):
     assert config["metadata"]["finetune_pool"] == spec.finetune_pool_for(backbone), \
         "and the pooling its method's own fine-tuning uses"
     assert config["metadata"].get("paper") == (spec.paper or None), "and its paper, for the model card"
+    assert config["metadata"]["preset"] == yaml.safe_load((out / "config.yaml").read_text())["model"]["preset"], \
+        "and the preset it was built from (what a command-line model.preset beside it is checked against)"
 
 
 def config_metrics(out: Path) -> dict:

@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 "samples)")
             return {k: v for k, v in result.items() if k != "confusion"}
 
-        metadata = {"method": f"finetune:{pretrained.get('method', '?')}",
+        preset = pretrained.get("preset") if cfg.model.checkpoint else cfg.model.preset  # the architecture's name
+        metadata = {"method": f"finetune:{pretrained.get('method', '?')}", **({"preset": preset} if preset else {}),
                     "pretrained": weights_sha256(cfg.model.checkpoint), "pretrain_metadata": pretrained,
                     "pretrained_from": checkpoint_path(cfg.model.checkpoint), **data_metadata(data, cfg.data)}
         trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         objective, backbone = build_objective(cfg, m.num_classes, int(m.info.get("channels", 1)), m.modality, data)
         paper = get_method(cfg.method).paper  # the model card's reference (patchplace.models knows no method)
         metadata = {"method": cfg.method, "objective": cfg.objective_values(), **({"paper": paper} if paper else {}),
+                    **({} if cfg.model.checkpoint else {"preset": cfg.model.preset}),  # what model.preset checks
                     **data_metadata(data, cfg.data)}
 
         def evaluate(model: nn.Module, step: int) -> dict[str, Any]:  # run.eval_every and the end of training
