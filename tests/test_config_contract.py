@@ -114,7 +114,7 @@ def test_model_overrides_cannot_apply_to_a_checkpoint(shards, tmp_path, capsys, 
 
 
 def test_a_preset_override_must_name_the_checkpoints_own(shards, tmp_path, capsys, checkpoint):
-    """``model.preset=vit_tiny`` beside a vit_micro checkpoint was ignored (the checkpoint brings its architecture):
+    """``model.preset=vit_tiny`` beside a vit_micro checkpoint cannot apply (the checkpoint brings its architecture):
     refused. Taken: a preset of the checkpoint's size, the preset its config.json records, and a config file's preset
     (the file's from-scratch baseline, which a checkpoint on the command line replaces)."""
     out, ckpt = tmp_path / "run", checkpoint / "checkpoint"
