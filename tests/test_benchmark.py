@@ -98,6 +98,15 @@ def test_markdown_heads_every_table_with_the_hardware_line():
     assert "torch" in meta["hardware"] and ("GPU" in meta["hardware"])
 
 
+def test_a_ladder_is_one_table_with_a_row_per_rung():
+    """The speed suite's rungs are a column of one table (its "setting" is the rung), not a section each."""
+    meta = {"suite": "speed", "hardware": "h"}
+    rows = [{"suite": "speed", "name": "speed/mp3", "setting": rung, "images_per_s": rate}
+            for rung, rate in (("before", 1.0), ("fused", 2.0))]
+    text = benchmark.to_markdown(rows, meta)
+    assert text.count("\n## ") == 1 and "| mp3 | before | 1.0 |" in text and "| mp3 | fused | 2.0 |" in text
+
+
 @pytest.mark.slow
 def test_mp3_table2_suite_reports_ratios_beside_the_paper_per_kernel_and_keeps_its_gpu_section(tmp_path):
     """CPU stand-in for the GPU run (tiny ViT, bf16 autocast): paper ratios, memory ratios and time / FLOP ratios of

@@ -136,8 +136,9 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if not chunk:
             continue
         groups: dict[str, list[dict[str, Any]]] = {}
+        by_setting = all(key != "setting" for _, key in columns)  # a column of its own (speed's rung): one table
         for r in chunk:
-            groups.setdefault(r.get("setting", ""), []).append(r)
+            groups.setdefault(r.get("setting", "") if by_setting else "", []).append(r)
         for setting, group in groups.items():
             lines += [f"## {title}" + (f" — {setting}" if setting else ""), "", hardware, ""]
             lines += _table(group, columns)
