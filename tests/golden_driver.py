@@ -6,13 +6,14 @@ path).
 
 SPEC.json: ``{"modules": {"pretrain": <module>, "finetune": <module>}, "runs": [{"name", "script", "args"}, ...],
 "report": <path>, "prefixes": [<module name prefixes whose files are reported>]}``. Each run calls
-``<module>.main(args)`` in the working directory; the report (JSON) holds every run's exit code (or traceback) and
-the file of every loaded module under ``prefixes``, so the test can check which code ran, and the pretrain module's
-``METHODS``.
+``<module>.main(args)`` in the working directory; the report (JSON) holds every run's exit code (or traceback), the
+file of every loaded module under ``prefixes``, so the test can check which code ran, the pretrain module's
+``METHODS`` and the defaults of every objective config class ``patchplace.objectives`` exports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -47,9 +48,18 @@ def main(spec_path: str) -> int:
     files = {name: str(Path(file).resolve()) for name, file in loaded.items()
              if file and name.split(".")[0] in spec["prefixes"]}
     methods = sorted(getattr(modules.get("pretrain"), "METHODS", None) or [])
-    report = {"runs": results, "modules": files, "methods": methods}
+    report = {"runs": results, "modules": files, "methods": methods, "objective_defaults": objective_defaults()}
     Path(spec["report"]).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def objective_defaults() -> dict[str, dict]:
+    """{config class name: its default fields} of the objective configs ``patchplace.objectives`` exports."""
+    objectives = importlib.import_module("patchplace.objectives")
+    base = objectives.ObjectiveConfig
+    return {name: json.loads(json.dumps(dataclasses.asdict(cls())))
+            for name, cls in sorted(vars(objectives).items())
+            if isinstance(cls, type) and issubclass(cls, base) and cls is not base and dataclasses.is_dataclass(cls)}
 
 
 if __name__ == "__main__":

@@ -362,7 +362,8 @@ def objective_in_force(method, given):
     """The objective fields ``method`` trains with: the current code records every one (config.yaml, a checkpoint's
     metadata and recipe, the model card's recipe rows), the reference the given ones; both sides are completed by
     the method's defaults (the config class's, then the registration's) before comparing, as JSON writes them
-    (tuples as lists). A default that changed would still show in the weights."""
+    (tuples as lists). The config classes' defaults are the reference's
+    (:func:`test_the_objective_configs_keep_the_references_defaults`), so completing both sides hides nothing."""
     from patchplace.pipelines.objective_fields import methods
 
     known = methods().get(method) if isinstance(method, str) else None
@@ -470,6 +471,17 @@ def test_each_process_ran_its_own_code(golden):
     assert "core.engine" in golden.reports["reference"]["modules"], "the reference engine (pipelines/core/) ran"
     assert tuple(golden.reports["reference"]["methods"]) == tuple(sorted(METHODS)), \
         "METHODS must list every pretraining method of the reference"
+
+
+def test_the_objective_configs_keep_the_references_defaults(golden):
+    """Every objective config class of the reference still exists, with the reference's default for each of its
+    fields (a changed default that 3 training steps would not show fails here)."""
+    reference = golden.reports["reference"]["objective_defaults"]
+    current = golden.reports["current"]["objective_defaults"]
+    assert reference and set(reference) <= set(current), f"config classes gone: {sorted(set(reference) - set(current))}"
+    changed = {f"{cls}.{name}": (value, current[cls].get(name, "(gone)")) for cls, defaults in reference.items()
+               for name, value in defaults.items() if current[cls].get(name, "(gone)") != value}
+    assert not changed, f"defaults changed since the reference (reference, current): {changed}"
 
 
 @pytest.mark.parametrize("run", list(golden_runs(Path("shards"))))

@@ -103,6 +103,19 @@ def test_the_objective_section_is_the_methods_own_config_once_validated(shards, 
         assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize(("method", "overrides", "message"), [
+    ("droppos", ["objective.decoder_dim=512", "objective.decoder_heads=12"],
+     "objective.decoder_dim 512 must be divisible by objective.decoder_heads 12"),
+    ("stop", ["objective.noise_on=everywhere"],
+     "objective.noise_on must be one of ('masked', 'context', 'both') and objective.covariance one of ('learned', "
+     "'fixed'), got 'everywhere', 'learned'"),
+])
+def test_an_objective_refusal_names_every_field_it_mentions_as_its_key(shards, method, overrides, message):
+    with pytest.raises(pipeline_config.ConfigError) as refused:
+        pipeline_config.load(pretrain.PretrainConfig, None, [*img(shards), f"method={method}", *overrides])
+    assert str(refused.value) == message
+
+
 def test_a_run_recorded_with_the_given_objective_fields_only_still_resumes(shards, tmp_path, capsys):
     """config.yaml records every objective field in force; a run whose record holds the given ones only (written
     before it did) compares by its method's defaults: it resumes, and a changed field is named."""

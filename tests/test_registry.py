@@ -135,8 +135,8 @@ from patchplace.objectives.registry import register_method
 class ThrowawayConfig(ObjectiveConfig):
     weight: float = 1.0  # scale of the loss
 
-    def validate(self) -> ThrowawayConfig:
-        check_positive("weight", self.weight)
+    def validate(self, named=str) -> ThrowawayConfig:
+        check_positive(named("weight"), self.weight)
         return self
 
 

@@ -68,6 +68,16 @@ def test_configs_and_backbones_are_validated(micro):
         MP3Config.from_dict({"etta": 0.5})
 
 
+def test_a_config_names_its_fields_as_the_caller_keys_them():
+    """``validate(named)`` words each field as ``named(field)`` (a pipeline's ``objective.eta``); by default bare."""
+    with pytest.raises(ObjectiveError, match=r"^objective\.eta must be in \[0, 1\), got 1\.5$"):
+        MP3Config(eta=1.5).validate("objective.{}".format)
+    with pytest.raises(ObjectiveError, match=r"^eta must be in \[0, 1\), got 1\.5$"):
+        MP3Config(eta=1.5).validate()
+    with pytest.raises(ObjectiveError, match=r"^unknown MP3Config field\(s\) \['objective\.etta'\]"):
+        MP3Config.from_dict({"etta": 0.5}, "objective.{}".format)
+
+
 def test_reassemble_pastes_patches_at_predicted_positions_and_averages_collisions():
     images = torch.arange(2 * 16 * 16, dtype=torch.float32).reshape(2, 1, 16, 16)
     perfect = torch.eye(16).expand(2, 16, 16) * 10

@@ -39,6 +39,11 @@ from patchplace.pipelines.sections import (
 
 if TYPE_CHECKING:
     from patchplace.finetune import AttackConfig, ProbeRecipe
+    from patchplace.objectives import ObjectiveConfig
+
+    Objective = dict[str, Any] | ObjectiveConfig
+else:  # what a file or override gives: pydantic types it, torch-free (the method's class needs torch)
+    Objective = dict[str, Any]
 
 
 @dataclass
@@ -48,7 +53,7 @@ class PretrainConfig:
     ``MP3Config(eta=0.5, anchor_ratio=0.0)``: :meth:`objective_config`), which config.yaml records field by field."""
 
     method: str = "mp3"  # a registered method (listed at the end of --help)
-    objective: dict[str, Any] = field(default_factory=dict)  # the method's fields (listed below), e.g. {eta: 0.5}
+    objective: Objective = field(default_factory=dict)  # the method's fields (listed below), e.g. {eta: 0.5}
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1.5e-3, betas=(0.9, 0.95)))
@@ -104,20 +109,12 @@ class PretrainConfig:
         unknown = [f"objective.{name}" for name in self.objective if name not in names]
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; method={self.method} knows: {sorted(names)}")
+        # the given fields' types, then the class checks the values: both name a field as its key, objective.eta
+        typed = build(spec.config_cls, self.objective, prefix="objective.")
         try:
-            typed = build(spec.config_cls, self.objective)  # the given fields' types; the class checks the values
-            return spec.config({name: getattr(typed, name) for name in self.objective})
-        except (ConfigError, ObjectiveError) as exc:
-            raise ConfigError(PretrainConfig._named(str(exc), names)) from None
-
-    @staticmethod
-    def _named(message: str, names: list[str]) -> str:
-        """``message`` (a config class's refusal: "eta must be in [0, 1), got 1.5") with each of the field
-        ``names`` it mentions written as its key, ``objective.eta``."""
-        import re
-
-        pattern = r"(?<![\w.])(" + "|".join(map(re.escape, sorted(names, key=len, reverse=True))) + r")(?!\w)"
-        return re.sub(pattern, r"objective.\1", message) if names else message
+            return spec.config({name: getattr(typed, name) for name in self.objective}, named="objective.{}".format)
+        except ObjectiveError as exc:
+            raise ConfigError(str(exc)) from None
 
     def objective_values(self) -> dict[str, Any]:
         """{field: value} of :meth:`objective_config`: every field in force once validated (what a run's metadata

@@ -241,14 +241,15 @@ def load(cls: type, path: str | None, overrides: list[str]) -> Any:
     return config
 
 
-def build(cls: type, given: dict[str, Any]) -> Any:
+def build(cls: type, given: dict[str, Any], prefix: str = "") -> Any:
     """The ``cls`` instance with the values ``given`` ({dotted key: value}) over the defaults of ``cls()`` (a
     section given in part keeps its owner's: ``optim.max_steps=5`` keeps pretraining's ``OptimSection(lr=1.5e-3)``),
     as pydantic validates it strictly (an int for a float and a list for a tuple aside: "yes" or 1 is no bool, 3 no
-    str). A field nothing sets keeps its default object (pydantic would make a float field's 4096 4096.0)."""
+    str). A field nothing sets keeps its default object (pydantic would make a float field's 4096 4096.0). A
+    refusal names a key as ``prefix`` + its place (``"objective."`` where ``cls`` is that section's class)."""
     for key, value in given.items():  # YAML's values pydantic's JSON lacks (a date) in a mapping field
         if any(not isinstance(v, bool | int | float | str | None) for v in _scalars(value)):
-            raise ConfigError(_wrong(cls, key, given))
+            raise ConfigError(prefix + _wrong(cls, key, given))
     values = dataclasses.asdict(cls())
     for key, value in given.items():
         *parents, name = key.split(".")
@@ -257,7 +258,7 @@ def build(cls: type, given: dict[str, Any]) -> Any:
             place[part] = place[part] if isinstance(place.get(part), dict) else {}
             place = place[part]
         place[name] = value
-    config, default = _validated(cls, values, given), cls()
+    config, default = _validated(cls, values, given, prefix), cls()
     for name, owner, f in _leaf_fields(config):
         if not any(_within(k, name) for k in given):
             setattr(owner, f.name, operator.attrgetter(name)(default))

@@ -17,7 +17,7 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -68,16 +68,16 @@ class DropPosConfig(ObjectiveConfig):
     sigma_end: float = 0.0  # ... and at the end
     tau: float = 0.1  # attentive-reconstruction temperature (Eq. 9); .inf switches it off (Table 4)
 
-    def validate(self) -> DropPosConfig:
-        check_ratio("mask_ratio", self.mask_ratio)
-        check_ratio("pos_mask_ratio", self.pos_mask_ratio)
-        check_positive("decoder_depth", self.decoder_depth)
-        check_widths(self, "decoder_dim", "decoder_heads")
+    def validate(self, named: Callable[[str], str] = str) -> DropPosConfig:
+        check_ratio(named("mask_ratio"), self.mask_ratio)
+        check_ratio(named("pos_mask_ratio"), self.pos_mask_ratio)
+        check_positive(named("decoder_depth"), self.decoder_depth)
+        check_widths(self, "decoder_dim", "decoder_heads", named=named)
         for name in ("sigma_start", "sigma_end"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                raise ObjectiveError(f"{name} must be a finite number >= 0, got {value}")
-        check_positive("tau", self.tau)  # inf is allowed (no attentive reconstruction); nan is not
+                raise ObjectiveError(f"{named(name)} must be a finite number >= 0, got {value}")
+        check_positive(named("tau"), self.tau)  # inf is allowed (no attentive reconstruction); nan is not
         return self
 
 

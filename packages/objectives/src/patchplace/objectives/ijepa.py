@@ -19,6 +19,7 @@ Predictor inputs (docs/methods/stop.md, with A, b the predictor's input Linear a
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -82,23 +83,23 @@ class IJEPAConfig(ObjectiveConfig):
         widths = cls.STOP_PAPER if overrides.get("stop") else cls.PAPER
         return cls(**{**widths, **overrides}).validate()
 
-    def validate(self) -> IJEPAConfig:
+    def validate(self, named: Callable[[str], str] = str) -> IJEPAConfig:
         for name in ("predictor_depth", "num_targets", "min_keep"):
-            check_positive(name, getattr(self, name))
-        check_widths(self, "predictor_dim", "predictor_heads", multiple_of=4)
+            check_positive(named(name), getattr(self, name))
+        check_widths(self, "predictor_dim", "predictor_heads", multiple_of=4, named=named)
         for name in ("target_scale", "context_scale"):
             low, high = getattr(self, name)
             if not 0 < low <= high <= 1:
-                raise ObjectiveError(f"{name} must satisfy 0 < low <= high <= 1, got {(low, high)}")
+                raise ObjectiveError(f"{named(name)} must satisfy 0 < low <= high <= 1, got {(low, high)}")
         if not 0 < self.target_aspect[0] <= self.target_aspect[1]:
-            raise ObjectiveError(f"target_aspect must satisfy 0 < low <= high, got {self.target_aspect}")
-        check_ratio("ema_start", self.ema_start, high_inclusive=True)
-        check_ratio("ema_end", self.ema_end, high_inclusive=True)
+            raise ObjectiveError(f"{named('target_aspect')} must satisfy 0 < low <= high, got {self.target_aspect}")
+        check_ratio(named("ema_start"), self.ema_start, high_inclusive=True)
+        check_ratio(named("ema_end"), self.ema_end, high_inclusive=True)
         if self.sigma < 0:
-            raise ObjectiveError(f"sigma (a standard deviation) must be >= 0, got {self.sigma}")
+            raise ObjectiveError(f"{named('sigma')} (a standard deviation) must be >= 0, got {self.sigma}")
         if self.noise_on not in NOISE_ON or self.covariance not in COVARIANCES:
-            raise ObjectiveError(f"noise_on must be one of {NOISE_ON} and covariance one of {COVARIANCES}, got "
-                                 f"{self.noise_on!r}, {self.covariance!r}")
+            raise ObjectiveError(f"{named('noise_on')} must be one of {NOISE_ON} and {named('covariance')} one of "
+                                 f"{COVARIANCES}, got {self.noise_on!r}, {self.covariance!r}")
         return self
 
 

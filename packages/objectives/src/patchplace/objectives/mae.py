@@ -3,6 +3,7 @@ decoder with mask tokens reconstructs normalized pixels; MSE on masked patches o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -41,10 +42,10 @@ class MAEConfig(ObjectiveConfig):
     decoder_heads: int | None = None  # decoder heads (None: the backbone's; paper(): 16)
     norm_pix_loss: bool = True  # per-patch normalized pixel targets
 
-    def validate(self) -> MAEConfig:
-        check_ratio("mask_ratio", self.mask_ratio)
-        check_positive("decoder_depth", self.decoder_depth)
-        check_widths(self, "decoder_dim", "decoder_heads")
+    def validate(self, named: Callable[[str], str] = str) -> MAEConfig:
+        check_ratio(named("mask_ratio"), self.mask_ratio)
+        check_positive(named("decoder_depth"), self.decoder_depth)
+        check_widths(self, "decoder_dim", "decoder_heads", named=named)
         return self
 
 

@@ -20,6 +20,7 @@ Usage::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,26 +83,28 @@ class MJPConfig(ObjectiveConfig):
     schedule_epochs: int = 300  # epochs the official DAL schedule is cut into
     label_smoothing: float = 0.1  # DeiT recipe
 
-    def validate(self) -> MJPConfig:
-        check_ratio("ratio", self.ratio)
+    def validate(self, named: Callable[[str], str] = str) -> MJPConfig:
+        check_ratio(named("ratio"), self.ratio)
         if isinstance(self.min_block, bool) or not isinstance(self.min_block, int) or self.min_block < 1:
-            raise ObjectiveError(f"min_block must be an integer >= 1 (patches), got {self.min_block!r}")
+            raise ObjectiveError(f"{named('min_block')} must be an integer >= 1 (patches), got {self.min_block!r}")
         if not 0.0 < self.min_aspect <= 1.0:
-            raise ObjectiveError(f"min_aspect must be in (0, 1] (aspects span [min_aspect, 1/min_aspect]), got "
+            aspect = named("min_aspect")
+            raise ObjectiveError(f"{aspect} must be in (0, 1] (aspects span [{aspect}, 1/{aspect}]), got "
                                  f"{self.min_aspect}")
-        check_ratio("apply_prob", self.apply_prob, high_inclusive=True)
-        check_ratio("warmup_fraction", self.warmup_fraction)
+        check_ratio(named("apply_prob"), self.apply_prob, high_inclusive=True)
+        check_ratio(named("warmup_fraction"), self.warmup_fraction)
         if self.dal not in DAL_KINDS:
-            raise ObjectiveError(f"dal must be one of {DAL_KINDS}, got {self.dal!r}")
+            raise ObjectiveError(f"{named('dal')} must be one of {DAL_KINDS}, got {self.dal!r}")
         if not (math.isfinite(self.dal_weight) and self.dal_weight >= 0):
-            raise ObjectiveError(f"dal_weight (lambda) must be a finite number >= 0, got {self.dal_weight}")
+            raise ObjectiveError(f"{named('dal_weight')} (lambda) must be a finite number >= 0, got {self.dal_weight}")
         if self.dal_schedule not in DAL_SCHEDULES:
-            raise ObjectiveError(f"dal_schedule must be one of {DAL_SCHEDULES}, got {self.dal_schedule!r}")
+            raise ObjectiveError(f"{named('dal_schedule')} must be one of {DAL_SCHEDULES}, got {self.dal_schedule!r}")
         if isinstance(self.schedule_epochs, bool) or not isinstance(self.schedule_epochs, int) or not (
                 round(self.warmup_fraction * self.schedule_epochs) < self.schedule_epochs):
-            raise ObjectiveError(f"schedule_epochs must be an integer with round(warmup_fraction * schedule_epochs) "
-                                 f"< schedule_epochs, got {self.schedule_epochs!r}")
-        check_ratio("label_smoothing", self.label_smoothing)
+            epochs = named("schedule_epochs")
+            raise ObjectiveError(f"{epochs} must be an integer with round({named('warmup_fraction')} * {epochs}) "
+                                 f"< {epochs}, got {self.schedule_epochs!r}")
+        check_ratio(named("label_smoothing"), self.label_smoothing)
         return self
 
 

@@ -15,6 +15,7 @@ The class token gets no PE there either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,9 +48,9 @@ class MP3Config(ObjectiveConfig):
     eta: float = 0.75
     anchor_ratio: float = 0.0
 
-    def validate(self) -> MP3Config:
-        check_ratio("eta", self.eta)
-        check_ratio("anchor_ratio", self.anchor_ratio)
+    def validate(self, named: Callable[[str], str] = str) -> MP3Config:
+        check_ratio(named("eta"), self.eta)
+        check_ratio(named("anchor_ratio"), self.anchor_ratio)
         return self
 
     @classmethod

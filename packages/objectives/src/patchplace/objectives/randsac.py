@@ -23,6 +23,7 @@ full attention (the paper fine-tunes / probes on the average-pooled feature, App
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -80,26 +81,27 @@ class RandSACConfig(ObjectiveConfig):
     skip_connections: bool = True  # trainable encoder -> decoder skips (§4.2)
     norm_pix_loss: bool = True  # per-patch normalized pixel targets
 
-    def validate(self) -> RandSACConfig:
+    def validate(self, named: Callable[[str], str] = str) -> RandSACConfig:
         if self.segments not in SEGMENT_TYPES:
-            raise ObjectiveError(f"segments must be one of {SEGMENT_TYPES}, got {self.segments!r}")
+            raise ObjectiveError(f"{named('segments')} must be one of {SEGMENT_TYPES}, got {self.segments!r}")
         self.hierarchy = tuple(self.hierarchy)  # from JSON / YAML lists
         if self.segments == "blob" and self.num_segments < 2:
-            raise ObjectiveError(f"num_segments must be >= 2 (one segment leaves nothing to predict), got "
+            raise ObjectiveError(f"{named('num_segments')} must be >= 2 (one segment leaves nothing to predict), got "
                                  f"{self.num_segments}")
-        check_positive("square_size", self.square_size)
+        check_positive(named("square_size"), self.square_size)
         if self.hierarchy and self.segments in ("raster", "patch_random"):
-            raise ObjectiveError(f"hierarchy must be () for segments={self.segments!r} (one token per segment), got "
-                                 f"{self.hierarchy}")
+            raise ObjectiveError(f"{named('hierarchy')} must be () for {named('segments')}={self.segments!r} (one "
+                                 f"token per segment), got {self.hierarchy}")
         top = self.num_segments if self.segments == "blob" else None
         for parts in self.hierarchy:
             if not isinstance(parts, int) or parts < 1 or (top is not None and parts >= top):
-                raise ObjectiveError(f"hierarchy must be strictly decreasing partition counts >= 1 below "
-                                     f"num_segments={self.num_segments} (e.g. (5,) for 11 -> 5), got {self.hierarchy}")
+                raise ObjectiveError(f"{named('hierarchy')} must be strictly decreasing partition counts >= 1 below "
+                                     f"{named('num_segments')}={self.num_segments} (e.g. (5,) for 11 -> 5), got "
+                                     f"{self.hierarchy}")
             top = parts
         for name in ("decoder_depth", "decoder_mlp_ratio"):
-            check_positive(name, getattr(self, name))
-        check_widths(self, "decoder_dim", "decoder_heads", multiple_of=4)
+            check_positive(named(name), getattr(self, name))
+        check_widths(self, "decoder_dim", "decoder_heads", multiple_of=4, named=named)
         return self
 
 

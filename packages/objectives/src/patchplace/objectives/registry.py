@@ -79,16 +79,17 @@ class MethodSpec:
             if value not in allowed:
                 raise ObjectiveError(f"method {self.name!r}: {what} must be one of {allowed}, got {value!r}")
 
-    def config(self, fields: Mapping[str, Any] | ObjectiveConfig | None = None) -> ObjectiveConfig:
+    def config(self, fields: Mapping[str, Any] | ObjectiveConfig | None = None,
+               named: Callable[[str], str] = str) -> ObjectiveConfig:
         """The method's config: the class's defaults, then :attr:`defaults`, then ``fields`` (validated); ``fields``
         that are a :attr:`config_cls` object already (a pipeline's validated ``objective`` section) are that object,
-        validated."""
+        validated. A refusal words each field as ``named(field)`` (:meth:`ObjectiveConfig.validate`)."""
         if fields is not None and not isinstance(fields, Mapping):
             if not isinstance(fields, self.config_cls):
                 raise ObjectiveError(f"method {self.name!r} is configured by {self.config_cls.__name__}, not "
                                      f"{type(fields).__name__}")
-            return fields.validate()
-        return self.config_cls.from_dict({**self.defaults, **(fields or {})})
+            return fields.validate(named)
+        return self.config_cls.from_dict({**self.defaults, **(fields or {})}, named)
 
     def build(self, backbone: Any, fields: Mapping[str, Any] | ObjectiveConfig | None = None):
         """The objective around ``backbone`` with :meth:`config` ``(fields)``: given fields or the config object."""

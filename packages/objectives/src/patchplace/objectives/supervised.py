@@ -3,6 +3,7 @@ with label smoothing, or soft-target cross-entropy when timm's Mixup / CutMix pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,8 @@ from .registry import PE_MODES, register_method
 class SupervisedConfig(ObjectiveConfig):
     label_smoothing: float = 0.1  # of the one-hot targets
 
-    def validate(self) -> SupervisedConfig:
-        check_ratio("label_smoothing", self.label_smoothing)
+    def validate(self, named: Callable[[str], str] = str) -> SupervisedConfig:
+        check_ratio(named("label_smoothing"), self.label_smoothing)
         return self
 
 
