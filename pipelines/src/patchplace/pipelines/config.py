@@ -474,16 +474,15 @@ def help_values(cls: type, argv: list[str]) -> tuple[Any, dict[str, str], str]:
 
 def help_epilog(cls: type, argv: list[str]) -> str:
     """The config part of --help: every field a command reads with its value in force (:func:`help_values`) and
-    meaning, its :func:`unread_fields`, then what the class adds for this command line (``help_fields(argv)``,
-    e.g. the chosen objective's fields; ``help_fields(argv, config, sources)`` when it takes the values too)."""
+    meaning, its :func:`unread_fields`, then what the class adds for this command line (``help_fields(argv,
+    config, sources)``, e.g. the chosen objective's fields with their values)."""
     config, sources, header = help_values(cls, argv)
     lines = [header, *describe(config, sources=sources)]
     if unused := unread_fields(cls):
         lines += ["", *textwrap.wrap("not read by this command (accepted, so that a shared config loads): "
                                      + ", ".join(unused), HELP_WIDTH, break_on_hyphens=False)]
     if hasattr(cls, "help_fields"):
-        takes = len(inspect.signature(cls.help_fields).parameters)
-        lines += cls.help_fields(argv, config, sources) if takes >= 3 else cls.help_fields(argv)
+        lines += cls.help_fields(argv, config, sources)
     return "\n".join(lines)
 
 

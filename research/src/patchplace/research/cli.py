@@ -66,7 +66,7 @@ class ControlsConfig:
     run: RunSection = field(default_factory=lambda: RunSection(output="results/controls"))
 
     @staticmethod
-    def help_fields(argv: list[str]) -> list[str]:
+    def help_fields(argv: list[str], config: ControlsConfig, sources: dict[str, str]) -> list[str]:
         return ["--study STUDY.json: also read that study's probes (its results) against the random-init control"]
 
 
