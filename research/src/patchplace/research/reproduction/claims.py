@@ -308,8 +308,9 @@ class Claim:
             return f"not paired: {self.refused}"
         if self.pending:  # no test and no regime verdict before every planned seed has run (no optional stopping)
             return f"pending ({self.pending}); so far: {self.why or 'in regime'}; measured {self.effect}"
-        if not self.in_regime:
-            return f"out of regime at this budget ({self.why}); measured {self.effect}, {raw}"
+        if not self.in_regime:  # (a one-seed effect says "no test" itself)
+            return f"out of regime at this budget ({self.why}); measured {self.effect}" + (
+                f", {raw}" if self.p is not None else "")
         if self.p is None:
             return f"undecided ({self.effect}; {self.why or 'fewer than 2 shared seeds'})"
         text = f"{self.effect}, {raw}, Holm-adjusted p = {self.adjusted:.2g}{self.excluded_text}"
@@ -799,14 +800,18 @@ def pretext_regime(rows: dict[str, list[dict[str, Any]]], row: str, name: str, c
 
 
 def converged(rows: dict[str, list[dict[str, Any]]], *names: str) -> tuple[bool, str]:
-    """Each row trained to convergence: stopped early on validation on every seed, within its cap (printed)."""
+    """Each row trained to convergence: stopped early on validation on every seed, within its cap (printed); else
+    every row that did not, with its seeds."""
+    failed = []
     for name in names:
         stops = {m["seed"]: m.get("stopped") for m in rows.get(name, [])}
         capped = sorted(s for s, how in stops.items() if how != "early")
         cap = next((m.get("epochs_cap") for m in rows.get(name, []) if m.get("epochs_cap")), None)
         if not stops or capped:
-            return False, (f"{name} ran to its {cap or '?'}-epoch cap (or did not stop on validation) on seed(s) "
-                           f"{','.join(map(str, capped)) or '-'}: not converged")
+            failed.append(f"{name} ran to its {cap or '?'}-epoch cap (or did not stop on validation) on seed(s) "
+                          f"{','.join(map(str, capped)) or '-'}")
+    if failed:
+        return False, "; ".join(failed) + ": not converged"
     return True, "stopped early on validation on every seed (" + ", ".join(
         f"{n}: cap {next((m.get('epochs_cap') for m in rows.get(n, []) if m.get('epochs_cap')), '?')} epochs"
         for n in names) + ")"
