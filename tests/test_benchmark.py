@@ -265,6 +265,10 @@ def test_update_keeps_what_this_run_did_not_measure(tmp_path):
                                    {"suite": "speed"})
     assert [(r["name"], r["images_per_s"]) for r in rows] == [("speed/mae", 1.0), ("speed/mp3", 9.0)]
     assert list(meta["updated"]) == ["speed/mp3"]
+    own.write_text(json.dumps({"meta": {"suite": "speed", "seconds": {"total": 5.0}}, "results": rows}))
+    _, meta = benchmark.updated(own, [{"name": "speed/mae", "images_per_s": 3.0}],
+                                {"suite": "speed", "seconds": {"total": 2.0}})
+    assert meta["seconds"] == {"earlier calls": 5.0, "speed/mae": 2.0, "total": 7.0}, "each call's seconds, summed"
     assert benchmark.updated(tmp_path / "none.json", [{"name": "x"}], {"suite": "speed"}) == ([{"name": "x"}],
                                                                                               {"suite": "speed"})
 
