@@ -148,8 +148,9 @@ def updated(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> tup
     kept = [r for r in old["results"] if r["name"] not in names]
     key = ",".join(sorted(names))
     before = old["meta"].get("seconds", {})  # a first call's {"total": s} reads as the earlier calls'
-    seconds = {k: v for k, v in before.items() if k != "total"} or {"earlier calls": before.get("total", 0.0)}
-    seconds = {**{k: v for k, v in seconds.items() if k != key}, key: meta.get("seconds", {}).get("total", 0.0)}
+    earlier = {k: v for k, v in before.items() if k != "total"} or (
+        {"earlier calls": before["total"]} if "total" in before else {})
+    seconds = {**earlier, key: meta.get("seconds", {}).get("total", 0.0)}
     return kept + rows, {**old["meta"], "seconds": {**seconds, "total": round(sum(seconds.values()), 1)},
                          "updated": {**old["meta"].get("updated", {}), key: meta}}
 

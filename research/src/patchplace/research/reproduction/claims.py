@@ -802,19 +802,18 @@ def pretext_regime(rows: dict[str, list[dict[str, Any]]], row: str, name: str, c
 def converged(rows: dict[str, list[dict[str, Any]]], *names: str) -> tuple[bool, str]:
     """Each row trained to convergence: stopped early on validation on every seed, within its cap (printed); else
     every row that did not, with its seeds."""
+    caps = {n: next((m["epochs_cap"] for m in rows.get(n, []) if m.get("epochs_cap")), None) for n in names}
     failed = []
     for name in names:
         stops = {m["seed"]: m.get("stopped") for m in rows.get(name, [])}
         capped = sorted(s for s, how in stops.items() if how != "early")
-        cap = next((m.get("epochs_cap") for m in rows.get(name, []) if m.get("epochs_cap")), None)
         if not stops or capped:
-            failed.append(f"{name} ran to its {cap or '?'}-epoch cap (or did not stop on validation) on seed(s) "
-                          f"{','.join(map(str, capped)) or '-'}")
+            failed.append(f"{name} ran to its {caps[name] or '?'}-epoch cap (or did not stop on validation) on "
+                          f"seed(s) {','.join(map(str, capped)) or '-'}")
     if failed:
         return False, "; ".join(failed) + ": not converged"
     return True, "stopped early on validation on every seed (" + ", ".join(
-        f"{n}: cap {next((m.get('epochs_cap') for m in rows.get(n, []) if m.get('epochs_cap')), '?')} epochs"
-        for n in names) + ")"
+        f"{n}: cap {caps[n] or '?'} epochs" for n in names) + ")"
 
 
 def above_pixels(rows: dict[str, list[dict[str, Any]]], names: list[str], pixels: float) -> tuple[bool, str]:
