@@ -6,6 +6,7 @@ its wave sizing. Synthetic rows throughout; the end-to-end runs (a tiny schedule
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -359,14 +360,15 @@ def test_the_wave_sizing_rule():
 
 
 # ------------------------------------------------------------------------------------------------ end to end (slow)
-def tiny_protocol(repo: Path, processes: int = 2) -> Path:
-    """The v5 protocol at a toy budget (holdout 24, MP3 rows only, seeds 0-1, 0.25 epoch), committed in ``repo``."""
+def tiny_protocol(repo: Path, processes: int = 2, **gpu: float) -> Path:
+    """The v5 protocol at a toy budget (holdout 24, MP3 rows only, seeds 0-1, 0.25 epoch; ``gpu`` fields over
+    its GPU section), committed in ``repo``."""
     data = yaml.safe_load(PROTOCOL.read_text())
     data["data"]["holdout"] = 24
     data["seeds"] = {"position": [0, 1], "classifiers": [0], "speech": [0]}
     data["epochs"]["mp3"]["pretrain"] = 0.25
     data["doubling"]["groups"] = ["mp3"]
-    data["gpu"].update(rate_seconds=2, eval_reserve_seconds=5, processes=processes)
+    data["gpu"].update(rate_seconds=2, eval_reserve_seconds=5, processes=processes, **gpu)
     path = repo / "protocol.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     _git(repo, "init", "-q")
@@ -428,15 +430,17 @@ def test_a_stand_in_gpu_wave_sizes_once_writes_each_bundle_at_once_and_merges(sh
 
     repo = tmp_path / "repo"
     repo.mkdir()
-    protocol = tiny_protocol(repo)
+    # a safety share so small that the sizing gives the floor (0.5 epoch) on any machine, and a command long
+    # enough for the four units on a loaded one: the units finish, whatever this machine's speed
+    protocol = tiny_protocol(repo, safety=1e-6)
     monkeypatch.setenv("PATCHPLACE_GPU_STANDIN", "1")
     config = str(ROOT / "pipelines/configs/study_v5_gpu4px.yaml")
     bundles, out = tmp_path / "bundles", tmp_path / "out"
-    args = ["--config", config, "--wave", "1", "--bundles", str(bundles), "--out", str(out), "--seconds", "150",
+    args = ["--config", config, "--wave", "1", "--bundles", str(bundles), "--out", str(out), "--seconds", "1200",
             *tiny(shards, tmp_path, protocol)]
     assert waves.main(args) == 0
     sized = json.loads((bundles / waves.SIZING).read_text())
-    assert sized["rate"]["processes"] == 2 and sized["rate"]["images_per_s"] > 0 and sized["epochs"] >= 0.5
+    assert sized["rate"]["processes"] == 2 and sized["rate"]["images_per_s"] > 0 and sized["epochs"] == 0.5
     written = sorted(p.name for p in bundles.glob("*.seed0.json"))
     assert written == sorted(p.name for p in out.glob("*.seed0.json")) == [
         "droppos.droppos_sigma0.seed0.json", "main.droppos.seed0.json", "mp3_eta.mp3_eta0.75.seed0.json",
@@ -453,6 +457,28 @@ def test_a_stand_in_gpu_wave_sizes_once_writes_each_bundle_at_once_and_merges(sh
                        "precision=no"]) == 0
     report = (tmp_path / "results" / "study_v5_gpu4px.md").read_text()
     assert "Rows counted: 4; refused: 0" in report and "`all_patches@4`" in report
+
+
+def test_a_wave_kills_the_units_still_running_at_its_end_and_keeps_no_failed_one(tmp_path):
+    """``run_wave``'s clock: a unit that fails is neither finished nor pending; one still running when the
+    command's seconds are spent is killed (its process gone) and stays pending."""
+    from types import SimpleNamespace
+
+    from patchplace.research.reproduction import waves
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    code = (f"import os, sys, time; open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close(); "
+            "sys.exit(3) if 'fail' in sys.argv else time.sleep(120)")
+    units = [SimpleNamespace(groups=["main"], seed=0, only=[row], overrides=lambda row=row: [row])
+             for row in ("fail", "slow")]
+    finished, cut = waves.run_wave(None, units, [sys.executable, "-c", code], tmp_path / "bundles", None, 4.0, [])
+    assert (finished, cut) == ([], ["main.slow.seed0"])
+    assert len(list(pids.iterdir())) == 2, "both units started"
+    for pid in (int(p.name) for p in pids.iterdir()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (tmp_path / "bundles").exists() or not list((tmp_path / "bundles").iterdir())
 
 
 @pytest.mark.parametrize("main", ["waves", "gpu_plan"])

@@ -684,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluation(cfg, data, backbone, metadata, accelerator.device, ranks_of(accelerator))
     except USER_ERRORS as exc:  # ConfigError, DataError, ModelError, PrivacyError, a non-finite output, ...
         return report(exc)  # one line, exit 2; the run.output this launch created is removed while empty
+    accelerator.end_training()  # every rank, the others as soon as their shares are done (as the trainer's end)
     if results is not None:  # the main process (the others computed their shares)
         print(to_markdown(results))
     return 0

@@ -282,6 +282,7 @@ class Trainer:
         self.save_checkpoint(step, metrics=metrics, records=records)
         self.callbacks.on_checkpoint(step)
         self.callbacks.on_close()
-        if trackers(self.run):
-            self.acc.end_training()
+        # the trackers closed and, on every rank, the process group destroyed: one left to the interpreter's end
+        # can abort the process there ("terminate called without an active exception": gloo's worker threads)
+        self.acc.end_training()
         return last_eval

@@ -13,7 +13,7 @@ After the first wave, the protocol's stopping rule: a group whose seed-0 row is 
 out of regime at a one-command budget, recorded, and its rows run no later wave.
 
 ``--standin`` (or ``PATCHPLACE_GPU_STANDIN=1``) rehearses it on the CPU: the "GPU" is the CPU, the stages train in
-float32, every number only proves the machinery (tests/test_gpu_waves.py).
+float32, every number only proves the machinery (tests/test_study_v5.py).
 """
 
 from __future__ import annotations
