@@ -125,6 +125,7 @@ def report(exc: BaseException) -> int:
         print(line, file=sys.stderr, flush=True)
     if alike and joined:
         state.wait_for_everyone()
+        state.destroy_process_group()  # every rank is here: a group left to the interpreter's end can abort it
         # every rank leaves with its own code: the launcher's SIGTERM to the others, once one has left, would
         # end a rank still shutting down with -15
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
