@@ -280,10 +280,10 @@ def test_holm_runs_within_each_family_and_mjp_table1_reads_validation_convergenc
     assert not mjp.paper_excluded and "the paper's effect (log-odds +0.99) not excluded" in mjp.verdict
     rows["supervised"][1]["stopped"] = "cap, improving"  # a baseline at its cap: out of regime
     capped = by_id(protocol_items(rows, p))["MJP Table 1"]
-    assert capped.in_regime is False and "supervised ran to its 10.0-epoch cap" in capped.verdict
+    assert capped.in_regime is False and "supervised ran to its 10-epoch cap" in capped.verdict
     rows["mjp"][0]["stopped"] = "cap, improving"  # both at their cap: the report names each with its seeds
     both = by_id(protocol_items(rows, p))["MJP Table 1"].verdict
-    assert "mjp ran to its 10.0-epoch cap (or did not stop on validation) on seed(s) 0; supervised ran" in both \
+    assert "mjp ran to its 10-epoch cap (or did not stop on validation) on seed(s) 0; supervised ran" in both \
         and "on seed(s) 1: not converged" in both
     rows["supervised"][1]["stopped"] = rows["mjp"][0]["stopped"] = "early"
     for m in rows["supervised"]:

@@ -802,7 +802,7 @@ def pretext_regime(rows: dict[str, list[dict[str, Any]]], row: str, name: str, c
 def converged(rows: dict[str, list[dict[str, Any]]], *names: str) -> tuple[bool, str]:
     """Each row trained to convergence: stopped early on validation on every seed, within its cap (printed); else
     every row that did not, with its seeds."""
-    caps = {n: next((m["epochs_cap"] for m in rows.get(n, []) if m.get("epochs_cap")), None) for n in names}
+    caps = {n: next((f"{m['epochs_cap']:g}" for m in rows.get(n, []) if m.get("epochs_cap")), None) for n in names}
     failed = []
     for name in names:
         stops = {m["seed"]: m.get("stopped") for m in rows.get(name, [])}
