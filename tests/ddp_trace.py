@@ -5,13 +5,14 @@ what ``test_ddp.py`` checks from outside the processes.
 
 writes ``R/trace/rank<r>.pt``: world size and rank, the keys of the samples each optimizer micro-step read, the MP3
 permutations each step drew, the number of DDP all-reduce calls (buckets), and the objective's weights before and
-after training. Fault injection (the tests of kills and failures): ``TRACE_KILL=<rank>:<step>`` SIGKILLs that rank
-right after its checkpoint of that step; ``TRACE_RAISE=<rank>:<step>`` raises an error on that rank at that step;
-``TRACE_SIGTERM=<rank>:<step>`` sends SIGTERM to that rank alone during that step; ``TRACE_NANLOSS=<rank>:<step>``
-makes the loss run.finite_check=lazy sees on that rank at that step NaN while its backward stays finite (a NaN that
-never reaches the gradients); ``TRACE_NANINPUT=<rank>:<step>`` makes that rank's inputs NaN at that step (loss and
-gradients NaN). ``sums`` holds the sum of the objective's weights after each optimizer step.
-The pipeline itself runs unchanged: this file only wraps engine functions.
+after training, and whether the rank destroyed its process group before it returned (one left to the interpreter's
+end can abort the process there). Fault injection (the tests of kills and failures): ``TRACE_KILL=<rank>:<step>``
+SIGKILLs that rank right after its checkpoint of that step; ``TRACE_RAISE=<rank>:<step>`` raises an error on that
+rank at that step; ``TRACE_SIGTERM=<rank>:<step>`` sends SIGTERM to that rank alone during that step;
+``TRACE_NANLOSS=<rank>:<step>`` makes the loss run.finite_check=lazy sees on that rank at that step NaN while its
+backward stays finite (a NaN that never reaches the gradients); ``TRACE_NANINPUT=<rank>:<step>`` makes that rank's
+inputs NaN at that step (loss and gradients NaN). ``sums`` holds the sum of the objective's weights after each
+optimizer step. The pipeline itself runs unchanged: this file only wraps engine functions.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _fault(name: str) -> int | None:
     return step if rank == PartialState().process_index else None
 
 
-def _install() -> None:
+def _install(pipeline: str) -> None:
     build_data = readers.build_data  # (engine.start reads it from there)
 
     def traced_build_data(*args, **kwargs):
@@ -55,7 +56,8 @@ def _install() -> None:
         data.train.return_key = True  # batches become (x, y, keys)
         return data
 
-    readers.build_data = traced_build_data
+    if pipeline != "evaluate":  # (its feature extraction reads (x, y) batches; it trains nothing to trace)
+        readers.build_data = traced_build_data
 
     inputs = engine.Trainer._inputs
 
@@ -166,14 +168,15 @@ def counting_allreduce(state, bucket):
 
 def main() -> int:
     pipeline, *argv = sys.argv[1:]
-    _install()
+    _install(pipeline)
     module = importlib.import_module(f"patchplace.pipelines.{pipeline}")
     code = module.main(argv)
     state = PartialState()
     output = next(a.split("=", 1)[1] for a in argv if a.startswith("run.output="))
     out = Path(output) / "trace"
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({**TRACE, "rank": state.process_index, "world_size": state.num_processes, "code": code},
+    torch.save({**TRACE, "rank": state.process_index, "world_size": state.num_processes, "code": code,
+                "group_destroyed": not torch.distributed.is_initialized()},
                out / f"rank{state.process_index}.pt")
     return code
 

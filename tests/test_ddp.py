@@ -212,14 +212,15 @@ def test_finetune_and_evaluate_under_two_processes(shards, tmp_path):
     rank0, rank1 = traces(tmp_path / "ft")
     assert (rank0["world_size"], rank1["rank"]) == (2, 1) and same_weights(rank0["final"], rank1["final"])
     assert torch.equal(rank0["final"]["backbone.unknown_pos_embed"], rank0["initial"]["backbone.unknown_pos_embed"])
+    assert rank0["group_destroyed"] and rank1["group_destroyed"], "every rank leaves its process group at its end"
     records = log(tmp_path / "ft", everything=True)
     assert [r["step"] for r in records if "eval" in r] == [2, 3], "one evaluation per cadence, main process only"
     assert all(r["eval"]["count"] == 32 for r in records if "eval" in r), "the main process evaluates all of val"
     ev = [*img(shards), "data.batch_size=8", "data.num_workers=0", f"model.checkpoint={tmp_path / 'ft' / 'checkpoint'}",
           "eval.probe_train_samples=48", "eval.probe_epochs=2", "eval.max_eval_samples=16"]
-    for processes in (1, 2):
-        run([str(ROOT / "pipelines" / "evaluate.py"), *ev, f"run.output={tmp_path / f'ev{processes}'}"],
-            processes=processes)
+    run([str(ROOT / "pipelines" / "evaluate.py"), *ev, f"run.output={tmp_path / 'ev1'}"], processes=1)
+    run([TRACE, "evaluate", *ev, f"run.output={tmp_path / 'ev2'}"], processes=2)
+    assert all(t["group_destroyed"] for t in traces(tmp_path / "ev2")), "the rank that exits early leaves it too"
     one, two = (json.loads((tmp_path / f"ev{n}" / "results.json").read_text()) for n in (1, 2))
     assert two["probe_train_samples"] == 48, "the probe reads the whole train split, not rank 0's half"
     assert one == two
@@ -233,6 +234,8 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp
     assert stopped.returncode != 0 and "interrupted by SIGTERM at step 3" in stopped.stderr, stopped.stderr[-2000:]
     assert len([line for line in stopped.stderr.splitlines() if line.startswith("interrupted by SIGTERM")]) == 1, \
         "printed once, by the main process (the launcher's report after it quotes it per rank)"
+    ends = traces(out)
+    assert len(ends) == 2 and all(t["group_destroyed"] for t in ends), "a stop every rank meets leaves the group"
     trainer = json.loads((state_dir(out) / "trainer.json").read_text())
     assert {k: trainer[k] for k in ("step", "world_size", "global_batch")} == {"step": 3, "world_size": 2,
                                                                                 "global_batch": 16}
