@@ -223,13 +223,28 @@ def test_compiled_blocks_and_the_fused_optimizer_train_to_the_same_losses_and_ch
     assert weights["fast"].keys() == weights["eager"].keys()
     assert all(torch.allclose(weights["fast"][k], weights["eager"][k], atol=1e-5) for k in weights["eager"])
     model = torch.nn.Sequential(*(Block(16, 2, 2.0, True, 0.0, 0.0, 0.0, 1e-6) for _ in range(2)))
-    assert engine.compile_blocks(model, "no") == 0 and engine.compile_blocks(model, "aot_eager") == 2
+    assert engine.compile_objective(model, "no") == 0 and engine.compile_objective(model, "aot_eager") == 2
     assert all(b._compiled_call_impl is not None for b in model)  # compiled in place: same module, same names
     cfg = OptimSection()
     assert not engine.make_optimizer(model, cfg, device=torch.device("cpu")).defaults["fused"]  # null: GPU only
     assert engine.make_optimizer(model, cfg, device=torch.device("cuda")).defaults["fused"]
     cfg.fused = True
     assert engine.make_optimizer(model, cfg, device=torch.device("cpu")).defaults["fused"]
+
+
+@pytest.mark.parametrize("method", method_names())
+def test_every_method_trains_its_whole_step_compiled_as_one_graph_as_eager(shards, tmp_path, capsys, method):
+    """run.compile_scope=step: the objective's forward and backward as one fullgraph (a graph break would fail the
+    run), the same losses and weights as eager (aot_eager draws the masks from the same random stream)."""
+    runs = {"eager": [], "step": ["run.compile=aot_eager", "run.compile_scope=step"]}
+    for name, knobs in runs.items():
+        assert pretrain.main([*method_args(shards, method), "optim.max_steps=3", *knobs,
+                              f"run.output={tmp_path / name}"]) == 0
+    assert "the objective's step compiled as one graph" in capsys.readouterr().out
+    losses = {name: [r["loss"] for r in run_log(tmp_path / name)] for name in runs}
+    assert len(losses["step"]) == 3 and losses["step"] == pytest.approx(losses["eager"], rel=1e-4)
+    weights = {name: load_file(str(tmp_path / name / "checkpoint" / "model.safetensors")) for name in runs}
+    assert all(torch.allclose(weights["step"][k], weights["eager"][k], atol=1e-5) for k in weights["eager"])
 
 
 @pytest.mark.parametrize(("method", "metric"), [("supervised", "top1"), ("mp3", "pos_acc"), ("mae", "loss")])

@@ -343,15 +343,19 @@ class RunSection:
     # The cosine lr schedule still spans optim.epochs: an early stop cuts it short
     early_stop_patience: Annotated[int, Field(ge=0), Words(note="(0: off)")] = 0
     early_stop_metric: str = "top1"  # what early stopping follows: higher is better, lower if its name has "loss"
-    # torch.compile every Transformer block in place (regional compilation; weight names unchanged): no | default |
-    # reduce-overhead (CUDA graphs) | max-autotune | aot_eager (traced, no code generated: a check). A GPU knob: a
-    # small ViT's step is launch-bound there (results/benchmark.md); on a CPU compiling costs more than it saves
+    # torch.compile mode: no | default | reduce-overhead (CUDA graphs) | max-autotune | aot_eager (traced, no code
+    # generated: a check). A GPU knob: a small ViT's step is launch-bound there (results/benchmark.md); on a CPU
+    # compiling costs more than it saves
     compile: CompileMode = "no"
+    # what run.compile compiles: blocks (every Transformer block in place, regional; weight names unchanged) | step
+    # (the objective's whole forward and backward as one graph, fullgraph: with reduce-overhead one CUDA graph a step)
+    compile_scope: Literal["blocks", "step"] = "blocks"
     # when a non-finite loss is looked for: step (every step, a host sync: the run stops before the step reaches the
     # weights) | lazy (no per-step sync, a GPU knob: the flags stay on the device, a bad step's update is skipped
     # inside AdamW's fused kernel, and the run stops with the same one line at the next log, checkpoint or
-    # evaluation, before anything is saved; needs optim.fused and not fp16)
-    finite_check: Literal["step", "lazy"] = "step"
+    # evaluation, before anything is saved; needs optim.fused and not fp16) | auto (lazy on a GPU with the fused
+    # AdamW and without fp16, else step)
+    finite_check: Literal["auto", "step", "lazy"] = "auto"
     # EMA of the weights, this decay per optimizer step (timm ModelEmaV3, e.g. DeiT's 0.99996): resumed exactly,
     # saved in output/ema/ and evaluated at the end (val/ema_*) beside the trained weights; null: off
     model_ema: Annotated[float, Field(gt=0, lt=1), Words("a decay", "(e.g. 0.99996; null: off)")] | None = None

@@ -49,7 +49,7 @@ from patchplace.pipelines.engine.launch import (
     start,
 )
 from patchplace.pipelines.engine.logs import JsonlLog, Throughput, command_line, read_log, say, truncate_log
-from patchplace.pipelines.engine.optim import StepSchedule, compile_blocks, make_optimizer, warmup_cosine
+from patchplace.pipelines.engine.optim import StepSchedule, compile_objective, make_optimizer, warmup_cosine
 from patchplace.pipelines.engine.schedules import cosine_weight_decay, lr_factor, warmup_length
 from patchplace.pipelines.engine.scoring import BestTracker, classify
 from patchplace.pipelines.engine.trainer import Trainer
@@ -58,7 +58,7 @@ __all__ = [
     "MAX_PROCESSES", "RUN_ERRORS", "SEEDS_PER_RANK", "USER_ERRORS", "BestTracker", "Callback", "Callbacks", "Data",
     "DiskFull", "Diverged", "FiniteCheck", "Interrupted", "JsonlLog", "KeepBest", "KeepEma", "KeepEpochs",
     "NonFiniteOutput", "RunDirectory", "StepSchedule", "StopSignals", "Throughput", "Trainer",
-    "WeightsEma", "build_data", "check_inputs", "check_seed", "classify", "command_line", "compile_blocks",
+    "WeightsEma", "build_data", "check_inputs", "check_seed", "classify", "command_line", "compile_objective",
     "cosine_weight_decay", "data_fingerprints", "data_metadata", "holdout_indices", "lr_factor", "make_accelerator",
     "make_optimizer", "memory_choice", "metrics_split", "pair_mixing", "rank_seed", "read_log", "recipe", "relaunch",
     "report", "say", "snapshot_steps", "start", "training_statistics", "truncate_log", "warmup_cosine", "warmup_length",

@@ -2,7 +2,7 @@
 the run directory: the global batch and the peak lr ``optim.lr_scaling`` gives it (:func:`plan_batch`), whether
 such a batch can be formed from data.train (:func:`check_batch`), the steps per epoch and in all (:func:`budget`),
 the start line under several processes (:func:`start_line`), and ``run.finite_check=lazy``'s need of a fused AdamW
-(:func:`check_finite_mode`)."""
+(:func:`finite_mode`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 
 from patchplace.data import DataError, ShardDataset
@@ -84,11 +85,16 @@ def start_line(acc: Accelerator, optim: OptimSection, plan: BatchPlan, per_epoch
               "reaches its peak", file=sys.stderr)
 
 
-def check_finite_mode(run: RunSection, optimizer: Any) -> None:
-    """``run.finite_check=lazy`` skips a non-finite step inside AdamW's fused kernel: it needs one."""
-    if run.finite_check == "lazy" and not optimizer.defaults.get("fused"):
+def finite_mode(run: RunSection, optimizer: Any, device: torch.device) -> str:
+    """``run.finite_check`` in force: ``auto`` is ``lazy`` on a GPU whose AdamW is fused (and no fp16 loss scaler),
+    else ``step``; ``lazy`` skips a non-finite step inside AdamW's fused kernel: it needs one."""
+    fused = bool(optimizer.defaults.get("fused"))
+    if run.finite_check == "auto":
+        return "lazy" if device.type == "cuda" and fused and run.mixed_precision != "fp16" else "step"
+    if run.finite_check == "lazy" and not fused:
         raise ConfigError("run.finite_check=lazy skips a non-finite step inside AdamW's fused kernel: set "
                           "optim.fused=true (null means fused on a GPU only), or run.finite_check=step")
+    return run.finite_check
 
 
 def scaling_line(acc: Accelerator, optim: OptimSection, plan: BatchPlan) -> None:

@@ -254,7 +254,10 @@ class Evaluation:
     def __call__(self, model: nn.Module, step: int) -> dict[str, Any]:
         acc, result = self.rundir.acc, {}
         if acc.is_main_process:
-            result = self.evaluate(acc.unwrap_model(model), step)
+            # eager: a compiled step (run.compile_scope=step) is the training graph; evaluations draw their masks
+            # from a seeded generator and run in eval mode, shapes and paths of their own
+            with torch.compiler.set_stance("force_eager"):
+                result = self.evaluate(acc.unwrap_model(model), step)
             self.rundir.record_eval(step, result)
         acc.wait_for_everyone()
         return result

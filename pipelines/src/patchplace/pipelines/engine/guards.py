@@ -134,6 +134,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
+        self._pending: tuple[Any, torch.Tensor] | None = None  # the last step's reduction, in flight
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -149,16 +150,30 @@ class StopSignals:
             os.kill(os.getpid(), signum)
         self.received = signum
 
+    def drain(self) -> None:
+        """Waits for the reduction still in flight (before the process group may be destroyed)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
     def __exit__(self, *exc: Any) -> None:
+        self.drain()
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
     def agreed(self, accelerator: Accelerator) -> int:
         """The signal that asked this run to stop (0: none), agreed by every rank (max over ranks) so that all of
-        them save the same step."""
+        them save the same step. Under several processes the agreement lags one step: each step starts the
+        reduction of what this rank received and reads the previous step's, which has finished by then (the host
+        does not wait for the step it just queued), so the step has no host synchronisation of its own."""
         received = self.received or 0
-        if accelerator.num_processes > 1:
-            flag = torch.tensor([received], device=accelerator.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            received = int(flag.item())
-        return received
+        if accelerator.num_processes == 1:
+            return received
+        agreed = 0
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = int(flag.item())
+        flag = torch.full((1,), received, dtype=torch.int32, device=accelerator.device)
+        self._pending = (torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True), flag)
+        return agreed

@@ -33,13 +33,22 @@ def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
         raise ConfigError(f"optim.layer_decay: {exc}") from None
 
 
-def compile_blocks(model: nn.Module, mode: str, say: Callable[[str], None] | None = None) -> int:
-    """``run.compile``: torch.compile every Transformer block of ``model`` in place (``nn.Module.compile``: regional
-    compilation, the blocks of the backbone and of any decoder / predictor; parameter names and checkpoints
-    unchanged). Returns how many blocks were compiled (``say``: a line naming them, when there are)."""
+def compile_objective(model: nn.Module, mode: str, scope: str = "blocks",
+                      say: Callable[[str], None] | None = None) -> int:
+    """``run.compile`` / ``run.compile_scope``: ``blocks`` compiles every Transformer block of ``model`` in place
+    (``nn.Module.compile``: regional compilation, the blocks of the backbone and of any decoder / predictor);
+    ``step`` compiles the objective's whole forward, and through AOTAutograd its backward, as one graph
+    (``fullgraph=True``: a graph break is an error, not a slow step); with ``reduce-overhead`` the step is replayed
+    as a CUDA graph. Parameter names and checkpoints are unchanged either way. Returns how many modules were
+    compiled (``say``: a line naming them)."""
     if mode == "no":
         return 0
     kwargs = {"backend": "aot_eager"} if mode == "aot_eager" else {"mode": mode}
+    if scope == "step":
+        model.compile(fullgraph=True, dynamic=False, **kwargs)  # static shapes: what a CUDA graph replays
+        if say is not None:
+            say(f"run.compile={mode}: the objective's step compiled as one graph (the first step compiles it)")
+        return 1
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(**kwargs)

@@ -42,7 +42,7 @@ from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.engine.inputs import Data, data_fingerprints
 from patchplace.pipelines.engine.launch import check_seed, every_rank, reported
 from patchplace.pipelines.engine.logs import Console, JsonlLog, StepLog, Throughput, tracker_project, trackers
-from patchplace.pipelines.engine.optim import StepSchedule, compile_blocks, make_optimizer, prepare_model
+from patchplace.pipelines.engine.optim import StepSchedule, compile_objective, make_optimizer, prepare_model
 from patchplace.pipelines.sections import OptimSection, RunSection
 
 
@@ -78,11 +78,11 @@ class Trainer:
         self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
         # here, so a knob without effect fails before training
         self.optimizer = make_optimizer(objective, optim, self.peak_lr, accelerator.device)
-        plans.check_finite_mode(run, self.optimizer)
-        self.finite = FiniteCheck(accelerator, run.finite_check, divergence(self.out, self.peak_lr))
+        self.finite_mode = plans.finite_mode(run, self.optimizer, accelerator.device)
+        self.finite = FiniteCheck(accelerator, self.finite_mode, divergence(self.out, self.peak_lr))
         # run.model_ema: copied before run.compile (a copy of a compiled block would run the original's forward)
         self.ema = WeightsEma(objective, run.model_ema, backbone) if run.model_ema is not None else None
-        compile_blocks(objective, run.compile, accelerator.print)
+        compile_objective(objective, run.compile, run.compile_scope, accelerator.print)
         plans.scaling_line(accelerator, optim, self.plan)
         self.command = command or "the same command"
         self.console = Console(accelerator.is_main_process)
@@ -156,6 +156,7 @@ class Trainer:
                 raise plans.no_batches(epoch)
             # the next epoch (an epoch shortened by data.skip_corrupt ends early: its steps are not made up)
             epoch, skip = epoch + 1, 0
+        signals.drain()
         return self._end(step)
 
     def _begin(self, batch_size: int) -> int:
@@ -208,7 +209,9 @@ class Trainer:
         acc, model, optimizer = self.acc, self.model, self.optimizer
         x, y = self._inputs(batch)
         with acc.accumulate(model):
-            out = model((x, y), progress=step / self.total)
+            # a 0-d device tensor (a fill, no host copy), so a compiled step is one graph for every step
+            progress = torch.full((), step / self.total, dtype=torch.float64, device=self.acc.device)
+            out = model((x, y), progress=progress)
             self.finite.loss(out["loss"], step + 1)  # before it reaches the weights (lazy: flagged on the device)
             acc.backward(out["loss"])
             norm = None
