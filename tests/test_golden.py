@@ -332,7 +332,7 @@ ADDED_CONFIG = {
     "optim": {"optimizer": "adamw", "schedule": "cosine", "warmup_steps": None, "warmup_epochs": None,
               "start_lr": None, "warmup_mode": "linear", "final_lr": None, "step_every": None, "step_gamma": 0.5,
               "weight_decay_end": None},
-    "run": {"model_ema": None, "log_with": [], "log_project": "patchplace"},
+    "run": {"model_ema": None, "log_with": [], "log_project": "patchplace", "compile_scope": "blocks"},
     "finetune": {"pos_embed_init": "random"},
     "data": {"drop_last": True, "re_mode": "const", "re_count": 1, "crop_pct": 1.0, "repeated_aug": 1, "grayscale": 0.0,
              "gaussian_blur": 0.0, "color_jitter": 0.0, "mixup": 0.0, "cutmix": 0.0, "mixup_prob": 1.0,
@@ -340,9 +340,19 @@ ADDED_CONFIG = {
 }
 
 
+# Defaults changed after the reference to a value that trains as the reference's did on the CPU: current -> reference
+# (run.finite_check=auto is lazy on a GPU only).
+CHANGED_DEFAULTS = {"run": {"finite_check": ("auto", "step")}}
+
+
 def without_added_config(sections: dict) -> dict:
     """``sections`` ({section: {field: value}}: config.yaml, a recipe) without the :data:`ADDED_CONFIG` fields
-    that hold their reference-equivalent value."""
+    that hold their reference-equivalent value, and the :data:`CHANGED_DEFAULTS` as the reference wrote them."""
+    for section, changed in CHANGED_DEFAULTS.items():
+        values = sections.get(section) if isinstance(sections, dict) else None
+        for key, (current, reference) in changed.items():
+            if isinstance(values, dict) and values.get(key) == current:
+                values[key] = reference
     for section, defaults in ADDED_CONFIG.items():
         values = sections.get(section) if isinstance(sections, dict) else None
         for key, default in defaults.items():
@@ -352,10 +362,13 @@ def without_added_config(sections: dict) -> dict:
 
 
 def without_added_card_rows(text: str) -> str:
-    """A model card without the recipe table's rows of :data:`ADDED_CONFIG` fields at their default."""
+    """A model card without the recipe table's rows of :data:`ADDED_CONFIG` fields at their default, and its rows
+    of :data:`CHANGED_DEFAULTS` as the reference wrote them."""
     rows = {f"| {section}.{key} | {json.dumps(value)} |" for section, defaults in ADDED_CONFIG.items()
             for key, value in defaults.items()}
-    return "\n".join(line for line in text.split("\n") if line not in rows)
+    changed = {f"| {section}.{key} | {json.dumps(current)} |": f"| {section}.{key} | {json.dumps(reference)} |"
+               for section, fields in CHANGED_DEFAULTS.items() for key, (current, reference) in fields.items()}
+    return "\n".join(changed.get(line, line) for line in text.split("\n") if line not in rows)
 
 
 def objective_in_force(method, given):
