@@ -227,17 +227,18 @@ def test_finetune_and_evaluate_under_two_processes(shards, tmp_path):
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp_path):
-    """The ranks agree on the stop (a max over ranks at every step), so rank 1 does not wait in a collective while
-    rank 0 saves; the resumed 2-process run ends where an uninterrupted one does."""
+    """The ranks agree on the stop (a max over ranks, one step late so that no step waits for its own reduction),
+    so rank 1 does not wait in a collective while rank 0 saves: a SIGTERM during step 3 stops every rank after step
+    4; the resumed 2-process run ends where an uninterrupted one does."""
     out = tmp_path / "run"
     stopped = run(mp3_args(shards, out, steps=6), env={"TRACE_SIGTERM": "1:3"}, check=False, timeout=120)
-    assert stopped.returncode != 0 and "interrupted by SIGTERM at step 3" in stopped.stderr, stopped.stderr[-2000:]
+    assert stopped.returncode != 0 and "interrupted by SIGTERM at step 4" in stopped.stderr, stopped.stderr[-2000:]
     assert len([line for line in stopped.stderr.splitlines() if line.startswith("interrupted by SIGTERM")]) == 1, \
         "printed once, by the main process (the launcher's report after it quotes it per rank)"
     ends = traces(out)
     assert len(ends) == 2 and all(t["group_destroyed"] for t in ends), "a stop every rank meets leaves the group"
     trainer = json.loads((state_dir(out) / "trainer.json").read_text())
-    assert {k: trainer[k] for k in ("step", "world_size", "global_batch")} == {"step": 3, "world_size": 2,
+    assert {k: trainer[k] for k in ("step", "world_size", "global_batch")} == {"step": 4, "world_size": 2,
                                                                                 "global_batch": 16}
     assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {"random_states_0.pkl",
                                                                             "random_states_1.pkl"}
@@ -297,9 +298,9 @@ def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_pat
     for wrote, resumes in ((2, 1), (1, 2)):
         out = tmp_path / f"from{wrote}"
         args = ["method=mp3", *img(shards), *TINY, "optim.max_steps=4", f"run.output={out}"]
-        if wrote == 2:  # stopped as a user does, by SIGTERM (here to rank 0 during step 2)
+        if wrote == 2:  # stopped as a user does, by SIGTERM (here to rank 0 during step 2: agreed after step 3)
             stopped = run([TRACE, "pretrain", *args], env={"TRACE_SIGTERM": "0:2"}, check=False)
-            assert "interrupted by SIGTERM at step 2" in stopped.stderr, stopped.stderr[-2000:]
+            assert "interrupted by SIGTERM at step 3" in stopped.stderr, stopped.stderr[-2000:]
         else:
             with sigterm_at(2):
                 assert pretrain.main(args) == 143

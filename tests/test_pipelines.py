@@ -27,7 +27,10 @@ from patchplace.pipelines import (
     finetune,
     pretrain,
 )
-from patchplace.pipelines.sections import OptimSection
+from patchplace.pipelines.config import ConfigError
+from patchplace.pipelines.engine.budget import finite_mode
+from patchplace.pipelines.engine.optim import make_optimizer
+from patchplace.pipelines.sections import OptimSection, RunSection
 from patchplace.research import recipes
 from patchplace.research.reproduction import plan as study_plan
 
@@ -230,6 +233,23 @@ def test_compiled_blocks_and_the_fused_optimizer_train_to_the_same_losses_and_ch
     assert engine.make_optimizer(model, cfg, device=torch.device("cuda")).defaults["fused"]
     cfg.fused = True
     assert engine.make_optimizer(model, cfg, device=torch.device("cpu")).defaults["fused"]
+
+
+def test_the_finite_check_in_force_is_lazy_on_a_gpu_with_the_fused_adamw_only():
+    """run.finite_check=auto: no host sync per step where the lazy check is exact (a fused AdamW skips a flagged
+    step; fp16's scaler skips steps of its own), the per-step check elsewhere; lazy without a fused AdamW refused."""
+    model = torch.nn.Linear(2, 2)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    fused = make_optimizer(model, OptimSection(), device=cuda)
+    plain = make_optimizer(model, OptimSection(), device=cpu)
+    auto = RunSection()
+    assert auto.finite_check == "auto"
+    assert finite_mode(auto, fused, cuda) == "lazy" and finite_mode(auto, plain, cpu) == "step"
+    assert finite_mode(auto, fused, cpu) == "step"
+    assert finite_mode(RunSection(mixed_precision="fp16"), fused, cuda) == "step"
+    assert finite_mode(RunSection(finite_check="step"), fused, cuda) == "step"
+    with pytest.raises(ConfigError, match=r"optim\.fused=true"):
+        finite_mode(RunSection(finite_check="lazy"), plain, cpu)
 
 
 @pytest.mark.parametrize("method", method_names())
