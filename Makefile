@@ -19,7 +19,7 @@ CORPORA  := corpora
 # with its nvidia-* wheels); `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the CPU build
 TORCH_INDEX ?=
 
-.PHONY: help setup apt venv demo study study-v5 study-curves study-gpu gpu-carry gpu-ort-parts study-gpu-merge \
+.PHONY: help setup apt venv demo study study-v5 study-curves study-gpu \
         benchmark data test package-tests lint clean
 
 help:
@@ -28,8 +28,6 @@ help:
 	@echo "make study  the reproduction study v4 (results/study.md; resumable, reuses rows results/study.json holds whole: nothing left to run once it has them all; ~3.3 h from nothing on 2 CPU cores, docs/study.md)"
 	@echo "make study-v5  study v5's CPU rows in the pre-registered order (research/protocols/study_v5.yaml; results/study_v5.md; resumable; ~570 process-min, docs/study.md)"
 	@echo "make study-curves  the learning curves that chose the study's budget (merged into results/study.md)"
-	@echo "make gpu-carry / study-gpu-merge  the GPU study in sittings on a lent GPU (docs/study.md)"
-	@echo "make gpu-ort-parts  onnxruntime-gpu in parts (.ort/p0/, .ort/p1/, ...) for the lent GPU (docs/study.md)"
 	@echo "make study-gpu  the same study at a GPU budget, every ablation (results/study_gpu.md)"
 	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
@@ -113,46 +111,6 @@ study-curves: setup data
 STUDY_GPU_JOBS ?= 4
 study-gpu: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_GPU_JOBS) --config pipelines/configs/study_gpu.yaml
-
-# The GPU study in sittings (a lent GPU machine for a bounded stretch; research/gpu/gpu_sitting.sh): what a sitting
-# carries (.gpu/: the wheels the machine lacks, the Fashion-MNIST IDX files), and the report from every bundle
-# The lent machine's python3 (3.12) has torch, timm, scipy, scikit-image, numba, ...; these it lacks (same versions
-# as .venv; --no-deps: their other needs are there)
-GPU_WHEELS := webdataset braceexpand librosa audioread pooch soxr soundfile cffi pycparser decorator platformdirs \
-              imagecorruptions ruamel.yaml pydantic pydantic-core annotated-types typing-inspection
-gpu-carry: setup
-	mkdir -p .gpu/whl .gpu/fashion-mnist
-	cp /usr/share/datasets/fashion-mnist/*.gz .gpu/fashion-mnist/
-	for p in $(GPU_WHEELS); do \
-	  v=$$($(PY) -m pip show "$$p" | awk '/^Version/{print $$2}'); \
-	  $(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-	    --platform manylinux2014_x86_64 -d .gpu/whl "$$p==$$v"; done
-
-study-gpu-merge: setup
-	$(PY) pipelines/study.py --config pipelines/configs/study_gpu.yaml --merge --bundles results/study_gpu_bundles
-
-# ONNX Runtime on CUDA on the lent machine (research/gpu/gpu_onnx.sh): the onnxruntime-gpu wheel (~244 MiB) is larger than
-# a call carries (64 MiB), so it travels in parts of at most ORT_PART_MIB, one per call, each in its own directory
-# (.ort/p0/, .ort/p1/, ...; .ort/p0/MANIFEST.json: the wheel's and every part's sha256). Kept in .ort/download/ (never
-# carried); a wheel already in ORT_GPU_CACHE is reused. Nothing to do when the parts are there and intact.
-ORT_GPU_VERSION := 1.31.1
-ORT_GPU_WHEEL   := onnxruntime_gpu-$(ORT_GPU_VERSION)-cp312-cp312-manylinux_2_28_x86_64.whl
-ORT_PART_MIB    ?= 52
-ORT_GPU_CACHE   ?= /tmp/ortg
-gpu-ort-parts:
-	@if [ ! -f .ort/download/$(ORT_GPU_WHEEL) ] && \
-	  line=$$(python3 research/gpu/gpu_parts.py status --parts .ort --verify --strict --expect $(ORT_GPU_WHEEL)); then \
-	  echo "$$line: nothing to do"; exit 0; fi; \
-	mkdir -p .ort/download; \
-	if [ ! -f .ort/download/$(ORT_GPU_WHEEL) ]; then \
-	  if [ -f $(ORT_GPU_CACHE)/$(ORT_GPU_WHEEL) ] && \
-	    python3 -m zipfile -t $(ORT_GPU_CACHE)/$(ORT_GPU_WHEEL) >/dev/null; then \
-	    echo "reusing $(ORT_GPU_CACHE)/$(ORT_GPU_WHEEL)"; cp $(ORT_GPU_CACHE)/$(ORT_GPU_WHEEL) .ort/download/; \
-	  else \
-	    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	      --platform manylinux_2_28_x86_64 -d .ort/download onnxruntime-gpu==$(ORT_GPU_VERSION); fi; fi; \
-	python3 research/gpu/gpu_parts.py split .ort/download/$(ORT_GPU_WHEEL) --out .ort --max-mib $(ORT_PART_MIB)
 
 benchmark: setup data
 	$(PY) pipelines/benchmark.py --suite all --out results

@@ -1,12 +1,11 @@
 """Study v5's pre-registered protocol: the protocol file and its hash, the rows the report refuses, the
 CPU-model pairing rule, the PE-free position ceiling, regimes read on validation only, the doubling rule, one Holm
-family per question, the paper's effect on the log-odds scale, the one-sided label-efficiency proxy, the GPU plan and
-its wave sizing. Synthetic rows throughout; the end-to-end runs (a tiny schedule, a stand-in GPU wave) are slow."""
+family per question, the paper's effect on the log-odds scale, the one-sided label-efficiency proxy. Synthetic rows
+throughout; the end-to-end run (a tiny schedule) is slow."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
@@ -19,10 +18,8 @@ import yaml
 from patchplace.pipelines import config as pipeline_config
 from patchplace.research.reproduction import protocol as proto
 from patchplace.research.reproduction.claims import holm, label_items, protocol_items
-from patchplace.research.reproduction.gpu_plan import read_plan, status, step_done
 from patchplace.research.reproduction.plan import RUNS, StudyConfig
 from patchplace.research.reproduction.schedule import epochs_overrides, mismatch
-from patchplace.research.reproduction.waves import size_epochs
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOCOL = ROOT / "research" / "protocols" / "study_v5.yaml"
@@ -319,56 +316,15 @@ def test_the_doubling_rule_doubles_once_where_seed_0_is_below_on_validation():
         "not measured on validation: fails closed"
 
 
-# ------------------------------------------------------------------------------------------------------ the GPU
-def test_the_plan_starts_with_table2_and_every_command_fits_a_lent_call():
-    lines = read_plan()
-    assert [ln.command for ln in lines[:2]] == [
-        "bash research/gpu/gpu_evidence.sh table2", "bash research/gpu/gpu_evidence.sh speed:mp3"]
-    assert all(line.minutes <= 9 for line in lines) and [ln.command for ln in lines[2:7]] == [
-        f"bash research/gpu/gpu_evidence.sh position4px:{w}" for w in range(1, 6)]
-    steps = {s.partition(":")[0] for line in lines for s in line.steps}
-    assert steps <= {"table2", "speed", "profile", "position4px", "onnx-prepare"}
-    assert "position4px" in (ROOT / "research/gpu/gpu_evidence.sh").read_text()
-
-
-def test_the_plan_reads_what_is_done_from_results_and_names_the_first_line_not_done(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
-    assert not step_done("table2", results) and not step_done("speed:mp3", results)
-    table2 = [{"device": "cuda", "kernel": k, "name": "pretrain_step/supervised"} for k in ("sdpa", "math")]
-    (results / "benchmark_mp3_table2.json").write_text(json.dumps({"results": table2[:1]}))
-    assert not step_done("table2", results), "one kernel is not the step"
-    (results / "benchmark_mp3_table2.json").write_text(json.dumps({"results": table2}))
-    (results / "benchmark_speed.json").write_text(json.dumps({"results": [
-        {"name": "speed/mp3", "device": "cpu"}]}))
-    assert step_done("table2", results) and not step_done("speed:mp3", results), "a CPU row is not the GPU's"
-    (results / "benchmark_speed.json").write_text(json.dumps({"results": [{"name": "speed/mp3", "device": "cuda"}]}))
-    lines = status(results)
-    assert lines[0][1] and lines[1][1] and not lines[2][1] and lines[2][0].command.endswith("position4px:1")
-    # the committed results: the H200 table has both kernels; an H100 table without a kernel per row is not done
-    assert step_done("table2", ROOT / "results")
-    (results / "benchmark_mp3_table2.json").write_text((ROOT / "results/benchmark_mp3_table2_h100.json").read_text())
-    assert not step_done("table2", results)
-
-
-def test_the_wave_sizing_rule():
-    gpu = proto.load_protocol(PROTOCOL).data["gpu"]
-    # 5,000 images/s per process, 400 s left, 150 s for the evaluations: 0.85 x 5000 x 250 / 55,000 = 19.3
-    assert size_epochs(5000.0, 400.0, gpu, 55000) == 19.0
-    assert size_epochs(10.0, 400.0, gpu, 55000) == gpu["min_epochs"] == 0.5
-    assert size_epochs(5000.0, 100.0, gpu, 55000) == 0.5
-
-
 # ------------------------------------------------------------------------------------------------ end to end (slow)
-def tiny_protocol(repo: Path, processes: int = 2, **gpu: float) -> Path:
-    """The v5 protocol at a toy budget (holdout 24, MP3 rows only, seeds 0-1, 0.25 epoch; ``gpu`` fields over
-    its GPU section), committed in ``repo``."""
+def tiny_protocol(repo: Path) -> Path:
+    """The v5 protocol at a toy budget (holdout 24, MP3 rows only, seeds 0-1, 0.25 epoch), committed in
+    ``repo``."""
     data = yaml.safe_load(PROTOCOL.read_text())
     data["data"]["holdout"] = 24
     data["seeds"] = {"position": [0, 1], "classifiers": [0], "speech": [0]}
     data["epochs"]["mp3"]["pretrain"] = 0.25
     data["doubling"]["groups"] = ["mp3"]
-    data["gpu"].update(rate_seconds=2, eval_reserve_seconds=5, processes=processes, **gpu)
     path = repo / "protocol.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     _git(repo, "init", "-q")
@@ -421,74 +377,3 @@ def test_the_schedule_runs_seed_0_doubles_on_validation_and_the_report_refuses_o
     assert study.main(["--config", config, *args, "--report-only"]) == 0
     refused = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[study] refused: ")]
     assert len(refused) == 2 and all("ran under protocol hash" in line for line in refused)
-
-
-@pytest.mark.slow
-def test_a_stand_in_gpu_wave_sizes_once_writes_each_bundle_at_once_and_merges(shards, tmp_path, capsys, monkeypatch):
-    from patchplace.research import study
-    from patchplace.research.reproduction import waves
-
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    # a safety share so small that the sizing gives the floor (0.5 epoch) on any machine, and a command long
-    # enough for the four units on a loaded one: the units finish, whatever this machine's speed
-    protocol = tiny_protocol(repo, safety=1e-6)
-    monkeypatch.setenv("PATCHPLACE_GPU_STANDIN", "1")
-    config = str(ROOT / "pipelines/configs/study_v5_gpu4px.yaml")
-    bundles, out = tmp_path / "bundles", tmp_path / "out"
-    args = ["--config", config, "--wave", "1", "--bundles", str(bundles), "--out", str(out), "--seconds", "1200",
-            *tiny(shards, tmp_path, protocol)]
-    assert waves.main(args) == 0
-    sized = json.loads((bundles / waves.SIZING).read_text())
-    assert sized["rate"]["processes"] == 2 and sized["rate"]["images_per_s"] > 0 and sized["epochs"] == 0.5
-    written = sorted(p.name for p in bundles.glob("*.seed0.json"))
-    assert written == sorted(p.name for p in out.glob("*.seed0.json")) == [
-        "droppos.droppos_sigma0.seed0.json", "main.droppos.seed0.json", "mp3_eta.mp3_eta0.75.seed0.json",
-        "mp3_eta.mp3_eta0.seed0.json"]
-    bundle = json.loads((bundles / "main.droppos.seed0.json").read_text())
-    row = bundle["rows"]["droppos"][0]
-    assert row["pretrain_epochs"] == sized["epochs"] and "position_accuracy" in row["validation"]
-    assert row["provenance"]["starts"][0]["protocol_sha256"] == proto.sha256_of(protocol)
-    assert set(sized["stop"]["mp3"]["below"]) == {"mp3_eta0", "mp3_eta0.75"}, "the stopping rule, after wave 1"
-    capsys.readouterr()
-    assert waves.main(args) == 0 and "nothing pending" in capsys.readouterr().out  # sized once, wave 1 done
-    assert json.loads((bundles / waves.SIZING).read_text())["epochs"] == sized["epochs"]
-    assert study.main(["--config", config, "--merge", "--bundles", str(bundles), *tiny(shards, tmp_path, protocol),
-                       "precision=no"]) == 0
-    report = (tmp_path / "results" / "study_v5_gpu4px.md").read_text()
-    assert "Rows counted: 4; refused: 0" in report and "`all_patches@4`" in report
-
-
-def test_a_wave_kills_the_units_still_running_at_its_end_and_keeps_no_failed_one(tmp_path):
-    """``run_wave``'s clock: a unit that fails is neither finished nor pending; one still running when the
-    command's seconds are spent is killed (its process gone) and stays pending."""
-    from types import SimpleNamespace
-
-    from patchplace.research.reproduction import waves
-
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    code = (f"import os, sys, time; open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close(); "
-            "sys.exit(3) if 'fail' in sys.argv else time.sleep(120)")
-    units = [SimpleNamespace(groups=["main"], seed=0, only=[row], overrides=lambda row=row: [row])
-             for row in ("fail", "slow")]
-    finished, cut = waves.run_wave(None, units, [sys.executable, "-c", code], tmp_path / "bundles", None, 4.0, [])
-    assert (finished, cut) == ([], ["main.slow.seed0"])
-    assert len(list(pids.iterdir())) == 2, "both units started"
-    for pid in (int(p.name) for p in pids.iterdir()):
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-    assert not (tmp_path / "bundles").exists() or not list((tmp_path / "bundles").iterdir())
-
-
-@pytest.mark.parametrize("main", ["waves", "gpu_plan"])
-def test_the_new_commands_help_in_100_columns_and_write_nothing(main, tmp_path, monkeypatch, capsys):
-    from patchplace.research.reproduction import gpu_plan, waves
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("COLUMNS", "250")
-    with pytest.raises(SystemExit) as exit_:
-        {"waves": waves.main, "gpu_plan": gpu_plan.main}[main](["--help"])
-    out = capsys.readouterr().out
-    assert exit_.value.code in (0, None) and max(len(line) for line in out.splitlines()) <= 100
-    assert list(tmp_path.iterdir()) == []

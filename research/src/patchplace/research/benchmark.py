@@ -2,19 +2,22 @@
 
     python pipelines/benchmark.py --suite all                  # everything, laptop sizes -> results/benchmark.*
     python pipelines/benchmark.py --suite objectives --preset vit_small --img-size 224 --batch 8 --repeats 3
+    python pipelines/benchmark.py --suite gpu                  # any CUDA machine -> results/benchmark_gpu.*
 
 Writes ``<out>/benchmark.json`` (``meta``: hardware, torch / ONNX Runtime versions, the fp32 matmul peak, seconds per
 part; ``results``: one row per measurement) and ``<out>/benchmark.md`` (one table per part, each headed by the
 hardware line); ``--suite all`` also draws ``<out>/benchmark_objectives.png``. ``--out`` defaults to ``results``
-for ``all`` and ``runs/benchmark`` otherwise. Suites:
+for ``all`` and ``gpu``, ``runs/benchmark`` otherwise. Suites:
 
   matmul      fp32 GEMM GFLOP/s of a large square matmul (torch threads as configured): the machine's peak, the
               denominator of every "fraction of peak" below.
   objectives  pretraining step (forward + backward + AdamW, EMA update where there is one) of every objective on
               backbone --preset, relative to the supervised step of the same run (rotated round-robin), beside its
-              FLOP ratio counted from the shapes; training samples/s; achieved GFLOP/s (FLOPs from the shapes x
-              batch / step time) and its fraction of the matmul peak; memory of each objective measured in a fresh
-              process (peak RSS, the part of it the steps added, and CUDA max_memory_allocated on a GPU).
+              FLOP ratio (FLOPs counted on the step: torch's FlopCounterMode); training samples/s; achieved
+              GFLOP/s (FLOPs / step time) and its fraction of the matmul peak; ATen ops and host syncs of one
+              step (forward, backward, EMA update: patchplace.objectives.audit.count_step); memory of each
+              objective measured in a fresh process (peak RSS, the part of it the steps added, and CUDA
+              max_memory_allocated on a GPU).
               Decoders / predictors: the study configs' sizes (--widths study: 128 x 2, predictor 96 x 4) for the
               32 px presets, the papers' defaults (--widths paper) otherwise. --compile NAME adds NAME+compile
               (torch.compile) rows.
@@ -48,13 +51,22 @@ for ``all`` and ``runs/benchmark`` otherwise. Suites:
               and end_to_end_ratio = path / pure step, alternated --pipelines-repeats times (medians); startup
               (reading, workers, first step) apart. Needs the shards.
   mp3_table2  MP3 Table 2 on a GPU: ViT-B/16 at 224 px (--preset / --img-size to change), --amp bf16, MP3 at
-              --mp3-etas (0.3 0.5 0.75 0.9), MAE at --mae-ratios (0.5 0.75 0.9) and --table2-others (DropPos,
-              I-JEPA, StoP, RandSAC, MJP; paper widths) against the supervised ViT-B step, once per attention
-              kernel of --kernels (sdpa: fused; math: the materialised softmax of the paper's time): time and peak
-              CUDA memory as ratios to supervised beside the FLOP ratio, time / FLOP ratio (whether it is within
-              10% of 1) and the paper's ratios (one A100). Writes <out>/benchmark_mp3_table2.{json,md} and
-              splices its tables into <out>/benchmark.md as the "GPU" section (kept when --suite all rewrites
-              that file).
+              --mp3-etas (0.3 0.5 0.75 0.9) and MAE at --mae-ratios (0.5 0.75 0.9) against the supervised ViT-B
+              step, once per attention kernel of --kernels (sdpa: fused; math: the materialised softmax of the
+              paper's time): time and peak CUDA memory as ratios to supervised beside the FLOP ratio, time / FLOP
+              ratio (whether it is within 10% of 1) and the paper's ratios (one A100). Writes
+              <out>/benchmark_mp3_table2.{json,md} and splices its tables into <out>/benchmark.md as the "GPU"
+              section (kept when --suite all rewrites that file).
+  gpu         every registered objective's step on any CUDA machine (supervised, MP3 at eta 0.75, MAE, DropPos,
+              I-JEPA, StoP, RandSAC, MJP): ViT-B/16 at 224 px, batch 128 (--batch), bf16 autocast, eager and
+              torch.compile'd (--gpu-modes), each row in a process of its own: step time, GPU busy time per step
+              (torch.profiler: a launch-bound step is busy a small share of its wall time), peak CUDA memory,
+              FLOPs counted on the step, achieved TFLOP/s and its fraction of the bf16 matmul peak, ATen ops /
+              host syncs / host copies of one eager step, compile time, graph breaks and recompiles; ratios to the
+              supervised step of the same mode beside the FLOP ratio and MP3 Table 2's. Within --gpu-budget
+              seconds (540; rows past it are skipped with a note), each row written to
+              <out>/benchmark_gpu.json (default out: results) as it lands; a second call keeps the rows there
+              and measures the rest. Without CUDA: one line, exit 2.
   saved_bytes MP3 Table 2's memory column on any machine: activation bytes saved for backward per sample
               (saved-tensor hooks, GPU autocast dtypes) of MP3 at --mp3-etas vs the supervised step, ViT-B/16 at
               224 px (--preset), with each attention kernel (--kernels sdpa math). Writes
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pipelines_preset = args.pipelines_preset or STUDY["preset"]
     if args.pipelines_batch is None:
         args.pipelines_batch = STUDY["batch"] if study or args.suite in ("ddp", "anchor") else 64
-    out = args.out or Path("results" if args.suite == "all" else "runs/benchmark")
+    out = args.out or Path("results" if args.suite in ("all", "gpu") else "runs/benchmark")
     state: dict[str, Any] = {}
     start = time.perf_counter()
     rows = SUITES[args.suite](args, state)
@@ -185,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     out.mkdir(parents=True, exist_ok=True)
-    own_file = ("mp3_table2", "ddp", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence",
+    own_file = ("mp3_table2", "gpu", "ddp", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence",
                 "profile")  # suites with a file of their own
     stem = f"benchmark_{args.suite}" if args.suite in own_file else "benchmark"
     if args.update and args.suite != "all" and (args.suite not in own_file or args.suite in ("speed", "cpu_speed")):

@@ -4,8 +4,8 @@ accelerate) only once its arguments parse. Each command module reads its argumen
 description is its own docstring, read from its source.
 
     python pipelines/study.py | controls.py | benchmark.py ...       (the scripts: ``main("study")`` ...)
-    python -m patchplace.research.study | controls | benchmark | reproduction.waves ...   (an early ``__main__``
-                                                                     guard in the module hands over to ``main``)
+    python -m patchplace.research.study | controls | benchmark ...   (an early ``__main__`` guard in the module
+                                                                     hands over to ``main``)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from patchplace.pipelines.sections import DataSection, ModelSection, RunSection
 # patchplace.finetune's PROBE_FEATURES (it imports torch); tests/test_help_without_torch.py holds the two equal
 PROBE_FEATURES = ("cls", "mean", "patch_mean")
 MODULES = {"study": "patchplace.research.study", "controls": "patchplace.research.controls",
-           "benchmark": "patchplace.research.benchmark", "waves": "patchplace.research.reproduction.waves"}
+           "benchmark": "patchplace.research.benchmark"}
 
 
 # ---------------------------------------------------------------------------------------------- controls
@@ -99,29 +99,7 @@ def study_parser(argv: list[str]) -> argparse.ArgumentParser:
     p.add_argument("--no-report", action="store_true",
                    help="run the stages only, write no report (--jobs gives each unit's process this: the "
                         "report is written once, when every unit has finished)")
-    p.add_argument("--sitting", type=float, metavar="MIN",
-                   help="run the pending units that fit MIN minutes, a bundle per finished unit in --bundles "
-                        "(a lent GPU's bounded stretch; see reproduction/sittings.py)")
-    p.add_argument("--bundles", help="the sittings' bundles (e.g. results/study_gpu_bundles)")
-    p.add_argument("--bundles-out", help="--sitting: also write each bundle here (e.g. $OUT of a lent machine)")
-    p.add_argument("--max-units", type=int, help="--sitting: stop after this many finished units")
-    p.add_argument("--merge", action="store_true",
-                   help="rebuild results/<name>.{json,md} from every bundle in --bundles, list what is pending")
     p.add_argument("overrides", nargs="*", help="field=value, e.g. seeds=[0,1,2] groups=[main]")
-    return p
-
-
-# ---------------------------------------------------------------------------------------------- waves
-def waves_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The GPU waves' options (:mod:`patchplace.research.reproduction.waves`)."""
-    p = argparse.ArgumentParser(description=description(MODULES["waves"]), formatter_class=HelpFormatter)
-    p.add_argument("--config", required=True, help="the GPU rows' study config (study_v5_gpu4px.yaml)")
-    p.add_argument("--wave", type=int, required=True, help="run the first pending wave up to this one (1: seed 0)")
-    p.add_argument("--bundles", required=True, help="the bundles (and sizing.json) so far, e.g. results/..._bundles")
-    p.add_argument("--out", help="also write each bundle and sizing.json here ($OUT of a lent machine)")
-    p.add_argument("--seconds", type=float, default=500, help="this command's time, start-up and the rate included")
-    p.add_argument("--standin", action="store_true", help="rehearse on the CPU (also PATCHPLACE_GPU_STANDIN=1)")
-    p.add_argument("overrides", nargs="*", help="study config field=value (e.g. tiny data for a rehearsal)")
     return p
 
 
@@ -132,7 +110,7 @@ def benchmark_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return build_parser()
 
 
-PARSERS = {"study": study_parser, "controls": controls_parser, "benchmark": benchmark_parser, "waves": waves_parser}
+PARSERS = {"study": study_parser, "controls": controls_parser, "benchmark": benchmark_parser}
 
 
 def main(command: str, argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ if __name__ == "__main__":  # `python -m patchplace.research.study`, before the 
 import argparse
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,17 +44,104 @@ from patchplace.pipelines.config import ConfigError, load
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.stages import StageError
 from patchplace.research.cli import study_parser
-from patchplace.research.reproduction.plan import StudyConfig
+from patchplace.research.reproduction.metrics import measured_before
+from patchplace.research.reproduction.plan import (
+    CONTROLS,
+    StudyConfig,
+    group_seeds,
+    measures_controls,
+    run_seeds,
+    runs_of,
+)
 from patchplace.research.reproduction.protocol import ProtocolError, load_protocol
 from patchplace.research.reproduction.report import report
 from patchplace.research.reproduction.runner import Study
 from patchplace.research.reproduction.schedule import run_protocol, with_decisions
-from patchplace.research.reproduction.units import Unit, reused, row_units, seeds_of_group, study_units, with_curves
 
 __all__ = ["Unit", "main", "reused", "row_units", "run_jobs", "seeds_of_group", "study_units", "with_curves"]
 
 # The study in modules (reproduction/): plan (budget knobs, groups, runs), runner (the stages), metrics (the
-# numbers), claims (the verdicts), report (tables, figures, results files); this file: the command line.
+# numbers), claims (the verdicts), report (tables, figures, results files); this file: the command line and the
+# units its --jobs processes share.
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What one study process of ``--jobs`` runs: groups together on one seed (mp3_pe rides with main: it
+    fine-tunes main's MP3); a learning curve is a unit of its own, and with ``unit_per_row`` every row (``only``:
+    the unit's rows, or ``controls``). In the config's priority order."""
+
+    groups: tuple[str, ...]
+    seed: int
+    only: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{'+'.join(self.groups)}{' ' + ','.join(self.only) if self.only else ''} seed {self.seed}"
+
+    def overrides(self) -> list[str]:
+        return [f"groups=[{','.join(self.groups)}]", f"only_seeds=[{self.seed}]",
+                *([f"only=[{','.join(self.only)}]"] if self.only else [])]
+
+
+def study_units(cfg: StudyConfig) -> list[Unit]:
+    """Every (groups, seed) unit once, in the priority order of ``cfg.groups``, then by seed; one unit per
+    learning curve. ``unit_per_row``: every (row, seed) instead (:func:`row_units`)."""
+    if cfg.unit_per_row:
+        return with_curves(cfg, row_units(cfg))
+    units: dict[tuple[str, int], list[str]] = {}
+    for group in cfg.groups:
+        if group == "curves":
+            continue
+        for seed in seeds_of_group(cfg, group):
+            host = ("main", seed) if group == "mp3_pe" and ("main", seed) in units else (group, seed)
+            units.setdefault(host, []).append(group)
+    return with_curves(cfg, [Unit(tuple(groups), seed) for (_, seed), groups in units.items()])
+
+
+def reused(cfg: StudyConfig) -> set[tuple[str, int]]:
+    """``reuse_results``: the (row, seed)s results/<name>.json holds whole at this budget, not run again."""
+    return measured_before(Study(cfg)) if cfg.reuse_results else set()
+
+
+def seeds_of_group(cfg: StudyConfig, group: str) -> list[int]:
+    """Every seed a row of ``group`` runs (its group's seeds and the rows' ``row_seeds``), ascending."""
+    return sorted({*group_seeds(cfg, group), *(s for run in runs_of((group,), cfg.only, cfg.skip)
+                                                for s in run_seeds(cfg, run))})
+
+
+def row_units(cfg: StudyConfig) -> list[Unit]:
+    """One unit per (row, seed) of the groups (``only`` / ``skip`` applied), in the order of the groups, then the
+    seed, then the group's rows. A row that fine-tunes another row's pretraining (``pretrain_from``: MP3 Table 3's
+    fine-tunes of main's MP3) joins that row's unit of its seed, or shares one with its siblings where that row
+    has no unit (a fresh run directory per unit: apart, each would pretrain again); main's probe controls (all
+    seeds at once) are a unit of their own on the first main seed, ahead of its rows."""
+    units: dict[tuple[str, int], tuple[list[str], list[str]]] = {}  # (host row, seed) -> (groups, rows)
+    for group in cfg.groups:
+        if group == "curves":
+            continue
+        for seed in seeds_of_group(cfg, group):
+            if group == "main" and seed == cfg.seeds[0] and cfg.controls and measures_controls(("main",), cfg.only):
+                units[(CONTROLS, seed)] = (["main"], [CONTROLS])
+            for run in runs_of((group,), cfg.only, cfg.skip):
+                if (run.name == "speech_null" and not cfg.speech_null) or seed not in run_seeds(cfg, run):
+                    continue
+                groups, rows = units.setdefault((run.pretrain_from or run.name, seed), ([], []))
+                groups += [] if group in groups else [group]
+                rows.append(run.name)
+    done = reused(cfg)
+    return [Unit(tuple(sorted(groups, key=cfg.groups.index)), seed, tuple(rows))
+            for (_, seed), (groups, rows) in units.items() if not all((row, seed) in done for row in rows)]
+
+
+def with_curves(cfg: StudyConfig, ordered: list[Unit]) -> list[Unit]:
+    """``ordered`` with a unit per learning curve (``only``: its row) where the groups put the curves."""
+    if "curves" not in cfg.groups or not cfg.curve_epochs:
+        return ordered
+    curves = [Unit(("curves",), cfg.curve_seed, (name,)) for name in cfg.curve_rows]
+    at = cfg.groups.index("curves")
+    before = sum(1 for u in ordered if cfg.groups.index(u.groups[0]) < at)
+    return ordered[:before] + curves + ordered[before:]
+
 
 
 def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int] | None = None) -> int:
@@ -99,43 +187,6 @@ def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int
     return 0
 
 
-def sittings_main(args: argparse.Namespace, cfg: StudyConfig) -> int:
-    """--sitting: the pending units that fit, a bundle each; --merge: the report of every bundle. A file in --bundles
-    that is not a whole bundle of this config at its budget is one line (``reproduction.sittings``) and its unit
-    pending: measured again by a sitting, listed by --merge."""
-    import tempfile
-    from dataclasses import replace
-
-    from patchplace.data.atomic import write_json_atomic
-    from patchplace.research.reproduction.sittings import merged_study, pending_units, run_sitting, unit_id
-
-    if not args.bundles:
-        print("error: --sitting / --merge need --bundles DIR (where the sittings' bundles are kept)", file=sys.stderr)
-        return 2
-    from patchplace.research.reproduction.waves import with_sizing
-
-    cfg = with_sizing(cfg, Path(args.bundles))  # the GPU waves' epochs, where they sized them
-    bundles, units = Path(args.bundles), study_units(cfg)
-    merge_only = args.merge and args.sitting is None
-    if (bundles.exists() and not bundles.is_dir()) or (merge_only and not bundles.is_dir()):
-        print(f"error: --bundles {bundles} is {'a file' if bundles.exists() else 'not there'}: give the directory "
-              "the sittings' bundles are kept in", file=sys.stderr)
-        return 2
-    if args.sitting is not None:
-        command = [sys.executable, __file__, *(["--config", args.config] if args.config else []), *args.overrides]
-        run_sitting(cfg, units, command, bundles, args.sitting, Path(args.bundles_out) if args.bundles_out else None,
-                    args.max_units)
-    if args.merge:
-        ids = [unit_id(u.groups, u.seed, u.only) for u in units]
-        write_json_atomic(Path(cfg.results) / f"{cfg.name}.json", merged_study(cfg, bundles, ids))
-        with tempfile.TemporaryDirectory() as empty:  # every row from the bundles, none from a runs/ here
-            report(replace(cfg, runs=empty), ["--report-only"])
-        pending = pending_units(units, bundles, cfg)
-        print(f"[study] {cfg.results}/{cfg.name}.md from {len(units) - len(pending)} of {len(units)} units; pending: "
-              f"{', '.join(pending) or 'none'}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = study_parser(argv).parse_args(argv)  # (research/cli.py: the options, --help without torch)
@@ -153,13 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         except ProtocolError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    if not args.report_only and not args.merge:
+    if not args.report_only:
         print(f"[study] {precision_line(resolve_precision(cfg.precision))}" if cfg.precision == "auto" else
               f"[study] precision={cfg.precision} (forced)", flush=True)
-    if args.sitting is not None or args.merge:
-        return sittings_main(args, cfg)
-    # the protocol's order (schedule.py); a process given its unit's only_seeds (a job, a sitting's unit) runs just
-    # that unit's stages
+    # the protocol's order (schedule.py); a process given its unit's only_seeds (a job's unit) runs just that
+    # unit's stages
     if cfg.protocol and not args.report_only and not args.no_report and not cfg.only_seeds:
         code = run_protocol(args, cfg, run_jobs)
         if code != 0:

@@ -6,13 +6,15 @@
                   context-only attention block)
     steps.py      what a pretraining step costs: the objectives at the study's / the papers' widths, step times,
                   memory in a fresh process, saved activation bytes, mask-generator times
-    flops.py      the FLOP model: FLOPs of a training step per sample, counted from the shapes
+    flops.py      FLOPs of a training step, counted on the step (FlopCounterMode); one block's closed form
     data.py       data (shard reads, batched augmentation, MFCC) and the loader vs training consumption
     onnx.py       onnx: PyTorch eager vs ONNX Runtime inference
     pipelines.py  pipelines (end-to-end pretrain.py per data path against the pure step), ddp (1 vs 2 processes),
                   anchor (finetune.py vs a plain timm loop): the suites that run the entry points
-    mp3.py        mp3_table2 (MP3 Table 2 and every objective's step on a GPU, both attention kernels) and
-                  saved_bytes (its memory column on any machine)
+    mp3.py        mp3_table2 (MP3 Table 2 on a GPU, both attention kernels), saved_bytes (its memory column on
+                  any machine) and the paper's ratios
+    gpu.py        gpu: every objective's step on a CUDA machine, eager and compiled, a process per row (busy
+                  time, peak memory, TFLOP/s vs the bf16 peak), bounded and resumable
     speed.py      speed: the study ViT's images/s per method up a ladder of GPU settings (fused AdamW, batch,
                   compiled blocks, processes sharing the device), through pretrain.py / finetune.py
     profile.py    profile: torch.profiler's top operators per training step and the share outside compute

@@ -45,13 +45,13 @@ def mfcc_throughput(*, batch_size: int = 64, batches: int = 20, seconds_per_clip
     if threads is not None:
         torch.set_num_threads(threads)
     frontend = MFCC().eval()
-    waves = torch.randn(batch_size, int(16000 * seconds_per_clip)) * 0.1
+    signals = torch.randn(batch_size, int(16000 * seconds_per_clip)) * 0.1
     with torch.inference_mode():
         for _ in range(3):
-            frontend(waves)
+            frontend(signals)
         start = time.perf_counter()
         for _ in range(batches):
-            frontend(waves)
+            frontend(signals)
         seconds = time.perf_counter() - start
     clips = batch_size * batches
     return {"name": "mfcc_frontend", "clips": clips, "seconds": round(seconds, 3),

@@ -1,17 +1,17 @@
-"""The benchmarks' FLOP model: the matmul FLOPs of a training step, counted from the shapes (projections,
-attention and MLPs; a training step = 3x the forward FLOPs of everything that gets gradients, 1x for no-grad passes
-such as DropPos's full-image reference forward and I-JEPA's target encoder). FLOPs per sample x samples/s is the
-achieved FLOP/s the suites report beside the matmul peak."""
+"""The benchmarks' FLOPs: counted on the real training step by ``torch.utils.flop_counter.FlopCounterMode`` (the
+matrix products, convolutions and attention kernels its forward and autograd's backward dispatch; everything else
+is not counted), so every objective, registered now or later, is counted by what it runs: masks drawn, no-grad
+passes (DropPos's full-image reference, I-JEPA's target encoder) at 1x, a patch embedding whose input needs no
+gradient at 2x. FLOPs per sample x samples/s is the achieved FLOP/s the suites report beside the matmul peak.
+:func:`block_flops` is the closed form of one block, the models suite's FLOP ratio and the tests' reference."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from patchplace.models import Backbone
-from patchplace.objectives import IJEPA, MAE, MJP, MP3, DropPos, RandSAC, Supervised
-from patchplace.objectives.block_masks import multiblock_masks
-from patchplace.objectives.common import num_kept
+aten = torch.ops.aten
 
 
 def block_flops(num_tokens: int, num_keys: int, dim: int, mlp_ratio: float = 4.0) -> int:
@@ -28,61 +28,58 @@ def unwrap(objective: nn.Module) -> nn.Module:
     return getattr(objective, "_orig_mod", objective)  # torch.compile's OptimizedModule
 
 
-def encoder_flops(backbone: Backbone, tokens: int, keys: int | None = None) -> int:
-    c = backbone.config
-    patch = 2 * backbone.num_patches * (c.patch_size**2 * c.in_chans) * c.embed_dim
-    return patch + c.depth * block_flops(tokens, tokens if keys is None else keys, c.embed_dim, c.mlp_ratio)
+def _cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
 
 
-def decoder_flops(in_dim: int, dim: int, depth: int, tokens: int, out: int) -> int:
-    return 2 * tokens * in_dim * dim + depth * block_flops(tokens, tokens, dim) + 2 * tokens * dim * out
+def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# the CPU's fused attention, which FlopCounterMode does not count (it counts the CUDA kernels)
+CPU_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward}
+
+
+def example_batch(objective: nn.Module, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random images of the objective's backbone shape and labels of its classes, on its device."""
+    obj = unwrap(objective)
+    c = obj.backbone.config
+    device = next(obj.parameters()).device
+    g = torch.Generator(device=device).manual_seed(0)
+    images = torch.randn(batch, c.in_chans, c.img_size, c.img_size, device=device, generator=g)
+    return images, torch.randint(0, max(c.num_classes, 2), (batch,), device=device, generator=g)
+
+
+def step_flops(objective: nn.Module, data: tuple[torch.Tensor, ...], *, amp: torch.dtype | None = None,
+               progress: float = 0.5, seed: int = 0) -> int:
+    """FLOPs of one forward + backward of ``objective`` on ``data`` (the whole batch), counted as it runs. The RNG
+    is forked (the masks of this count are drawn from ``seed``, the caller's streams are left as they were) and the
+    gradients it leaves are dropped."""
+    obj = unwrap(objective)
+    device = data[0].device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        counter = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION)
+        autocast = torch.autocast(device.type, dtype=amp, enabled=amp is not None)
+        with counter:
+            with autocast:
+                loss = obj(data, progress=progress)["loss"]
+            loss.backward()
+    for p in obj.parameters():
+        p.grad = None
+    return int(counter.get_total_flops())
 
 
 def train_flops(objective: nn.Module, batch: int = 64) -> int:
-    """FLOPs of one training step of ``objective`` per sample (the module docstring gives the model). I-JEPA's
-    context and target sizes vary with the masks: they are averaged over 16 draws of ``batch`` samples."""
-    objective = unwrap(objective)
-    bb = objective.backbone if hasattr(objective, "backbone") else objective
-    n, d = bb.num_patches, bb.embed_dim
-    if isinstance(objective, (Supervised, MJP)):
-        flops = 3 * (encoder_flops(bb, n + 1) + 2 * d * bb.config.num_classes)
-        if isinstance(objective, MJP):  # + the DAL regressor on the N PE-table rows (mlp: D -> D -> D -> 2)
-            flops += 3 * 2 * n * (2 * d * d + 2 * d)
-        return flops
-    if isinstance(objective, MP3):  # the class token (if any) is a query and always a key (§3.1), no target
-        m, prefix = num_kept(n, objective.config.eta), bb.num_prefix_tokens
-        return 3 * (encoder_flops(bb, n + prefix, m + prefix) + 2 * n * d * n)
-    if isinstance(objective, MAE):
-        c, k = objective.config, num_kept(n, objective.config.mask_ratio)
-        out = bb.config.patch_size**2 * bb.config.in_chans
-        return 3 * (encoder_flops(bb, k + 1) + decoder_flops(d, c.decoder_dim, c.decoder_depth, n + 1, out))
-    if isinstance(objective, DropPos):
-        c, k = objective.config, num_kept(n, objective.config.mask_ratio)
-        grad = encoder_flops(bb, k + 1) + decoder_flops(d, c.decoder_dim, c.decoder_depth, k + 1, n)
-        reference = 0 if c.tau == float("inf") else encoder_flops(bb, n + 1)
-        return 3 * grad + reference
-    if isinstance(objective, IJEPA):
-        c, gen, total = objective.config, torch.Generator().manual_seed(0), 0
-        for _ in range(16):  # the batched generator: every I-JEPA variant counts the same draws
-            masks = multiblock_masks(batch, bb.grid, num_targets=c.num_targets, target_scale=c.target_scale,
-                                     target_aspect=c.target_aspect, context_scale=c.context_scale,
-                                     min_keep=c.min_keep, generator=gen)
-            k, t = masks.context.shape[1], masks.targets.shape[2]
-            predictor = c.num_targets * decoder_flops(d, c.predictor_dim, c.predictor_depth, k + t, 0)
-            predictor += c.num_targets * 2 * t * c.predictor_dim * d
-            total += 3 * (encoder_flops(bb, k) + predictor) + encoder_flops(bb, n)  # + no-grad target encoder
-        return total // 16
-    if isinstance(objective, RandSAC):
-        c, out = objective.config, bb.config.patch_size**2 * bb.config.in_chans
-        dd = c.decoder_dim
-        cross = 2 * n * dd * dd * 2 + 2 * n * dd * dd * 2 + 2 * n * n * dd * 2  # Q + out, K + V, attention
-        layer = block_flops(n, n, dd, c.decoder_mlp_ratio) + cross + 2 * n * d * dd  # + memory projection
-        return 3 * (encoder_flops(bb, n) + c.decoder_depth * layer + 2 * n * dd * out)
-    raise TypeError(f"no FLOP model for {type(objective).__name__}")
+    """FLOPs of one training step of ``objective`` per sample: :func:`step_flops` on a random batch of ``batch``
+    (the optimizer's and an EMA update's elementwise work is not counted)."""
+    return step_flops(objective, example_batch(objective, batch)) // batch
 
 
 def train_flops_or_none(objective: nn.Module, batch: int) -> int | None:
+    """:func:`train_flops`, None where the objective cannot run a step on a random batch (e.g. it needs audio)."""
     try:
         return train_flops(objective, batch)
-    except TypeError:  # a method without a FLOP model: timed, its FLOP columns left empty
+    except (AttributeError, RuntimeError, ValueError):
         return None

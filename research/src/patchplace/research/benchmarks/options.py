@@ -16,13 +16,11 @@ from patchplace.pipelines.sections import ATTENTION_KERNELS
 
 STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pipelines/configs/study_fashion_mnist.yaml
 # benchmarks/suites.py's SUITES, in its order
-SUITES = ("matmul", "objectives", "masks", "data", "models", "onnx", "pipelines", "mp3_table2", "ddp", "anchor",
-          "saved_bytes", "speed", "cpu_speed", "cpu_equivalence", "profile", "data_writer", "loader_vs_step",
-          "probe_memory", "all")
+SUITES = ("matmul", "objectives", "masks", "data", "models", "onnx", "pipelines", "mp3_table2", "gpu", "ddp",
+          "anchor", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence", "profile", "data_writer",
+          "loader_vs_step", "probe_memory", "all")
 # the registered image methods (their registrations read without importing torch: objective_fields)
 IMAGE_METHODS = tuple(name for name, m in methods().items() if m.facts["modality"] == "image")
-# the methods MP3 Table 2 times beside MP3 and MAE (mp3_table2)
-TABLE2_OTHERS = tuple(name for name in IMAGE_METHODS if name not in ("supervised", "mp3", "mae"))
 # the speed ladders' methods: those with a Fashion-MNIST config, then the supervised fine-tuning
 SPEED_METHODS = (*(name for name in IMAGE_METHODS if (CONFIGS / f"{name}_fashion_mnist.yaml").is_file()), "finetune")
 
@@ -81,11 +79,23 @@ def _objectives_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels", nargs="+", choices=list(ATTENTION_KERNELS), default=list(ATTENTION_KERNELS),
                    help="saved_bytes / mp3_table2: attention kernels to measure, each in turn (default: both; "
                    "overrides --attention there)")
-    g.add_argument("--table2-others", nargs="*", default=list(TABLE2_OTHERS), metavar="OBJECTIVE",
-                   help="mp3_table2: the other objectives timed beside MP3 and MAE (default: %(default)s; "
-                   "none: only MP3 and MAE)")
-    g.add_argument("--table2-compile", action="store_true",
-                   help="mp3_table2: also time torch.compile'd copies (ratios to the compiled supervised step)")
+
+
+def _gpu_options(parser: argparse.ArgumentParser) -> None:
+    """--suite gpu: every objective's step on a CUDA machine, eager and compiled, a process per row."""
+    g = parser.add_argument_group("gpu")
+    g.add_argument("--gpu-budget", type=float, default=540,
+                   help="seconds for the whole suite; rows that would start later are skipped with a note and run "
+                   "by the next call, which keeps the rows already in <out>/benchmark_gpu.json (default: 540)")
+    g.add_argument("--gpu-row-seconds", type=float, default=90,
+                   help="limit of one eager row's process (default: %(default)s)")
+    g.add_argument("--gpu-compile-seconds", type=float, default=240,
+                   help="limit of one torch.compile'd row's process, compilation included (default: %(default)s)")
+    g.add_argument("--gpu-modes", nargs="+", choices=["eager", "compile"], default=["eager", "compile"],
+                   help="eager and / or torch.compile'd rows (default: both, every eager row first)")
+    g.add_argument("--gpu-profile-steps", type=int, default=3,
+                   help="steps under torch.profiler for the GPU's busy time (default: %(default)s)")
+    g.add_argument("--gpu-backend", default="inductor", help="torch.compile backend (default: %(default)s)")
 
 
 def _masks_options(parser: argparse.ArgumentParser) -> None:
@@ -237,6 +247,7 @@ def _cpu_equivalence_options(parser: argparse.ArgumentParser) -> None:
 OPTION_GROUPS = (
     _matmul_options,
     _objectives_options,
+    _gpu_options,
     _masks_options,
     _data_options,
     _probe_memory_options,

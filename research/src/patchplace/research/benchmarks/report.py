@@ -12,6 +12,18 @@ from patchplace.research.benchmarks.mp3 import MP3_PAPER, MP3_TABLE2
 GPU_SECTION = ("<!-- gpu section: written by benchmark.py --suite mp3_table2 -->", "<!-- end of gpu section -->")
 
 
+GPU_NOTE = ("Each row: a fresh process, ViT-B/16 at 224 px (paper widths, MP3 at eta 0.75, MJP's "
+            "jigsaw on every step), bf16 autocast, fused AdamW. step ms: wall time per step over the "
+            "timed steps (synchronised at their ends); GPU busy ms: the union of the kernels' "
+            "intervals per step under torch.profiler, busy share = busy / the profiled step's wall "
+            "time (well below 1: the host, not the GPU, sets the pace). FLOPs: counted on the step "
+            "(FlopCounterMode). of bf16 peak: achieved TFLOP/s over the best bf16 GEMM of the same "
+            "run. ATen ops / host syncs / host copies: one eager step's forward, backward and EMA "
+            "update (patchplace.objectives.audit). first step s: the first step, compilation "
+            "included; recompiles: graphs compiled during the timed steps. Paper: MP3 Table 2 (one "
+            "A100; MAE's row at 0.75).")
+
+
 TABLES = {  # suite -> (title, [(column header, row key)])
     "matmul": ("fp32 matmul peak", [("benchmark", "name"), ("best GFLOP/s", "gflops"),
                                     ("median GFLOP/s", "median_gflops"), ("device", "device")]),
@@ -19,7 +31,8 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("objective", "name"), ("step ms", "step_ms"), ("time ratio", "time_vs_supervised"),
         ("FLOP ratio", "flop_ratio"), ("samples/s", "samples_per_s"), ("GFLOP/sample", "gflops_per_sample"),
         ("achieved GFLOP/s", "achieved_gflops"), ("of peak", "peak_fraction"), ("peak RSS MB", "peak_rss_mb"),
-        ("steps' RSS MB", "step_rss_mb"), ("CUDA peak MB", "cuda_peak_mb")]),
+        ("steps' RSS MB", "step_rss_mb"), ("CUDA peak MB", "cuda_peak_mb"), ("ATen ops / step", "aten_ops"),
+        ("host syncs / step", "host_syncs"), ("syncs by kind", "sync_kinds")]),
     "masks": ("Mask generation per batch (before / after: the optimization's one-run comparison, kept from the run "
               "that made it)", [("generator", "name"), ("ms", "ms"), ("before ms", "before_ms"),
                                 ("after ms", "after_ms"), ("speed-up", "speedup")]),
@@ -64,6 +77,16 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("paper memory ratio", "paper_memory_ratio"), ("FLOP ratio", "flop_ratio"),
         ("time / FLOP ratio", "time_per_flop"), ("within 10%", "tracks_flops"),
         ("samples/s", "samples_per_s"), ("achieved GFLOP/s", "achieved_gflops"), ("device", "device")]),
+    "gpu": ("GPU: every objective's training step, eager and torch.compile'd (a process per row; ratios to the "
+            "supervised step of the same mode)", [
+        ("objective", "name"), ("step ms", "step_ms"), ("GPU busy ms", "gpu_busy_ms"), ("busy share", "busy_share"),
+        ("time ratio", "time_vs_supervised"), ("FLOP ratio", "flop_ratio"), ("time / FLOP ratio", "time_per_flop"),
+        ("within 10%", "tracks_flops"), ("CUDA peak MB", "cuda_peak_mb"), ("memory ratio", "memory_vs_supervised"),
+        ("paper time ratio", "paper_time_ratio"), ("paper memory ratio", "paper_memory_ratio"),
+        ("TFLOP/step", "tflops_per_step"), ("achieved TFLOP/s", "achieved_tflops"), ("of bf16 peak", "of_peak"),
+        ("ATen ops", "aten_ops"), ("host syncs", "host_syncs"), ("host copies", "host_copies"),
+        ("first step s", "first_step_s"), ("graph breaks", "graph_breaks"), ("recompiles", "recompiles"),
+        ("note", "note")]),
     "saved_bytes": ("MP3 Table 2's memory, device-independent: activation bytes saved for backward per sample", [
         ("objective", "name"), ("attention kernel", "kernel"), ("eta", "eta"), ("MiB / sample", "mib_per_sample"),
         ("vs supervised", "vs_supervised"), ("paper memory ratio", "paper_memory_ratio"), ("preset", "preset"),
@@ -145,13 +168,16 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines.append("")
             if suite == "objectives":
                 lines += ["Time ratio: median step time / the supervised step's in the same rotated round-robin "
-                          "run. FLOP ratio: matmul FLOPs counted from the shapes (3x forward for what gets "
-                          "gradients, 1x for no-grad passes). Achieved GFLOP/s = FLOP/sample x batch / step time; "
+                          "run. FLOP ratio: FLOPs counted on the step (FlopCounterMode: matrix products, "
+                          "convolutions, attention; forward and backward). Achieved GFLOP/s = FLOP/sample x batch / "
+                          "step time; "
                           "'of peak' divides by the fp32 matmul peak. Peak RSS: the high-water mark of a fresh "
                           "process that builds only this objective and runs its steps; steps' RSS: what the steps "
                           "added to the RSS of the built model (activations, gradients, AdamW state, allocator "
                           f"caches). MP3 paper (ViT-B): wall-clock ratio {MP3_PAPER['time_ratio']} at eta = "
-                          f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}.", ""]
+                          f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}. ATen ops / host syncs: "
+                          "one step's forward, backward and EMA update (patchplace.objectives.audit.count_step; "
+                          "the optimizer, the same for all, left out).", ""]
             if suite == "onnx":
                 lines += ["plain: the standard-ONNX graph of the training model's attention (`python -m "
                           "patchplace.export --no-optimize`) on a default ONNX Runtime session, as exported before "
@@ -175,13 +201,16 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                           "softmax fp32). sdpa: the fused kernel (saves q, k, v, output, log-sum-exp); math: the "
                           "materialised softmax of the paper's time (also saves the N x K probabilities). Paper: "
                           "MP3 Table 2's GB per batch over the ViT-B baseline's (A100, batch not stated).", ""]
+            if suite == "gpu":
+                lines += [GPU_NOTE, ""]
             if suite == "mp3_table2":
                 lines += ["Time / memory ratio: this objective's median step time / peak CUDA memory (a fresh "
                           "process per objective: weights, AdamW state, activations) over the supervised ViT's, "
                           "same run and batch; the forward runs under the stated autocast, AdamW in fp32. Paper: "
                           "MP3 Table 2, seconds per iteration and GB per batch on one A100 over the ViT-B "
                           f"baseline's ({MP3_TABLE2['vit_b']['time']} s, {MP3_TABLE2['vit_b']['memory']} GB; "
-                          "its batch size is not stated). FLOP ratio: from the shapes; time / FLOP ratio: how far the "
+                          "its batch size is not stated). FLOP ratio: counted on the step; time / FLOP ratio: how far "
+                          "the "
                           "step's time is from what its FLOPs say (within 10%: |time / FLOP ratio - 1| <= 0.1). "
                           "Attention: sdpa is the fused kernel, math the materialised softmax (the paper's time). "
                           "`+compile` rows: torch.compile'd objectives, their time ratio over the compiled "

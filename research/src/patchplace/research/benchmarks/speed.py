@@ -2,7 +2,7 @@
 supervised fine-tuning through finetune.py) at a ladder of settings, each a step from the one before — the study's
 setting as it ran, AdamW's fused kernel, no host sync per step, a larger batch (peak lr scaled linearly, recorded),
 compiled Transformer blocks, several runs sharing the device — with each rate over the first setting's and as a
-fraction of the matmul peak (bf16 on a GPU: FLOPs per image from the shapes x images/s / peak).
+fraction of the matmul peak (bf16 on a GPU: FLOPs per image counted on a step x images/s / peak).
 
 A 1.2M-parameter ViT on 32 x 32 images cannot fill a large GPU one small step at a time: its step is a few hundred
 small kernels, so the rate is set by launches and host syncs, not FLOPs. Each run is its own process (compiled
@@ -86,9 +86,9 @@ def command(method: str, setting: Setting, args: argparse.Namespace, out: Path) 
 
 
 def flops_per_sample(out: Path, method: str) -> float | None:
-    """FLOPs of one training step per sample of the run in ``out`` (:func:`.flops.train_flops`, from the shapes):
+    """FLOPs of one training step per sample of the run in ``out`` (:func:`.flops.train_flops`, counted on a step):
     its objective rebuilt from the checkpoint it saved at its end — the backbone, and pretrain.py's recorded method
-    and objective fields (finetune: the supervised classifier). None where the FLOP model has no formula."""
+    and objective fields (finetune: the supervised classifier). None where it cannot step on a random batch."""
     backbone, metadata = load_pretrained(out / "checkpoint")
     objective = Supervised(backbone) if method == "finetune" else \
         get_method(metadata["method"]).build(backbone, metadata.get("objective") or {})

@@ -1,7 +1,8 @@
 """What a pretraining step costs, measured (``pipelines/benchmark.py --suite objectives``, ``masks``, ``mp3_table2``,
-``saved_bytes``, ``profile``): the objectives built at the study's or the papers' widths, their forward + backward +
-AdamW step time interleaved round-robin in one run (machine noise hits all alike) with each one's time ratio to the
-supervised step beside its FLOP ratio (:mod:`.flops`), the training samples/s and the achieved FLOP/s; the mask
+``gpu``, ``saved_bytes``, ``profile``): the objectives built at the study's or the papers' widths, their forward +
+backward + AdamW step time interleaved round-robin in one run (machine noise hits all alike) with each one's time
+ratio to the supervised step beside its FLOP ratio (:mod:`.flops`: counted on the step), the training samples/s,
+the achieved FLOP/s, and what one step asks of the host (ATen ops, host syncs: :func:`step_counts`); the mask
 generators' time; activation bytes saved for backward.
 
 Peak memory (:func:`step_memory`) is measured per objective in a **fresh process** (:func:`isolated_step_memory`):
@@ -27,7 +28,7 @@ from torch import nn
 from patchplace.models import create_model
 from patchplace.objectives import MP3, MethodSpec, MJPConfig, MP3Config, ObjectiveError, Supervised, list_methods
 from patchplace.objectives.block_masks import blockwise_masks, multiblock_masks
-from patchplace.research.benchmarks.flops import train_flops, train_flops_or_none, unwrap
+from patchplace.research.benchmarks.flops import step_flops, unwrap
 
 # Decoder / predictor sizes. "study": the Fashion-MNIST configs of the study (pipelines/configs/*_fashion_mnist.yaml:
 # decoders 128 x 2 x 4 heads, predictor 96 x 4 x 4 heads, MJP gamma 0.15). "paper": each config's ``paper()``
@@ -146,46 +147,84 @@ def train_step(name: str, obj: nn.Module, optimizer: torch.optim.Optimizer, batc
         obj.update_target(0.5)
 
 
+def step_counts(name: str, obj: nn.Module, batch: tuple, amp: str = "no") -> dict[str, Any]:
+    """What one training step asks of the host (:func:`patchplace.objectives.audit.count_step`): ATen ops
+    dispatched and host synchronisations (by kind) of its forward, backward and EMA update; the optimizer's step,
+    the same for every objective, is left out. ``host_copies``: copies of host-built tensors to the device (seen
+    only where the batch is not on the CPU). The RNG is forked and the gradients dropped."""
+    from patchplace.objectives.audit import count_step
+
+    obj = unwrap(obj)
+    device = batch[0].device
+
+    def step() -> None:
+        with _autocast(device, amp):
+            loss = obj(batch, progress=0.5)["loss"]
+        loss.backward()
+        if hasattr(obj, "update_target") and not name.endswith("_noema"):
+            obj.update_target(0.5)
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        counts = count_step(step)
+    for p in obj.parameters():
+        p.grad = None
+    kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(counts.syncs.items())) or "-"
+    return {"aten_ops": counts.ops, "host_syncs": counts.num_syncs, "sync_kinds": kinds,
+            "host_copies": counts.num_host_copies}
+
+
+def _timed_steps(objectives: dict[str, nn.Module], batch: tuple, *, repeats: int, warmup: int, seed: int,
+                 amp: str) -> dict[str, list[float]]:
+    """Seconds of each objective's steps after ``warmup``, in a rotated round-robin (shared machine noise, no
+    systematic advantage for whoever runs first in a round); step i draws the same sizes in every variant."""
+    device = batch[0].device
+    optimizers = {name: torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-4)
+                  for name, obj in objectives.items()}
+    times: dict[str, list[float]] = {name: [] for name in objectives}
+    names = list(objectives)
+    for i in range(warmup + repeats):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            _sync(device)
+            gen = torch.Generator().manual_seed(seed + i)
+            start = time.perf_counter()
+            train_step(name, objectives[name], optimizers[name], batch, gen, amp=amp)
+            _sync(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
 def step_times(builders: dict[str, Callable[[], nn.Module]], *, batch: int = 64, img_size: int | None = None,
                in_chans: int | None = None, num_classes: int = 10, repeats: int = 10, warmup: int = 2,
                seed: int = 0, device: str | torch.device = "cpu", peak_gflops: float | None = None,
-               amp: str = "no") -> list[dict[str, Any]]:
+               amp: str = "no", counts: bool = True) -> list[dict[str, Any]]:
     """Median step time and FLOPs of each objective, with ratios to ``supervised`` (must be among them), training
-    samples/s and achieved GFLOP/s (FLOPs from the shapes / step time; as a fraction of ``peak_gflops`` when
-    given). Inputs default to the supervised backbone's shape. Objectives with an EMA target encoder also run its
-    update, unless their name ends in ``_noema``. ``amp="bf16"``: forward under bf16 autocast (AdamW in fp32)."""
+    samples/s and achieved GFLOP/s (FLOPs counted on the step, :func:`.flops.step_flops`, / step time; as a
+    fraction of ``peak_gflops`` when given), and with ``counts`` the ATen ops and host syncs of one step
+    (:func:`step_counts`; not for torch.compile'd objectives). Inputs default to the supervised backbone's shape.
+    Objectives with an EMA target encoder also run its update, unless their name ends in ``_noema``.
+    ``amp="bf16"``: forward under bf16 autocast (AdamW in fp32)."""
     device = torch.device(device)
     torch.manual_seed(seed)
     objectives = {name: build().to(device) for name, build in builders.items()}
     c, h, _ = _input_shape(objectives["supervised"])
     images = torch.randn(batch, in_chans or c, img_size or h, img_size or h, device=device)
     labels = torch.randint(0, num_classes, (batch,), device=device)
-    optimizers = {name: torch.optim.AdamW([p for p in obj.parameters() if p.requires_grad], lr=1e-4)
-                  for name, obj in objectives.items()}
-    times: dict[str, list[float]] = {name: [] for name in objectives}
-    names = list(objectives)
-    for i in range(warmup + repeats):
-        for name in names[i % len(names):] + names[: i % len(names)]:  # rotated round-robin: shared noise, no
-            _sync(device)  # systematic advantage for whoever runs first in a round
-            gen = torch.Generator().manual_seed(seed + i)  # step i draws the same sizes in every variant
-            start = time.perf_counter()
-            train_step(name, objectives[name], optimizers[name], (images, labels), gen, amp=amp)
-            _sync(device)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    base_t = statistics.median(times["supervised"])
-    base_f = train_flops(objectives["supervised"], batch)
+    times = _timed_steps(objectives, (images, labels), repeats=repeats, warmup=warmup, seed=seed, amp=amp)
+    flops = {name: step_flops(obj, (images, labels)) / batch for name, obj in objectives.items()}
+    base_t, base_f = statistics.median(times["supervised"]), flops["supervised"]
     rows = []
     for name, obj in objectives.items():
-        t, f = statistics.median(times[name]), train_flops_or_none(obj, batch)
-        achieved = None if f is None else f * batch / t / 1e9
+        t, f = statistics.median(times[name]), flops[name]
+        achieved = f * batch / t / 1e9
         row = {"name": f"pretrain_step/{name}", "step_ms": round(t * 1e3, 1),
-               "time_vs_supervised": round(t / base_t, 3),
-               "gflops_per_sample": None if f is None else round(f / 1e9, 4),
-               "flop_ratio": None if f is None else round(f / base_f, 3), "samples_per_s": round(batch / t, 1),
-               "achieved_gflops": None if achieved is None else round(achieved, 2)}
+               "time_vs_supervised": round(t / base_t, 3), "gflops_per_sample": round(f / 1e9, 4),
+               "flop_ratio": round(f / base_f, 3), "samples_per_s": round(batch / t, 1),
+               "achieved_gflops": round(achieved, 2)}
         if peak_gflops:
-            row["peak_fraction"] = None if achieved is None else round(achieved / peak_gflops, 3)
+            row["peak_fraction"] = round(achieved / peak_gflops, 3)
+        if counts and not name.endswith("+compile"):
+            row.update(step_counts(name, obj, (images, labels), amp))
         row.update({"batch": batch, "threads": torch.get_num_threads(), "device": str(device), "amp": amp})
         rows.append(row)
     return rows

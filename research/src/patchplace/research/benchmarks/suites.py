@@ -18,6 +18,7 @@ from patchplace.research.benchmarks.cpu_speed import cpu_speed_suite
 from patchplace.research.benchmarks.data import data_suite, data_vs_training
 from patchplace.research.benchmarks.data_writer import data_writer_suite
 from patchplace.research.benchmarks.equivalence import equivalence_suite
+from patchplace.research.benchmarks.gpu import gpu_suite
 from patchplace.research.benchmarks.loader_vs_step import loader_vs_step_suite
 from patchplace.research.benchmarks.mp3 import mp3_table2_suite, saved_bytes_suite
 from patchplace.research.benchmarks.onnx import onnx_suite
@@ -56,7 +57,8 @@ def all_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str,
 
 SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks_suite, "data": data_suite,
           "models": models_suite, "onnx": onnx_suite, "pipelines": pipelines_suite, "mp3_table2": mp3_table2_suite,
-          "ddp": ddp_suite, "anchor": anchor_suite, "saved_bytes": saved_bytes_suite, "speed": speed_suite,
+          "gpu": gpu_suite, "ddp": ddp_suite, "anchor": anchor_suite, "saved_bytes": saved_bytes_suite,
+          "speed": speed_suite,
           "cpu_speed": cpu_speed_suite, "cpu_equivalence": equivalence_suite,
           "profile": profile_suite, "data_writer": data_writer_suite, "loader_vs_step": loader_vs_step_suite,
           "probe_memory": probe_memory_suite,

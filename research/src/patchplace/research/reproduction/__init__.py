@@ -10,13 +10,9 @@
                 against
     report.py   markdown tables (one function per section), the claims table, PNG figures and
                 ``results/<name>.{json,md}``
-    sittings.py the study in bounded sittings (a lent GPU): the pending units that fit, a bundle per finished
-                unit, the report merged from every bundle
     protocol.py a pre-registered protocol (research/protocols/): its hash and commit, each row's provenance, the
                 rows refused and the pairs never formed, the PE-free position ceiling, the doubling rule
     schedule.py the order a protocol's rows run in: seed 0, the doubling rule on validation (recorded), the rest
-    waves.py    the GPU's share in one lent command: the rate, the epochs sized once, a wave of units side by side
-    gpu_plan.py the GPU's ordered plan (research/gpu/plan.txt) and which lines results/ shows done
 
 Nothing here imports an entry point: the stages are processes (tests/test_layout.py checks it).
 """

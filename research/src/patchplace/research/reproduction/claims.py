@@ -902,7 +902,7 @@ def protocol_claim(rows: dict[str, list[dict[str, Any]]], protocol: Protocol, sp
     if refused and claim.in_regime is not None:
         claim.refused, claim.in_regime = refused, False
     # before every planned seed has run, a claim is pending unless a regime already fails on what was measured (a
-    # pretext below its level, a baseline at its cap: e.g. the GPU waves' stopping rule ends its seeds there)
+    # pretext below its level, a baseline at its cap)
     planned = min(len(protocol.planned_seeds(side["row"])) for side in sides)
     have = min(len(v) for v in values)
     failed_on_measure = any(not passed and "not measured" not in text for passed, text in checks)

@@ -292,7 +292,7 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
     return rows
 
 
-# Version of the training / evaluation harness behind the numbers, recorded with every result and bundle: rows
+# Version of the training / evaluation harness behind the numbers, recorded with every result: rows
 # measured by another version are never merged. This one: the optimizer on the backbone's parameter groups with
 # layer decay applied, probes of the feature the training trained, one Diff. Norm (the head's input), the in-memory
 # data path with batched augmentation, MP3 pretraining feeding the class token, fine-tuning pooled as each method's

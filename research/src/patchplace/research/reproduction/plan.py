@@ -85,10 +85,9 @@ class StudyConfig:
     only: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()  # run names left out of their groups (e.g. rows no claim reads at this budget)
     only_seeds: tuple[int, ...] = ()  # seeds this process runs (study.py --jobs gives each process its own); () = all
-    # study.py's units (--jobs, --sitting): one per (row, seed) instead of one per (group, seed): a row that
-    # fine-tunes another's pretraining (mp3_pe's MP3 fine-tunes) with that row, the controls a unit of their own
-    # (the first main seed, only=[controls]), a learning curve per row as ever. For sittings shorter than a
-    # (group, seed) unit: a main unit (every main row on one seed) at 100+ epochs outlasts a ~9-min sitting
+    # study.py's units (--jobs): one per (row, seed) instead of one per (group, seed): a row that fine-tunes
+    # another's pretraining (mp3_pe's MP3 fine-tunes) with that row, the controls a unit of their own (the first
+    # main seed, only=[controls]), a learning curve per row as ever; finer units keep every --jobs process busy
     unit_per_row: bool = False
     probe_only: tuple[str, ...] = ()  # ablation groups evaluated by probes only (no fine-tuning; not main)
     batch_size: int = 128  # image stages, per process

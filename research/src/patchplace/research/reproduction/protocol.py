@@ -129,7 +129,7 @@ def _git(where: Path, *args: str) -> str | None:
 
 def protocol_commit(path: Path) -> Commit | None:
     """The commit that last changed ``path`` (read-only git queries), or None where it is not committed (or no git
-    repository holds it: e.g. a lent machine's copy of the working tree)."""
+    repository holds it: e.g. a copy of the working tree without its .git)."""
     path = Path(path).resolve()
     line = _git(path.parent, "log", "-1", "--format=%H %cI", "--", path.name)
     if not line:
@@ -156,7 +156,7 @@ def contains(where: Path, ancestor: str, commit: str) -> bool | None:
 
 def unregistered(path: Path) -> str | None:
     """Why rows may not run under the protocol at ``path`` yet (one line), or None: it must be committed and
-    unchanged since (pre-registration). Where no git repository holds it (a lent machine's copy), None: the report
+    unchanged since (pre-registration). Where no git repository holds it (a copy without .git), None: the report
     checks the start times against the commit instead."""
     path = Path(path)
     if _git(path.resolve().parent, "rev-parse", "--git-dir") is None:

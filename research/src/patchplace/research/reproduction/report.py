@@ -524,7 +524,7 @@ def wall_clock(spent: dict[str, Any]) -> list[str]:
         return []
     known = [k for k, _ in STAGE_KINDS]
     kinds = [k for k in known if any(k in m for m in minutes.values())]
-    kinds += sorted({k for m in minutes.values() for k in m} - set(known))  # e.g. a sitting's whole units
+    kinds += sorted({k for m in minutes.values() for k in m} - set(known))  # kinds not in STAGE_KINDS, after them
     lines = ["| group | " + " | ".join(kinds) + " | total |", "|" + " --- |" * (len(kinds) + 2)]
     for g, m in minutes.items():
         lines.append(f"| {g} | " + " | ".join(f"{m.get(k, 0):.1f}" for k in kinds) + f" | {sum(m.values()):.1f} |")
@@ -917,8 +917,7 @@ def protocol_report(cfg: StudyConfig, argv: list[str]) -> str:
              "## Position rows against the PE-free ceiling", "", *position_table(rows, protocol, patch), "",
              "## The doubling rule (seed 0, validation)", "",
              *([f"- {group}: {json.dumps(d)}" for group, d in decisions.get("groups", {}).items()]
-               or [f"No decision recorded yet (`{cfg.name}_decisions.json`; GPU waves record their sizing and "
-                   "stopping rule in `sizing.json` beside their bundles)."]), "",
+               or [f"No decision recorded yet (`{cfg.name}_decisions.json`)."]), "",
              "## The claims, one Holm family per question", "", *family_tables(items, protocol),
              "## Not run in this version", "",
              *[f"- {n['claim']}: {n['why']}" for n in protocol.data.get("not_run", [])], ""]
