@@ -8,11 +8,12 @@ import ast
 import functools
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 from patchplace.pipelines import commands
-from patchplace.pipelines.config import parser
+from patchplace.pipelines.config import ConfigError, one_line, parser, precheck
 
 CONFIGS = {"pretrain": commands.PretrainConfig, "finetune": commands.FinetuneConfig,
            "evaluate": commands.EvaluateConfig}
@@ -33,9 +34,15 @@ def description(command: str) -> str:
 def main(command: str, argv: list[str] | None = None) -> int:
     """``command``'s main on ``argv`` (default: the process's arguments); ``--help`` without importing it."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    given = commands.expand_flags(argv) if command == "evaluate" else argv
     if help_asked(argv):
-        argv = commands.expand_flags(argv) if command == "evaluate" else argv
-        parser(CONFIGS[command], description(command), argv).parse_args(argv)  # prints the help, exits 0
+        parser(CONFIGS[command], description(command), given).parse_args(given)  # prints the help, exits 0
+    try:
+        precheck(CONFIGS[command], given)
+    except ConfigError as exc:  # every rank of a launch refuses alike; rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
     return importlib.import_module(f"patchplace.pipelines.{command}").main(argv)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import inspect
 import io
@@ -166,6 +167,8 @@ def config_path(name: str) -> Path:
     check_path("--config", name)
     if Path(name).is_file():
         return Path(name)
+    if Path(name).is_dir():
+        raise ConfigError(f"--config {name} is a folder: give a YAML file in it, or a shipped config's name")
     shipped = shipped_configs()
     for candidate in (shipped / name, shipped / f"{name}.yaml"):
         if Path(name).name == name and candidate.is_file():  # a bare name only: a path stays the user's path
@@ -177,12 +180,24 @@ def config_path(name: str) -> Path:
 
 def command_args(argv: list[str]) -> tuple[str | None, list[str]]:
     """(the ``--config`` file, the ``section.field=value`` overrides) of a command line, in any order, as
-    :func:`parser` reads them (other options are left out)."""
+    :func:`parser` reads them (other options are left out); ``--config`` given twice is refused (argparse would
+    keep the last silently)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--config")
+    p.add_argument("--config", action="append")
     p.add_argument("overrides", nargs="*")
     args, _ = p.parse_known_intermixed_args(argv)
-    return args.config, [a for a in args.overrides if "=" in a]
+    configs = args.config or [None]
+    if len(configs) > 1:
+        raise ConfigError(f"--config is given {len(configs)} times ({', '.join(configs)}): give one file, and "
+                          "section.field=value overrides for the rest")
+    return configs[0], [a for a in args.overrides if "=" in a]
+
+
+def precheck(cls: type, argv: list[str]) -> None:
+    """The refusals of ``cls``'s config that need no torch (the file, unknown keys, types and ranges): run before a
+    command imports its heavy stack, so a typo is answered in a second."""
+    file, given = given_values(cls, *command_args(argv))
+    build(cls, {**file, **given})
 
 
 def given_setting(argv: list[str], key: str) -> Any:
@@ -197,7 +212,10 @@ def given_values(cls: type | None, path: str | None, overrides: list[str]) -> tu
     file: dict[str, Any] = {}
     if path:
         path = str(config_path(path))
-        raw = _parsed(Path(path).read_bytes(), f"config file {path}", "fix the file") or {}
+        raw = _parsed(Path(path).read_bytes(), f"config file {path}", "fix the file")
+        if raw is None:  # (it would run the command's defaults without a word)
+            raise ConfigError(f"config file {path} is empty: give its sections (section: {{field: value}}), or "
+                              "leave --config out to run the defaults")
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path}: expected a mapping (section: {{field: value}}), got {raw!r}")
         file = _checked(_leaves(raw), f" (in {path})")
@@ -207,8 +225,11 @@ def given_values(cls: type | None, path: str | None, overrides: list[str]) -> tu
             raise ConfigError(f"override {assignment!r} must look like section.field=value")
         key, text = assignment.split("=", 1)
         key = key.strip()
-        for leaves in (file, given):
+        for leaves, where in ((file, f" (in {path})"), (given, "")):
             for old in [k for k in leaves if _within(k, key) or _within(key, k)]:
+                if old != key and _within(key, old) and not isinstance(leaves[old], dict):
+                    # a section given as a scalar or a list: refused as it is without the override
+                    raise ConfigError(f"{old}{where}: expected a mapping, got {leaves[old]!r}")
                 del leaves[old]
         value = _parsed(text, f"override {assignment!r}", "quote or fix the value")
         given.update(_checked(_leaves({key: value}), ""))
@@ -309,7 +330,11 @@ def problem(cls: type, exc: ValidationError, given: dict[str, Any], prefix: str 
                                  if e["type"] == "unexpected_keyword_argument"))
     if unknown:
         section = _at(cls, unknown[0][len(prefix):].rpartition(".")[0])
-        return f"unknown config key(s) {unknown}; known: {sorted(f.name for f in fields(section))}"
+        known = sorted(f.name for f in fields(section))
+        close = [f"{key.rpartition('.')[0]}.{match[0]}" for key in unknown
+                 if (match := difflib.get_close_matches(key.rpartition(".")[2], known, n=1))]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        return f"unknown config key(s) {unknown}{hint}; known: {known}"
     error = errors[0]
     if isinstance(cause := (error.get("ctx") or {}).get("error"), ConfigError):
         return str(cause)

@@ -83,7 +83,7 @@ from patchplace.objectives import (
     reassemble,
 )
 from patchplace.pipelines.commands import EvalSection, EvaluateConfig, PrivacySection, expand_flags
-from patchplace.pipelines.config import ConfigError, check_path, load, parser
+from patchplace.pipelines.config import ConfigError, check_path, command_args, load, parser
 from patchplace.pipelines.engine import USER_ERRORS, Data, check_inputs, classify, holdout_indices, report, start
 from patchplace.pipelines.evaluation import (
     Ranks,
@@ -676,8 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = expand_flags(argv)  # --privacy: privacy.enabled=true
     try:
-        args = parser(EvaluateConfig, __doc__, argv).parse_args(argv)
-        refuse_earlier_results(load(EvaluateConfig, args.config, args.overrides))  # before anything is read
+        parser(EvaluateConfig, __doc__, argv).parse_args(argv)  # argparse's usage errors
+        refuse_earlier_results(load(EvaluateConfig, *command_args(argv)))  # before anything is read
         cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False, split_train=False)
         backbone, metadata = load_pretrained(cfg.model.checkpoint)
         preflight(cfg, data, backbone, metadata)

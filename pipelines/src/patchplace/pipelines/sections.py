@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import typing
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -35,6 +36,32 @@ MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own abo
 # what a model.preset names of a backbone (patchplace.models.BackboneConfig fields): its kind and size
 PRESET_SIZE = ("modality", "embed_dim", "depth", "num_heads")
 
+# timm's auto-augment policies (timm.data.auto_augment: rand_augment_transform, augment_and_mix_transform,
+# auto_augment_transform), section by section: timm skips a section it cannot read (rand-mXX trains at m10) and
+# clamps a magnitude above mmax (10) without a word
+_AUGMENT_SECTIONS = {
+    "rand": r"m\d+(\.\d+)?|n\d+|mstd\d+(\.\d+)?|mmax\d+|inc[01]|w\d+|p\d*\.?\d+|t[a-z]+",
+    "augmix": r"m\d+|w\d+|d-?\d+|a\d*\.?\d+|b[01]|mstd\d+(\.\d+)?",
+    **dict.fromkeys(("original", "originalr", "v0", "v0r", "3a"), r"mstd\d+(\.\d+)?"),
+}
+
+
+def augment_problem(policy: str) -> str | None:
+    """What is wrong with timm auto-augment policy ``policy`` (None: nothing), e.g. rand-m9-mstd0.5-inc1."""
+    name, *sections = policy.split("-")
+    if name not in _AUGMENT_SECTIONS:
+        return f"timm's policies are {', '.join(_AUGMENT_SECTIONS)} (e.g. rand-m9-mstd0.5-inc1)"
+    bad = [part for part in sections if not re.fullmatch(_AUGMENT_SECTIONS[name], part)]
+    if bad:
+        return f"timm cannot read {', '.join(bad)} of a {name} policy (it would skip it silently): e.g. " \
+               f"{'rand-m9-mstd0.5-inc1' if name == 'rand' else name}"
+    values = {part[0]: float(part[1:]) for part in sections if re.fullmatch(r"m\d+(\.\d+)?", part)}
+    ceiling = max([float(part[4:]) for part in sections if part.startswith("mmax")] or [10.0])
+    if values.get("m", 0.0) > ceiling:
+        return f"magnitude m{values['m']:g} is above timm's maximum {ceiling:g} (it would be clamped silently)"
+    return None
+
+
 Count = Annotated[int, Field(ge=1)]
 Integer = Annotated[int, Field(ge=1), Words("an integer")]
 Size = Annotated[int, Field(ge=0)]
@@ -45,6 +72,7 @@ Rate = Annotated[float, Field(ge=0, lt=1)]
 Probability = Annotated[float, Field(ge=0, le=1), Words("a probability")]
 Alpha = Annotated[float, Field(ge=0), Words(note="(0: off)")]
 Lr = Annotated[float, Field(ge=0), FINITE, Words("an lr")]
+Beta = Annotated[float, Field(ge=0, lt=1), Words("a beta", span="in [0, 1)")]  # AdamW's moment decays
 Seed = Annotated[int, Field(ge=0, lt=MAX_SEED), Words(span="in [0, 2**31)")]
 
 
@@ -127,6 +155,8 @@ class DataSection:
         if self.color_jitter and self.auto_augment:
             raise ConfigError(f"data.color_jitter={self.color_jitter} (I-JEPA's) and data.auto_augment="
                               f"{self.auto_augment} (timm's) both distort colour: set one")
+        if self.auto_augment and (problem := augment_problem(self.auto_augment)):
+            raise ConfigError(f"data.auto_augment={self.auto_augment}: {problem}")
         return self
 
     def validate(self) -> None:
@@ -226,10 +256,10 @@ class OptimSection:
     max_steps: Annotated[int, Field(ge=1), Words(note="(or null: train optim.epochs)")] | None = None
     lr: Annotated[float, Field(gt=0), FINITE] = 1e-3  # peak learning rate (AdamW), after the linear warm-up
     weight_decay: Annotated[float, Field(ge=0), FINITE] = 0.05  # AdamW; none on norms, biases, PEs and tokens
-    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    betas: tuple[Beta, Beta] = (0.9, 0.999)  # AdamW betas
     warmup_fraction: Rate = 0.05  # fraction of the steps spent warming the lr up linearly
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.01  # the cosine ends at lr x this
-    clip_grad: float | None = 1.0  # gradient-norm clipping (None: off)
+    clip_grad: Annotated[float, Field(gt=0), FINITE, Words("a norm", "(null: off)")] | None = 1.0  # gradient-norm clip
     layer_decay: Fraction | None = None  # layer-wise lr decay (fine-tuning, e.g. 0.75)
     # none | linear | sqrt: rescale optim.lr from optim.lr_base_batch to the run's global batch (data.batch_size x
     # processes x run.grad_accum): linear (Goyal et al. 2017; MAE's blr x batch / 256) or square root
@@ -330,7 +360,7 @@ class RunSection:
     # experiment trackers beside run.tensorboard, by Accelerate's names: tensorboard, wandb, mlflow, comet_ml, aim,
     # clearml, dvclive, swanlab, trackio; each gets train/* and val/* as TensorBoard does and is set up as it
     # usually is (its environment: WANDB_MODE=offline, MLFLOW_TRACKING_URI=file:mlruns, ...), e.g. [wandb]
-    log_with: tuple[str, ...] = ()
+    log_with: tuple[str, ...] | str = ()  # (a name, as Accelerate takes it, is a list of one)
     log_project: str = "patchplace"  # the run.log_with trackers' project (W&B, Comet, Aim) / experiment (MLflow)
     # DDP's find_unused_parameters; null = only for objectives whose steps may leave a trainable parameter without
     # gradient (MJP's E_unk). True costs a graph traversal per step (results/benchmark.md, ddp suite).
@@ -366,6 +396,8 @@ class RunSection:
     @model_validator(mode="after")
     def _cross(self) -> RunSection:
         """Fields that hold together, and the snapshot epochs (one message naming every bad one)."""
+        if isinstance(self.log_with, str):
+            self.log_with = (self.log_with,)
         bad = [e for e in self.keep_epochs if not (math.isfinite(e) and e >= 0)]
         if bad:
             raise ConfigError(f"run.keep_epochs holds {', '.join(f'{e:g}' for e in bad)}: epochs must be finite and "
@@ -386,7 +418,7 @@ class RunSection:
 
     def _validate_trackers(self) -> None:
         """run.log_with: Accelerate's names, each with its package installed (Accelerate would leave one out)."""
-        unknown = [t for t in self.log_with if t not in TRACKERS]
+        unknown = [t for t in self.log_with if t not in TRACKERS and t != "all"]
         if unknown:
             raise ConfigError(f"run.log_with: unknown tracker(s) {', '.join(map(str, unknown))}; Accelerate's: "
                               f"{', '.join(TRACKERS)}")
@@ -395,7 +427,7 @@ class RunSection:
         from accelerate.tracking import get_available_trackers  # only when asked for: --help and defaults skip it
 
         available = {str(t) for t in get_available_trackers()}
-        missing = [t for t in self.log_with if t not in available]
+        missing = [t for t in self.log_with if t not in available and t != "all"]
         if missing:
             raise ConfigError(f"run.log_with={missing[0]} needs the {TRACKERS[missing[0]]} package, which is not "
                               f"installed here: pip install {TRACKERS[missing[0]]}")

@@ -22,7 +22,7 @@ from accelerate.utils import ProjectConfiguration, parse_flag_from_env, set_seed
 from patchplace.data import DataError
 from patchplace.models import ModelError, set_attention_kernel
 from patchplace.objectives import ObjectiveError
-from patchplace.pipelines.config import ConfigError, load, one_line, parser
+from patchplace.pipelines.config import ConfigError, command_args, load, one_line, parser
 from patchplace.pipelines.engine import inputs
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.engine.logs import accelerator_log_with
@@ -170,8 +170,9 @@ def start(config_cls: type, description: str, argv: list[str] | None, augment: b
     rank 0's); :meth:`Trainer.fit` then gives each rank its own random stream. ``split_train=False``: every process
     reads the whole train split (evaluation, which runs on the main process only)."""
     _CREATED.clear()
-    args = parser(config_cls, description, sys.argv[1:] if argv is None else argv).parse_args(argv)
-    cfg = load(config_cls, args.config, args.overrides)
+    argv = sys.argv[1:] if argv is None else argv
+    parser(config_cls, description, argv).parse_args(argv)  # argparse's usage errors
+    cfg = load(config_cls, *command_args(argv))  # (--config given twice: refused)
     accelerator = make_accelerator(cfg.run)
     set_seed(cfg.run.seed)
     if hasattr(cfg, "model"):
