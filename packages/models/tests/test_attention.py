@@ -156,3 +156,79 @@ def test_cross_attention_takes_keys_and_values_from_memory():
     changed[0, 3] += torch.randn(32)
     assert (attn(x, memory=changed)[0] - out[0]).abs().amax() > 1e-4
     torch.testing.assert_close(attn(x, memory=changed)[1], out[1])
+
+
+def test_additive_mask_is_aligned_and_equals_the_boolean_mask_in_both_kernels(micro):
+    """A mask built once per step (``additive_mask``): 0 / -inf in the attention dtype, rows 16-aligned in storage
+    (SDPA's memory-efficient kernel pads an unaligned mask in every call), and the same attention as the boolean."""
+    from patchplace.models import attention_kernel
+    from patchplace.models.attention import MASK_ALIGNMENT, additive_mask, attention_dtype
+
+    model = micro(pos_embed="none")
+    tokens = torch.randn(2, 17, 32)
+    allowed = ((torch.rand(2, 1, 17, 17) > 0.4) | torch.eye(17, dtype=torch.bool))
+    mask = additive_mask(allowed, torch.float32)
+    assert mask.shape == allowed.shape and mask.stride(-2) % MASK_ALIGNMENT == 0 and mask.stride(-1) == 1
+    assert torch.equal(mask == 0, allowed) and torch.equal(mask == float("-inf"), ~allowed)
+    for kernel in ("sdpa", "math"):
+        with attention_kernel(kernel):
+            torch.testing.assert_close(model.forward_tokens(tokens, attn_mask=mask),
+                                       model.forward_tokens(tokens, attn_mask=allowed), atol=1e-6, rtol=0)
+    assert attention_dtype("cpu", torch.float32) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention_dtype("cpu", torch.float32) == torch.bfloat16
+
+
+def _casts(fn) -> dict[tuple[int, ...], int]:
+    """Shapes of the floating-point casts (``_to_copy``) dispatched by ``fn()``."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.seen[tuple(args[0].shape)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Casts() as mode:
+        fn()
+    return mode.seen
+
+
+@pytest.mark.parametrize("path", ["context_len", "memory"])
+def test_context_paths_cast_the_qkv_weight_once_and_equal_per_block_casts(path):
+    """Under autocast the context paths use the row blocks of ONE low-precision copy of the qkv weight (and bias):
+    the same outputs and gradients as casting the Q block and the K/V block separately (autocast's way for views)."""
+    import torch.nn.functional as F
+
+    from patchplace.models import Attention
+
+    torch.manual_seed(0)
+    attn = Attention(32, 2).eval()
+    x, memory = torch.randn(2, 9, 32), torch.randn(2, 7, 32)
+    kwargs = {"context_len": {"context_len": 4}, "memory": {"memory": memory}}[path]
+
+    def reference() -> torch.Tensor:  # each block cast on its own, as F.linear under autocast casts a weight view
+        w, b, lp = attn.qkv.weight, attn.qkv.bias, torch.bfloat16
+        xl = x.to(lp)
+        source = xl[:, :4] if path == "context_len" else memory.to(lp)
+        q = attn._heads(F.linear(xl, w[:32].to(lp), b[:32].to(lp)))
+        k, v = (attn._heads(t) for t in F.linear(source, w[32:].to(lp), b[32:].to(lp)).chunk(2, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return attn.proj(out.transpose(1, 2).reshape(2, 9, 32))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ref = reference()
+        casts = _casts(lambda: attn(x, **kwargs))
+        out = attn(x, **kwargs)
+    assert casts[(96, 32)] == 1 and casts[(96,)] == 1, "one cast of the full qkv weight and bias"
+    assert not casts[(32, 32)] and not casts[(64, 32)], "no cast of a row block"
+    torch.testing.assert_close(out, out_ref, atol=0, rtol=0)
+    grad = torch.autograd.grad(out.float().square().sum(), attn.qkv.weight)[0]
+    grad_ref = torch.autograd.grad(out_ref.float().square().sum(), attn.qkv.weight)[0]
+    torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-6)

@@ -26,26 +26,39 @@ def _is_rectangle(index: torch.Tensor, grid: tuple[int, int]) -> bool:
     return h * w == len(index)
 
 
+def _kept_after_removing(blocks: torch.Tensor, first: int, grid: tuple[int, int], rect: set[int]) -> set[int]:
+    return rect - set(blocks[:first].reshape(-1).tolist())
+
+
 @pytest.mark.parametrize(("batch", "grid"), [(128, (8, 8)), (8, (14, 14))])
 def test_batched_multiblock_masks_keep_the_loop_invariants(batch, grid):
     n = grid[0] * grid[1]
-    for make in (multiblock_masks,):
-        masks = make(batch, grid, generator=torch.Generator().manual_seed(0))
-        assert masks.targets.shape[:2] == (batch, 4) and masks.context.shape[0] == batch
-        assert masks.context.shape[1] >= 4 and int(masks.context.max()) < n
-        for b in range(batch):
-            ctx, targets = masks.context[b], masks.targets[b]
-            assert (ctx.diff() > 0).all() and (targets.diff(dim=-1) > 0).all(), "ascending raster order"
-            assert not set(ctx.tolist()) & set(targets.reshape(-1).tolist())
-            assert all(_is_rectangle(t, grid) for t in targets)
+    masks = multiblock_masks(batch, grid, generator=torch.Generator().manual_seed(0))
+    keep, length = masks.context.shape[1], int(masks.target_valid.sum())
+    assert masks.targets.shape[:2] == (batch, 4) and masks.context.shape[0] == batch
+    assert keep >= 5 and int(masks.context.max()) < n and int(masks.targets.max()) < n
+    assert masks.target_valid[:length].all() and not masks.target_valid[length:].any(), "real slots come first"
+    # on these grids the context block is (H - 1) x (W - 1) and has one place: the top-left corner
+    rect = {r * grid[1] + c for r in range(grid[0] - 1) for c in range(grid[1] - 1)}
+    for b in range(batch):
+        ctx, blocks = masks.context[b], masks.targets[b, :, :length]
+        assert (ctx.diff() > 0).all() and (blocks.diff(dim=-1) > 0).all(), "ascending raster order"
+        assert all(_is_rectangle(t, grid) for t in blocks) and len({t.numel() for t in blocks}) == 1
+        assert (masks.targets[b, :, length:] == blocks[:, :1]).all(), "padding repeats the block's first patch"
+        # the collator's ladder: every target removed unless that left fewer than K, then the last ones first
+        removed = next(e for e in range(4, -1, -1) if len(_kept_after_removing(blocks, e, grid, rect)) >= keep)
+        assert set(ctx.tolist()) <= _kept_after_removing(blocks, removed, grid, rect)
+        assert ctx.tolist() == sorted(_kept_after_removing(blocks, removed, grid, rect))[:keep], "the first K"
     first, again = (multiblock_masks(batch, grid, generator=torch.Generator().manual_seed(0)) for _ in range(2))
     assert torch.equal(first.context, again.context) and torch.equal(first.targets, again.targets)
 
 
 def test_batched_multiblock_masks_redraw_small_contexts_and_fail_clearly():
-    # min_keep 30 of 64 rejects many draws: every sample must still end up with >= 30 context patches.
+    # min_keep 30 of 64: every sample must still keep more than 30 context patches.
     masks = multiblock_masks(64, (8, 8), num_targets=2, min_keep=30, generator=torch.Generator().manual_seed(0))
-    assert masks.context.shape[1] >= 30
-    with pytest.raises(ObjectiveError, match="could not leave"):
+    assert masks.context.shape[1] > 30
+    with pytest.raises(ObjectiveError, match="could not leave"):  # the 3 x 3 context block can never hold 13
         multiblock_masks(4, (4, 4), num_targets=4, target_scale=(0.5, 0.5), min_keep=12,
                          generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ObjectiveError, match="context_keep"):
+        multiblock_masks(4, (8, 8), context_keep=50)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from patchplace.objectives import IJEPA, IJEPAConfig, ObjectiveError
 from patchplace.objectives.block_masks import blockwise_masks, multiblock_masks
@@ -20,9 +21,59 @@ def test_multiblock_masks_keep_context_and_targets_apart():
     assert masks.targets.shape[:2] == (6, 4)
     for b in range(6):
         assert not set(masks.context[b].tolist()) & set(masks.targets[b].reshape(-1).tolist())
-    sizes = masks.targets.shape[2] / 196
+    sizes = int(masks.target_valid.sum()) / 196
     assert 0.1 <= sizes <= 0.25, "target blocks cover 15-20% of the grid (rounded)"
     assert len({tuple(m.tolist()) for m in masks.context}) > 1, "positions are drawn per sample"
+
+
+def test_mask_shapes_are_fixed_for_the_run(micro):
+    """One (K, T) over 400 batches (the official collator's change every batch: 81 pairs at 14 x 14), K the
+    collator's expected batch minimum unless ``context_keep`` sets it; the step reports it as a device tensor."""
+    model = IJEPA(micro(pos_embed="sincos2d", img_size=56, patch_size=4), IJEPAConfig(**{**SMALL, "min_keep": 10}))
+    assert model.backbone.grid == (14, 14)
+    shapes = {(m.context.shape, m.targets.shape, m.target_valid.shape) for m in (model.sample_masks(128)
+                                                                                 for _ in range(400))}
+    assert len(shapes) == 1, shapes
+    (context, targets, valid), = shapes
+    assert context == (128, model.masker.context_keep) and 45 <= context[1] <= 56  # measured: official mean 51
+    assert targets == (128, 4, model.masker.target_len) and valid == (model.masker.target_len,)
+    fixed = _model(micro, context_keep=7)
+    out = fixed(torch.randn(2, 1, 32, 32), generator=torch.Generator().manual_seed(0))
+    assert isinstance(out["context_tokens"], torch.Tensor) and float(out["context_tokens"]) == 7.0
+    with pytest.raises(ObjectiveError, match="context_keep"):
+        IJEPAConfig(context_keep=0).validate()
+
+
+def _unpadded_loss(model, images, context, targets):
+    """The official computation on the batch's T real target tokens: no key mask, a plain mean."""
+    b, blocks, t = targets.shape
+    s_x = model.encode_context(images, context)
+    ctx_in, masked_in = model.predictor_inputs(s_x.repeat_interleave(blocks, 0), context.repeat_interleave(blocks, 0),
+                                               targets.reshape(b * blocks, t))
+    prediction = model.predictor_proj(model.predictor(torch.cat([ctx_in, masked_in], 1))[:, ctx_in.shape[1]:])
+    features = model.targets(images)
+    target = torch.stack([features[i, targets[i, j]] for i in range(b) for j in range(blocks)])
+    return F.smooth_l1_loss(prediction, target, beta=1.0), target.std(dim=1).mean()
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_padded_targets_give_the_unpadded_loss_and_gradients(micro, stop):
+    model = _model(micro, stop=stop, sigma=0.0)  # StoP at sigma 0: both paths see the same inputs
+    x = torch.randn(3, 1, 32, 32)
+    masks = next(m for m in (model.sample_masks(3, torch.Generator().manual_seed(s)) for s in range(50))
+                 if int(m.target_valid.sum()) < model.masker.target_len)  # a batch with padding
+    t = int(masks.target_valid.sum())
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model.loss_on(x, masks)
+    padded = torch.autograd.grad(out["loss"], params, allow_unused=True)
+    loss, target_std = _unpadded_loss(model, x, masks.context, masks.targets[..., :t])
+    reference = torch.autograd.grad(loss, params, allow_unused=True)
+    torch.testing.assert_close(out["loss"], loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out["target_std"], target_std, atol=1e-6, rtol=1e-5)
+    for a, b in zip(padded, reference, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_blockwise_masks_select_about_the_ratio_in_blocks():

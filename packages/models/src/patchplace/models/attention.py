@@ -16,7 +16,10 @@ Two kernels (:func:`set_attention_kernel`, :func:`attention_kernel`): ``sdpa`` (
 fused where the device has it; the default) and ``math``, the materialised softmax of the papers' time
 (``softmax(q k^T / sqrt(d)) v`` with the softmax in fp32, as GPU autocast runs it), so a paper's cost table can be
 measured in its setting and today's. The fused ``qkv`` Linear keeps timm's parameter names; the context paths use
-its row blocks, on one low-precision copy of the input under autocast.
+its row blocks, on one low-precision copy of the input and one of the weight under autocast.
+
+A mask shared by many layers (RandSAC's segment-causal masks) is best built once per step by :func:`additive_mask`:
+in the attention dtype and with aligned rows, every layer's SDPA call then uses it as is.
 """
 
 from __future__ import annotations
@@ -75,10 +78,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the autocast dtype when autocast is on (else unchanged): cast once, so the Q and K/V projections of
     the context paths save one copy of their input instead of casting (and saving) it twice."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and x.is_floating_point():
-        return x.to(torch.get_autocast_dtype(device))
-    return x
+    return x.to(attention_dtype(x.device.type, x.dtype)) if x.is_floating_point() else x
 
 
 class SliceLinear(torch.autograd.Function):
@@ -108,11 +108,31 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
+# Elements: SDPA's memory-efficient kernel pads (copies, in every call) a mask whose rows are not 8-aligned in storage.
+MASK_ALIGNMENT = 16
+
+
+def attention_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention runs in on ``device_type``: autocast's where it is on, else ``dtype`` (also on devices
+    autocast does not know, such as ``meta``)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean (True = attend) -> additive 0 / -inf mask in ``dtype``, made to be built once and shared by every
+    layer: SDPA converts a boolean mask to this in every call, and pads (copies) one whose rows are unaligned, so
+    each row here starts at a multiple of :data:`MASK_ALIGNMENT` elements of a padded buffer (a view of it)."""
+    *lead, keys = allowed.shape
+    padded = -(-keys // MASK_ALIGNMENT) * MASK_ALIGNMENT
+    mask = torch.zeros(*lead, padded, dtype=dtype, device=allowed.device)[..., :keys]
+    return mask.masked_fill_(~allowed, float("-inf"))
+
+
 def as_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean (True = attend) -> additive (0 / -inf); float masks pass through."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-    return mask.to(dtype)
+    """Boolean (True = attend) -> additive (0 / -inf, :func:`additive_mask`); float masks pass through."""
+    return additive_mask(mask, dtype) if mask.dtype == torch.bool else mask.to(dtype)
 
 
 class Attention(nn.Module):
@@ -152,13 +172,14 @@ class Attention(nn.Module):
                 source = x[:, :context_len]  # a view: saves nothing beyond what Q saves
             else:
                 source = gather_tokens(x, context_index)
-            w, bqkv = self.qkv.weight, self.qkv.bias
-            q = self._heads(F.linear(x, w[:d], None if bqkv is None else bqkv[:d]))
-            if context_len is not None:  # the slice is strided: F.linear would save a contiguous copy of it
-                kv = SliceLinear.apply(source, w[d:].to(source.dtype),
-                                       None if bqkv is None else bqkv[d:].to(source.dtype))
-            else:
-                kv = F.linear(source, w[d:], None if bqkv is None else bqkv[d:])
+            # the row blocks of ONE cast of the weight (autocast would cast each block, a view, anew)
+            dtype = attention_dtype(x.device.type, self.qkv.weight.dtype)
+            wq, wkv = self.qkv.weight.to(dtype).split([d, 2 * d])
+            bq, bkv = (None, None) if self.qkv.bias is None else self.qkv.bias.to(dtype).split([d, 2 * d])
+            q = self._heads(F.linear(x, wq, bq))
+            # a context slice is strided: F.linear would save a contiguous copy of it
+            linear = SliceLinear.apply if context_len is not None else F.linear
+            kv = linear(source, wkv, bkv)
             k, v = (self._heads(t) for t in kv.chunk(2, dim=-1))
         mask = attn_mask
         if bias is not None:

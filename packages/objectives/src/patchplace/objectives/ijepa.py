@@ -6,6 +6,11 @@ the EMA of the context encoder, sees the full image; its final-normed features a
 LayerNorm without affine, are the targets. A narrow predictor ViT receives the context tokens and one masked token per
 target position and regresses the targets with smooth-L1 (beta 1), as both official codes do.
 
+The masks (:mod:`.multiblock`) keep one shape for the whole run, so a GPU step is one graph: every sample's context
+keeps K patches (by default the official collator's expected batch minimum), target blocks are padded to the largest
+area the config allows, the padded slots masked out of the predictor's attention and out of the loss; they are drawn
+inside the step, on the device, from the global RNG.
+
 Predictor inputs (docs/methods/stop.md, with A, b the predictor's input Linear and psi its fixed sin-cos PE):
 
 * I-JEPA: ``c_i = A s_i + b + psi_i``, ``m_j = m~ + psi_j`` (m~ a learned mask token);
@@ -29,7 +34,6 @@ from torch import nn
 
 from patchplace.models import Backbone, sincos_2d
 
-from .block_masks import MultiBlockMasks, multiblock_masks
 from .common import (
     BackboneObjective,
     ObjectiveConfig,
@@ -41,6 +45,7 @@ from .common import (
     gather_rows,
     split_batch,
 )
+from .multiblock import MultiBlockMasker, MultiBlockMasks
 from .registry import register_method
 
 NOISE_ON = ("masked", "context", "both")
@@ -69,7 +74,9 @@ class IJEPAConfig(ObjectiveConfig):
     target_scale: tuple[float, float] = (0.15, 0.2)  # target block area, fraction of the image
     target_aspect: tuple[float, float] = (0.75, 1.5)  # target block aspect ratio
     context_scale: tuple[float, float] = (0.85, 1.0)  # context block area (targets removed from it)
-    min_keep: int = 4  # fewest context patches kept
+    min_keep: int = 4  # a context must keep more than this many patches (the official collator's retry rule)
+    context_keep: int | None = None  # context patches per sample, fixed for the run (None: the official expected
+    # batch minimum at batch 128, calibrated once per grid; see docs/methods/stop.md)
     ema_start: float = 0.996  # target-encoder EMA momentum at the start, linear to ema_end
     ema_end: float = 1.0  # ... at the end
     stop: bool = False  # StoP: stochastic positions for the masked tokens
@@ -86,6 +93,8 @@ class IJEPAConfig(ObjectiveConfig):
     def validate(self, named: Callable[[str], str] = str) -> IJEPAConfig:
         for name in ("predictor_depth", "num_targets", "min_keep"):
             check_positive(named(name), getattr(self, name))
+        if self.context_keep is not None:
+            check_positive(named("context_keep"), self.context_keep)
         check_widths(self, "predictor_dim", "predictor_heads", multiple_of=4, named=named)
         for name in ("target_scale", "context_scale"):
             low, high = getattr(self, name)
@@ -164,6 +173,10 @@ class IJEPA(BackboneObjective):
             nn.init.trunc_normal_(self.mask_token, std=0.02)
         self.register_buffer("predictor_pos", sincos_2d(backbone.grid, c.predictor_dim).unsqueeze(0),
                              persistent=False)
+        # the masks' fixed shapes (context K, padded target T) are settled here, once per run
+        self.masker = MultiBlockMasker(backbone.grid, num_targets=c.num_targets, target_scale=c.target_scale,
+                                       target_aspect=c.target_aspect, context_scale=c.context_scale,
+                                       min_keep=c.min_keep, context_keep=c.context_keep)
 
     # ------------------------------------------------------------------ schedule and EMA
     def momentum(self, progress: float) -> float:
@@ -184,10 +197,9 @@ class IJEPA(BackboneObjective):
 
     # ------------------------------------------------------------------ steps
     def sample_masks(self, batch: int, generator: torch.Generator | None = None) -> MultiBlockMasks:
-        c = self.config
-        return multiblock_masks(batch, self.backbone.grid, num_targets=c.num_targets, target_scale=c.target_scale,
-                                target_aspect=c.target_aspect, context_scale=c.context_scale, min_keep=c.min_keep,
-                                generator=generator)
+        """Multi-block masks of the run's fixed shapes, drawn on the model's device (``generator`` there, or None:
+        the global RNG)."""
+        return self.masker(batch, generator)
 
     @torch.no_grad()
     def targets(self, images: torch.Tensor) -> torch.Tensor:
@@ -227,20 +239,48 @@ class IJEPA(BackboneObjective):
             masked = a.bias + psi_t
         return ctx + ctx_noise, masked
 
-    def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
+    def forward(self, batch, progress: float | torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> dict:
         images, _ = split_batch(batch)
-        masks = self.sample_masks(images.shape[0], generator)
-        context, targets_idx = masks.context.to(images.device), masks.targets.to(images.device)
+        generator = generator_on(images.device, generator)  # None (the trainer's case) stays None
+        return self.loss_on(images, self.sample_masks(images.shape[0], generator), generator)
+
+    def loss_on(self, images: torch.Tensor, masks: MultiBlockMasks, generator: torch.Generator | None = None) -> dict:
+        """The I-JEPA / StoP loss of ``images`` under ``masks``: target slots past the batch's block area
+        (``masks.target_valid``) are never attended to and count in no mean, so the loss is the official mean over
+        the batch's ``h * w`` target tokens."""
+        context, targets_idx, valid = masks.context, masks.targets, masks.target_valid
         b, n_blocks, t = targets_idx.shape
         s_x = self.encode_context(images, context)  # (B, K, D)
         rows = lambda x: x.repeat_interleave(n_blocks, dim=0)  # noqa: E731 - one predictor row per target block
         target_idx = targets_idx.reshape(b * n_blocks, t)
         ctx_in, masked_in = self.predictor_inputs(rows(s_x), rows(context), target_idx, generator)
-        out = self.predictor(torch.cat([ctx_in, masked_in], dim=1))
+        tokens = torch.cat([ctx_in, masked_in], dim=1)
+        out = self.predictor(tokens, attn_mask=self.key_padding(valid, ctx_in.shape[1], tokens))
         prediction = self.predictor_proj(out[:, ctx_in.shape[1]:])  # (B * blocks, T, D)
         # Gather every block's targets from the (B, N, D) features at once: the same rows as repeating the features
         # per block first, without copying them num_targets times.
         target = gather_rows(self.targets(images), targets_idx.reshape(b, n_blocks * t)).reshape(b * n_blocks, t, -1)
-        loss = F.smooth_l1_loss(prediction.float(), target.float(), beta=1.0)  # fp32 under autocast
-        return {"loss": loss, "context_tokens": torch.tensor(float(context.shape[1])),
-                "target_std": target.std(dim=1).mean().detach()}
+        weight = valid.to(torch.float32)  # (T,)
+        per_token = F.smooth_l1_loss(prediction.float(), target.float(), reduction="none", beta=1.0).mean(-1)
+        loss = (per_token * weight).sum() / (weight.sum() * per_token.shape[0])  # fp32 under autocast
+        return {"loss": loss, "context_tokens": torch.full((), float(context.shape[1]), device=images.device),
+                "target_std": masked_std(target.detach(), weight).mean()}
+
+    @staticmethod
+    def key_padding(valid: torch.Tensor, context_len: int, tokens: torch.Tensor) -> torch.Tensor:
+        """(1, 1, 1, K + T) additive mask, built once per step for every predictor block: -inf on the padded
+        target slots, in the dtype the predictor attends in (autocast's, if on)."""
+        device = tokens.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
+        keep = torch.cat([valid.new_ones(context_len), valid])
+        return torch.zeros(keep.shape, dtype=dtype, device=tokens.device).masked_fill(~keep, float("-inf")).view(
+            1, 1, 1, -1)
+
+
+def masked_std(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(R, T, D), (T,) 0/1 -> (R, D): the standard deviation over the weighted tokens (unbiased, as ``std``)."""
+    w = weight.view(1, -1, 1)
+    n = weight.sum()
+    mean = (x * w).sum(1, keepdim=True) / n
+    return (((x - mean) ** 2 * w).sum(1) / (n - 1)).sqrt()
