@@ -225,3 +225,96 @@ def test_config_from_dict_and_backbone_checks(micro):
         _randsac(micro, segments="square", square_size=4, hierarchy=())
     with pytest.raises(ObjectiveError, match="hierarchy"):
         _randsac(micro, segments="square", square_size=2, hierarchy=(5,))
+
+
+# ---------------------------------------------------------------------------------------------- static, on-device draws
+def _reference_blobs(u_mean: torch.Tensor, u_std: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """§3.2 / Eq. 1 in float64 NumPy, one sample at a time: means ~ U(-1.75, 1.75), stds ~ U(0.5, 1) per axis from
+    the given uniforms, token positions on [-2, 2], each token to the Gaussian of highest density, ids compacted."""
+    import numpy as np
+
+    h, w = grid
+    xs, ys = np.meshgrid(np.linspace(-2, 2, w), np.linspace(-2, 2, h))
+    points = np.stack([xs.ravel(), ys.ravel()], 1)  # raster order, (x, y)
+    out = []
+    for um, us in zip(u_mean.double().numpy(), u_std.double().numpy(), strict=True):
+        mean, std = -1.75 + 3.5 * um, 0.5 + 0.5 * us
+        density = np.exp(-0.5 * (((points[:, None] - mean) / std) ** 2).sum(-1)) / std.prod(-1)
+        best = density.argmax(1)
+        out.append(np.unique(best, return_inverse=True)[1].reshape(-1))
+    return torch.as_tensor(np.stack(out))
+
+
+def test_blob_draws_follow_eq1_in_float64():
+    """The blob ids (float32, on the device, fixed K) are Eq. 1 evaluated in float64 on the same uniform draws: all
+    but near-ties agree, and the segment statistics are the paper's."""
+    grid, k, b = (14, 14), 11, 256
+    ids = blob_segments(grid, k, torch.Generator().manual_seed(0), batch=b)
+    g = torch.Generator().manual_seed(0)  # the same draws, in the function's order: means, then stds
+    u_mean, u_std = torch.rand(b, k, 2, generator=g), torch.rand(b, k, 2, generator=g)
+    reference = _reference_blobs(u_mean, u_std, grid)
+    assert (ids == reference).float().mean() > 0.999
+    used = ids.amax(1) + 1
+    assert used.max() <= k and used.float().mean() > 6, "most blobs win tokens on a 14 x 14 grid"
+
+
+def test_order_is_drawn_on_the_device_from_the_global_rng(micro):
+    model = _randsac(micro, num_segments=6, hierarchy=(3,))
+    torch.manual_seed(0)
+    first = model.make_order(8)
+    torch.manual_seed(0)
+    assert torch.equal(model.make_order(8), first), "generator=None: the global (device default) RNG stream"
+    assert not torch.equal(model.make_order(8), first)
+    assert first.device == model.token_pos.device and first.shape == (8, 16)
+    g = torch.Generator().manual_seed(3)
+    assert torch.equal(model.make_order(8, g), model.make_order(8, torch.Generator().manual_seed(3)))
+
+
+def _today_masks(order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The boolean masks as every attention call got them before they were built once per step (independent of
+    RandSAC's own formulas): source = key rank <= query rank; memory = key rank < query rank, or both first."""
+    key, query = order[:, None, :], order[:, :, None]
+    source = (key <= query).unsqueeze(1)
+    memory = ((key < query) | ((key == 0) & (query == 0))).unsqueeze(1)
+    return source, memory
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "math"])
+def test_shared_additive_masks_equal_per_call_boolean_masks(micro, images, kernel):
+    """One additive mask per step, shared by every layer = the boolean masks of every call: loss and gradients."""
+    from patchplace.models.attention import attention_kernel
+
+    model = _randsac(micro, num_segments=6, hierarchy=(3,))
+    x = images(3, size=16, seed=8)
+    order = model.make_order(3, torch.Generator().manual_seed(9))
+    source, memory = _today_masks(order)
+    shared = model.attention_masks(order)
+    assert shared[0].dtype == torch.float32 and shared[0].stride(-2) % 16 == 0, "aligned rows: no copy in SDPA"
+    assert torch.equal(shared[0] == 0, source) and torch.equal(shared[1] == 0, memory)
+
+    def loss_and_grads(masks):
+        model.zero_grad(set_to_none=True)
+        with attention_kernel(kernel):
+            hidden = model.forward_encoder(x, order, masks[0])
+            loss = model.forward_loss(x, model.forward_decoder(hidden, order, masks), order)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_today, grads_today = loss_and_grads((source, memory))
+    loss_new, grads_new = loss_and_grads(shared)
+    torch.testing.assert_close(loss_new, loss_today, rtol=1e-6, atol=1e-7)
+    assert grads_new.keys() == grads_today.keys()
+    for name in grads_today:
+        torch.testing.assert_close(grads_new[name], grads_today[name], rtol=1e-5, atol=1e-6, msg=name)
+    out = model(x, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(out["loss"], loss_today, rtol=1e-6, atol=1e-7)
+
+
+def test_masks_under_autocast_are_built_in_the_attention_dtype(micro, images):
+    model = _randsac(micro, num_segments=6, hierarchy=(3,))
+    order = model.make_order(2, torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        source, memory = model.attention_masks(order)
+        loss = model(images(2, size=16), generator=torch.Generator().manual_seed(1))["loss"]
+    assert source.dtype == memory.dtype == torch.bfloat16
+    assert torch.isfinite(loss)

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from timm.layers import Mlp
 from torch import nn
 
 from patchplace.models import Backbone, sincos_2d
-from patchplace.models.attention import Attention
+from patchplace.models.attention import Attention, additive_mask, attention_dtype
 
 from .common import (
     BackboneObjective,
@@ -45,7 +46,15 @@ from .common import (
 )
 from .mae import pixel_targets
 from .registry import register_method
-from .segments import blob_segments, patch_random_order, raster_order, serialize, square_segments
+from .segments import (
+    blob_segments,
+    num_squares,
+    patch_random_order,
+    raster_order,
+    serialize,
+    square_segments,
+    token_positions,
+)
 
 SEGMENT_TYPES = ("blob", "square", "raster", "patch_random")
 
@@ -120,7 +129,8 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, d), memory (B, S, d); masks bool (True = attend), broadcastable to (B, heads, T, T / S)."""
+        """x (B, T, d), memory (B, S, d); masks bool (True = attend) or additive, broadcastable to (B, heads, T, T / S)
+        (:meth:`RandSAC.attention_masks` builds both once per step, for every layer)."""
         x = x + self.attn(self.norm1(x), attn_mask=self_mask)
         x = x + self.cross_attn(self.norm2(x), attn_mask=memory_mask, memory=memory)
         return x + self.mlp(self.norm3(x))
@@ -176,6 +186,9 @@ class RandSAC(BackboneObjective):
         self.decoder_pred = nn.Linear(c.decoder_dim, self.patch_size**2 * backbone.config.in_chans)
         # App. B.1: xavier-uniform for the Transformer blocks (as MAE's decoder; common.init_linear).
         self._init_decoder()
+        # constant tables of the segment draws, on the model's device: the token positions of §3.2 and the squares
+        self.register_buffer("token_pos", token_positions(self.grid), persistent=False)
+        self.register_buffer("square_ids", square_segments(self.grid, c.square_size), persistent=False)
         # §4.2 skip connections: W (L_enc x L_dec), Z^l = sum_k W[k, l] H^k. The paper calls it a plain linear layer
         # (no softmax / normalization) and gives no init: we start every decoder layer from the average of the
         # encoder layers (W = 1 / L_enc), so all layers feed the decoder from step 0 and W stays unconstrained.
@@ -187,24 +200,25 @@ class RandSAC(BackboneObjective):
             module.apply(init_linear)
 
     def _num_squares(self) -> int:
-        return int(square_segments(self.grid, self.config.square_size).max()) + 1
+        return num_squares(self.grid, self.config.square_size)
 
     # ------------------------------------------------------------------ segments, serialization, masks
     def make_order(self, batch: int, generator: torch.Generator | None = None,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
-        """(B, N) per-sample segment rank of every token (0 = first segment), §3.1-§3.3."""
+                   device: torch.device | str | None = None) -> torch.Tensor:
+        """(B, N) per-sample segment rank of every token (0 = first segment), §3.1-§3.3, drawn on ``device`` (the
+        model's by default) with fixed shapes: K from the config, the partitions of each level from ``hierarchy``.
+        Random numbers come from ``generator`` (on its device) when given, else from ``device``'s default one."""
         c = self.config
+        pos = self.token_pos if device is None else self.token_pos.to(device)
         if c.segments == "raster":
-            order = raster_order(self.grid, batch)
-        elif c.segments == "patch_random":
-            order = patch_random_order(self.grid, generator, batch)
+            return raster_order(self.grid, batch, pos.device)
+        if c.segments == "patch_random":
+            return patch_random_order(self.grid, generator, batch, pos.device)
+        if c.segments == "blob":
+            ids, k = blob_segments(self.grid, c.num_segments, generator, batch, positions=pos), c.num_segments
         else:
-            if c.segments == "blob":
-                ids = blob_segments(self.grid, c.num_segments, generator, batch)
-            else:
-                ids = square_segments(self.grid, c.square_size, batch)
-            order = serialize(ids, self.grid, c.hierarchy, generator)
-        return order.to(device)
+            ids, k = self.square_ids.to(pos.device).expand(batch, -1), self._num_squares()
+        return serialize(ids, self.grid, c.hierarchy, generator, num_segments=k, positions=pos)
 
     @staticmethod
     def source_mask(order: torch.Tensor) -> torch.Tensor:
@@ -214,17 +228,24 @@ class RandSAC(BackboneObjective):
     @staticmethod
     def memory_mask(order: torch.Tensor) -> torch.Tensor:
         """(B, 1, N, N) bool: a token of segment s sees encoder tokens of segments < s only; the first segment has
-        no predecessor and sees its own encoding (§4.1)."""
-        earlier = order[:, None, :] < order[:, :, None]
-        first = (order[:, None, :] == 0) & (order[:, :, None] == 0)
-        return (earlier | first).unsqueeze(1)
+        no predecessor and sees its own encoding (§4.1): segments < max(s, 1)."""
+        return (order[:, None, :] < order[:, :, None].clamp_min(1)).unsqueeze(1)
+
+    def attention_masks(self, order: torch.Tensor, device_type: str | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The source and memory masks of a step as additive (B, 1, N, N) masks in the attention dtype (autocast's
+        where on), each built once and shared by every encoder / decoder layer (:func:`additive_mask`)."""
+        dtype = attention_dtype(device_type or order.device.type, self.decoder_pos.dtype)
+        return additive_mask(self.source_mask(order), dtype), additive_mask(self.memory_mask(order), dtype)
 
     # ------------------------------------------------------------------ encoder, decoder, loss
-    def forward_encoder(self, images: torch.Tensor, order: torch.Tensor) -> list[torch.Tensor]:
-        """Patch tokens + sin-cos PE through every block under the source mask. Returns H^1..H^L_enc, each
-        (B, N, D) and passed through the backbone's final norm (so H^L_enc is ``forward_tokens``' output)."""
+    def forward_encoder(self, images: torch.Tensor, order: torch.Tensor,
+                        source_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Patch tokens + sin-cos PE through every block under the source mask (``source_mask``: the additive one of
+        :meth:`attention_masks`, else built here). Returns H^1..H^L_enc, each (B, N, D) and passed through the
+        backbone's final norm (so H^L_enc is ``forward_tokens``' output)."""
         x = self.backbone.patch_embed(images) + self.backbone.pos_embed()
-        mask = self.source_mask(order)
+        mask = self.attention_masks(order, images.device.type)[0] if source_mask is None else source_mask
         hidden = []
         for block in self.backbone.blocks:
             x = block(x, attn_mask=mask)
@@ -239,9 +260,11 @@ class RandSAC(BackboneObjective):
         mixed = torch.einsum("kl,kbnd->lbnd", self.skip_weight, torch.stack(hidden))
         return self.decoder_embed(mixed)
 
-    def forward_decoder(self, hidden: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
-        """Decode every token from its PE -> (B, N, p*p*C) pixel predictions (raster order)."""
-        self_mask, memory_mask = self.source_mask(order), self.memory_mask(order)
+    def forward_decoder(self, hidden: list[torch.Tensor], order: torch.Tensor,
+                        masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Decode every token from its PE -> (B, N, p*p*C) pixel predictions (raster order); ``masks``: the
+        (source, memory) masks of :meth:`attention_masks`, else built here."""
+        self_mask, memory_mask = self.attention_masks(order, hidden[0].device.type) if masks is None else masks
         x = self.decoder_pos.expand(order.shape[0], -1, -1)
         for block, memory in zip(self.decoder_blocks, self.memories(hidden), strict=True):
             x = block(x, memory, self_mask, memory_mask)
@@ -253,13 +276,14 @@ class RandSAC(BackboneObjective):
 
     def forward_loss(self, images: torch.Tensor, pred: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """Mean squared error per patch, averaged over the tokens of every segment after the first."""
-        per_patch = ((pred.float() - self.targets(images.float())) ** 2).mean(dim=-1)  # fp32 under autocast
+        per_patch = F.mse_loss(pred.float(), self.targets(images.float()), reduction="none").mean(dim=-1)  # fp32
         predicted = (order > 0).to(per_patch.dtype)
         return (per_patch * predicted).sum() / predicted.sum().clamp_min(1)
 
     def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
         images, _ = split_batch(batch)
         order = self.make_order(images.shape[0], generator, images.device)
-        pred = self.forward_decoder(self.forward_encoder(images, order), order)
+        masks = self.attention_masks(order, images.device.type)  # once for all layers
+        pred = self.forward_decoder(self.forward_encoder(images, order, masks[0]), order, masks)
         loss = self.forward_loss(images, pred, order)
         return {"loss": loss, "num_segments": (order.amax(dim=1) + 1).float().mean().detach()}
