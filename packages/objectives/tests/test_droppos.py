@@ -347,3 +347,36 @@ def test_droppos_learns_positions(make_model):
     # measured (torch 2.x CPU, seeds 0-2): ~1.00 train and 0.99-1.00 held-out after 200 steps; chance is 1/16.
     assert train > 0.6, train
     assert held_out > 0.6, held_out
+
+
+# ---------------------------------------------------------------------------------------------- a static step
+def test_sigma_is_tensor_math_on_a_tensor_progress(make_model, images):
+    """The trainer's progress is a 0-d tensor: sigma (Eq. 7) and the smoothing (Eq. 5-6) stay tensors, with the
+    sigma = 0 one-hot kept exact without a branch on its value; the step's outputs equal the float path's."""
+    model = make_model(sigma_start=1.0, sigma_end=0.0)
+    for p in (0.0, 0.3, 1.0):
+        sigma = model.sigma_at(torch.full((), p))
+        assert isinstance(sigma, torch.Tensor) and sigma.dim() == 0
+        torch.testing.assert_close(sigma, model.sigma_at(p))
+        torch.testing.assert_close(model.smoothing_matrix(sigma), model.smoothing_matrix(1.0 - p))
+    assert torch.equal(model.smoothing_matrix(torch.zeros(())), torch.eye(model.num_patches))
+    as_float = model(images, progress=0.75, generator=torch.Generator().manual_seed(4))
+    as_tensor = model(images, progress=torch.full((), 0.75), generator=torch.Generator().manual_seed(4))
+    for key, value in as_float.items():
+        assert isinstance(value, torch.Tensor), key
+        torch.testing.assert_close(as_tensor[key], value, msg=key)
+    assert float(as_tensor["sigma"]) == pytest.approx(0.25)
+
+
+def test_the_step_embeds_the_patches_once_for_both_forwards(make_model, images):
+    """The attention map's full-image forward (Eq. 9) reuses the step's patch embedding: one patch_embed call per
+    step, and the same loss as the separate forwards (the map is still the current encoder on the full image)."""
+    model = make_model(tau=0.1)
+    calls = []
+    handle = model.backbone.patch_embed.register_forward_hook(lambda *args: calls.append(1))
+    out = model(images, progress=0.5, generator=torch.Generator().manual_seed(6))
+    handle.remove()
+    assert len(calls) == 1
+    logits, labels, dropped = model.predict_positions(images, 0.75, 0.75, torch.Generator().manual_seed(6))
+    separate = model.forward_loss(logits, labels, dropped, model.attentive_weights(images, labels), 0.5)
+    torch.testing.assert_close(out["loss"], separate, rtol=0, atol=0)

@@ -165,14 +165,18 @@ class DropPos(BackboneObjective):
         true_pe = self.backbone.pos_embed(ids_vis)  # (B, V, D)
         return torch.where(dropped.unsqueeze(-1), self.mask_pos_token.to(true_pe.dtype), true_pe)
 
-    def encoder_input(self, images: torch.Tensor, ids_vis: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
-        """z' = [x_cls; x_vis] + p' (Eq. 3): (B, C, H, W) -> (B, 1 + V, D); CLS keeps its own PE p_0."""
-        x_vis = gather_rows(self.backbone.patch_embed(images), ids_vis)  # (B, V, D)
+    def encoder_input(self, images: torch.Tensor, ids_vis: torch.Tensor, dropped: torch.Tensor,
+                      tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """z' = [x_cls; x_vis] + p' (Eq. 3): (B, C, H, W) -> (B, 1 + V, D); CLS keeps its own PE p_0. ``tokens``:
+        ``patch_embed(images)`` when the caller has it (the step shares it with :meth:`attention_map`)."""
+        tokens = self.backbone.patch_embed(images) if tokens is None else tokens
+        x_vis = gather_rows(tokens, ids_vis)  # (B, V, D)
         return self.backbone.prepend_cls(x_vis + self.position_embeddings(ids_vis, dropped))
 
-    def forward_encoder(self, images: torch.Tensor, ids_vis: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    def forward_encoder(self, images: torch.Tensor, ids_vis: torch.Tensor, dropped: torch.Tensor,
+                        tokens: torch.Tensor | None = None) -> torch.Tensor:
         """f_theta(z'): (B, C, H, W) -> (B, 1 + V, D) features of [CLS; visible]."""
-        return self.backbone.forward_tokens(self.encoder_input(images, ids_vis, dropped))
+        return self.backbone.forward_tokens(self.encoder_input(images, ids_vis, dropped, tokens))
 
     def forward_decoder(self, latent: torch.Tensor) -> torch.Tensor:
         """o = g_psi(f_theta(z')) (§3.2): (B, 1 + V, D) -> (B, V, N) position logits; CLS dropped before the head."""
@@ -180,54 +184,63 @@ class DropPos(BackboneObjective):
         return self.head(x[:, 1:])
 
     # ------------------------------------------------------------------ targets and weights
-    def sigma_at(self, progress: float | None) -> float:
-        """sigma_t = t/T (sigma_T - sigma_0) + sigma_0 (Eq. 7), with t/T = ``progress`` in [0, 1] (None = 0)."""
-        p = 0.0 if progress is None else float(progress)
-        if not 0.0 <= p <= 1.0:
-            raise ObjectiveError(f"progress must be in [0, 1] (training fraction done), got {progress}")
+    def sigma_at(self, progress: float | torch.Tensor | None) -> torch.Tensor:
+        """sigma_t = t/T (sigma_T - sigma_0) + sigma_0 (Eq. 7), with t/T = ``progress`` in [0, 1] (None = 0), as a
+        0-d float tensor: tensor math on a tensor ``progress`` (the trainer's, on the step's device: no host read,
+        so it is not range-checked), a Python ``progress`` checked and placed on the model's device."""
+        if progress is None or not isinstance(progress, torch.Tensor):
+            p = 0.0 if progress is None else float(progress)
+            if not 0.0 <= p <= 1.0:
+                raise ObjectiveError(f"progress must be in [0, 1] (training fraction done), got {progress}")
+            progress = torch.full((), p, device=self.grid_sq_dist.device)
         c = self.config
-        return c.sigma_start + p * (c.sigma_end - c.sigma_start)
+        return c.sigma_start + progress.float() * (c.sigma_end - c.sigma_start)
 
-    def smoothing_matrix(self, sigma: float) -> torch.Tensor:
+    def smoothing_matrix(self, sigma: float | torch.Tensor) -> torch.Tensor:
         """w*(y, j) (Eq. 5-6): (N, N), row y = smoothed target of true position y, each ROW summing to 1.
 
         The official code divides by the column sums through a broadcasting slip; we normalize rows as Eq. 6 says
-        (docs/methods/droppos.md). sigma = 0 is exactly one-hot (the limit of Eq. 5), built directly to avoid 0 / 0.
+        (docs/methods/droppos.md). sigma = 0 is exactly one-hot (the limit of Eq. 5): sigma^2 is clamped to the
+        smallest normal float, so every off-diagonal logit -d2 / sigma^2 (d2 >= 1) is <= -8e37 and its exp is 0,
+        while the diagonal's is exp(0) = 1 — no branch on the value of sigma, no 0 / 0.
         """
         d2 = self.grid_sq_dist
-        if sigma == 0:
-            return torch.eye(self.num_patches, device=d2.device, dtype=d2.dtype)
+        if not isinstance(sigma, torch.Tensor):
+            sigma = torch.full((), float(sigma), device=d2.device)
+        sigma2 = sigma.to(d2.dtype).square().clamp_min(torch.finfo(d2.dtype).tiny)
         # softmax over j == exp(-d2 / sigma^2) / row sum, without underflow to 0/0 for tiny sigma.
-        return torch.softmax(-d2 / sigma**2, dim=1)
+        return torch.softmax(-d2 / sigma2, dim=1)
 
-    def smoothed_targets(self, labels: torch.Tensor, sigma: float) -> torch.Tensor:
+    def smoothed_targets(self, labels: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
         """Rows of w* for the true positions ``labels`` (B, V) -> (B, V, N) soft targets (detached)."""
         return self.smoothing_matrix(sigma)[labels].detach()
 
     @torch.no_grad()
-    def attention_map(self, images: torch.Tensor) -> torch.Tensor:
+    def attention_map(self, images: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """A (Eq. 9) over ALL N patches: softmax_i cos(f_cls, f_i) / tau -> (B, N), no gradient.
 
         f comes from the CURRENT encoder on the full, unmasked image with all true PEs (patch_embed + pos_embed +
         prepend_cls, then the blocks) — the official ``get_feature_similarity``, which however hard-codes
         tau = 0.1; we use ``config.tau``. It runs in the encoder's current train/eval mode, as the official code.
+        ``tokens``: ``patch_embed(images)`` when the caller has it (the step computes it once for both forwards).
         """
-        tokens = self.backbone.prepend_cls(self.backbone.patch_embed(images) + self.backbone.pos_embed())
-        features = self.backbone.forward_tokens(tokens)  # (B, 1 + N, D)
+        tokens = self.backbone.patch_embed(images) if tokens is None else tokens.detach()
+        features = self.backbone.forward_tokens(self.backbone.prepend_cls(tokens + self.backbone.pos_embed()))
         sim = F.cosine_similarity(features[:, :1].float(), features[:, 1:].float(), dim=-1)  # (B, N)
         return torch.softmax(sim / self.config.tau, dim=-1)
 
-    def attentive_weights(self, images: torch.Tensor, ids_vis: torch.Tensor) -> torch.Tensor:
+    def attentive_weights(self, images: torch.Tensor, ids_vis: torch.Tensor,
+                          tokens: torch.Tensor | None = None) -> torch.Tensor:
         """A_{y_i} of Eq. 8 for the visible tokens: Eq. 9 gathered at ``ids_vis`` and renormalized to sum 1 per
         sample -> (B, V), detached; all ones when tau = inf (no attentive reconstruction, no extra forward)."""
         if math.isinf(self.config.tau):
             return torch.ones(ids_vis.shape, device=ids_vis.device)
-        weights = torch.gather(self.attention_map(images), 1, ids_vis)
+        weights = torch.gather(self.attention_map(images, tokens), 1, ids_vis)
         return (weights / weights.sum(dim=1, keepdim=True)).detach()
 
     # ------------------------------------------------------------------ loss
     def forward_loss(self, logits: torch.Tensor, labels: torch.Tensor, dropped: torch.Tensor,
-                     weights: torch.Tensor, sigma: float) -> torch.Tensor:
+                     weights: torch.Tensor, sigma: float | torch.Tensor) -> torch.Tensor:
         """L^attn_smooth (Eq. 8), normalized: sum(w * CE_smooth) / sum(w) over the batch's dropped-PE tokens.
 
         logits (B, V, N); labels (B, V) true positions; dropped (B, V) bool; weights (B, V). Anchors (kept PEs)
@@ -243,18 +256,20 @@ class DropPos(BackboneObjective):
 
     # ------------------------------------------------------------------ forward
     def predict_positions(self, images: torch.Tensor, mask_ratio: float, pos_mask_ratio: float,
-                          generator: torch.Generator | None = None
+                          generator: torch.Generator | None = None, tokens: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mask, drop, encode, decode: returns ``logits`` (B, V, N), ``ids_vis`` (B, V) — which is also the label
         y = gather([0, ..., N-1], M) of §3.2, the true positions — and ``dropped`` (B, V). The patch mask draws from
-        ``generator`` before the PE drop."""
+        ``generator`` before the PE drop (from the device's default generator without one); ``tokens``: the
+        images' ``patch_embed`` when the caller has it."""
         b, device = images.shape[0], images.device
         ids_vis = self.mask_patches(b, mask_ratio, device, generator)
         dropped = self.drop_positions(b, ids_vis.shape[1], pos_mask_ratio, device, generator)
-        logits = self.forward_decoder(self.forward_encoder(images, ids_vis, dropped))
+        logits = self.forward_decoder(self.forward_encoder(images, ids_vis, dropped, tokens))
         return logits, ids_vis, dropped
 
-    def forward(self, batch: Any, progress: float | None = None, *, generator: torch.Generator | None = None,
+    def forward(self, batch: Any, progress: float | torch.Tensor | None = None, *,
+                generator: torch.Generator | None = None,
                 mask_ratio: float | None = None, pos_mask_ratio: float | None = None) -> dict[str, torch.Tensor]:
         """One DropPos step on ``batch`` (images, or (images, labels) — labels are ignored).
 
@@ -267,8 +282,9 @@ class DropPos(BackboneObjective):
         check_ratio("mask_ratio", gamma)
         check_ratio("pos_mask_ratio", gamma_pos)
         sigma = self.sigma_at(progress)
-        logits, labels, dropped = self.predict_positions(images, gamma, gamma_pos, generator)
-        weights = self.attentive_weights(images, labels)
+        tokens = self.backbone.patch_embed(images)  # once, for the masked encoder and the attention map (Eq. 9)
+        logits, labels, dropped = self.predict_positions(images, gamma, gamma_pos, generator, tokens)
+        weights = self.attentive_weights(images, labels, tokens)
         loss = self.forward_loss(logits, labels, dropped, weights, sigma)
         return {
             "loss": loss,
@@ -278,7 +294,7 @@ class DropPos(BackboneObjective):
             # the official code's logged accuracy: each dropped token weighted by its attentive weight A (Eq. 9);
             # equals pos_acc when tau = inf
             "pos_acc_attn_weighted": topk_accuracy(logits.detach(), labels, k=1, weight=weights * dropped),
-            "sigma": torch.tensor(sigma, device=loss.device),
+            "sigma": sigma.detach(),
         }
 
 
