@@ -15,6 +15,7 @@ from patchplace.objectives import (
     random_masking,
     topk_accuracy,
 )
+from patchplace.objectives.mae import pixel_targets
 
 
 def _mae(micro, **config):
@@ -93,3 +94,25 @@ def test_topk_accuracy_with_weights():
     assert topk_accuracy(logits, targets, 1) == 0.5
     assert topk_accuracy(logits, targets, 2) == 1.0
     assert topk_accuracy(logits, targets, 1, torch.tensor([[0, 1]])) == 1.0
+
+
+def test_random_masking_mask_is_maes_ones_slice_gather():
+    """The removed-token mask (one comparison of the inverse permutation) is MAE's ones / [:keep] = 0 / gather."""
+    for n, keep in ((10, 3), (196, 49), (5, 5), (4, 0)):
+        _, mask, restore = random_masking(6, n, keep, generator=torch.Generator().manual_seed(n))
+        official = torch.ones(6, n)
+        official[:, :keep] = 0
+        assert torch.equal(mask, torch.gather(official, 1, restore).bool())
+
+
+def test_mae_loss_takes_a_bool_or_float_mask(micro):
+    model = _mae(micro)
+    x = torch.randn(2, 1, 16, 16)
+    latent, mask, restore = model.forward_encoder(x, 0.75, torch.Generator().manual_seed(1))
+    pred = model.forward_decoder(latent, restore)
+    target = pixel_targets(x, 4)
+    expected = (((pred - target) ** 2).mean(-1) * mask).sum() / mask.sum()
+    torch.testing.assert_close(model.forward_loss(x, pred, mask), expected)
+    torch.testing.assert_close(model.forward_loss(x, pred, mask.float()), expected)
+    out = model(x, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(out["loss"], expected)

@@ -203,7 +203,8 @@ class BackboneObjective(nn.Module):
 # ---------------------------------------------------------------------------------------------- masking
 def noise_device(device: torch.device | str, generator: torch.Generator | None) -> torch.device | str:
     """Where to draw random numbers: on the generator's device when one is given (so a CPU generator gives the same
-    masks whatever device the model is on), else on ``device``."""
+    masks whatever device the model is on), else on ``device`` — with its default generator, the global RNG
+    stream a checkpoint saves (a training step passes no generator: its masks are drawn on the device)."""
     return generator.device if generator is not None else device
 
 
@@ -222,9 +223,9 @@ def random_masking(batch: int, n: int, keep: int, device: torch.device | str = "
         raise ObjectiveError(f"cannot keep {keep} of {n} tokens")
     shuffle = random_shuffle(batch, n, device, generator)
     restore = shuffle.argsort(dim=1)
-    mask = torch.ones(batch, n, dtype=torch.bool, device=shuffle.device)
-    mask[:, :keep] = False
-    return shuffle[:, :keep], torch.gather(mask, 1, restore), restore
+    # token i is removed iff its place in the shuffle is past the kept ones (MAE: ones, [:keep] = 0, gather by
+    # restore: the same mask in one op)
+    return shuffle[:, :keep], restore >= keep, restore
 
 
 def num_kept(n: int, ratio: float) -> int:

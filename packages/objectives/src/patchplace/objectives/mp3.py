@@ -130,7 +130,8 @@ class MP3(BackboneObjective):
         else:  # the context (a random M) first, then the rest in random order
             order = random_shuffle(b, n, tokens.device, generator)
             tokens = torch.gather(tokens, 1, order.unsqueeze(-1).expand(-1, -1, d))
-            anchors = torch.gather(anchors, 1, order)
+            if anchor_ratio > 0:  # (no anchors: all False in any order)
+                anchors = torch.gather(anchors, 1, order)
         cls = self.backbone.cls_token
         if cls is not None:  # §3.1: the class token, without PE, in every sample's context
             tokens = torch.cat([cls.to(tokens.dtype).expand(b, -1, -1), tokens], dim=1)
@@ -153,9 +154,13 @@ class MP3(BackboneObjective):
         logits, targets, anchors = self.context_first_logits(inputs, generator=generator)
         b, n, _ = logits.shape  # targets: each row's original index
         # fp32 loss whatever the autocast (bf16 / fp16 logits over N positions)
-        ce = F.cross_entropy(logits.reshape(b * n, n).float(), targets.reshape(-1), reduction="none").view(b, n)
-        predicted = (~anchors).float()  # anchors are given, not predicted: excluded from the loss
-        loss = (ce * predicted).sum() / predicted.sum()
+        if self.config.anchor_ratio > 0:  # anchors are given, not predicted: excluded from the loss
+            predicted = (~anchors).float()
+            ce = F.cross_entropy(logits.reshape(b * n, n).float(), targets.reshape(-1), reduction="none")
+            loss = (ce.view(b, n) * predicted).sum() / predicted.sum()
+        else:  # every token is predicted: the plain mean
+            predicted = None
+            loss = F.cross_entropy(logits.reshape(b * n, n).float(), targets.reshape(-1))
         return {"loss": loss, "pos_acc": topk_accuracy(logits, targets, 1, predicted),
                 "pos_acc_top5": topk_accuracy(logits, targets, 5, predicted)}
 
