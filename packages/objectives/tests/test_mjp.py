@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from patchplace.models.pos_embed import sincos_2d
-from patchplace.objectives.common import ObjectiveError
+from patchplace.objectives.audit import count_step
+from patchplace.objectives.common import ObjectiveError, grid_coords
 from patchplace.objectives.mjp import MJP, DALRegressor, MJPConfig, dal_loss, jigsaw, permute_selected
 
 
@@ -50,7 +51,7 @@ def test_jigsaw_selects_about_ratio_n_per_sample(images):
     x = images(64, size=32)
     _, mask = jigsaw(x, 4, 0.25, generator=torch.Generator().manual_seed(1))
     counts = mask.sum(1).float()
-    # BEiT's generator never exceeds round(0.25 * 64) = 16 and rarely falls short (measured mean 15.9).
+    # BEiT's generator never exceeds int(0.25 * 64) = 16 and rarely falls short (measured mean 15.9).
     assert counts.max() <= 16 and counts.mean() >= 0.9 * 16, counts
     assert len({tuple(m.tolist()) for m in mask}) >= 60, "one block-wise mask per sample"
 
@@ -218,6 +219,80 @@ def test_mjp_learns_a_small_labelled_set(micro, images):
         after = model.eval()((x, y))
     # measured (seeds 0-4): clean CE 1.39 -> 0.36-0.44 (label smoothing 0.1 bounds it below), accuracy 8/8
     assert after["ce"].item() < 0.5 * before and after["acc"] >= 0.875, (before, after)
+
+
+# ---------------------------------------------------------------------------------------------- a static step
+def test_every_training_step_feeds_a_mask_so_e_unk_is_never_unused(micro, images):
+    """The jigsaw is computed every step and selected on the device: on a step without it the images pass
+    unchanged with an all-False mask, so E_unk gets a zero gradient (not None) and DDP needs no unused-parameter
+    search; the metrics stay device tensors."""
+    model = _mjp(micro, apply_prob=1.0, warmup_fraction=0.5)
+    assert model.leaves_parameters_unused is False
+    x, y = images(4, size=32), torch.tensor([0, 1, 2, 3])
+    for progress, shuffled in ((torch.full((), 0.25), False), (torch.full((), 0.75), True)):
+        model.zero_grad()
+        out = model((x, y), progress=progress)
+        out["loss"].backward()
+        assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in out.values())
+        grad = model.backbone.unknown_pos_embed.grad
+        assert grad is not None and bool(grad.abs().sum() > 0) is shuffled
+        assert bool(out["jigsaw"]) is shuffled
+        images_in, unknown_pos = model.apply_jigsaw(x, progress)
+        assert unknown_pos.shape == (4, 64) and bool(unknown_pos.any()) is shuffled
+        assert torch.equal(images_in, x) is not shuffled
+    never = _mjp(micro, ratio=0.0)
+    _, mask = never.apply_jigsaw(x, 0.5)
+    assert mask.shape == (4, 64) and not mask.any()
+    assert never.eval().apply_jigsaw(x, 0.5) == (x, None)
+
+
+def test_a_step_draws_from_the_global_streams_and_never_syncs(micro, images):
+    """generator=None: the masks, the permutation and the coin come from the default generator (what a trainer
+    checkpoints), so re-seeding repeats the step exactly; the PCA map too runs without a host sync."""
+    x, y = images(4, size=32), torch.tensor([0, 1, 2, 3])
+    for dal in ("mlp", "pca"):
+        model = _mjp(micro, apply_prob=0.5, warmup_fraction=0.0, dal=dal)
+        losses = []
+        for _ in range(2):
+            torch.manual_seed(11)
+            losses.append(model((x, y), progress=torch.full((), 0.5))["loss"])
+        assert torch.equal(*losses)
+        counts = count_step(lambda m=model: m((x, y), progress=torch.full((), 0.5))["loss"].backward())
+        assert counts.num_syncs == 0, (dal, dict(counts.syncs))
+
+
+def test_schedules_on_tensor_progress_equal_the_float_path(micro):
+    official = _mjp(micro, dal_schedule="official")
+    floats = [official.dal_weight_at(e / 300) for e in range(300)] + [official.dal_weight_at(1.0)]
+    tensors = [official.dal_weight_at(torch.full((), e / 300)) for e in range(300)] + [
+        official.dal_weight_at(torch.full((), 1.0))]
+    assert all(isinstance(t, torch.Tensor) for t in tensors)
+    torch.testing.assert_close(torch.stack(tensors), torch.tensor(floats, dtype=torch.float32))
+    assert _mjp(micro).dal_weight_at(torch.full((), 0.3)) == 0.01  # constant: the float
+    model = _mjp(micro, warmup_fraction=0.25, apply_prob=1.0)
+    assert not any(bool(model.jigsaw_applies(torch.full((), p))) for p in (0.0, 0.1, 0.249))
+    assert all(bool(model.jigsaw_applies(torch.full((), p))) for p in (0.25, 0.6, 1.0))
+
+
+def test_dal_targets_are_a_buffer_outside_the_checkpoint(micro):
+    model = _mjp(micro, dal="linear")
+    assert torch.equal(model.dal_coords, grid_coords((8, 8)).float())
+    assert "dal_coords" not in model.state_dict()
+    table = model.backbone.pos_embed()
+    torch.testing.assert_close(dal_loss(model.dal, table, coords=model.dal_coords), dal_loss(model.dal, table))
+
+
+def test_the_count_rule_decides_what_small_grids_accept(micro):
+    with pytest.raises(ObjectiveError, match="count_rule"):
+        MJPConfig(count_rule="ceil").validate()
+    with pytest.raises(ObjectiveError, match=r"int\(0.03 \* 64\) = 1 .* or count_rule='round'"):
+        _mjp(micro, ratio=0.03)
+    model = _mjp(micro, ratio=0.03, count_rule="round", apply_prob=1.0, warmup_fraction=0.0)
+    _, mask = model.apply_jigsaw(torch.zeros(64, 1, 32, 32), 0.5, torch.Generator().manual_seed(0))
+    assert int(mask.sum(1).max()) == 2  # round(1.92)
+    official = _mjp(micro, ratio=0.15, apply_prob=1.0, warmup_fraction=0.0)
+    _, mask = official.apply_jigsaw(torch.zeros(64, 1, 32, 32), 0.5, torch.Generator().manual_seed(0))
+    assert int(mask.sum(1).max()) == 9  # int(9.6), the official rule
 
 
 # ---------------------------------------------------------------------------------------------- validation

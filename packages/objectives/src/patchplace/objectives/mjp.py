@@ -30,7 +30,7 @@ from torch import nn
 
 from patchplace.models import Backbone
 
-from .block_masks import blockwise_masks
+from .blockwise import COUNT_RULES, blockwise_masks, target_count
 from .common import (
     BackboneObjective,
     ObjectiveConfig,
@@ -58,7 +58,11 @@ class MJPConfig(ObjectiveConfig):
       Table 1 (DeiT-S + MJP: 80.5 top-1, consistency 82.9), i.e. the best top-1 of the gamma sweep in Table 3
       (0.03: 80.5, 0.09: 80.3, 0.15: 80.4, 0.21: 80.2, 0.27: 80.3) and the "trained with gamma = 0.03" model of
       Fig. 3 (a, b). Larger gamma trades a little accuracy for consistency (Table 3: 82.9 -> 93.1 at 0.27). NB: on
-      small grids 0.03 selects fewer than 2 patches (e.g. round(0.03 * 49) = 1), so :class:`MJP` rejects it there.
+      small grids 0.03 selects fewer than 2 patches (e.g. int(0.03 * 64) = 1), so :class:`MJP` rejects it there.
+    * ``count_rule`` ``"int"``: the generator aims for int(gamma N) patches, as the official code
+      (yhlleo/MJP ``data/masking_generator.py``, ``MaskingGenerator._num_patches_decaying``:
+      ``int(self.num_patches * cur_ratio)``); ``"round"`` aims for round(gamma N), one patch more where the
+      fraction is >= .5 (e.g. 2 instead of 1 at 0.03 on 8 x 8, so that small grids can train at gamma 0.03).
     * ``min_block`` 8 patches and ``min_aspect`` 0.3 (aspect in [0.3, 1/0.3]): BEiT's generator as the official
       training uses it (``data/masking_generator.py``).
     * ``apply_prob`` 0.5: the jigsaw is applied to a random half of the batches (official ``AUG.JIGSAW = 0.5``), and
@@ -73,6 +77,7 @@ class MJPConfig(ObjectiveConfig):
     """
 
     ratio: float = 0.03  # gamma: fraction of patches jigsawed (Alg. 1)
+    count_rule: str = "int"  # target count: int(gamma N) (official) | round(gamma N)
     min_block: int = 8  # smallest block of the block-wise generator (patches)
     min_aspect: float = 0.3  # block aspect in [min_aspect, 1 / min_aspect]
     apply_prob: float = 0.5  # fraction of batches jigsawed
@@ -85,6 +90,8 @@ class MJPConfig(ObjectiveConfig):
 
     def validate(self, named: Callable[[str], str] = str) -> MJPConfig:
         check_ratio(named("ratio"), self.ratio)
+        if self.count_rule not in COUNT_RULES:
+            raise ObjectiveError(f"{named('count_rule')} must be one of {COUNT_RULES}, got {self.count_rule!r}")
         if isinstance(self.min_block, bool) or not isinstance(self.min_block, int) or self.min_block < 1:
             raise ObjectiveError(f"{named('min_block')} must be an integer >= 1 (patches), got {self.min_block!r}")
         if not 0.0 < self.min_aspect <= 1.0:
@@ -147,19 +154,21 @@ def permute_selected(mask: torch.Tensor, generator: torch.Generator | None = Non
 
 
 def jigsaw(images: torch.Tensor, patch_size: int, ratio: float, *, min_block: int = 8, min_aspect: float = 0.3,
-           generator: torch.Generator | None = None, mask: torch.Tensor | None = None,
+           count_rule: str = "int", generator: torch.Generator | None = None, mask: torch.Tensor | None = None,
            derange: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-wise random jigsaw puzzle shuffle (MJP Alg. 1) of a batch of images.
 
-    Per sample, BEiT's block-wise generator selects ~round(``ratio`` N) patches (Alg. 1 line 3; per sample, where
-    the official code draws one mask for the whole batch: docs/methods/mjp.md), and the selected patches are permuted
-    among
-    themselves (line 4; see :func:`permute_selected` for ``derange``); all other patches stay bit-identical.
+    Per sample, BEiT's block-wise generator selects up to int(``ratio`` N) patches (``count_rule="round"``:
+    round(``ratio`` N); Alg. 1 line 3; per sample, where the official code draws one mask for the whole batch:
+    docs/methods/mjp.md), and the selected patches are permuted among themselves (line 4; see
+    :func:`permute_selected` for ``derange``); all other patches stay bit-identical.
 
     ``images`` (B, C, H, W) with H, W multiples of ``patch_size`` -> ``(shuffled, unknown_pos)``: the shuffled
     images (same shape and dtype) and the (B, N) bool mask of the selected positions, raster order — the
     ``unknown_pos`` input of the backbone / ONNX model (Eq. 4). A precomputed ``mask`` (B, N) skips the generator.
-    Deterministic given ``generator`` (mask, then permutation). Pure: usable in evaluation (consistency, Eq. 7).
+    Everything is drawn for the whole batch with tensor ops on ``images.device`` (no host sync): from ``generator``
+    on its own device when given (deterministic: mask, then permutation; the same on any device), else from the
+    device's default generator. Pure: usable in evaluation (consistency, Eq. 7).
     """
     if images.dim() != 4:
         raise ObjectiveError(f"jigsaw expects images (B, C, H, W), got shape {tuple(images.shape)}")
@@ -169,7 +178,8 @@ def jigsaw(images: torch.Tensor, patch_size: int, ratio: float, *, min_block: in
     grid = (h // patch_size, w // patch_size)
     if mask is None:
         check_ratio("ratio", ratio)
-        mask = blockwise_masks(b, grid, ratio, min_block=min_block, min_aspect=min_aspect, generator=generator)
+        mask = blockwise_masks(b, grid, ratio, min_block=min_block, min_aspect=min_aspect, count_rule=count_rule,
+                               device=images.device, generator=generator)
     elif tuple(mask.shape) != (b, grid[0] * grid[1]) or mask.dtype != torch.bool:
         raise ObjectiveError(f"mask must be a bool tensor of shape {(b, grid[0] * grid[1])}, got {mask.dtype} "
                              f"{tuple(mask.shape)}")
@@ -228,12 +238,12 @@ class DALRegressor(nn.Module):
         u, _, v = torch.pca_lowrank(rows, q=2, center=True, niter=5)
         with torch.no_grad():
             sign = torch.sign(torch.gather(u, 0, u.abs().argmax(dim=0, keepdim=True)))
-            sign[sign == 0] = 1.0
+            sign = sign + (sign == 0)  # a zero score keeps its direction (arithmetic: no boolean-index sync)
         return (rows @ (v * sign)).to(pe_rows.dtype)
 
 
 def dal_loss(regressor: DALRegressor, pe_table: torch.Tensor, keep_mask: torch.Tensor | None = None,
-             grid: tuple[int, int] | None = None) -> torch.Tensor:
+             grid: tuple[int, int] | None = None, coords: torch.Tensor | None = None) -> torch.Tensor:
     """L_DAL (Eq. 2): mean L1 between g(E_pos^{i,j}) and the integer grid coordinate (i, j) of each kept position.
 
     ``pe_table`` (N, D) or (1, N, D): the PE rows of the patch positions in raster order (``backbone.pos_embed()``;
@@ -243,6 +253,8 @@ def dal_loss(regressor: DALRegressor, pe_table: torch.Tensor, keep_mask: torch.T
     code, this is exactly its loss). The L1 is averaged over the two coordinates as the official ``F.l1_loss``
     (lambda = 0.01 was tuned with it), i.e. half of Eq. 2's ||.||_1. For ``pca`` the basis is fitted on all N rows
     (the official code fits it on the kept rows of its one batch mask; per-sample masks have no single kept set).
+    ``coords``: the (N, 2) float targets (:func:`grid_coords` of ``grid``) already on the table's device — a
+    training step passes its registered buffer; None builds them here.
     """
     table = pe_table[0] if pe_table.dim() == 3 and pe_table.shape[0] == 1 else pe_table
     if table.dim() != 2:
@@ -255,7 +267,8 @@ def dal_loss(regressor: DALRegressor, pe_table: torch.Tensor, keep_mask: torch.T
         grid = (side, side)
     if len(grid) != 2 or grid[0] * grid[1] != n:
         raise ObjectiveError(f"grid {tuple(grid)} does not have {n} positions (the PE rows)")
-    coords = grid_coords(tuple(grid)).to(table.device, torch.float32)
+    if coords is None:
+        coords = grid_coords(tuple(grid)).to(table.device, torch.float32)
     err = F.l1_loss(regressor(table).float(), coords, reduction="none").mean(dim=1)  # (N,)
     if keep_mask is None:
         return err.mean()
@@ -309,79 +322,107 @@ class MJP(BackboneObjective):
     True
     """
 
-    # E_unk gets no gradient on steps without the jigsaw (a random half, and all of the warm-up). As the official
-    # code (``DistributedDataParallel(..., find_unused_parameters=True)``, seed + rank: each rank tosses its own
-    # coin), a DDP trainer looks for unused parameters: a parameter no rank used keeps gradient None, so AdamW
-    # skips it exactly as in one process. Feeding an all-False mask instead would give E_unk a zero gradient that
-    # AdamW's momentum still turns into updates: a different trajectory.
-    leaves_parameters_unused = True
+    # Every training step computes the jigsaw and passes a mask (all False on steps without it), so E_unk always
+    # takes part in the graph, with a zero gradient where nothing is shuffled: no parameter is ever unused, and a DDP
+    # trainer needs no find_unused_parameters traversal. docs/methods/mjp.md compares this with the official code.
+    leaves_parameters_unused = False
 
     def __init__(self, backbone: Backbone | nn.Module, config: MJPConfig | None = None) -> None:
         super().__init__()
         self.config = c = self.setup_backbone(backbone, config or MJPConfig())  # the registration's facts
         backbone = self.backbone
         n = backbone.num_patches
-        if c.ratio > 0 and round(c.ratio * n) < 2:
-            raise ObjectiveError(f"ratio {c.ratio} selects round({c.ratio} * {n}) = {round(c.ratio * n)} of the "
-                                 f"{n} patches: the jigsaw needs at least 2 to permute; use ratio >= {2 / n:.3f}")
+        target = target_count(c.ratio, n, c.count_rule)
+        if c.ratio > 0 and target < 2:
+            least = math.ceil((2.0 if c.count_rule == "int" else 1.5) / n * 1e4) / 1e4
+            raise ObjectiveError(f"ratio {c.ratio} selects {c.count_rule}({c.ratio} * {n}) = {target} of the {n} "
+                                 f"patches: the jigsaw needs at least 2 to permute; use ratio >= {least}"
+                                 + (" or count_rule='round'" if c.count_rule == "int" and round(c.ratio * n) >= 2
+                                    else ""))
         backbone.enable_unknown_pos()
         self.patch_size = backbone.config.patch_size
         self.dal = DALRegressor(backbone.embed_dim, c.dal)
+        # DAL's regression targets (Eq. 2): a constant table, moved with the model, not rebuilt per step
+        self.register_buffer("dal_coords", grid_coords(tuple(backbone.grid)).float(), persistent=False)
 
     # ------------------------------------------------------------------ schedules
     @staticmethod
-    def _progress(progress: float | None) -> float | None:
-        if progress is None:
-            return None
+    def _progress(progress: float | torch.Tensor | None) -> float | torch.Tensor | None:
+        """Floats are checked to lie in [0, 1]; a tensor (the trainer's, on the step's device) is taken as is:
+        checking its value would wait for the device."""
+        if progress is None or isinstance(progress, torch.Tensor):
+            return progress
         p = float(progress)
         if not 0.0 <= p <= 1.0:
             raise ObjectiveError(f"progress must be in [0, 1] (training fraction done), got {progress}")
         return p
 
-    def dal_weight_at(self, progress: float | None) -> float:
+    def dal_weight_at(self, progress: float | torch.Tensor | None) -> float | torch.Tensor:
         """lambda at training ``progress``: ``constant`` = ``dal_weight`` (§4.2); ``official`` = the official
         per-epoch ``utils.cosine_scheduler(lambda, lambda / 2, epochs, 1, warmup_epochs)``: with E =
         ``schedule_epochs`` and W = round(``warmup_fraction`` E) warm-up epochs, epoch e = floor(progress E) gets
         ``linspace(0, lambda, W)[e]`` during the warm-up (0 at epoch 0, lambda at epoch W - 1) and then
-        lambda / 2 + lambda / 4 (1 + cos(pi (e - W) / (E - W))) (0.01 -> 0.005)."""
+        lambda / 2 + lambda / 4 (1 + cos(pi (e - W) / (E - W))) (0.01 -> 0.005). A float ``progress`` gives a float;
+        a tensor gives a tensor on its device (the same values, computed without leaving the device)."""
         c = self.config
         p = self._progress(progress)
         if c.dal_schedule == "constant" or p is None:
             return c.dal_weight
         epochs = c.schedule_epochs
         warmup = round(c.warmup_fraction * epochs)
+        final = 0.5 * c.dal_weight
+        if isinstance(p, torch.Tensor):
+            # float32 progress: e / E * E is off by up to ~2e-5 epochs at E = 300, hence the larger guard
+            epoch = torch.clamp(torch.floor(p.float() * epochs + 1e-4), max=epochs - 1)
+            ramp = c.dal_weight * epoch / (warmup - 1) if warmup > 1 else torch.full_like(epoch, c.dal_weight)
+            cosine = final + 0.5 * (c.dal_weight - final) * (1.0 + torch.cos(math.pi * (epoch - warmup)
+                                                                             / (epochs - warmup)))
+            return torch.where(epoch < warmup, ramp, cosine)
         epoch = min(math.floor(p * epochs + 1e-9), epochs - 1)  # e / E * E may round to just below e
         if epoch < warmup:
             return c.dal_weight * epoch / (warmup - 1) if warmup > 1 else c.dal_weight  # np.linspace(0, lambda, W)
-        final = 0.5 * c.dal_weight
         return final + 0.5 * (c.dal_weight - final) * (1.0 + math.cos(math.pi * (epoch - warmup) / (epochs - warmup)))
 
-    def jigsaw_applies(self, progress: float | None, generator: torch.Generator | None = None) -> bool:
-        """Whether this batch is shuffled: training mode, past the warm-up, and a coin with ``apply_prob`` (the
-        official ``torch.rand(1) > AUG.JIGSAW``: a random half of the batches). Draws from ``generator``."""
+    def jigsaw_applies(self, progress: float | torch.Tensor | None, generator: torch.Generator | None = None,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+        """Whether this batch is shuffled, a 0-d bool tensor on ``device`` (None: the model's): training mode, past
+        the warm-up, and a coin with ``apply_prob`` (the official ``torch.rand(1) > AUG.JIGSAW``: a random half of
+        the batches), tossed on the device every step (from ``generator`` on its own device when given), so the step
+        has the same ops and draws whatever the outcome."""
         c = self.config
+        device = self.dal_coords.device if device is None else torch.device(device)
+        if not self.training or c.ratio == 0:
+            return torch.zeros((), dtype=torch.bool, device=device)
         p = self._progress(progress)
-        if not self.training or c.ratio == 0 or (p is not None and p < c.warmup_fraction):
-            return False
-        device = generator.device if generator is not None else "cpu"
-        return bool(torch.rand(1, generator=generator, device=device).item() < c.apply_prob)
+        coin = torch.rand((), generator=generator, device=noise_device(device, generator)).to(device) < c.apply_prob
+        if p is None:
+            return coin
+        return coin & (p >= c.warmup_fraction)
 
     # ------------------------------------------------------------------ steps (Alg. 2)
-    def apply_jigsaw(self, images: torch.Tensor, progress: float | None = None,
+    def apply_jigsaw(self, images: torch.Tensor, progress: float | torch.Tensor | None = None,
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Alg. 2 line 1: ``(images, None)`` or, when :meth:`jigsaw_applies`, ``jigsaw(images)`` with its mask."""
-        if not self.jigsaw_applies(progress, generator):
+        """Alg. 2 line 1 -> ``(images, unknown_pos)``. In training, every step computes ``jigsaw(images)`` (mask,
+        then permutation, then the coin of :meth:`jigsaw_applies`) and selects it with ``torch.where``: the shuffled
+        images and their mask where the jigsaw applies, else the images and an all-False (B, N) mask. In eval mode
+        ``(images, None)``."""
+        if not self.training:
             return images, None
         c = self.config
-        return jigsaw(images, self.patch_size, c.ratio, min_block=c.min_block, min_aspect=c.min_aspect,
-                      generator=generator)
+        if c.ratio == 0:  # nothing to shuffle; the all-False mask still gives E_unk its (zero) gradient
+            return images, torch.zeros(images.shape[0], self.backbone.num_patches, dtype=torch.bool,
+                                       device=images.device)
+        shuffled, mask = jigsaw(images, self.patch_size, c.ratio, min_block=c.min_block, min_aspect=c.min_aspect,
+                                count_rule=c.count_rule, generator=generator)
+        applies = self.jigsaw_applies(progress, generator, images.device)
+        return torch.where(applies, shuffled, images), mask & applies
 
     def dal_term(self, unknown_pos: torch.Tensor | None) -> torch.Tensor:
         """Alg. 2 line 3: L_DAL on the PE table rows of the positions not shuffled (per sample)."""
         keep = None if unknown_pos is None else ~unknown_pos
-        return dal_loss(self.dal, self.backbone.pos_embed()[0], keep, grid=self.backbone.grid)
+        return dal_loss(self.dal, self.backbone.pos_embed()[0], keep, grid=self.backbone.grid, coords=self.dal_coords)
 
-    def forward(self, batch: Any, progress: float | None = None,
+    def forward(self, batch: Any, progress: float | torch.Tensor | None = None,
                 generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         images, labels = split_batch(batch)
         if labels is None:
@@ -395,6 +436,7 @@ class MJP(BackboneObjective):
             loss = ce + weight * dal
         else:
             dal, loss = ce.new_zeros(()), ce
-        flag = 1.0 if unknown_pos is not None else 0.0
-        return {"loss": loss, "ce": ce.detach(), "dal": dal.detach(), "acc": acc,
-                "jigsaw": ce.new_tensor(flag).detach(), "dal_weight": ce.new_tensor(weight).detach()}
+        shuffled_any = unknown_pos.any().float() if unknown_pos is not None else ce.new_zeros(())
+        weight = weight.detach().float() if isinstance(weight, torch.Tensor) else ce.new_full((), weight)
+        return {"loss": loss, "ce": ce.detach(), "dal": dal.detach(), "acc": acc, "jigsaw": shuffled_any.detach(),
+                "dal_weight": weight}
