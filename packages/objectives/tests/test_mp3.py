@@ -204,3 +204,21 @@ def test_speech_class_token_gets_no_pe_and_anchors_keep_theirs():
         tokens = torch.cat([backbone.cls_token.expand(2, -1, -1), patches], dim=1)
         expected = model.head(backbone.forward_tokens(tokens)[:, 1:])
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("anchor_ratio", [0.0, 0.05])
+def test_the_loss_is_the_mean_cross_entropy_over_the_predicted_tokens(anchor_ratio):
+    """Without anchors the step takes the plain mean (no all-ones weights); with them the anchors are left out: both
+    equal the cross-entropy averaged over the predicted tokens, on the context-first logits of the same draw."""
+    torch.manual_seed(0)
+    model = MP3(create_model("audio_mp3", pos_embed="sincos1d", num_classes=0),
+                MP3Config(eta=0.5, anchor_ratio=anchor_ratio)).eval()  # no dropout: two forwards agree
+    x = torch.randn(3, *(model.backbone.config.num_frames, model.backbone.config.in_features))
+    out = model(x, generator=torch.Generator().manual_seed(1))
+    logits, targets, anchors = model.context_first_logits(x, generator=torch.Generator().manual_seed(1))
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    predicted = ~anchors.flatten()
+    assert bool(anchors.any()) == (anchor_ratio > 0)
+    torch.testing.assert_close(out["loss"], ce[predicted].mean())
+    hit = (logits.argmax(-1) == targets).flatten()
+    torch.testing.assert_close(out["pos_acc"], hit[predicted].float().mean())
