@@ -252,6 +252,10 @@ class OptimSection:
     decay (engine/schedules.py)."""
 
     epochs: float = 1.0  # passes over data.train (fractions allowed)
+    # run.resume=true with a larger optim.epochs / optim.max_steps extends the run: replan (the schedule planned
+    # over the new budget, as HF Trainer's and timm's --resume: from the resumed step on, the lr is the new
+    # schedule's) | phase (a new phase from the resumed step: warm-up and schedule over the added steps)
+    extend: Literal["replan", "phase"] = "replan"
     # stop after this many optimizer steps (overrides epochs)
     max_steps: Annotated[int, Field(ge=1), Words(note="(or null: train optim.epochs)")] | None = None
     lr: Annotated[float, Field(gt=0), FINITE] = 1e-3  # peak learning rate (AdamW), after the linear warm-up

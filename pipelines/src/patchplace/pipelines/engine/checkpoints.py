@@ -188,6 +188,11 @@ class RunDirectory:
         self.out = Path(run.output)
         self.stopped_early: dict[str, Any] | None = None  # the early stop a resumed checkpoint records
         self.lock = RunLock(self.out) if accelerator.is_main_process else None
+        # optim.extend=phase: the step the schedule's current phase starts at (0: the run's one schedule)
+        self.schedule_start = 0
+        self.resumed_trainer: dict[str, Any] | None = None  # the resumed checkpoint's trainer.json
+        # (the resumed checkpoint's trainer.json -> a refusal line or None), e.g. a budget that does not grow
+        self.check_resumed: Callable[[dict[str, Any]], str | None] = lambda trainer: None
 
     # ------------------------------------------------------------------ before training
     def claim(self) -> None:
@@ -239,6 +244,8 @@ class RunDirectory:
             trainer = json.loads((found[0] / "trainer.json").read_text())
             self._check_processes(found[0], trainer)
             self._check_data(recorded, trainer["step"])
+            if problem := self.check_resumed(trainer):
+                raise ConfigError(problem)
 
     def _check_processes(self, state: Path, trainer: dict[str, Any]) -> None:
         saved = trainer.get("world_size") or len(list(state.glob("random_states_*.pkl")))
@@ -315,7 +322,7 @@ class RunDirectory:
         """``state/trainer.json``, then the seal, the rename, the link and the previous step's removal."""
         (partial / "state" / "trainer.json").write_text(json.dumps({
             "step": step, "world_size": self.acc.num_processes, "global_batch": self.saved.global_batch,
-            "data": self.saved.fingerprints, **records,
+            "data": self.saved.fingerprints, **records, "schedule_start": self.schedule_start,
             "config": to_dict(self.config)}))  # what a resume checks config.yaml against
         final = commit(partial, step)
         point_checkpoint_link(self.out, final / "checkpoint")
@@ -351,8 +358,25 @@ class RunDirectory:
                 "lr_base_batch": plan.lr_base_batch, "global_batch": plan.global_batch,
                 "processes": self.acc.num_processes, "layer_decay": optim.layer_decay,
                 "weight_decay": optim.weight_decay, "parameters": groups})
+            history = self.config_history()
             with atomic_file(self.out / "config.yaml") as tmp:
-                tmp.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
+                tmp.write_text("".join(f"{line}\n" for line in history) + yaml.safe_dump(to_dict(self.config),
+                                                                                            sort_keys=False))
+
+    def config_history(self) -> list[str]:
+        """config.yaml's history: the comment lines of the extensions before (kept) and this session's, if it
+        extends the budget the resumed checkpoint was trained for."""
+        path, lines = self.out / "config.yaml", []
+        if path.is_file():
+            lines = [line for line in path.read_text().splitlines() if line.startswith("# extended at step ")]
+        old = (self.resumed_trainer or {}).get("config", {}).get("optim", {})
+        new = to_dict(self.config).get("optim", {})
+        changed = [f"optim.{key} {old[key]!r} -> {new[key]!r}" for key in ("epochs", "max_steps")
+                   if key in old and old[key] != new.get(key)]
+        if changed:
+            step = self.resumed_trainer["step"]
+            lines.append(f"# extended at step {step}: {', '.join(changed)} (optim.extend={new.get('extend')})")
+        return lines
 
     def record_eval(self, step: int, result: dict[str, Any], key: str = "eval", prefix: str = "val/") -> None:
         """An evaluation of ``step`` in log.jsonl (under ``key``) and the trackers (``prefix``: val/top1, ...).
@@ -376,6 +400,8 @@ class RunDirectory:
         state = found[0]
         trainer = json.loads((state / "trainer.json").read_text())
         self.stopped_early = trainer.get("stopped_early")
+        self.resumed_trainer = trainer
+        self.schedule_start = int(trainer.get("schedule_start", 0))
         load_state_strictly(self.acc, state)
         if self.saved.ema is not None:
             self.saved.ema.load_state(state)

@@ -14,6 +14,7 @@ the main process, except each rank's own random state in ``state/``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,7 @@ class Trainer:
             log=self.log, finite=self.finite, console=self.console, command=self.command)
         self.callbacks = Callbacks([*self._run_callbacks(), *callbacks])
         self.evaluation = Evaluation(self.rundir, evaluate, run.eval_every)
+        self.rundir.check_resumed = lambda trainer: self._extension_problem(trainer, config.data.batch_size)
         self.rundir.claim()
 
     def _run_callbacks(self) -> list[Callback]:
@@ -102,9 +104,26 @@ class Trainer:
         plans.start_line(acc, self.optim_cfg, self.plan, per_epoch, total)
         return run_callbacks(self.run, self.rundir, snapshots, total, self.evaluate, self.objective)
 
-    def budget(self, batch_size: int) -> tuple[int, int]:
-        """(optimizer steps per epoch, total optimizer steps)."""
-        return plans.budget(self.data.train, batch_size, self.run.grad_accum, self.optim_cfg)
+    def budget(self, batch_size: int, optim: OptimSection | None = None) -> tuple[int, int]:
+        """(optimizer steps per epoch, total optimizer steps) of ``optim`` (default: this run's)."""
+        return plans.budget(self.data.train, batch_size, self.run.grad_accum, optim or self.optim_cfg)
+
+    def _extension_problem(self, trainer: dict[str, Any], batch_size: int) -> str | None:
+        """A resume whose optim.epochs / optim.max_steps differ from the checkpoint's extends the run: refused
+        (the line) when the new budget is smaller than the one the run was planned for."""
+        old = trainer.get("config", {}).get("optim", {})
+        if all(old.get(key, getattr(self.optim_cfg, key)) == getattr(self.optim_cfg, key)
+               for key in ("epochs", "max_steps")):
+            return None
+        planned = replace(self.optim_cfg, epochs=old.get("epochs", self.optim_cfg.epochs),
+                          max_steps=old.get("max_steps", self.optim_cfg.max_steps))
+        before, now = self.budget(batch_size, planned)[1], self.budget(batch_size)[1]
+        if now < before:
+            return (f"run.resume=true: optim.epochs={self.optim_cfg.epochs:g} / optim.max_steps="
+                    f"{self.optim_cfg.max_steps} give {now} steps, fewer than the {before} the run was planned "
+                    f"for (optim.epochs={planned.epochs:g} / optim.max_steps={planned.max_steps}): a resume extends "
+                    "a run, never shortens it; resume with the run's values or larger ones")
+        return None
 
     # ------------------------------------------------------------------ running
     def train(self, batch_size: int) -> tuple[dict[str, Any], int]:
@@ -162,9 +181,8 @@ class Trainer:
     def _begin(self, batch_size: int) -> int:
         """The session's schedule, DDP, prepared model and optimizer, each rank's random stream and the resume
         (the run directory's, then the callbacks'); returns the step it starts at."""
-        acc, run, optim = self.acc, self.run, self.optim_cfg
+        acc, run = self.acc, self.run
         self.per_epoch, self.total = self.budget(batch_size)
-        self.schedule = StepSchedule.of_run(self.optimizer, optim, self.per_epoch, self.total, self.peak_lr)
         # what every parameter really gets (lr scale, weight decay), for the user to check: optimizer.json
         self.groups = parameter_groups(self.optimizer, self.objective) if acc.is_main_process else None
         self.model, self.optimizer = prepare_model(acc, self.objective, self.optimizer, run.find_unused_parameters)
@@ -175,8 +193,26 @@ class Trainer:
         # order has its own (seed, epoch, rank) seeds.
         set_seed(launch.rank_seed(run.seed, acc.process_index))
         self.first_step = self.rundir.resume()
+        self.schedule = self._schedule(self.first_step)
         self.callbacks.on_start(self.first_step)
         return self.first_step
+
+    def _schedule(self, step: int) -> StepSchedule:
+        """The lr schedule from ``step`` on: over the whole budget (``optim.extend=replan``, and every run that was
+        not extended), or, from the step a resume extended the budget at, a phase of its own over the added steps
+        (``optim.extend=phase``; later resumes of that phase keep its start)."""
+        optim, rundir, resumed = self.optim_cfg, self.rundir, self.rundir.resumed_trainer
+        if resumed is not None and optim.extend == "phase":
+            old = resumed.get("config", {}).get("optim", {})
+            if any(old.get(key, getattr(optim, key)) != getattr(optim, key) for key in ("epochs", "max_steps")):
+                rundir.schedule_start = step  # this session extends the budget: the new phase starts here
+        start = rundir.schedule_start
+        schedule = StepSchedule.of_run(self.optimizer, optim, self.per_epoch, self.total - start, self.peak_lr)
+        if start:
+            factor, decay = schedule.factor, schedule.weight_decay
+            schedule.factor = lambda t: factor(t - start)
+            schedule.weight_decay = None if decay is None else (lambda t: decay(t - start))
+        return schedule
 
     def _open(self, step: int) -> None:
         """A session that trains from ``step``: optimizer.json, config.yaml, the trackers, the progress bar and the
