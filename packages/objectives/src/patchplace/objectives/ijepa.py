@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from patchplace.models import Backbone, sincos_2d
+from patchplace.models.attention import additive_mask, attention_dtype
 
 from .common import (
     BackboneObjective,
@@ -269,13 +270,10 @@ class IJEPA(BackboneObjective):
 
     @staticmethod
     def key_padding(valid: torch.Tensor, context_len: int, tokens: torch.Tensor) -> torch.Tensor:
-        """(1, 1, 1, K + T) additive mask, built once per step for every predictor block: -inf on the padded
-        target slots, in the dtype the predictor attends in (autocast's, if on)."""
-        device = tokens.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tokens.dtype
-        keep = torch.cat([valid.new_ones(context_len), valid])
-        return torch.zeros(keep.shape, dtype=dtype, device=tokens.device).masked_fill(~keep, float("-inf")).view(
-            1, 1, 1, -1)
+        """(1, 1, 1, K + T) additive mask, built once per step for every predictor block (:func:`additive_mask`):
+        -inf on the padded target slots, in the dtype the predictor attends in."""
+        keep = torch.cat([valid.new_ones(context_len), valid]).view(1, 1, 1, -1)
+        return additive_mask(keep, attention_dtype(tokens.device.type, tokens.dtype))
 
 
 def masked_std(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
