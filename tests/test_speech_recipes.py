@@ -103,7 +103,7 @@ def sc_folder(tmp_path: Path) -> Path:
         (src / word).mkdir(parents=True)
         for s, spk in enumerate(SPEAKERS):
             path = src / word / f"{spk}_nohash_0.wav"
-            if s % 3 == 0:  # stereo, 44.1 kHz, a bit shorter than 1 s: resampled + downmixed, not padded
+            if s % 3 == 0:  # stereo, 44.1 kHz, a bit shorter than 1 s: resampled + downmixed, zero-padded
                 mono = tone(44100, 0.9, 300 + 50 * w)
                 soundfile.write(path, np.stack([mono, mono], 1), 44100, subtype="PCM_16")
             else:
@@ -143,7 +143,9 @@ def test_speech_commands_recipe(sc_folder: Path, tmp_path: Path, capsys):
             assert name.split("_nohash_")[0] in speakers  # the list files decide the split
             assert label == (KWS_CLASSES.index(word) if word in KEYWORDS else KWS_CLASSES.index(UNKNOWN))
             spk_index = SPEAKERS.index(name.split("_nohash_")[0])
-            assert len(wave) == (14400 if spk_index % 3 == 0 else 16000)  # 0.9 s at 44.1 kHz -> 16 kHz
+            assert len(wave) == 16000  # every clip 1 s, as TensorFlow's decode_wav(desired_samples=16000)
+            if spk_index % 3 == 0:  # 0.9 s at 44.1 kHz -> 14400 samples at 16 kHz, then zeros to the end
+                assert np.abs(wave[:14000]).max() > 0.1 and not wave[14400:].any()
         labels = Counter(label for label, _, _ in samples.values())
         assert sum(labels[KWS_CLASSES.index(k)] for k in ("yes", "no", "left")) == n_kw
         assert labels[KWS_CLASSES.index(UNKNOWN)] == math.ceil(n_kw * 0.5)
@@ -290,3 +292,116 @@ def test_spoken_keywords_long_words_are_sped_up_and_failures_leave_nothing(monke
         spoken_keywords.synthesize_corpus(tmp_path / "c", clips_per_keyword=2, clips_per_unknown_word=0,
                                           jobs=1, noise_seconds=2, progress=False, log=lambda *_: None)
     assert list(tmp_path.iterdir()) == []  # no corpus, no temp dir
+
+
+# ---------------------------------------------------------------------- TC-ResNet's fixed lists
+def tc_resnet_lists(folder: Path, src: Path) -> dict[str, list[str]]:
+    """TC-ResNet-format train.txt / valid.txt / test.txt over ``src``: every file of a set's speakers, some
+    ``_silence_/...`` placeholder lines, shuffled; returns the non-silence lines by set."""
+    rng = random.Random(1)
+    sets = {"train.txt": SPEAKERS[4:], "valid.txt": VAL_SPEAKERS, "test.txt": TEST_SPEAKERS}
+    named = {}
+    folder.mkdir()
+    for name, speakers in sets.items():
+        rels = [f"{w}/{s}_nohash_0.wav" for w in WORDS for s in speakers]
+        lines = rels + ["_silence_/721f767c_nohash_2.wav"] * (len(speakers) + 1)
+        rng.shuffle(lines)
+        (folder / name).write_text("".join(f"{line}\n" for line in lines))
+        named[name] = rels
+    return named
+
+
+def test_speech_commands_split_lists_are_used_exactly(sc_folder: Path, tmp_path: Path):
+    named = tc_resnet_lists(tmp_path / "lists", sc_folder)
+    # the Speech Commands list files and the percentages play no part once the fixed lists are given
+    (sc_folder / "validation_list.txt").unlink()
+    (sc_folder / "testing_list.txt").write_text("")
+    manifests = speech_commands.build_kws_shards(sc_folder, tmp_path / "out", split_lists=tmp_path / "lists",
+                                                 silence_percentage=50, unknown_percentage=0, progress=False)
+    for split, name, speakers in (("train", "train.txt", SPEAKERS[4:]), ("validation", "valid.txt", VAL_SPEAKERS),
+                                  ("test", "test.txt", TEST_SPEAKERS)):
+        samples = check_manifest_matches_tars(manifests[split])
+        silence = {k: v for k, v in samples.items() if k.startswith(SILENCE)}
+        assert len(silence) == len(speakers) + 1, "one _silence_ clip per _silence_ line"
+        assert all(label == KWS_CLASSES.index(SILENCE) and len(w) == 16000 and not w.any()
+                   for label, w, _ in silence.values()), "TC-ResNet's silence: an all-zero clip"
+        words = {k: v for k, v in samples.items() if not k.startswith(SILENCE)}
+        assert set(words) == {speech_commands.sample_key(rel) for rel in named[name]}, "exactly the listed files"
+        for key, (label, wave, _) in words.items():
+            word = key.split("__")[0]
+            assert label == KWS_CLASSES.index(word if word in KEYWORDS else UNKNOWN) and len(wave) == 16000
+        assert "fixed lists" in manifests[split].source
+    (tmp_path / "lists" / "test.txt").write_text("yes/00000000_nohash_9.wav\n")
+    with pytest.raises(DataError, match=r"test\.txt:1 names yes/00000000_nohash_9\.wav"):
+        speech_commands.build_kws_shards(sc_folder, tmp_path / "bad", split_lists=tmp_path / "lists", progress=False)
+    (tmp_path / "lists" / "test.txt").write_text(f"{named['train.txt'][0]}\n")
+    with pytest.raises(DataError, match=r"already named by train\.txt"):
+        speech_commands.build_kws_shards(sc_folder, tmp_path / "bad", split_lists=tmp_path / "lists", progress=False)
+    (tmp_path / "lists" / "test.txt").unlink()
+    with pytest.raises(DataError, match=r"has no test\.txt"):
+        speech_commands.build_kws_shards(sc_folder, tmp_path / "bad", split_lists=tmp_path / "lists", progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+# ---------------------------------------------------------------------- rehearsal: the layout as it ships
+SHIPPED = REPO / "pipelines" / "configs"
+
+
+def speech_commands_corpus(src: Path) -> None:
+    """Speech Commands v1 as it ships, in miniature: the ten keywords and three auxiliary words, six speakers,
+    16 kHz mono PCM16 clips of 0.4-1 s (a third shorter than 1 s, as in the real corpus), two long
+    ``_background_noise_`` wavs, validation_list.txt / testing_list.txt naming two speakers each."""
+    rng = np.random.default_rng(7)
+    words = [*KEYWORDS, "bed", "cat", "marvin"]
+    speakers = [f"{n:08x}" for n in (0x0a7c2a8d, 0x1b4c9e21, 0x2f0e5d43, 0x3c9a1f65, 0x4d2b8a87, 0x5e6f7c09)]
+    for w, word in enumerate(words):
+        (src / word).mkdir(parents=True)
+        for s, spk in enumerate(speakers):
+            for take in range(2):
+                seconds = 1.0 if (s + take) % 3 else float(rng.uniform(0.4, 0.95))
+                t = np.arange(int(16000 * seconds)) / 16000
+                wave = 0.3 * np.sin(2 * np.pi * (200 + 90 * w) * t) * np.hanning(len(t))
+                wave += 0.01 * rng.standard_normal(len(t))
+                soundfile.write(src / word / f"{spk}_nohash_{take}.wav", wave.astype(np.float32), 16000,
+                                subtype="PCM_16")
+    (src / "_background_noise_").mkdir()
+    for name, seconds in (("white_noise.wav", 6.0), ("running_tap.wav", 4.5)):
+        soundfile.write(src / "_background_noise_" / name,
+                        (0.2 * rng.standard_normal(int(16000 * seconds))).clip(-1, 1).astype(np.float32), 16000,
+                        subtype="PCM_16")
+    (src / "_background_noise_" / "README.md").write_text("the noise files\n")
+    for name, spks in (("validation_list.txt", speakers[:2]), ("testing_list.txt", speakers[2:4])):
+        (src / name).write_text("".join(f"{w}/{s}_nohash_{k}.wav\n" for w in words for s in spks for k in (0, 1)))
+    (src / "LICENSE").write_text("CC BY 4.0\n")
+
+
+def test_the_shipped_speech_configs_run_on_speech_commands_as_it_ships(tmp_path: Path, monkeypatch, capsys):
+    """data/speech_commands.py with its defaults, then speech_commands_mp3_pretrain.yaml / _finetune.yaml with
+    their own data paths, a few steps each: short clips padded at write, every split held in memory."""
+    from patchplace.data.memory import InMemorySplit
+    from patchplace.pipelines import finetune, pretrain
+
+    src = tmp_path / "speech_commands_v0.01"
+    speech_commands_corpus(src)
+    monkeypatch.chdir(tmp_path)  # the configs' data paths are relative: shards/speech_commands/...
+    assert subprocess.run([sys.executable, str(REPO / "data" / "speech_commands.py"), "--src", str(src)],
+                          capture_output=True, text=True).returncode == 0
+    shards = tmp_path / "shards" / "speech_commands"
+    assert {p.name for p in shards.iterdir()} == {"train", "validation", "test", "background_noise"}
+    for split in ("train", "validation", "test"):
+        held = InMemorySplit.load(shards / split)
+        assert held.inputs.shape[1:] == (16000,), "every clip 1 s: the in-memory path takes the split"
+        assert Manifest.load(shards / split).recipe_version == speech_commands.RECIPE_VERSION
+    quick = ["data.batch_size=8", "data.num_workers=0", "run.tensorboard=false", "run.log_every=1",
+             "optim.warmup_steps=1", "run.checkpoint_every=2"]
+    capsys.readouterr()
+    assert pretrain.main(["--config", str(SHIPPED / "speech_commands_mp3_pretrain.yaml"), *quick,
+                          "optim.max_steps=2", "model.overrides={depth: 2}", "run.output=runs/pt"]) == 0
+    printed = capsys.readouterr().out
+    assert "data.train: in memory" in printed and "data.val: in memory" in printed, printed
+    assert finetune.main(["--config", str(SHIPPED / "speech_commands_mp3_finetune.yaml"), *quick,
+                          "optim.max_steps=2", "run.eval_every=2", "model.checkpoint=runs/pt/checkpoint",
+                          "run.output=runs/ft"]) == 0
+    printed = capsys.readouterr().out
+    assert "data.train: in memory" in printed and "data.val: in memory" in printed, printed
+    assert (tmp_path / "runs" / "ft" / "checkpoint" / "config.json").is_file()

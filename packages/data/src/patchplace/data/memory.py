@@ -186,6 +186,12 @@ class _ShardDecoder(IterableDataset):
         if not samples:
             return _Shard(index, torch.empty(0), torch.empty(0, dtype=torch.int64), [], skipped)
         if len({tuple(x.shape) for x, _, _ in samples}) != 1:
+            m = reader.manifest
+            if m.modality == "audio":  # clips are brought to clip_samples where they are written, not here
+                raise DataError(f"{reader.urls[index]}: clips of several lengths, though the manifest's clip_samples "
+                                f"is {m.info.get('clip_samples')}: rebuild the split with its data/ recipe (data/"
+                                "speech_commands.py pads every clip to 1 s since its recipe_version 2; this one is "
+                                f"{m.recipe} {m.recipe_version}), or stream it (data.in_memory=false)")
             raise DataError(f"{reader.urls[index]}: samples of several shapes; stream this split")
         inputs = torch.stack([x if image else x.to(torch.float32) for x, _, _ in samples])
         return _Shard(index, inputs, torch.tensor([y for _, y, _ in samples], dtype=torch.int64),

@@ -1,24 +1,34 @@
 #!/usr/bin/env python
 """Speech Commands v1/v2 folder -> 12-class keyword-spotting shards (+ the background noise, for mixing).
 
-    python data/speech_commands.py --src corpora/spoken_keywords --out shards/spoken_keywords
+    python data/speech_commands.py --src speech_commands_v0.01            # -> shards/speech_commands/
+    python data/speech_commands.py --src speech_commands_v0.01 --split-lists TC-ResNet/speech_commands_dataset
 
-Input is the Speech Commands layout: one folder of 1 s, 16 kHz wavs per word, ``validation_list.txt`` and
-``testing_list.txt`` (paths relative to the folder) and ``_background_noise_/*.wav``. Real Speech Commands
-(v1: 30 words, v2: 35) and the corpus synthesized by ``data/spoken_keywords.py`` both work.
+Input is the Speech Commands layout: one folder of 16 kHz wavs (at most 1 s; some real ones are shorter) per
+word, ``validation_list.txt`` and ``testing_list.txt`` (paths relative to the folder) and
+``_background_noise_/*.wav``. Real Speech Commands (v1: 30 words, v2: 35) and the corpus synthesized by
+``data/spoken_keywords.py`` both work.
 
-Output, following TensorFlow's ``speech_commands`` recipe (``input_data.py``):
+Output (``--out``, default ``shards/speech_commands``: where the ``speech_commands_mp3_*`` configs read):
 
-- ``train`` / ``validation`` / ``test``: files named in the two list files go to validation / test, all others
-  to train. Classes are ``KWS_CLASSES`` (``_silence_``, ``_unknown_``, the ten keywords). With K keyword clips
-  in a split, ``ceil(K * unknown_percentage / 100)`` clips of the other words are drawn at random as
-  ``_unknown_`` and ``ceil(K * silence_percentage / 100)`` ``_silence_`` clips are cut from the noise files
-  at a random offset and a random volume in [0, 1) -- both percentages are of the keyword count, as in
-  TensorFlow.
+- ``train`` / ``validation`` / ``test``, classes ``KWS_CLASSES`` (``_silence_``, ``_unknown_``, the ten keywords).
+  With ``--split-lists DIR`` (TC-ResNet's fixed ``train.txt`` / ``valid.txt`` / ``test.txt``, which MP3 §4.1 keeps:
+  "keeping their audio preprocessing routines, data splits and other details intact"), each split holds exactly
+  the files its list names -- keyword files as their keyword, every other word as ``_unknown_`` -- and one
+  ``_silence_`` clip per ``_silence_/...`` line: an all-zero clip, as TC-ResNet's ``_gen_empty_audio`` (noise
+  comes from the training augmentation). Without lists (TensorFlow's ``speech_commands`` ``input_data.py``):
+  files named in the two Speech Commands list files go to validation / test, all others to train; with K keyword
+  clips in a split, ``ceil(K * unknown_percentage / 100)`` clips of the other words are drawn as ``_unknown_`` and
+  ``ceil(K * silence_percentage / 100)`` ``_silence_`` clips are cut from the noise files at a random offset and a
+  random volume in [0, 1), all drawn from ``--seed`` (TensorFlow's draw is unseeded and directory-order dependent,
+  TC-ResNet's README: a departure from TC-ResNet's lists, docs/data.md).
 - ``background_noise``: every noise file in full (class ``_background_noise_``), so training can mix noise in.
 
-Audio goes through ``read_wav`` (other rates are resampled, extra channels downmixed); clips are not padded
-(the reader pads / crops to ``clip_samples``). Every random choice comes from ``--seed``.
+Audio goes through ``read_wav`` (other rates are resampled, extra channels downmixed), then every clip is brought
+to exactly 1 s here, once: zero-padded at the end or cut after 1 s, as TensorFlow's
+``decode_wav(desired_samples=16000)`` in TC-ResNet's ``anchored_slice_or_pad`` (and TensorFlow's
+``speech_commands`` input pipeline). The manifests' ``clip_samples`` = 16000 therefore holds for every sample, and
+the splits load in memory (``data.in_memory=auto``).
 """
 
 from __future__ import annotations
@@ -49,19 +59,24 @@ from patchplace.data.recipes import add_output_args, run_cli
 from patchplace.data.writer import SplitWriter
 
 RECIPE = "speech_commands"
-RECIPE_VERSION = 1
+# 2: clips padded / cut to 1 s at write (1 left short clips short), --split-lists
+RECIPE_VERSION = 2
 SAMPLE_RATE = 16000
 CLIP_SAMPLES = SAMPLE_RATE  # 1 s clips
 LIST_FILES = {"validation": "validation_list.txt", "testing": "testing_list.txt"}
+# TC-ResNet's fixed split lists (speech_commands_dataset/{train,valid,test}.txt) -> our set names.
+TC_RESNET_LISTS = {"training": "train.txt", "validation": "valid.txt", "testing": "test.txt"}
 # Speech Commands' set names -> our split directory names.
 SPLIT_DIRS = {"training": "train", "validation": "validation", "testing": "test"}
 BACKGROUND_SPLIT = "background_noise"
 SYNTH_HINT = "run python data/spoken_keywords.py first, or pass --src to a Speech Commands folder"
+DEFAULT_OUT = "shards/speech_commands"
 
 
 @dataclass(frozen=True)
 class Clip:
-    """One sample to write: a wav file (``rel`` path) or a silence cut (``noise`` index, offset, volume)."""
+    """One sample to write: a wav file (``rel`` path), a silence cut (``noise`` index, offset, volume) or, with
+    neither, an all-zero silence clip (TC-ResNet's lists)."""
 
     key: str
     label: int
@@ -75,6 +90,15 @@ def sample_key(rel: str) -> str:
     """Stable shard key from a relative path: ``yes/0a7c2a8d_nohash_0.wav`` -> ``yes__0a7c2a8d_nohash_0``."""
     stem = rel[:-4] if rel.lower().endswith(".wav") else rel
     return stem.replace("/", "__").replace(".", "_")
+
+
+def fixed_clip(wave: np.ndarray, samples: int = CLIP_SAMPLES) -> np.ndarray:
+    """``wave`` zero-padded at the end or cut after ``samples``: TensorFlow's ``decode_wav(desired_samples=...)``,
+    which TC-ResNet's ``anchored_slice_or_pad`` (and TensorFlow's speech_commands pipeline) reads every clip with."""
+    out = np.zeros(samples, dtype=np.float32)
+    n = min(len(wave), samples)
+    out[:n] = wave[:n]
+    return out
 
 
 def _wavs(folder: Path) -> list[Path]:
@@ -148,6 +172,51 @@ def assign_sets(src: Path, words: dict[str, list[str]], log=print) -> tuple[dict
     return {rel: listed.get(rel, "training") for rel in files}, "validation_list.txt / testing_list.txt"
 
 
+def read_split_lists(src: Path, lists: Path, words: dict[str, list[str]]) -> dict[str, tuple[list[str], int]]:
+    """TC-ResNet's fixed lists: set name -> (the wav paths its list names, in list order; its ``_silence_`` lines).
+
+    Lines are ``word/file.wav`` relative to ``src``; ``_silence_/...`` lines name no file and count one silence
+    clip each. A file named twice (in one list or two) or missing from ``src`` is an error."""
+    present = set(rel for rels in words.values() for rel in rels)
+    out, seen = {}, {}
+    for set_name, name in TC_RESNET_LISTS.items():
+        path = lists / name
+        if not path.is_file():
+            raise DataError(f"--split-lists {lists} has no {name} (TC-ResNet's speech_commands_dataset/ holds "
+                            f"{', '.join(TC_RESNET_LISTS.values())}): point it at that folder")
+        rels, silence = [], 0
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            rel = line.strip().replace("\\", "/")
+            if not rel:
+                continue
+            if rel.split("/", 1)[0] == SILENCE:
+                silence += 1
+                continue
+            if rel not in present:
+                raise DataError(f"{path}:{number} names {rel}, but {src / rel} is not a wav of a word folder of "
+                                f"{src}: pass the Speech Commands version the lists were made for (TC-ResNet: v1)")
+            if rel in seen:
+                raise DataError(f"{path}:{number} names {rel}, already named by {seen[rel]}: remove one line")
+            seen[rel] = f"{name}:{number}"
+            rels.append(rel)
+        out[set_name] = (rels, silence)
+    return out
+
+
+def plan_listed_split(set_name: str, rels: list[str], silence: int) -> list[Clip]:
+    """The clips of one split as TC-ResNet's list names them: keyword files under their keyword, every other
+    word as ``_unknown_``, ``silence`` all-zero ``_silence_`` clips; in list order (TC-ResNet's lists are
+    shuffled), the silence clips spread evenly through it so that small shuffle buffers still mix them in."""
+    clips = [Clip(sample_key(rel), KWS_CLASSES.index(word if word in KEYWORDS else UNKNOWN), rel=rel)
+             for rel, word in ((rel, rel.split("/", 1)[0]) for rel in rels)]
+    if not clips and not silence:
+        raise DataError(f"the {TC_RESNET_LISTS[set_name]} list names no clip")
+    for i in range(silence):
+        at = (i + 1) * (len(clips) + 1) // (silence + 1)
+        clips.insert(at, Clip(f"{SILENCE}__{i:06d}", KWS_CLASSES.index(SILENCE)))
+    return clips
+
+
 def load_noise(src: Path) -> list[tuple[str, np.ndarray]]:
     """``_background_noise_/*.wav`` as (relative path, float32 16 kHz mono wave), sorted by name."""
     folder = src / BACKGROUND_NOISE_DIR
@@ -205,13 +274,15 @@ def dataset_name(src: Path, version: int) -> str:
     return f"speech_commands_v{version}"
 
 
-def build_kws_shards(src: str | Path, out: str | Path, *, version: str = "auto",
+def build_kws_shards(src: str | Path, out: str | Path = DEFAULT_OUT, *, version: str = "auto",
                      silence_percentage: float = 10, unknown_percentage: float = 10, seed: int = 0,
-                     max_count: int = 10_000, max_size: float = 256e6,
+                     split_lists: str | Path | None = None, max_count: int = 10_000, max_size: float = 256e6,
                      dataset: str | None = None, progress: bool = True, log=print) -> dict[str, Manifest]:
     """Write ``train`` / ``validation`` / ``test`` KWS splits and ``background_noise`` under ``out``.
 
-    Returns the manifests by split name. Each split directory appears only when complete.
+    ``split_lists``: a folder with TC-ResNet's ``train.txt`` / ``valid.txt`` / ``test.txt``, used exactly (the
+    percentages and the seed then play no part); None: the seeded draw. Returns the manifests by split name. Each
+    split directory appears only when complete.
     """
     src, out = Path(src), Path(out)
     for name, pct in (("silence_percentage", silence_percentage), ("unknown_percentage", unknown_percentage)):
@@ -219,13 +290,21 @@ def build_kws_shards(src: str | Path, out: str | Path, *, version: str = "auto",
             raise DataError(f"--{name.replace('_', '-')} must be in [0, 100], got {pct}")
     words = scan_words(src)
     version_n = detect_version(src, words, str(version))
-    set_of, rule = assign_sets(src, words, log=log)
     noise = load_noise(src)
     dataset = dataset or dataset_name(src, version_n)
-    plans = {SPLIT_DIRS[s]: plan_split(s, set_of, noise, silence_percentage=silence_percentage,
-                                       unknown_percentage=unknown_percentage, seed=seed) for s in SPLIT_DIRS}
-    source = (f"{src.resolve()} (Speech Commands v{version_n} layout, split by {rule}; silence "
-              f"{silence_percentage:g}% / unknown {unknown_percentage:g}% of keyword clips, seed {seed})")
+    if split_lists is not None:
+        listed = read_split_lists(src, Path(split_lists), words)
+        plans = {SPLIT_DIRS[s]: plan_listed_split(s, *listed[s]) for s in SPLIT_DIRS}
+        source = (f"{src.resolve()} (Speech Commands v{version_n} layout, split, _unknown_ and _silence_ by the "
+                  f"fixed lists {Path(split_lists).resolve()}/{{{','.join(TC_RESNET_LISTS.values())}}}; silence "
+                  "clips all zeros; clips zero-padded / cut to 1 s)")
+    else:
+        set_of, rule = assign_sets(src, words, log=log)
+        plans = {SPLIT_DIRS[s]: plan_split(s, set_of, noise, silence_percentage=silence_percentage,
+                                           unknown_percentage=unknown_percentage, seed=seed) for s in SPLIT_DIRS}
+        source = (f"{src.resolve()} (Speech Commands v{version_n} layout, split by {rule}; silence "
+                  f"{silence_percentage:g}% / unknown {unknown_percentage:g}% of keyword clips, seed {seed}; clips "
+                  "zero-padded / cut to 1 s)")
     common = dict(dataset=dataset, modality="audio", source=source, recipe=RECIPE,
                   recipe_version=RECIPE_VERSION, max_count=max_count, max_size=max_size)
     manifests: dict[str, Manifest] = {}
@@ -235,14 +314,7 @@ def build_kws_shards(src: str | Path, out: str | Path, *, version: str = "auto",
             with SplitWriter(out, split, classes=list(KWS_CLASSES),
                              info={"sample_rate": SAMPLE_RATE, "clip_samples": CLIP_SAMPLES}, **common) as w:
                 for clip in clips:
-                    if clip.rel is not None:
-                        wave = read_wav(str(src / clip.rel), SAMPLE_RATE, key=str(src / clip.rel))
-                        if wave.size == 0:
-                            raise DataError(f"{src / clip.rel} holds no samples: delete it or replace it")
-                    else:
-                        cut = noise[clip.noise][1][clip.offset:clip.offset + CLIP_SAMPLES]
-                        wave = (cut * clip.volume).astype(np.float32)
-                    w.add_audio(clip.key, clip.label, wave)
+                    w.add_audio(clip.key, clip.label, clip_wave(src, clip, noise))
                     bar.update()
             manifests[split] = w.manifest
         if noise:
@@ -257,14 +329,29 @@ def build_kws_shards(src: str | Path, out: str | Path, *, version: str = "auto",
     return manifests
 
 
+def clip_wave(src: Path, clip: Clip, noise: list[tuple[str, np.ndarray]]) -> np.ndarray:
+    """The 1 s float32 wave of one planned clip (:func:`fixed_clip`: the one place clips are brought to 1 s)."""
+    if clip.rel is not None:
+        wave = read_wav(str(src / clip.rel), SAMPLE_RATE, key=str(src / clip.rel))
+        if wave.size == 0:
+            raise DataError(f"{src / clip.rel} holds no samples: delete it or replace it")
+        return fixed_clip(wave)
+    if clip.noise < 0:
+        return np.zeros(CLIP_SAMPLES, dtype=np.float32)
+    cut = noise[clip.noise][1][clip.offset:clip.offset + CLIP_SAMPLES]
+    return fixed_clip((cut * clip.volume).astype(np.float32))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python data/speech_commands.py",
         description="Turn a Speech Commands v1/v2 folder (or the synthesized spoken-keywords corpus) into "
                     "12-class keyword-spotting WebDataset shards: train / validation / test (classes "
                     f"{', '.join(KWS_CLASSES)}) plus a background_noise split, each with a manifest.json.",
-        epilog="Example: python data/spoken_keywords.py --out corpora/spoken_keywords && "
-               "python data/speech_commands.py --src corpora/spoken_keywords --out shards/spoken_keywords",
+        epilog="Examples: python data/speech_commands.py --src speech_commands_v0.01 --split-lists "
+               "TC-ResNet/speech_commands_dataset (MP3 / TC-ResNet's splits, into shards/speech_commands); "
+               "python data/spoken_keywords.py --out corpora/spoken_keywords && "
+               "python data/speech_commands.py --src corpora/spoken_keywords --out shards/spoken_keywords (the demo)",
     )
     parser.add_argument("--src", required=True, type=Path,
                         help="Speech Commands folder: <word>/*.wav, validation_list.txt, testing_list.txt, "
@@ -278,14 +365,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="_unknown_ clips per split, in %% of its keyword clips (default 10, as in "
                              "TensorFlow)")
     parser.add_argument("--seed", type=int, default=0, help="seed for unknown subsampling and silence cuts")
-    add_output_args(parser, "shards/spoken_keywords")
+    parser.add_argument("--split-lists", type=Path, default=None, metavar="DIR",
+                        help="folder with TC-ResNet's fixed lists train.txt / valid.txt / test.txt "
+                             "(hyperconnect/TC-ResNet speech_commands_dataset/): each split holds exactly the "
+                             "files its list names, _silence_ lines as all-zero clips; --silence-percentage, "
+                             "--unknown-percentage and --seed then play no part (default: the seeded draw)")
+    add_output_args(parser, DEFAULT_OUT)
     parser.add_argument("--dataset", default=None,
                         help="dataset name in the manifests (default: spoken_keywords for the synthesized "
                              "corpus, else speech_commands_v1/v2)")
     args = parser.parse_args(argv)
     return run_cli(lambda: build_kws_shards(
         args.src, args.out, version=args.version, silence_percentage=args.silence_percentage,
-        unknown_percentage=args.unknown_percentage, seed=args.seed, max_count=args.max_count,
+        unknown_percentage=args.unknown_percentage, seed=args.seed, split_lists=args.split_lists,
+        max_count=args.max_count,
         max_size=args.max_size, dataset=args.dataset))
 
 
