@@ -9,7 +9,7 @@ import scipy.signal
 import torch
 
 from patchplace.data.errors import DataError
-from patchplace.data.mfcc import MFCC
+from patchplace.data.mfcc import FRONTENDS, MFCC, build_frontend
 
 SR = 16000
 
@@ -106,12 +106,73 @@ def test_num_frames_matches_output_and_librosa(samples):
     assert out.shape[1] == librosa.feature.mfcc(y=wave[0], **LIBROSA_KW).shape[1] == 1 + samples // 160
 
 
-def test_center_false_matches_librosa():
+def test_valid_framing_matches_librosa_center_false():
     y = _signals()[0]
-    out = MFCC(center=False)(torch.from_numpy(y[None]))[0].numpy()
+    out = MFCC(framing="valid")(torch.from_numpy(y[None]))[0].numpy()
     ref = librosa.feature.mfcc(y=y.astype(np.float64), **{**LIBROSA_KW, "center": False}).T
     assert out.shape == ref.shape == (1 + (SR - 512) // 160, 40)
     assert np.abs(out - ref).max() < LIBROSA_ATOL
+
+
+# TC-ResNet's training path (datasets/preprocessors.py MFCCPreprocessor._preprocess) in librosa terms: tf.signal.stft
+# frames hold win_length samples from t * hop, so librosa's n_fft frame (window centred, 16 zeros each side) reads
+# them from the clip padded by 16 at the start; pad_end adds the zeros up to the last frame's end.
+def _librosa_tc_resnet(y: np.ndarray, pad_end: bool) -> np.ndarray:
+    frames = -(-len(y) // 160) if pad_end else 1 + (len(y) - 480) // 160
+    end = (frames - 1) * 160 + 480 - len(y) if pad_end else 0
+    mel = librosa.feature.melspectrogram(y=np.pad(y.astype(np.float64), (16, 16 + end)), sr=SR, n_fft=512,
+                                         hop_length=160, win_length=480, window="hann", center=False, power=2.0,
+                                         n_mels=64, fmin=80, fmax=7600, htk=True, norm=None)
+    # tf.signal.mfccs_from_log_mel_spectrograms: dct(type=2, norm=None) * rsqrt(2 * num_mel_bins)
+    return librosa.feature.mfcc(S=np.log(mel + 1e-6), n_mfcc=40, dct_type=2, norm=None).T / np.sqrt(2 * 64)
+
+
+# Measured max |MFCC - librosa| over the three clips: 2.5e-4 (features up to ~150): float32 rounding.
+@pytest.mark.parametrize(("name", "pad_end", "frames"), [("mp3_speech", True, 100), ("tc_resnet", False, 98)])
+def test_tc_resnet_front_ends_match_librosa(name, pad_end, frames):
+    waves = _signals()
+    mfcc = MFCC.preset(name)
+    out = mfcc(torch.from_numpy(waves)).numpy()
+    # MP3 Table 1: 1 s clips, 30 ms patches, 10 ms stride, 100 positions; TC-ResNet's unpadded stft: 98
+    assert out.shape == (3, frames, 40) and mfcc.num_frames(SR) == frames
+    for i, y in enumerate(waves):
+        ref = _librosa_tc_resnet(y, pad_end)
+        assert ref.shape == (frames, 40)
+        err = np.abs(out[i] - ref).max()
+        assert err < LIBROSA_ATOL, f"clip {i}: max abs error {err} vs librosa ({name})"
+
+
+@pytest.mark.filterwarnings("ignore:n_fft=512 is too large")
+@pytest.mark.parametrize("samples", [16000, 15999, 16161, 8000, 480])
+def test_pad_end_frames_match_librosa_at_any_length(samples):
+    y = np.random.default_rng(3).standard_normal(samples).astype(np.float32) * 0.1
+    mfcc = MFCC.preset("mp3_speech")
+    out = mfcc(torch.from_numpy(y[None]))[0].numpy()
+    ref = _librosa_tc_resnet(y, pad_end=True)
+    assert out.shape == ref.shape == (mfcc.num_frames(samples), 40) == (-(-samples // 160), 40)
+    assert np.abs(out - ref).max() < LIBROSA_ATOL
+
+
+def test_tf_dct_scaling_is_orthonormal_but_for_coefficient_zero():
+    waves = torch.from_numpy(_signals())
+    tf_scaled = MFCC.preset("mp3_speech")(waves)
+    ortho = MFCC.preset("mp3_speech", dct_norm="ortho")(waves)
+    torch.testing.assert_close(tf_scaled[..., 1:], ortho[..., 1:], rtol=0, atol=1e-4)
+    torch.testing.assert_close(tf_scaled[..., 0], ortho[..., 0] * 2**0.5, rtol=1e-5, atol=1e-4)
+
+
+def test_build_frontend_takes_a_preset_name_or_arguments():
+    assert build_frontend(None).extra_repr() == MFCC().extra_repr()
+    assert build_frontend("mp3_speech").extra_repr() == MFCC(**FRONTENDS["mp3_speech"]).extra_repr()
+    custom = build_frontend({"preset": "mp3_speech", "framing": "tf"})
+    assert custom.framing == "tf" and custom.n_mels == 64 and custom.num_frames(SR) == 98
+    assert build_frontend({"n_mels": 64}).n_mels == 64 and build_frontend({"n_mels": 64}).framing == "center"
+    with pytest.raises(DataError, match="preset 'nope'"):
+        build_frontend("nope")
+    with pytest.raises(DataError, match="speech front end"):
+        build_frontend({"n_bands": 64})
+    with pytest.raises(DataError, match="preset name"):
+        build_frontend(64)
 
 
 def test_matrices_are_non_persistent_float32_buffers():
@@ -172,6 +233,13 @@ def test_onnx_runtime_matches_torch(onnx_path, batch):
     dict(sample_rate=True),         # bool is not a sample rate
     dict(top_db=-1.0),
     dict(n_mels=256),               # empty mel bands at n_fft=512
+    dict(framing="same"),
+    dict(htk=1),
+    dict(mel_norm="area"),
+    dict(log="log10"),
+    dict(log="ln"),                 # top_db (default 80) is a dB floor: None with ln
+    dict(log="ln", top_db=None, log_offset=0.0),
+    dict(dct_norm=None),
 ])
 def test_bad_constructor_args_raise_data_error(kwargs):
     with pytest.raises(DataError, match="MFCC"):
@@ -188,5 +256,7 @@ def test_bad_inputs_raise_data_error():
         mfcc(torch.zeros(1, SR, dtype=torch.int16))
     with pytest.raises(DataError, match="Tensor"):
         mfcc(np.zeros((1, SR), dtype=np.float32))
-    with pytest.raises(DataError, match="n_fft"):
-        MFCC(center=False)(torch.zeros(1, 100))
+    with pytest.raises(DataError, match="512 samples"):
+        MFCC(framing="valid")(torch.zeros(1, 100))
+    with pytest.raises(DataError, match="480 samples"):
+        MFCC.preset("tc_resnet")(torch.zeros(1, 479))
