@@ -27,9 +27,13 @@ if __name__ == "__main__":  # `python -m patchplace.models.convert`, before the 
 
     sys.exit(convert())
 
+import errno
 import hashlib
+import io
 import math
+import os
 import re
+import warnings
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,7 +46,7 @@ from .backbone import VisionTransformer
 from .cli import parse_args
 from .config import BackboneConfig
 from .errors import ModelError
-from .hub import CONFIG_NAME, save_pretrained
+from .hub import CONFIG_NAME, FORMAT, save_pretrained
 from .layouts import (
     CROP_PCT_224,
     HEADS_BY_WIDTH,
@@ -87,42 +91,147 @@ class Conversion:
 
 # ----------------------------------------------------------------------------------------------------- reading
 def read_file(path: str | Path) -> Any:
-    """The object in a released file, loaded without running any of its code: safetensors as they are; pickles
-    with ``torch.load(weights_only=True, mmap=True)`` after listing the classes they name (one not in
-    :data:`RECORD_CLASSES` is refused by name before anything is unpickled)."""
+    """The object in a released file, loaded without running any of its code: safetensors as they are (a
+    patchplace checkpoint's own ``model.safetensors`` is refused: it needs no conversion); pickles with
+    ``torch.load(weights_only=True, mmap=True)`` after listing the classes they name (one not in
+    :data:`RECORD_CLASSES` is refused by name before anything is unpickled; so is a plain pickle, which is not
+    ``torch.save``'s format)."""
     path = Path(path)
+    check_input(path)
+    if path.suffix == ".safetensors":
+        return read_safetensors(path)
+    refuse_foreign_classes(path)
+    with warnings.catch_warnings():  # torch's "detected pickle protocol" warning: the refusal below says it all
+        warnings.simplefilter("ignore")
+        with torch.serialization.safe_globals([(cls, name) for name, cls in RECORD_CLASSES.items()]):
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
+            except Exception as exc:  # pickle, zip and torch errors alike: the file is refused
+                raise ModelError(f"{path} cannot be read as a PyTorch checkpoint with weights_only=True "
+                                 f"({_first_line(exc)}): damaged, or not a torch.save file; download it again"
+                                 ) from None
+
+
+def check_input(path: Path) -> None:
+    """Refuse, in one line with the fix, a FILE that is not a file to read: missing, a directory (a patchplace
+    checkpoint directory needs no conversion), or empty (an interrupted download)."""
+    if path.is_dir():
+        if (path / CONFIG_NAME).is_file():
+            raise ModelError(f"{path} is a patchplace checkpoint directory, which needs no conversion: pass it as it "
+                             f"is (load_pretrained, model.checkpoint={path}, python -m patchplace.export {path})")
+        raise ModelError(f"{path} is a directory, not a released weights file: give the .pth / .pth.tar / .bin / "
+                         ".safetensors file itself")
     if not path.is_file():
         raise ModelError(f"{path}: no such file")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    if path.stat().st_size == 0:
+        raise ModelError(f"{path} is empty (0 bytes): an interrupted download or copy; download the file again")
 
-        try:
-            return load_file(str(path))
-        except Exception as exc:  # safetensors raises several types for a damaged file
-            raise ModelError(f"{path} is not a readable safetensors file ({exc})") from None
-    refuse_foreign_classes(path)
-    with torch.serialization.safe_globals([(cls, name) for name, cls in RECORD_CLASSES.items()]):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
-        except Exception as exc:  # pickle, zip and torch errors alike: the file is refused
-            raise ModelError(f"{path} cannot be read as a PyTorch checkpoint with weights_only=True: "
-                             f"{_first_line(exc)}") from None
+
+def read_safetensors(path: Path) -> Weights:
+    """A ``.safetensors`` file's tensors; a patchplace checkpoint's own weights (its header names the format) are
+    refused: converted, they would be relabelled an authors' release (method, license, probe feature)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            header = f.metadata() or {}
+        weights = load_file(str(path))
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise ModelError(f"{path} is not a readable safetensors file ({_first_line(exc)}): damaged; download it "
+                         "again") from None
+    if header.get("format") == FORMAT:
+        raise ModelError(f"{path} is the weights file of a patchplace checkpoint (its header says {FORMAT}), not an "
+                         f"authors' release: use its directory {path.parent} as it is (load_pretrained, "
+                         f"model.checkpoint={path.parent}); converting it would relabel it")
+    return weights
 
 
 def refuse_foreign_classes(path: Path) -> None:
     """Refuse, naming them, the classes and functions a pickle would create or call beyond tensors and containers
-    (e.g. ``posix.system``): the file is not unpickled at all."""
-    if not _is_zip(path):
-        return  # the legacy format: torch.load(weights_only=True) refuses the same, naming the first one
-    try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception as exc:  # a damaged archive
-        raise ModelError(f"{path} is not a readable PyTorch checkpoint ({_first_line(exc)})") from None
-    foreign = sorted(set(found) - set(RECORD_CLASSES))
+    (e.g. ``posix.system``), read by disassembly (:func:`pickle_globals`): the file is not unpickled at all. Also
+    refused: a plain pickle (``pickle.dump``, not ``torch.save``), and a pickle protocol above 3, which
+    ``torch.load(weights_only=True)`` cannot read (its FRAME opcode)."""
+    from torch._weights_only_unpickler import _get_allowed_globals  # torch's own allowlist of weights_only
+
+    found, protocol = pickle_globals(path)
+    foreign = sorted(found - set(_get_allowed_globals()) - set(RECORD_CLASSES))
     if foreign:
         raise ModelError(f"refusing {path}: its pickle names {', '.join(foreign)}, which loading would create or call "
                          "(only tensors, containers, argparse.Namespace and yacs CfgNode records are read); this is "
                          "not a released weights file, or one re-saved with other objects in it")
+    if protocol > 3:
+        raise ModelError(f"{path} was pickled with protocol {protocol}, which torch.load(weights_only=True) cannot "
+                         "read (and nothing here unpickles a file otherwise): re-save it where it was made with "
+                         "torch.save(obj, FILE) at torch's default protocol, or with safetensors.torch.save_file")
+
+
+TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of torch.save(_use_new_zipfile_serialization=False)
+
+
+def pickle_globals(path: Path) -> tuple[set[str], int]:
+    """(the ``module.name`` globals a checkpoint's pickles name, their pickle protocol), read by
+    :mod:`pickletools` (nothing runs): a zip checkpoint's ``data.pkl``; torch's legacy format, four pickles
+    (magic number, protocol, system info, the object). A file whose first pickle is not torch's magic number is a
+    plain pickle, refused: ``torch.load`` reads none without unpickling it."""
+    if _is_zip(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+                data = archive.read(name)
+        except Exception as exc:  # a damaged archive, or one without data.pkl
+            raise ModelError(f"{path} is not a readable PyTorch checkpoint ({_first_line(exc)}): damaged; download "
+                             "it again") from None
+        _, found, protocol = _pickle_globals(io.BytesIO(data), path)
+        return found, protocol
+    with open(path, "rb") as f:
+        first, found, protocol = _pickle_globals(f, path)
+        if first != TORCH_LEGACY_MAGIC:
+            raise ModelError(f"refusing {path}: a plain pickle (pickle.dump, not torch.save's format)"
+                             + (f" naming {', '.join(sorted(found))}" if found else "")
+                             + ", which only running its code could read; re-save the weights where they were made "
+                             "with torch.save(state_dict, FILE) or safetensors.torch.save_file")
+        for _ in range(3):  # protocol version, system info, the object
+            _, more, protocol = _pickle_globals(f, path)
+            found |= more
+    return found, protocol
+
+
+def _pickle_globals(f: Any, path: Path) -> tuple[Any, set[str], int]:
+    """(the last integer constant of one pickle read from ``f`` up to its STOP, the globals it names, its protocol)
+    by :func:`pickletools.genops`, which disassembles and runs nothing."""
+    import pickletools
+
+    found: set[str] = set()
+    strings: list[str] = []  # STACK_GLOBAL takes module and name from the two strings pushed before it
+    memo: dict[int, Any] = {}
+    last: Any = None  # the value the last op pushed (what MEMOIZE / PUT store)
+    constant, protocol = None, 2
+    try:
+        for op, arg, _ in pickletools.genops(f):
+            if op.name == "PROTO":
+                protocol = arg
+            elif op.name == "GLOBAL":
+                found.add(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.add(f"{strings[-2]}.{strings[-1]}")
+            elif op.name == "MEMOIZE":
+                memo[len(memo)] = last
+            elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = last
+            elif op.name in ("GET", "BINGET", "LONG_BINGET") and isinstance(memo.get(arg), str):
+                strings.append(memo[arg])
+            if op.name not in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                last = arg
+            if isinstance(arg, str) and ("UNICODE" in op.name or "STRING" in op.name):
+                strings.append(arg)
+            elif isinstance(arg, int) and op.name in ("LONG1", "LONG4", "LONG", "INT", "BININT", "BININT1",
+                                                      "BININT2"):
+                constant = arg
+    except Exception as exc:  # not a pickle at all (or cut short)
+        raise ModelError(f"{path} is not a PyTorch checkpoint (neither torch.save's zip archive nor a pickle: "
+                         f"{_first_line(exc)}): damaged, or another format; download it again") from None
+    return constant, found, protocol
 
 
 def _is_zip(path: Path) -> bool:
@@ -251,6 +360,24 @@ def split_keys(weights: Weights, layout: Layout, file: Path) -> tuple[Weights, d
                              f"({layout.display} layout)")
         kept[key] = value
     return kept, dropped
+
+
+def check_values(kept: Weights, layout: Layout, file: Path) -> None:
+    """Every encoder tensor floating-point and finite: an integer tensor would be cast (``.float()``) into a
+    weight it never was, a NaN / inf one gives NaN everywhere downstream."""
+    for key, value in kept.items():
+        if not value.is_floating_point():
+            raise ModelError(f"{file}: '{key}' is {str(value.dtype).removeprefix('torch.')}, not a floating-point "
+                             f"weight as every {layout.display} encoder tensor is: the file is damaged or not a "
+                             "weights file; download it again")
+    for key, value in kept.items():
+        bad = int((~torch.isfinite(value)).sum())
+        if bad:
+            kinds = " and ".join(k for k, hit in (("NaN", torch.isnan(value).any()), ("inf", torch.isinf(value).any()))
+                                 if bool(hit))
+            raise ModelError(f"{file}: '{key}' holds {kinds} ({bad} of {value.numel()} values): the training that "
+                             "wrote it diverged or the file is damaged; download it again, or convert another "
+                             "epoch's file")
 
 
 def infer_dims(kept: Weights, layout: Layout, file: Path, num_heads: int | None) -> dict[str, int]:
@@ -450,6 +577,7 @@ def convert_checkpoint(file: str | Path, layout: str, out: str | Path, *, encode
     weights, entry, entries_dropped = select_weights(obj, spec, encoder, file)
     kept, dropped = split_keys(weights, spec, file)
     table = key_table(kept, spec, file)
+    check_values(kept, spec, file)
     dims = infer_dims(kept, spec, file, num_heads)
     check_shapes(kept, table, spec, dims, file)
     config, how = backbone_config(kept, spec, dims)
@@ -481,9 +609,59 @@ def _check_options(spec: Layout, encoder: str | None, method: str | None, out: P
     if method is not None and (spec.method is not None or method not in METHODS):
         raise ModelError(f"--method {method}: " + (f"a {spec.display} file's method is {spec.method}" if spec.method
                                                    else f"one of {', '.join(METHODS)}"))
+    if problem := name_problem(out):
+        raise ModelError(problem)
+    if run := training_run_of(out):
+        raise ModelError(f"--out {out} lies inside the training run {run} (its {', '.join(run_files(run))}): a "
+                         "conversion there would replace or repoint the run's checkpoints; choose a directory "
+                         "outside any run")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / CONFIG_NAME).is_file())):
         raise ModelError(f"--out {out} exists and is not a checkpoint directory (it would be replaced whole): choose "
                          "a new directory")
+
+
+def name_problem(out: Path) -> str | None:
+    """The one line for an ``--out`` this file system cannot hold (a part over its NAME_MAX, the whole over its
+    PATH_MAX; read from the deepest existing folder), or None: the writes would otherwise fail mid-way."""
+    absolute = os.path.abspath(out)
+    folder = absolute
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    except (OSError, ValueError):  # no limits to read
+        return None
+    # save_pretrained writes .NAME.partial-XXXXXXXX beside it: that name must fit too
+    longest = max(Path(absolute).parts, key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(longest)) + len(".partial-") + 9 > name_max:
+        return (f"--out: the name {longest[:24]}... is {len(os.fsencode(longest))} bytes long, and this file system "
+                f"takes names of at most {name_max} (the checkpoint is written as .NAME.partial-* first): choose a "
+                "shorter --out")
+    if len(os.fsencode(absolute)) + 64 >= path_max:
+        return f"--out: its path is {len(os.fsencode(absolute))} bytes long, near this system's {path_max}: choose a " \
+               "shorter --out"
+    return None
+
+
+def run_files(directory: Path) -> list[str]:
+    """The files that make ``directory`` a training run of patchplace.pipelines (its ``config.yaml`` or
+    ``log.jsonl`` beside its ``.lock``, ``checkpoints/`` or ``checkpoint`` link) or a sealed checkpoint step of one
+    (``COMPLETE`` beside ``checkpoint/``); [] for any other directory (a lone ``.lock``, as pytest's, is none)."""
+    if (directory / "COMPLETE").is_file() and (directory / "checkpoint").is_dir():
+        return ["COMPLETE", "checkpoint/"]
+    records = [name for name in ("config.yaml", "log.jsonl") if (directory / name).is_file()]
+    state = [name for name, there in ((".lock", (directory / ".lock").is_file()),
+                                      ("checkpoints/", (directory / "checkpoints").is_dir()),
+                                      ("checkpoint link", (directory / "checkpoint").is_symlink())) if there]
+    return records + state if records and state else []
+
+
+def training_run_of(out: Path) -> Path | None:
+    """The training run directory ``out`` lies in (or is), spelled as given or through its symlinks
+    (``RUN/checkpoint`` links into ``RUN/checkpoints/step-N``), else None."""
+    runs = [directory for spelling in dict.fromkeys((Path(os.path.abspath(out)), out.resolve()))
+            for directory in (spelling, *spelling.parents) if directory.is_dir() and run_files(directory)]
+    return max(runs, key=lambda d: (len(run_files(d)), -len(d.parts)), default=None)  # the run, not its step
 
 
 def describe(conv: Conversion) -> str:
@@ -511,6 +689,11 @@ def main(argv: list[str] | None = None) -> int:
                                   crop_pct=args.crop_pct, dataset=args.dataset)
     except ModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # what the checks before the write could not foresee (a disk full, a lost mount)
+        print(f"error: --out {args.out}: {exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, 'OSError')}"
+              f"{f' on {exc.filename}' if exc.filename else ''}): nothing was converted; free the place or choose "
+              "another --out", file=sys.stderr)
         return 2
     print(describe(conv))
     return 0
