@@ -4,9 +4,6 @@ and nothing written, and with --config the values that command line runs with (t
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "pipelines" / "configs"
-GPU = ROOT / "research" / "gpu"
 WIDTH = 100
 
 # python entry points run in-process: (module, its main's --help argv, the config file it reads or None)
@@ -28,13 +24,11 @@ PYTHON = [
     ("patchplace.research.benchmark", None),
     ("patchplace.research.harness_compare", None),
     ("patchplace.research.emulated_bf16", None),
-    ("gpu_parts", None),
     ("patchplace.export.__main__", None),
     ("patchplace.export.evaluate", None),
     ("patchplace.data.__main__", None),
     ("patchplace.models.convert", None),
 ]
-SHELL = ["gpu_evidence.sh", "gpu_sitting.sh", "gpu_onnx.sh", "gpu_env.sh"]
 
 
 def _leaves(raw: dict, prefix: str = "") -> dict[str, object]:
@@ -59,13 +53,7 @@ def _check(text: str, where: Path, name: str) -> None:
 def test_python_entry_points_help(module, config, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", "250")  # a wide terminal: still 100 columns
-    if module == "gpu_parts":  # a standalone script of the lent machine's bare python3: loaded by its path
-        spec = importlib.util.spec_from_file_location(module, GPU / "gpu_parts.py")
-        loaded = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(loaded)
-        main = loaded.main
-    else:
-        main = importlib.import_module(module).main
+    main = importlib.import_module(module).main
     argv = ["--help"]
     if config is not None:
         leaves = _leaves(yaml.safe_load(config.read_text()))
@@ -82,21 +70,9 @@ def test_python_entry_points_help(module, config, tmp_path, monkeypatch, capsys)
         assert f"{override.replace('=', ' = ')}  (override)" in out, f"{module}: the override is not shown"
 
 
-@pytest.mark.parametrize("script", SHELL)
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_shell_scripts_help_runs_nothing(script, flag, tmp_path):
-    out = tmp_path / "out"
-    result = subprocess.run(["bash", str(GPU / script), flag], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60, env={**os.environ, "OUT": str(out), "PYTHON": "false"})
-    assert result.returncode == 0 and result.stderr == "", (script, result.stderr)
-    assert f"research/gpu/{script}" in result.stdout, result.stdout  # the header: how to run it
-    _check(result.stdout, tmp_path, script)
-
-
 def test_every_entry_point_is_checked():
-    scripts = {p.stem for p in (ROOT / "pipelines").glob("*.py")} | {p.stem for p in GPU.glob("*.py")}
+    scripts = {p.stem for p in (ROOT / "pipelines").glob("*.py")}
     assert scripts <= {m.rsplit(".", 1)[-1] for m, _ in PYTHON}, "a new entry point: add it to PYTHON"
-    assert {p.name for p in GPU.glob("*.sh")} == set(SHELL), "a new shell script: add it to SHELL"
 
 
 def test_evaluate_help_lists_only_fields_an_evaluation_reads(shards, tmp_path, monkeypatch, capsys):

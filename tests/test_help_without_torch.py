@@ -1,13 +1,13 @@
 """``--help`` of every entry point imports no torch (it took 17-42 s when torch, timm and torchvision loaded
 first): the scripts (``python pipelines/<command>.py``: the training commands, the demo, the study, the controls,
 the benchmark), the modules (``python -m patchplace.pipelines.<command>``, ``patchplace.research.<command>``,
-``patchplace.research.recipes``, ``.reproduction.waves``, ``.emulated_bf16``, ``patchplace.models.convert``,
-``patchplace.export``, ``patchplace.export.evaluate``, ``patchplace.data``) and the console scripts
-(``patchplace-<command>``), each run as a user runs it, in a subprocess with ``-X importtime``; the modules it
-imported are read back. A usage error is argparse's, exit 2, before torch too. A module prints what its script
-prints, byte for byte. The torch-free copies ``--help`` reads (the objectives' fields and registration facts from
-their source, the attack's fields, the attention kernels, the export's choices, the benchmark's suites, the
-controls' probe features) are held equal to the originals here."""
+``patchplace.research.recipes``, ``.emulated_bf16``, ``patchplace.models.convert``, ``patchplace.export``,
+``patchplace.export.evaluate``, ``patchplace.data``) and the console scripts (``patchplace-<command>``), each
+run as a user runs it, in a subprocess with ``-X importtime``; the modules it imported are read back. A usage error
+is argparse's, exit 2, before torch too. A module prints what its script prints, byte for byte. The torch-free
+copies ``--help`` reads (the objectives' fields and registration facts from their source, the attack's fields, the
+attention kernels, the export's choices, the benchmark's suites, the controls' probe features) are held equal to
+the originals here."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ SCRIPTS = tomllib.loads((ROOT / "pipelines" / "pyproject.toml").read_text())["pr
 # each runs) and modules alone
 RESEARCH = {"study": "patchplace.research.study", "controls": "patchplace.research.controls",
             "benchmark": "patchplace.research.benchmark"}
-MODULES = {"recipes": "patchplace.research.recipes", "waves": "patchplace.research.reproduction.waves",
-           "emulated_bf16": "patchplace.research.emulated_bf16", "convert": "patchplace.models.convert"}
+MODULES = {"recipes": "patchplace.research.recipes", "emulated_bf16": "patchplace.research.emulated_bf16",
+           "convert": "patchplace.models.convert"}
 
 
 def console_script(name: str) -> list[str]:
@@ -110,7 +110,6 @@ USAGE_ERRORS = {"demo.py": (["--nosuch-flag"], "error: unrecognized arguments: -
                 "benchmark.py": (["--suite", "nosuch"], "error: argument --suite: invalid choice: 'nosuch'"),
                 "-m research.study": (["--jobs", "two"], "error: argument --jobs: invalid int value: 'two'"),
                 "-m recipes": (["--nosuch-flag"], "error: unrecognized arguments: --nosuch-flag"),
-                "-m waves": ([], "error: the following arguments are required: --config, --wave, --bundles"),
                 "-m convert": (["x.pth"], "error: the following arguments are required: --from, --out"),
                 "-m emulated_bf16": (["train"], "usage: python -m patchplace.research.emulated_bf16 {pretrain,"
                                                 "finetune} ARGS... (--help: what it does)")}

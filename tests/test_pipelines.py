@@ -55,7 +55,7 @@ def test_every_shipped_config_loads_and_validates(shards):
                 from patchplace.research.reproduction.schedule import mismatch
 
                 assert mismatch(cfg, load_protocol(ROOT / "research" / "protocols" / "study_v5.yaml")) is None
-            elif not path.name.startswith("study_v5"):  # (the GPU's 4 px waves: the protocol's 5 seeds)
+            elif not path.name.startswith("study_v5"):  # (study_v5_gpu4px: the protocol's gpu section, 5 seeds)
                 assert set(cfg.seeds) == {0, 1, 2} == set(cfg.ablation_seeds), "three seeds for every row a claim reads"
             continue
         kind = at_scale.get(path.name) or next((k for k in classes if path.name.startswith(k)), "pretrain")

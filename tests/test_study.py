@@ -617,73 +617,12 @@ def test_label_efficiency_is_a_study_question_with_one_proxy_rule_in_both_direct
         assert still_improving(log) is expected
 
 
-@pytest.mark.slow
-def test_a_study_in_sittings_adds_up_bundle_by_bundle_and_merges_into_one_report(shards, tmp_path, capsys):
-    """A sitting runs the pending units that fit its budget, each atomic, and writes a bundle per finished unit
-    (rows, device, torch, sitting; also to --bundles-out, the folder a lent machine sends back); the next sitting
-    continues where the bundles stop; --merge rebuilds the report from the bundles alone; a damaged bundle leaves
-    its unit pending."""
-    from patchplace.research.reproduction.sittings import attempts_of, budget_of, bundles_of, estimate, pending_units
-
-    bundles, sent = tmp_path / "bundles", tmp_path / "out"
-    sent.mkdir()
-    args = [f"runs={tmp_path / 'unused'}", f"results={tmp_path / 'results'}", "preset=vit_micro", "batch_size=8",
-            "pretrain_epochs=0.25", "finetune_epochs=0.25", "num_workers=0", f"fashion_mnist={shards / 'img'}",
-            "groups=[randsac]", "probe_only=[randsac]", "only=[randsac_raster]", "ablation_seeds=[0,1]",
-            "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1", "probe_extras=false",
-            "holdout=12", "test_samples=16", "compare_with=null", "threads=1"]
-    assert study.main([*args, "--sitting", "5", "--bundles", str(bundles), "--bundles-out", str(sent),
-                       "--max-units", "1"]) == 0
-    first = bundles_of(bundles)
-    assert list(first) == ["randsac.seed0"] and list(bundles_of(sent)) == ["randsac.seed0"]
-    bundle = first["randsac.seed0"]
-    assert bundle["torch"] and bundle["device"] and bundle["sitting"] and bundle["seconds"] > 0
-    assert [m["seed"] for m in bundle["rows"]["randsac_raster"]] == [0]
-    assert 0 <= bundle["rows"]["randsac_raster"][0]["linear_probe"] <= 1
-    cfg = pipeline_config.load(StudyConfig, None, args)
-    assert pending_units(study.study_units(cfg), bundles, cfg) == ["randsac.seed1"]
-
-    assert study.main([*args, "--sitting", "5", "--bundles", str(bundles)]) == 0  # a fresh machine: continues
-    assert sorted(bundles_of(bundles)) == ["randsac.seed0", "randsac.seed1"]
-    assert [len(a["finished"]) for a in attempts_of(bundles)] == [1, 1]
-    assert all(a["budget"] == budget_of(cfg) for a in attempts_of(bundles)), "cut-offs are read at their budget"
-    capsys.readouterr()
-    assert study.main([*args, "--merge", "--bundles", str(bundles)]) == 0
-    assert "from 2 of 2 units; pending: none" in capsys.readouterr().out
-    merged = json.loads((tmp_path / "results" / "study.json").read_text())["results"]["randsac_raster"]
-    assert [(m["seed"], m["sitting"]) for m in merged] == [(0, bundle["sitting"]), (1, bundles_of(bundles)[
-        "randsac.seed1"]["sitting"])]
-    assert "| RandSAC raster | 0,1 |" in (tmp_path / "results" / "study.md").read_text()
-
-    raised = pipeline_config.load(StudyConfig, None, [*args, "pretrain_epochs=100"])
-    assert pending_units(study.study_units(raised), bundles, raised) == ["randsac.seed0", "randsac.seed1"], \
-        "a bundle at another budget is not done at this one"
-    (bundles / "randsac.seed1.json").write_text('{"unit": "randsac.se')  # damaged on the way back
-    assert pending_units(study.study_units(cfg), bundles, cfg) == ["randsac.seed1"]
-    # a unit cut off at a sitting's end needs more than that; longer than a whole sitting: said, never started
-    assert estimate("x.seed1", ["x"], {}, [{"cut_off": {"x.seed1": 100.0}}]) == (120.0, 100.0)
-    assert estimate("x.seed1", ["x"], {"x.seed0": {"groups": ["x"], "seconds": 50.0}}, []) == (50.0, 0.0)
-
-
-def test_a_sitting_kills_a_unit_still_running_at_its_end(tmp_path):
-    import time
-
-    from patchplace.research.reproduction.sittings import _run_bounded
-
-    start = time.monotonic()
-    assert _run_bounded([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], 2.0,
-                        tmp_path / "unit.log") is None
-    assert time.monotonic() - start < 30 and "up" in (tmp_path / "unit.log").read_text()
-    assert _run_bounded([sys.executable, "-c", "raise SystemExit(3)"], 30, tmp_path / "b.log") == 3
-
-
 def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_the_controls_once():
-    """unit_per_row (sittings shorter than a (group, seed) unit): one unit per (row, seed) in the priority order of
+    """unit_per_row (finer units keep every --jobs process busy): one unit per (row, seed) in the priority order of
     groups, then seed, then the group's rows; MP3 Table 3's fine-tunes of main's MP3 in the MP3 unit of their seed
     (or together where main has no such seed); the controls (every seed at once) a unit of their own; the curves
     one per row as ever; only / skip / speech_null respected."""
     from patchplace.research.reproduction.plan import group_seeds, runs_of
-    from patchplace.research.reproduction.sittings import unit_id
 
     cfg = pipeline_config.load(StudyConfig, None, ["unit_per_row=true", "seeds=[0,1]", "ablation_seeds=[0,1,2]",
                                                    "speech_seeds=[0]", "skip=[randsac_square]", "speech_null=false",
@@ -708,7 +647,7 @@ def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_
     assert keys == sorted(keys), "priority: groups, then seed, then the group's rows"
     mp3 = next(u for u in units if "mp3" in u.only and u.seed == 0)
     assert mp3.overrides() == ["groups=[main,mp3_pe]", "only_seeds=[0]", "only=[mp3,mp3_ft_none,mp3_ft_relbias2d]"]
-    assert unit_id(mp3.groups, mp3.seed, mp3.only) == "main+mp3_pe.mp3+mp3_ft_none+mp3_ft_relbias2d.seed0"
+    assert str(mp3) == "main+mp3_pe mp3,mp3_ft_none,mp3_ft_relbias2d seed 0", "as --jobs names it in its queue"
     assert study.study_units(dataclasses.replace(cfg, unit_per_row=False))[2] == study.Unit(("main", "mp3_pe"), 0)
     only = study.study_units(dataclasses.replace(cfg, only=("mae",), curve_epochs=()))
     assert only == [study.Unit(("main",), 0, ("mae",)), study.Unit(("main",), 1, ("mae",))], \
@@ -719,49 +658,28 @@ def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_
 
 
 @pytest.mark.slow
-def test_a_study_in_per_row_sittings_merges_rows_of_one_seed_and_the_controls(shards, tmp_path, capsys):
-    """unit_per_row through --sitting and --merge: the controls unit and two row units of one seed, each a bundle
-    of its own, merge into one report holding both rows on that seed and the controls."""
-    from patchplace.research.reproduction.sittings import attempts_of, bundles_of, estimate, work_of
-
-    bundles = tmp_path / "bundles"
-    args = [f"runs={tmp_path / 'unused'}", f"results={tmp_path / 'results'}", "preset=vit_micro", "batch_size=8",
+def test_a_per_row_study_in_jobs_reports_the_rows_of_one_seed_and_the_controls_together(shards, tmp_path, capsys):
+    """unit_per_row through --jobs: the controls unit and two row units of one seed, each run by a process of its
+    own in the shared runs/, make one report holding both rows on that seed, the controls and their minutes."""
+    args = [f"runs={tmp_path / 'runs'}", f"results={tmp_path / 'results'}", "preset=vit_micro", "batch_size=8",
             "pretrain_epochs=0.25", "finetune_epochs=0.25", "num_workers=0", f"fashion_mnist={shards / 'img'}",
             "groups=[main,randsac]", "probe_only=[randsac]", "only=[controls,randsac_raster,randsac_square]",
             "seeds=[0]", "ablation_seeds=[0]", "unit_per_row=true", "label_fractions=[0.5]",
             "label_finetune_epochs=[1]", "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1",
             "probe_extras=false", "holdout=12", "test_samples=16", "compare_with=null", "threads=1"]
-    assert study.main([*args, "--sitting", "5", "--bundles", str(bundles)]) == 0
-    found = bundles_of(bundles)
-    assert sorted(found) == ["main.controls.seed0", "randsac.randsac_raster.seed0", "randsac.randsac_square.seed0"]
-    assert found["main.controls.seed0"]["controls"] and not found["main.controls.seed0"]["rows"]
-    assert list(found["randsac.randsac_square.seed0"]["rows"]) == ["randsac_square"]
-    assert found["randsac.randsac_raster.seed0"]["controls"] is None
-    capsys.readouterr()
-    assert study.main([*args, "--merge", "--bundles", str(bundles)]) == 0
-    assert "from 3 of 3 units; pending: none" in capsys.readouterr().out
+    assert study.main(["--jobs", "2", *args]) == 0
+    out = capsys.readouterr().out
+    assert ("3 units (main controls seed 0, randsac randsac_raster seed 0, randsac randsac_square seed 0) over 2 "
+            "processes, 1 thread(s) each") in out, out
+    assert sorted(p.name for p in (tmp_path / "runs").glob("job*.log")) == ["job0.log", "job1.log"]
     merged = json.loads((tmp_path / "results" / "study.json").read_text())
     assert {run: [m["seed"] for m in ms] for run, ms in merged["results"].items()} == {
         "randsac_raster": [0], "randsac_square": [0]}
     assert set(merged["controls"]["controls"]) >= {"pixels_linear", "random_linear"}
-    assert merged["wall_clock"]["minutes"]["randsac"]["sitting units"] > 0, "the minutes of the row units add up"
+    minutes = merged["wall_clock"]["minutes"]
+    assert minutes["randsac"]["pretraining"] > 0 and sum(minutes["controls"].values()) > 0, minutes
     report = (tmp_path / "results" / "study.md").read_text()
     assert "| RandSAC raster | 0 |" in report and "| RandSAC square 2x2 | 0 |" in report
-
-    # a row unit is estimated by the same row's unit of another seed, never by another row of its groups; and only
-    # by units measured at the same work (a knob that changes a unit's time, budget field or not)
-    done = {"main.mae.seed0": {"groups": ["main"], "only": ["mae"], "seconds": 50.0},
-            "main.ijepa.seed0": {"groups": ["main"], "only": ["ijepa"], "seconds": 80.0},
-            "main.seed0": {"groups": ["main"], "only": [], "seconds": 400.0}}
-    assert estimate("main.mae.seed1", ["main"], done, [], ["mae"]) == (50.0, 0.0)
-    assert estimate("main.seed1", ["main"], done, []) == (400.0, 0.0)
-    assert estimate("main.stop.seed1", ["main"], done, [], ["stop"]) == (None, 0.0)
-    cfg = pipeline_config.load(StudyConfig, None, args)
-    work = work_of(dataclasses.asdict(cfg))
-    assert work == work_of(found["randsac.randsac_raster.seed0"]["config"]) == work_of(
-        dataclasses.asdict(dataclasses.replace(cfg, only=(), groups=("main",), results="x")))
-    assert work != work_of(dataclasses.asdict(dataclasses.replace(cfg, ort=False)))
-    assert all(a["work"] == work for a in attempts_of(bundles))
 
 
 @pytest.mark.slow

@@ -1,7 +1,6 @@
 """The --help width of every command line (``python -m patchplace.data``, the export's, the pipelines' and the
 research's): at most :data:`HELP_WIDTH` columns, whatever the terminal's width. It lives in the package every
-other depends on, so that each shares it (research/gpu/gpu_parts.py, a standalone script of a bare python, keeps
-a copy)."""
+other depends on, so that each shares it."""
 
 from __future__ import annotations
 
