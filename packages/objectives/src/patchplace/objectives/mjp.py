@@ -301,9 +301,11 @@ class MJP(BackboneObjective):
     in training mode, once ``progress >= warmup_fraction`` and with probability ``apply_prob`` per batch, the batch
     goes through :func:`jigsaw` and the shuffled positions get ``E_unk``; loss = CE (+ label smoothing, or soft
     targets, as :class:`Supervised`) + lambda(progress) * DAL over the unshuffled positions (all positions on steps
-    without jigsaw). ``progress=None`` means "no schedule": past the warm-up, lambda = ``dal_weight``. In eval mode
-    it is the plain classifier loss (no jigsaw, no DAL). Returns ``loss`` and detached ``ce``, ``dal``, ``acc``,
-    ``jigsaw`` (1.0 when this batch was shuffled) and ``dal_weight``.
+    without jigsaw). ``progress=None`` means "no schedule": past the warm-up, lambda = ``dal_weight``; a 0-d tensor
+    (the trainer's) keeps the warm-up and the schedule on the device. The step is static: the jigsaw is computed on
+    every training step and selected on the device (:meth:`apply_jigsaw`). In eval mode it is the plain classifier
+    loss (no jigsaw, no DAL). Returns 0-d tensors: ``loss`` and detached ``ce``, ``dal``, ``acc``, ``jigsaw`` (1.0
+    when this batch was shuffled) and ``dal_weight``.
 
     A training loop (``progress``: the fraction of training done, in [0, 1]; schedules read it):
 
