@@ -91,8 +91,9 @@ def test_evaluate_help_lists_only_fields_an_evaluation_reads(shards, tmp_path, m
     from patchplace.pipelines import config, evaluate, pretrain
 
     checkpoint = tmp_path / "mjp"
-    assert pretrain.main(["method=mjp", *img(shards), *TINY, "model.overrides={embed_dim: 128, num_heads: 2}",
-                          "optim.max_steps=1", f"run.output={checkpoint}"]) == 0
+    assert pretrain.main(["method=mjp", *img(shards), *TINY, "objective.ratio=0.15",
+                          "model.overrides={embed_dim: 128, num_heads: 2}", "optim.max_steps=1",
+                          f"run.output={checkpoint}"]) == 0
     read: set[str] = set()
 
     def counted() -> bool:

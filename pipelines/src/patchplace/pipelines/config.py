@@ -480,8 +480,11 @@ def help_values(cls: type, argv: list[str]) -> tuple[Any, dict[str, str], str]:
     """What --help shows for this command line: (the ``cls`` instance its ``--config`` file and overrides give, not
     validated; {dotted key: "from file" / "override"} for every value they set; the header naming them). A file or
     override that does not load leaves the code defaults, and the header says why."""
-    path, overrides = command_args(argv)
     header = "config fields (override with section.field=value)"
+    try:
+        path, overrides = command_args(argv)
+    except ConfigError as exc:  # (--config twice)
+        return cls(), {}, f"{header}; the code defaults ({one_line(exc)}):"
     if not path and not overrides:
         return cls(), {}, header + ":"
     try:

@@ -25,6 +25,8 @@ if typing.TYPE_CHECKING:
 # (tests/test_help_without_torch.py holds them equal)
 Attention = Literal["sdpa", "math"]
 ATTENTION_KERNELS = typing.get_args(Attention)
+# data.frontend: patchplace.data.mfcc.FRONTENDS' names, written here so that --help imports no torch
+Frontend = Literal["tf_speech_commands", "mp3_speech", "tc_resnet"]
 # run.compile: torch.compile modes of every Transformer block (aot_eager: traced without code generation, a check)
 CompileMode = Literal["no", "default", "reduce-overhead", "max-autotune", "aot_eager"]
 # run.log_with: Accelerate's experiment trackers (accelerate.utils.LoggerType but "all"), with the package each needs
@@ -121,6 +123,11 @@ class DataSection:
     mixup_prob: Probability = 1.0  # probability of mixing a batch (data.mixup / data.cutmix)
     mixup_switch_prob: Probability = 0.5  # with both alphas > 0: probability of CutMix rather than Mixup
     noise_split: str | None = None  # audio: background_noise split for noise mixing
+    # audio: the MFCC front end (patchplace.data.mfcc.FRONTENDS): tf_speech_commands (TensorFlow's speech_commands
+    # example: 40 mel bands 20-4000 Hz, centred frames, 101 a second) | mp3_speech (MP3 §3.1 / Table 1: TC-ResNet's
+    # training path, 64 bands 80-7600 Hz, 100 frames) | tc_resnet (TC-ResNet exactly: 98 frames); the checkpoint
+    # records it, evaluation and export use the recorded one
+    frontend: Frontend = "tf_speech_commands"
     train_limit: int | None = None  # cap on samples per process per epoch (None: the whole split)
     # train on a fixed class-balanced fraction of data.train (e.g. 0.01: 1%)
     label_fraction: Annotated[Fraction, Words(note="(e.g. 0.01 for 1% of the labels)")] | None = None

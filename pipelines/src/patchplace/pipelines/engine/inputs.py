@@ -19,7 +19,7 @@ from torch import nn
 from patchplace.data import Manifest, ShardDataset, build_transform
 from patchplace.data.batched import build_batched_transform
 from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset, decoded_bytes
-from patchplace.data.mfcc import MFCC
+from patchplace.data.mfcc import build_frontend
 from patchplace.models import Backbone
 from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.sections import HOLDOUT, DataSection
@@ -129,7 +129,8 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
                               f"({why})")
     train, val = readers["data.train"], readers["data.val"]
     finish_readers(cfg, train, val, accelerator, split_train)
-    frontend = MFCC().to(accelerator.device) if manifest.modality == "audio" else None
+    frontend = build_frontend(getattr(cfg, "frontend", None)).to(accelerator.device) \
+        if manifest.modality == "audio" else None
     return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
 
 
@@ -291,6 +292,7 @@ def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
     return {"classes": m.classes, "normalization": data.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
             "img_size": cfg.img_size, "native_size": m.info.get("image_size") if m.modality == "image" else None,
             **({"crop_pct": cfg.crop_pct} if cfg.crop_pct != 1.0 else {}),
+            **({"frontend": cfg.frontend} if m.modality == "audio" else {}),
             "data": {"dataset": m.dataset, "split": m.split, "fingerprint": m.fingerprint(),
                      "holdout": {"size": cfg.holdout, "seed": cfg.holdout_seed}}}
 
