@@ -316,8 +316,8 @@ def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_pat
             assert stderr.startswith("error: ") and "exitcode  : 2 " in stderr and "exitcode  : -15" not in stderr, \
                 stderr[-3000:]
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and f"written by {wrote} process(es), this launch has {resumes}" in errors[0], \
-            stderr[-2000:]
+        assert len(errors) == 1 and f"written by {wrote} process(es) x data.batch_size=8 x run.grad_accum=1 = " \
+            f"global batch {8 * wrote}, this launch has {resumes} process(es) x" in errors[0], stderr[-2000:]
         continues = (f"resume with python {Path(script).relative_to(ROOT)} " if wrote == 1 else
                      "resume with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 "
                      f"{Path(script).relative_to(ROOT)} ")
@@ -325,6 +325,43 @@ def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_pat
         assert files_of(out) == before
     run([script, *args, "run.resume=true"], processes=1)  # the count that wrote it continues it
     assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(("wrote", "resumes"), [(2, 1), (1, 2)])
+def test_a_run_resumes_on_another_process_count_at_the_same_global_batch(shards, tmp_path, wrote, resumes):
+    """2 processes -> 1 with run.grad_accum=2, and 1 with run.grad_accum=2 -> 2 (global batch 16 throughout): the
+    interrupted epoch finishes with exactly the samples the checkpoint's layout had left, step by step, and the
+    weights end where an uninterrupted run's do (supervised: no random draws in its step; the two layouts differ
+    only in the order of a sum)."""
+    accum = {1: "run.grad_accum=2", 2: "run.grad_accum=1"}
+
+    def args(out: Path, processes: int) -> list[str]:
+        return [TRACE, "pretrain", "method=supervised", *img(shards), *TINY, "optim.max_steps=3",
+                f"run.output={out}", accum[processes]]
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    run(args(straight, wrote), processes=wrote)
+    # SIGTERM during the second micro-batch read: one process stops after step 1; two agree after step 2
+    stopped = run(args(cut, wrote), processes=wrote, env={"TRACE_SIGTERM": "0:2" if wrote == 1 else "0:1"},
+                  check=False)
+    at = 1 if wrote == 1 else 2
+    assert f"interrupted by SIGTERM at step {at}" in stopped.stderr, stopped.stderr[-2000:]
+    resumed = run([*args(cut, resumes), "run.resume=true"], processes=resumes)
+    assert f"written by {wrote} process(es) x data.batch_size=8" in resumed.stdout + resumed.stderr
+    assert [r["step"] for r in log(cut)] == [1, 2, 3] and log(cut)[-1]["world_size"] == resumes
+
+    def per_step(out: Path, processes: int) -> list[set[str]]:
+        """The samples of each optimizer step, over every rank and micro-batch."""
+        micro = 2 if processes == 1 else 1
+        ranks = [t["keys"] for t in traces(out)[:processes]]  # (a rank of an earlier launch left its trace)
+        return [{key for keys in ranks for batch in keys[s * micro:(s + 1) * micro] for key in batch}
+                for s in range(len(ranks[0]) // micro)]
+
+    expected = per_step(straight, wrote)
+    assert len(expected) == 3 and all(len(step) == 16 for step in expected)
+    assert per_step(cut, resumes) == expected[at:], "the rest of the epoch: the same samples, step by step"
+    a, b = traces(cut)[0]["final"], traces(straight)[0]["final"]
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
 
 
 def test_the_lazy_check_names_the_nan_rank_and_every_rank_skips_alike(shards, tmp_path):

@@ -54,6 +54,8 @@ RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.log_every
                      "data.verify_shards", "data.timeout", "data.retries")
 # the budget a resume may extend (the Trainer checks it grows: :func:`extension_problem`)
 EXTENDABLE = ("optim.epochs", "optim.max_steps", "optim.extend")
+# the layout of a step's global batch a resume may change while keeping it (the checkpoints check the product)
+RELAYOUT = ("data.batch_size", "run.grad_accum")
 # data.num_workers plans a streamed epoch (which samples each DataLoader worker reads, in which order): resumable
 # only for a run whose data.train was held in memory (its log says so), where it just loads the shards in parallel
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -156,7 +158,7 @@ def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config:
     saved = directory / "config.yaml"
     old = _saved_config(saved)
     if recorded is not None and old is not None:
-        edited = config_changes(recorded[1], old, (*moved, *EXTENDABLE, "data.num_workers"))  # (own rules below)
+        edited = config_changes(recorded[1], old, (*moved, *EXTENDABLE, *RELAYOUT, "data.num_workers"))
         if edited:
             raise ConfigError(f"run.resume=true: {saved} was edited after the run wrote it: {', '.join(edited)} "
                               f"(the step-{recorded[0]} checkpoint's value -> the file's), so it no longer says what "
@@ -171,7 +173,7 @@ def prepare_directory(directory: Path, *, resume: bool, overwrite: bool, config:
             raise ConfigError(f"run.resume=true: data.num_workers was {workers[0]} in {source} and the run streamed "
                               f"data.train, whose epochs it plans (which samples each worker reads, in which order); "
                               f"resume with data.num_workers={workers[0]}, or start a new run")
-        changed = config_changes(old or {}, config, (*moved, *EXTENDABLE, "data.num_workers"))
+        changed = config_changes(old or {}, config, (*moved, *EXTENDABLE, *RELAYOUT, "data.num_workers"))
         if changed:
             raise ConfigError(f"run.resume=true: {', '.join(changed)} differ from {source}; resume with the run's "
                               "values, or start a new run (another run.output, or run.overwrite=true)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from typing import Any
 
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, set_seed
 from safetensors.torch import save_file
 from torch import nn
 
@@ -45,6 +46,7 @@ from patchplace.pipelines.engine.guards import FiniteCheck
 from patchplace.pipelines.engine.inputs import metrics_split
 from patchplace.pipelines.engine.launch import Interrupted, every_rank, relaunch
 from patchplace.pipelines.engine.logs import Console, JsonlLog, read_log, trackers, truncate_log
+from patchplace.pipelines.engine.relayout import Layout, relaid_seed
 from patchplace.pipelines.rundir import (
     CheckpointError,
     RunLock,
@@ -191,6 +193,7 @@ class RunDirectory:
         # optim.extend=phase: the step the schedule's current phase starts at (0: the run's one schedule)
         self.schedule_start = 0
         self.resumed_trainer: dict[str, Any] | None = None  # the resumed checkpoint's trainer.json
+        self.resumed_layout: Layout | None = None  # the layout it was written by, where this launch's differs
         # (the resumed checkpoint's trainer.json -> a refusal line or None), e.g. a budget that does not grow
         self.check_resumed: Callable[[dict[str, Any]], str | None] = lambda trainer: None
 
@@ -248,14 +251,26 @@ class RunDirectory:
                 raise ConfigError(problem)
 
     def _check_processes(self, state: Path, trainer: dict[str, Any]) -> None:
-        saved = trainer.get("world_size") or len(list(state.glob("random_states_*.pkl")))
-        if saved != self.acc.num_processes:
-            raise CheckpointError(
-                f"run.resume=true: the step-{trainer['step']} checkpoint in {self.out} was written by {saved} "
-                f"process(es), this launch has {self.acc.num_processes}: the global batch, each rank's place in the "
-                f"data and its random stream would change; resume with "
-                f"{relaunch(saved, f'{self.command} run.resume=true')}, or start a new run (another run.output, or "
-                "run.overwrite=true)")
+        """Another process count, per-process batch or run.grad_accum than the checkpoint's continues the run when
+        the global batch is kept (:mod:`.relayout`); a changed global batch is refused."""
+        saved, now = Layout.of_checkpoint(trainer), self.layout()
+        if saved is not None and saved.global_batch == now.global_batch:
+            return
+        count = trainer.get("world_size") or len(list(state.glob("random_states_*.pkl")))
+        if saved is None and count == self.acc.num_processes:
+            return
+        written = saved.words() if saved is not None else f"{count} process(es)"
+        keep = (f"keep data.batch_size x processes x run.grad_accum = {saved.global_batch} (e.g. resume with "
+                f"{relaunch(saved.processes, f'{self.command} run.resume=true')})") if saved is not None else \
+            f"resume with {relaunch(count, f'{self.command} run.resume=true')}"
+        raise CheckpointError(
+            f"run.resume=true: the step-{trainer['step']} checkpoint in {self.out} was written by {written}, this "
+            f"launch has {now.words()}: the global batch would change what every step averages; {keep}, or start "
+            "a new run (another run.output, or run.overwrite=true)")
+
+    def layout(self) -> Layout:
+        """This launch's layout of a step's global batch."""
+        return Layout(self.acc.num_processes, self.config.data.batch_size, self.run.grad_accum)
 
     def _check_data(self, recorded: dict[str, str], step: int) -> None:
         for key, fingerprint in recorded.items():
@@ -402,7 +417,18 @@ class RunDirectory:
         self.stopped_early = trainer.get("stopped_early")
         self.resumed_trainer = trainer
         self.schedule_start = int(trainer.get("schedule_start", 0))
-        load_state_strictly(self.acc, state)
+        saved = Layout.of_checkpoint(trainer)
+        if saved is not None and saved != self.layout():  # another layout: the random streams restart
+            self.resumed_layout = saved
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.acc.load_state(str(state))  # (a rank the checkpoint had no random state for is fine here)
+            set_seed(relaid_seed(self.run.seed, self.acc.process_index, int(trainer["step"])))
+            self.acc.print(f"run.resume=true: the step-{trainer['step']} checkpoint was written by "
+                           f"{saved.words()}; continuing with {self.layout().words()} (the interrupted epoch "
+                           "finishes with its samples; each rank's random stream restarts)")
+        else:
+            load_state_strictly(self.acc, state)
         if self.saved.ema is not None:
             self.saved.ema.load_state(state)
         return int(trainer["step"])

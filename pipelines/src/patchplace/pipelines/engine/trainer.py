@@ -13,7 +13,7 @@ the main process, except each rank's own random state in ``state/``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from patchplace.pipelines.engine.inputs import Data, data_fingerprints
 from patchplace.pipelines.engine.launch import check_seed, every_rank, reported
 from patchplace.pipelines.engine.logs import Console, JsonlLog, StepLog, Throughput, tracker_project, trackers
 from patchplace.pipelines.engine.optim import StepSchedule, compile_objective, make_optimizer, prepare_model
+from patchplace.pipelines.engine.relayout import Layout, reader_as_rank, relaid_batches
 from patchplace.pipelines.sections import OptimSection, RunSection
 
 
@@ -92,7 +93,8 @@ class Trainer:
             log=self.log, finite=self.finite, console=self.console, command=self.command)
         self.callbacks = Callbacks([*self._run_callbacks(), *callbacks])
         self.evaluation = Evaluation(self.rundir, evaluate, run.eval_every)
-        self.rundir.check_resumed = lambda trainer: self._extension_problem(trainer, config.data.batch_size)
+        self.rundir.check_resumed = lambda trainer: (self._extension_problem(trainer, config.data.batch_size)
+                                                     or self._layout_problem(trainer, config.data.batch_size))
         self.rundir.claim()
 
     def _run_callbacks(self) -> list[Callback]:
@@ -107,6 +109,21 @@ class Trainer:
     def budget(self, batch_size: int, optim: OptimSection | None = None) -> tuple[int, int]:
         """(optimizer steps per epoch, total optimizer steps) of ``optim`` (default: this run's)."""
         return plans.budget(self.data.train, batch_size, self.run.grad_accum, optim or self.optim_cfg)
+
+    def _layout_problem(self, trainer: dict[str, Any], batch_size: int) -> str | None:
+        """A resume on another layout of the same global batch (:mod:`.relayout`) needs the epoch to keep its
+        optimizer steps (the step -> epoch map, and the budget, hold across the layouts)."""
+        saved, now = Layout.of_checkpoint(trainer), self.rundir.layout()
+        if saved is None or saved == now or saved.global_batch != now.global_batch:
+            return None  # (the global batch: the run directory's own check)
+        before = plans.budget(reader_as_rank(self.data.train, 0, saved.processes), saved.batch_size,
+                              saved.grad_accum, self.optim_cfg)[0]
+        after = self.budget(batch_size)[0]
+        if before != after:
+            return (f"run.resume=true: the step-{trainer['step']} checkpoint's layout ({saved.words()}) plans "
+                    f"{before} steps per epoch, this launch's ({now.words()}) {after}: the epochs would shift; "
+                    "resume with the checkpoint's layout, or a process count that divides data.train as evenly")
+        return None
 
     def _extension_problem(self, trainer: dict[str, Any], batch_size: int) -> str | None:
         """A resume whose optim.epochs / optim.max_steps differ from the checkpoint's extends the run: refused
@@ -158,7 +175,7 @@ class Trainer:
             self.meter.waiting()
             batches = 0
             # resume: the epoch's deterministic stream from the step on (streaming replays the skipped batches)
-            for batch in self.data.train.batches(batch_size, epoch, skip=skip * self.run.grad_accum):
+            for batch in self._epoch_batches(batch_size, epoch, skip):
                 batches += 1
                 self.meter.arrived(len(batch[0]))
                 out, lr_factor = self.train_step(batch, step)
@@ -177,6 +194,14 @@ class Trainer:
             epoch, skip = epoch + 1, 0
         signals.drain()
         return self._end(step)
+
+    def _epoch_batches(self, batch_size: int, epoch: int, skip: int) -> Iterator[Any]:
+        """Epoch ``epoch``'s micro-batches after its first ``skip`` optimizer steps; the epoch a resume on another
+        layout interrupted is finished as the checkpoint's layout planned it (:func:`.relayout.relaid_batches`)."""
+        saved = self.rundir.resumed_layout
+        if saved is not None and epoch == self.first_step // self.per_epoch:
+            return relaid_batches(self.data.train, saved, self.rundir.layout(), self.acc.process_index, epoch, skip)
+        return self.data.train.batches(batch_size, epoch, skip=skip * self.run.grad_accum)
 
     def _begin(self, batch_size: int) -> int:
         """The session's schedule, DDP, prepared model and optimizer, each rank's random stream and the resume
