@@ -97,7 +97,7 @@ def _install(pipeline: str) -> None:
     def traced_apply_jigsaw(self, *args, **kwargs):
         images, unknown_pos = apply_jigsaw(self, *args, **kwargs)
         if torch.is_grad_enabled():  # training steps only (pretrain.py's validation runs under no_grad)
-            TRACE["jigsaw"].append(unknown_pos is not None)
+            TRACE["jigsaw"].append(unknown_pos is not None and bool(unknown_pos.any()))  # (the coin's side)
         return images, unknown_pos
 
     mjp.MJP.apply_jigsaw = traced_apply_jigsaw

@@ -219,7 +219,7 @@ def anchor_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[s
 
 
 DDP_SETTINGS = (("1 process", 1, None), ("2 processes", 2, False), ("2 processes, find_unused", 2, True))
-# MJP with the jigsaw on every step, so that DDP can run it without find_unused_parameters (the cost baseline).
+# MJP with the jigsaw on every step (its step is one static graph either way: DDP needs no find_unused_parameters)
 MJP_EVERY_STEP = ["objective.apply_prob=1.0", "objective.warmup_fraction=0.0"]
 
 

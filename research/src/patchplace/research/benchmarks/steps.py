@@ -54,8 +54,8 @@ def _median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
 
 
 def mask_times(grid: tuple[int, int], batch: int, *, repeats: int = 20, seed: int = 0) -> list[dict[str, Any]]:
-    """Milliseconds per batch of the mask generators: I-JEPA multi-block (batched tensor ops) and MJP block-wise at
-    gamma 0.15 (BEiT's sequential loop on NumPy arrays)."""
+    """Milliseconds per batch of the mask generators, each drawn for the whole batch with tensor ops of static
+    shapes: I-JEPA multi-block and MJP block-wise at gamma 0.15 (BEiT's generator, its rounds in parallel)."""
     gen = torch.Generator().manual_seed(seed)
     shape = f"grid={grid[0]}x{grid[1]}/batch={batch}"
     generators = {"ijepa_multiblock": lambda: multiblock_masks(batch, grid, generator=gen),
