@@ -52,6 +52,7 @@ from safetensors.torch import load_file
 from patchplace.data.atomic import atomic_file
 from patchplace.data.manifest import class_list, first_difference
 from patchplace.data.memory import balanced_subset
+from patchplace.data.mfcc import build_frontend
 from patchplace.finetune import (
     LAST_LAYERS,
     FeatureStore,
@@ -680,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         refuse_earlier_results(load(EvaluateConfig, *command_args(argv)))  # before anything is read
         cfg, accelerator, data = start(EvaluateConfig, __doc__, argv, augment=False, split_train=False)
         backbone, metadata = load_pretrained(cfg.model.checkpoint)
+        if data.frontend is not None and metadata.get("frontend"):  # the speech front end the checkpoint trained on
+            data.frontend = build_frontend(metadata["frontend"]).to(accelerator.device)
         preflight(cfg, data, backbone, metadata)
         results = evaluation(cfg, data, backbone, metadata, accelerator.device, ranks_of(accelerator))
     except USER_ERRORS as exc:  # ConfigError, DataError, ModelError, PrivacyError, a non-finite output, ...

@@ -46,6 +46,7 @@ from patchplace.pipelines.engine import (
     say,
     start,
 )
+from patchplace.pipelines.engine.inputs import frame_count
 
 
 def weights_sha256(checkpoint: str | None) -> str | None:
@@ -73,7 +74,7 @@ def build_backbone(cfg: FinetuneConfig, num_classes: int, in_chans: int, modalit
         backbone, metadata = load_pretrained(cfg.model.checkpoint)
         source = f"model.checkpoint={cfg.model.checkpoint}"
     else:
-        extra = {"in_chans": in_chans} if modality == "image" else {}
+        extra = {"in_chans": in_chans} if modality == "image" else frame_count(data)
         backbone, metadata = create_model(cfg.model.preset, **extra, **cfg.model.overrides), {"method": "scratch"}
         source = f"model.preset={cfg.model.preset}"
     if data is not None:

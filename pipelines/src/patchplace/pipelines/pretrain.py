@@ -45,6 +45,7 @@ from patchplace.pipelines.engine import (
     say,
     start,
 )
+from patchplace.pipelines.engine.inputs import frame_count
 
 
 def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modality: str, data: Data | None = None):
@@ -56,7 +57,8 @@ def build_objective(cfg: PretrainConfig, num_classes: int, in_chans: int, modali
         source = f"model.checkpoint={cfg.model.checkpoint}"
     else:
         overrides = {"pos_embed": spec.pos_embed, "num_classes": num_classes if spec.needs_head else 0,
-                     **({"in_chans": in_chans} if modality == "image" else {}), **cfg.model.overrides}
+                     **({"in_chans": in_chans} if modality == "image" else frame_count(data)),
+                     **cfg.model.overrides}
         backbone = create_model(cfg.model.preset, **overrides)
         source = f"model.preset={cfg.model.preset}"
     if data is not None:

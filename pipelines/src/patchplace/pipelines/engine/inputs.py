@@ -282,6 +282,14 @@ def holdout_indices(labels: torch.Tensor, size: int, seed: int) -> torch.Tensor:
     return balanced_subset(labels, size / len(labels), seed)
 
 
+def frame_count(data: Data | None) -> dict[str, int]:
+    """A fresh speech backbone's ``num_frames``: what the front end makes of the manifest's clips (``{}`` for
+    images, or without a front end or a fixed clip length); ``model.overrides`` still win (and are then checked
+    against the reader)."""
+    clip = data.manifest.info.get("clip_samples") if data is not None and data.frontend is not None else None
+    return {"num_frames": data.frontend.num_frames(clip)} if clip else {}
+
+
 def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
     """What a checkpoint records about its data (classes, the normalization every split was given, manifest
     fingerprint, input layout) and its hold-out: the ``data.holdout`` samples of that split it never trained on
