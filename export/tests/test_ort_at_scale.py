@@ -18,7 +18,7 @@ from timm.data import create_transform
 from patchplace.data import Manifest, ShardDataset, SplitWriter, build_transform
 from patchplace.export import ExportError, export_checkpoint
 from patchplace.export.evaluate import IMAGENET_C, OnnxModel, corrupt_batch, corruption_errors, load_uint8, main
-from patchplace.export.exporter import data_of, int8_of, load_export, quantize_int8
+from patchplace.export.exporter import data_of, int8_of, load_export, quantize_int8, sha256_file
 from patchplace.models import create_model, save_pretrained
 
 SIZES = [(37, 53), (64, 48), (40, 40), (91, 33), (50, 77), (33, 90), (32, 32), (120, 160)]
@@ -108,10 +108,16 @@ def test_evaluator_runs_on_varying_sizes_and_old_sidecars_refuse(jpegs, tmp_path
     results = json.loads((tmp_path / "o" / "results.json").read_text())
     assert results["accuracy"]["count"] == 2 * len(SIZES) and results["parity"]["max_abs_logit_diff"] <= 1e-4
     assert sorted(results["robustness"]["ran"]) == sorted(IMAGENET_C) and not results["robustness"]["failed"]
-    # a sidecar without the record: varying sizes refused
+    # an export from before the record (neither its sidecar nor its .onnx metadata has it): varying sizes refused
+    import onnx
+
     sidecar = json.loads((root / "model.json").read_text())
     old = {**sidecar, "preprocessing": {k: v for k, v in sidecar["preprocessing"].items() if k != "eval_transform"}}
-    (tmp_path / "old.onnx").write_bytes((root / "model.onnx").read_bytes())
+    graph = onnx.load(str(root / "model.onnx"))
+    onnx.helper.set_model_props(graph, {**{p.key: p.value for p in graph.metadata_props},
+                                        "preprocessing": json.dumps(old["preprocessing"])})
+    onnx.save(graph, str(tmp_path / "old.onnx"))
+    old["onnx_sha256"] = sha256_file(tmp_path / "old.onnx")
     (tmp_path / "old.json").write_text(json.dumps(old))
     capsys.readouterr()
     assert main([str(tmp_path / "old.onnx"), "--data", str(root / "shards" / "val"), "--out", str(tmp_path / "p")]) == 2

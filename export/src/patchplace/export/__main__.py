@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from patchplace.data.helpformat import help_formatter
 
@@ -20,6 +20,17 @@ from .choices import DEFAULT_OPSET, KINDS, SPEECH_INPUTS
 
 if TYPE_CHECKING:  # torch, the models and the exporter are imported once the arguments parse: --help needs none
     import torch
+
+
+def check_checkpoint(checkpoint: str) -> None:
+    """Refuse, before any work, a CHECKPOINT that is no checkpoint directory (one line, exit 2)."""
+    from .exporter import ExportError
+
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ExportError(f"{checkpoint}: {'no such directory' if not path.exists() else 'a file, not a directory'}; "
+                          "give a save_pretrained() checkpoint directory (config.json + model.safetensors), e.g. "
+                          "runs/NAME/checkpoint")
 
 
 def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_input: str,
@@ -77,6 +88,76 @@ def quantize(path: str, real: list[dict[str, torch.Tensor]], split: str | None) 
     return result
 
 
+FP16_TOLERANCE = 1e-2  # max abs difference from the fp32 graph, per output, as a fraction of max(1, its max |value|)
+FP16_AGREEMENT = 0.99  # top-1 agreement with the fp32 graph on the real samples (--data)
+
+
+def fp16_feeds(sidecar: dict, real: list[dict[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
+    """The inputs of the fp16 parity gate: random ones at batch 2 and 5 (as the fp32 gate's) and the real samples."""
+    import torch
+
+    torch.manual_seed(0)
+    feeds = {}
+    for batch in (2, 5):
+        feed = {}
+        for spec in sidecar["inputs"]:
+            shape = [batch, *spec["shape"][1:]]
+            feed[spec["name"]] = ((torch.rand(*shape) < 0.15) if spec["dtype"] == "bool" else torch.randn(*shape)
+                                  * {"waveform": 0.1, "features": 10.0}.get(spec["name"], 1.0)).numpy()
+        feeds[f"random_batch_{batch}"] = feed
+    for i, inputs in enumerate(real):
+        feeds[f"real_{i}"] = {k: v.numpy() for k, v in inputs.items() if not k.startswith("_")}
+    return feeds
+
+
+def half(path: str, sidecar: dict, real: list[dict[str, torch.Tensor]], split: str | None,
+         tolerance: float = FP16_TOLERANCE, agreement: float = FP16_AGREEMENT) -> dict:
+    """The fp16 copy (ONNX Runtime's converter, :func:`~.exporter.convert_fp16`) and its parity gate against the
+    fp32 graph on the CPU: every output within ``tolerance`` x max(1, max |fp32 output|) on random and real inputs,
+    and (classifiers) a top-1 agreement of at least ``agreement`` on the real samples; a copy that misses either,
+    or whose outputs are non-finite, is removed and the export fails (the fp32 pair stays: it passed its own)."""
+    import numpy as np
+
+    from .exporter import ExportError, convert_fp16, fp16_of, non_finite, onnx_session
+
+    out = convert_fp16(path)
+    try:
+        fp32, fp16 = (onnx_session(p, ["CPUExecutionProvider"]) for p in (path, out))
+        names = [o.name for o in fp32.get_outputs()]
+        checks, agree, count = {}, 0, 0
+        for label, feed in fp16_feeds(sidecar, real).items():
+            want, got = fp32.run(None, feed), fp16.run(None, feed)
+            for name, w, g in zip(names, want, got, strict=True):
+                if kind := non_finite(g):
+                    raise ExportError(f"the fp16 model's {name} hold {kind} on {label} where the fp32 model's are "
+                                      "finite (fp16 overflow)")
+                checks[f"{label}/{name}"] = {"max_abs_diff": float(np.abs(g - w).max()),
+                                             "scale": max(1.0, float(np.abs(w).max()))}
+            if "logits" in names and label.startswith("real"):
+                i = names.index("logits")
+                agree += int((want[i].argmax(1) == got[i].argmax(1)).sum())
+                count += len(want[i])
+        worst = max(checks, key=lambda k: checks[k]["max_abs_diff"] / checks[k]["scale"])
+        ratio = checks[worst]["max_abs_diff"] / checks[worst]["scale"]
+        if not ratio <= tolerance:
+            raise ExportError(f"the fp16 model differs from the fp32 one by {checks[worst]['max_abs_diff']:.2e} on "
+                              f"{worst} (> {tolerance:.0e} x {checks[worst]['scale']:.3g})")
+        top1 = agree / count if count else None
+        if top1 is not None and top1 < agreement:
+            raise ExportError(f"the fp16 model's top-1 agrees with the fp32 one's on {top1:.2%} of the samples of "
+                              f"{split} (< {agreement:.0%})")
+    except ExportError as exc:
+        out.unlink(missing_ok=True)
+        raise ExportError(f"{exc}: {fp16_of(path).name} was removed; use the fp32 model {path} (it passed its "
+                          "parity check)") from None
+    sizes = [Path(p).stat().st_size for p in (out, path)]
+    return {"path": str(out), "bytes": sizes[0], "fp32_bytes": sizes[1], "converter": "onnxruntime.transformers."
+            "float16.convert_float_to_float16(keep_io_types=True)", "tolerance": tolerance,
+            "max_abs_diff": checks[worst]["max_abs_diff"], "worst": worst, "relative_to": checks[worst]["scale"],
+            "checks": checks, "top1_agreement": top1, "agreement_required": agreement, "samples": count,
+            "split": split}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m patchplace.export", description=__doc__,
                                      formatter_class=help_formatter(argparse.HelpFormatter))
@@ -90,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="shard split whose first samples join the parity check (e.g. the test split)")
     parser.add_argument("--samples", type=int, default=256, help="real samples for parity / int8 check")
     parser.add_argument("--quantize", action="store_true", help="also write an int8 dynamic-quantized model")
+    parser.add_argument("--fp16", action="store_true", help="also write an fp16 copy NAME.fp16.onnx (ONNX "
+                        "Runtime's float16 converter, float32 inputs / outputs), kept only when it passes its parity "
+                        f"gate against the fp32 graph: every output within {FP16_TOLERANCE:g} x max(1, max |output|), "
+                        f"top-1 agreement >= {FP16_AGREEMENT:.0%} on the --data samples")
     parser.add_argument("--no-optimize", action="store_true", help="write the plain standard-ONNX graph instead of "
                         "ONNX Runtime's fused one (com.microsoft Attention / BiasGelu ops)")
     parser.add_argument("--img-size", type=int, help="export for this image side instead of the checkpoint's "
@@ -101,11 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.opset < 17:
         parser.error("--opset must be >= 17")
     from patchplace.data import DataError
+    from patchplace.models import ModelError
 
     from .exporter import ExportError, check_out, describe_graph, export_checkpoint
 
     try:
         check_out(args.out)  # before any work: a place the export cannot write is one line, nothing done
+        check_checkpoint(args.checkpoint)
         real = real_inputs(args.checkpoint, args.data, args.samples, args.kind, args.speech_input,
                            args.img_size, args.crop_pct) if args.data else []
         sidecar = export_checkpoint(args.checkpoint, args.out, kind=args.kind, speech_input=args.speech_input,
@@ -116,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         report = {"onnx": args.out, "graph": sidecar["graph"], "parity": sidecar["parity"]}
         if args.quantize:
             report["int8"] = quantize(args.out, real, args.data)
-    except (ExportError, DataError) as exc:
+        if args.fp16:
+            report["fp16"] = half(args.out, sidecar, real, args.data)
+    except (ExportError, DataError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2))

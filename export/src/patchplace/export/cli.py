@@ -13,6 +13,8 @@ from patchplace.data.helpformat import help_formatter
 
 from .choices import PROVIDERS
 
+OPTIONAL_PARTS = ("parity", "consistency", "robustness", "latency")  # what --require names
+
 
 def evaluate_parser() -> argparse.ArgumentParser:
     """The evaluator's arguments, described by :mod:`patchplace.export.evaluate`'s docstring (read from its source,
@@ -49,6 +51,10 @@ def evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-repeats", type=int, default=20, help="timed runs per batch size (0 = skip)")
     parser.add_argument("--latency-batches", type=int, nargs="+", default=[1, 8, 64], metavar="B",
                         help="batch sizes timed (default: 1 8 64)")
+    parser.add_argument("--require", nargs="+", choices=OPTIONAL_PARTS, default=[], metavar="PART",
+                        help="parts that must run (any of: %(choices)s): exit 2 when one is skipped because it cannot "
+                        "run here (a missing extra, e.g. [corruptions] for robustness; images under 32 px). Without "
+                        "it such a part is skipped with one line, and the other results are written")
     parser.add_argument("--latency-warmup", type=int, default=3,
                         help="untimed runs per runner and batch size first (default: %(default)s)")
     return parser

@@ -10,7 +10,7 @@ library's own functions with the old API shimmed back in). :func:`corrupt` is ``
 these two in place of its broken ones; the other 13 are the library's.
 
 imagecorruptions and scikit-image are patchplace-export's ``[corruptions]`` extra (an image-only export goes
-without them): imported on use, their absence is one :class:`ExportError` line naming the extra."""
+without them): imported on use, their absence is one :class:`~.exporter.Unavailable` line naming the extra."""
 
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ from PIL import Image
 
 from patchplace.data.extras import extra_message
 
-from .exporter import ExportError
+from .exporter import Unavailable
 
 MENDED = ("glass_blur", "fog")
 
 
 def require_library() -> None:
-    """imagecorruptions and scikit-image importable (the ``[corruptions]`` extra), else :class:`ExportError`, one
-    line with the pip command (an ExportError: the robustness loop reports it instead of listing every corruption
-    as failed)."""
+    """imagecorruptions and scikit-image importable (the ``[corruptions]`` extra), else :class:`~.exporter.
+    Unavailable`, one line with the pip command: the evaluator skips the robustness part with it (instead of listing
+    every corruption as failed) and keeps the rest."""
     try:
         with warnings.catch_warnings():  # imagecorruptions imports pkg_resources, which warns on import
             warnings.simplefilter("ignore")
@@ -37,7 +37,7 @@ def require_library() -> None:
             import skimage.filters  # noqa: F401
     except ImportError as exc:
         feature = "the robustness evaluation (ImageNet-C corruptions)"
-        raise ExportError(extra_message(feature, exc.name or str(exc), "patchplace-export", "corruptions", "export")
+        raise Unavailable(extra_message(feature, exc.name or str(exc), "patchplace-export", "corruptions", "export")
                           + "; or leave it out with --robustness-limit 0") from exc
 
 

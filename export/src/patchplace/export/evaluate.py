@@ -57,7 +57,18 @@ from patchplace.finetune import consistency_curve
 
 from .choices import PROVIDERS
 from .cli import evaluate_parser
-from .exporter import INT8_SUFFIX, Classifier, ExportError, check_writable, fp32_of, load_export, non_finite, ort
+from .exporter import (
+    INT8_SUFFIX,
+    Classifier,
+    ExportError,
+    Unavailable,
+    check_writable,
+    copy_suffix,
+    fp32_of,
+    load_export,
+    non_finite,
+    ort,
+)
 
 CONSISTENCY_RATIOS = (0.03, 0.09, 0.15, 0.27, 0.5)  # MJP Table 1 uses 0.15, Fig. 3 the curve
 SIDECAR_FORMATS = ("patchplace.export/1",)  # the model.json layouts this evaluator reads
@@ -198,23 +209,18 @@ class OnnxModel:
     def resize_crop(self, image: torch.Tensor) -> torch.Tensor:
         """uint8 (C, h, w) -> uint8 (C, H, W) by the recorded evaluation transform: PIL bicubic resize of the short
         side to ``floor(H / crop_pct)`` (as torchvision's ``Resize(int)`` computes the long side), centre crop as
-        torchvision's ``CenterCrop``; :meth:`normalize` then gives timm's eval tensor bit for bit."""
-        from PIL import Image
+        torchvision's ``CenterCrop`` — :mod:`.preprocess`'s numpy reference, the one the docs' ONNX Runtime snippet
+        runs; :meth:`normalize` then gives timm's eval tensor bit for bit."""
+        from .preprocess import center_crop, resize_short_side
 
-        record, (c, h, w) = self.eval_transform, image.shape
-        short_side, size = int(record["resize_short_side"]), self.height
-        array = image.permute(1, 2, 0).numpy()
-        pil = Image.fromarray(array[..., 0] if c == 1 else array, mode="L" if c == 1 else "RGB")
-        short, long = (w, h) if w <= h else (h, w)
-        new_short, new_long = short_side, int(short_side * long / short)
-        new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
-        if (new_h, new_w) != (h, w):
-            pil = pil.resize((new_w, new_h), Image.BICUBIC)
-        if new_h < size or new_w < size:
-            raise ExportError(f"a {h}x{w} image resizes to {new_h}x{new_w}, smaller than the {size} px crop")
-        top, left = round((new_h - size) / 2.0), round((new_w - size) / 2.0)  # torchvision's CenterCrop
-        out = np.asarray(pil.crop((left, top, left + size, top + size)))
-        return torch.from_numpy(out.reshape(size, size, c).copy()).permute(2, 0, 1).contiguous()
+        record = self.eval_transform
+        try:
+            resized = resize_short_side(image.numpy(), int(record["resize_short_side"]),
+                                        record.get("interpolation", "bicubic"))
+            cropped = center_crop(resized, self.height, self.width)
+        except ValueError as exc:
+            raise ExportError(f"{exc} (the evaluation transform of {self.path})") from None
+        return torch.from_numpy(np.ascontiguousarray(cropped))
 
     def pad(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 (B, C, h, w) -> uint8 (B, C, H, W), zero-padded and centered like the data path's PadTo."""
@@ -306,7 +312,7 @@ def corrupt_batch(images: torch.Tensor, name: str, severity: int) -> torch.Tenso
     from .corruptions import corrupt
 
     if min(images.shape[-2:]) < 32:
-        raise ExportError(f"imagecorruptions needs images of at least 32 px, got {tuple(images.shape[-2:])}: pad "
+        raise Unavailable(f"imagecorruptions needs images of at least 32 px, got {tuple(images.shape[-2:])}: pad "
                           "or resize them (Fashion-MNIST is padded to 32)")
     out = []
     for image in images:
@@ -622,6 +628,8 @@ def to_markdown(results: dict[str, Any]) -> str:
     if "consistency" in results:
         lines += ["| eval gamma | consistency | Diff. Norm |", "| --- | --- | --- |"]
         lines += [f"| {g} | {v['consistency']:.4f} | {v['diff_norm']:.4f} |" for g, v in results["consistency"].items()]
+    for part, why in results.get("skipped", {}).items():
+        lines += ["", f"Skipped: {part} ({why})."]
     if "robustness" in results:
         r = results["robustness"]
         lines += ["", f"Corruptions ran: {', '.join(r['ran'])}; failed here: {', '.join(r['failed']) or 'none'}.",
@@ -643,7 +651,8 @@ def to_markdown(results: dict[str, Any]) -> str:
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement the command line asks for; raises :class:`ExportError` / :class:`DataError` (nothing is
-    written then)."""
+    written then), except for a part that cannot run here (:class:`Unavailable`), which is skipped: its reason is in
+    ``results["skipped"]``, and the rest is kept."""
     model = OnnxModel(args.model, provider=args.provider)
     manifest = Manifest.load(args.data)
     model.check_data(manifest)
@@ -652,20 +661,33 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"model": str(args.model), "data": str(args.data),
                                "providers": model.session.get_providers(), "environment": environment(model)}
     results["accuracy"] = accuracy(model, images, labels, args.batch_size)
+    skipped: dict[str, str] = {}
+
+    def optional(part: str, measure: Callable[[], Any]) -> None:
+        """``results[part] = measure()``, or — where the part cannot run here (:class:`Unavailable`: a missing
+        extra, images it cannot take) — the part skipped, said in one line, and what was measured kept."""
+        try:
+            results[part] = measure()
+        except Unavailable as exc:
+            skipped[part] = str(exc)
+            print(f"[ort-eval] {part} skipped: {exc}", file=sys.stderr, flush=True)
+
     if args.checkpoint and args.parity_limit != 0:
         n = len(images) if args.parity_limit is None else min(args.parity_limit, len(images))
-        results["parity"] = parity(model, images[:n], labels[:n], args.checkpoint, args.batch_size)
+        optional("parity", lambda: parity(model, images[:n], labels[:n], args.checkpoint, args.batch_size))
     if args.consistency_limit:  # 0: skipped
         n = min(args.consistency_limit, len(images))
-        results["consistency"] = consistency(model, images[:n], args.batch_size)
+        optional("consistency", lambda: consistency(model, images[:n], args.batch_size))
     if args.robustness_limit:
         reference = json.loads(Path(args.reference_errors).read_text()) if args.reference_errors else None
         n = min(args.robustness_limit, len(images))
-        results["robustness"] = robustness(model, images[:n], labels[:n], args.batch_size, reference=reference,
-                                           cache=args.corruption_cache)
+        optional("robustness", lambda: robustness(model, images[:n], labels[:n], args.batch_size,
+                                                  reference=reference, cache=args.corruption_cache))
     if args.latency_repeats:
-        results["latency"] = latency(model, tuple(args.latency_batches), args.latency_repeats, args.checkpoint,
-                                     warmup=args.latency_warmup)
+        optional("latency", lambda: latency(model, tuple(args.latency_batches), args.latency_repeats,
+                                            args.checkpoint, warmup=args.latency_warmup))
+    if skipped:
+        results["skipped"] = skipped
     return results
 
 
@@ -673,16 +695,17 @@ OUTPUTS = ("results.json", "results.md", "consistency.png", "robustness.png")  #
 
 
 def check_outputs(args: argparse.Namespace, argv: list[str]) -> None:
-    """Before any work: refuse an int8 copy as the model (with the command that evaluates its exported pair), and an
-    ``--out`` or ``--corruption-cache`` that cannot be written (a file where a directory goes, a directory where a
-    result file goes, a read-only place), each in one line."""
-    if str(args.model).endswith(INT8_SUFFIX):
+    """Before any work: refuse an int8 / fp16 copy as the model (with the command that evaluates its exported
+    pair), and an ``--out`` or ``--corruption-cache`` that cannot be written (a file where a directory goes, a
+    directory where a result file goes, a read-only place), each in one line."""
+    if suffix := copy_suffix(args.model):
+        kind, flag = ("int8", "--quantize") if suffix == INT8_SUFFIX else ("fp16", "--fp16")
         fp32 = str(fp32_of(args.model))
         command = shlex.join(["python", "-m", "patchplace.export.evaluate",
                               *(fp32 if a == args.model else a for a in argv)])
-        raise ExportError(f"{args.model} is the int8 copy --quantize wrote of {fp32}, not an exported pair (no "
-                          f"sidecar of its own): evaluate the pair ({command}); the export's --quantize --data "
-                          "SPLIT reports the int8 model's top-1 change")
+        raise ExportError(f"{args.model} is the {kind} copy {flag} wrote of {fp32}, not an exported pair (no "
+                          f"sidecar of its own): evaluate the pair ({command}); the export's {flag} --data "
+                          f"SPLIT reports the {kind} model's top-1 change")
     out = Path(args.out)
     check_writable(out, f"--out {out}")
     for name in OUTPUTS:
@@ -717,5 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.md").write_text(to_markdown(results))
     plot(results, out)
     print(to_markdown(results))
+    if missing := [part for part in args.require or () if part in results.get("skipped", {})]:
+        print(f"error: {', '.join(missing)} required (--require) but skipped: {results['skipped'][missing[0]]} "
+              f"(the other results are in {out / 'results.json'})", file=sys.stderr)
+        return 2
     return 0
 

@@ -65,6 +65,11 @@ class ExportError(ValueError):
     """The checkpoint cannot be exported as asked, or the exported graph disagrees with PyTorch."""
 
 
+class Unavailable(ExportError):
+    """An optional part of an evaluation cannot run here (a missing extra, images it cannot take): the evaluator
+    skips it, says why and how to get it, and keeps what the other parts measured."""
+
+
 def non_finite(values: np.ndarray | torch.Tensor) -> str:
     """What in ``values`` is not finite: "NaN", "inf", "NaN and inf" — or "" when everything is finite."""
     values = torch.as_tensor(values)
@@ -186,10 +191,15 @@ def image_preprocessing(backbone: Backbone, metadata: dict[str, Any]) -> dict[st
                       "when": "h, w <= to (larger images are refused, not cropped)"})
     record = eval_transform(backbone, metadata)
     crop_pct = record["crop_pct"] if record["mode"] == "resize_center_crop" else 1.0
-    resize = (bool(img_size) and img_size != (pad_to or height)) or crop_pct != 1.0
+    # images of any size (resize_center_crop) always go through the resize and the crop (no-ops at the input's
+    # size); padded ones only when the checkpoint trained at another side than the padding's
+    resize = record["mode"] == "resize_center_crop" or (bool(img_size) and img_size != (pad_to or height))
     if resize:
-        steps.append({"op": "resize", "size": record.get("resize_short_side", img_size), "interpolation": "bicubic",
-                      "library": "PIL (timm)", "then": f"center crop to {height}x{width} (crop_pct {crop_pct})"})
+        short_side = record.get("resize_short_side", math.floor(height / crop_pct))
+        steps += [{"op": "resize", "short_side": short_side, "interpolation": "bicubic", "library": "PIL",
+                   "long_side": "int(short_side * long / short) (torchvision Resize(int)); no resize when equal"},
+                  {"op": "center_crop", "height": height, "width": width,
+                   "placement": "top = int(round((h - height) / 2)), left likewise (torchvision CenterCrop)"}]
     steps += [{"op": "scale", "divide_by": 255.0, "to": "float32"},
               {"op": "normalize", "mean": list(norm["mean"]), "std": list(norm["std"]),
                "formula": "(x - mean[c]) / std[c] per channel"}]
@@ -280,6 +290,7 @@ def onnx_session(path: str | os.PathLike, providers: list[str] | None = None,
 
 
 INT8_SUFFIX = ".int8.onnx"
+FP16_SUFFIX = ".fp16.onnx"
 PROTOBUF_LIMIT = 2**31  # one protobuf message (a .onnx file with its weights inside) holds at most 2 GiB
 # weights above this go to an external data file NAME.onnx.data beside NAME.onnx (headroom for the graph itself)
 EXTERNAL_DATA_THRESHOLD = PROTOBUF_LIMIT - 2**28
@@ -330,10 +341,22 @@ def int8_of(model: str | os.PathLike) -> Path:
     return model.with_name(sidecar_of(model).name[: -len(".json")] + INT8_SUFFIX)
 
 
-def fp32_of(int8: str | os.PathLike) -> Path:
-    """``NAME.onnx``, the exported model whose int8 copy is ``NAME.int8.onnx``."""
-    int8 = Path(int8)
-    return int8.with_name(int8.name[: -len(INT8_SUFFIX)] + ".onnx")
+def fp16_of(model: str | os.PathLike) -> Path:
+    """The fp16 copy ``--fp16`` writes of ``NAME.onnx``: ``NAME.fp16.onnx`` beside it."""
+    model = Path(model)
+    return model.with_name(sidecar_of(model).name[: -len(".json")] + FP16_SUFFIX)
+
+
+def copy_suffix(path: str | os.PathLike) -> str:
+    """``.int8.onnx`` / ``.fp16.onnx`` for a copy the exporter writes beside an export (no sidecar of its own),
+    else ""."""
+    return next((suffix for suffix in (INT8_SUFFIX, FP16_SUFFIX) if Path(path).name.endswith(suffix)), "")
+
+
+def fp32_of(copy: str | os.PathLike) -> Path:
+    """``NAME.onnx``, the exported model whose int8 / fp16 copy is ``NAME.int8.onnx`` / ``NAME.fp16.onnx``."""
+    copy = Path(copy)
+    return copy.with_name(copy.name[: -len(copy_suffix(copy) or ".onnx")] + ".onnx")
 
 
 def check_writable(directory: Path, what: str) -> None:
@@ -364,10 +387,11 @@ def check_out(out: str | os.PathLike) -> Path:
     if not out.name.endswith(".onnx") or out.name == ".onnx":
         raise ExportError(f"--out {out}: name the model NAME.onnx (e.g. --out {out.with_name(out.name + '.onnx')}"
                           f"): its sidecar NAME.json and int8 copy NAME.int8.onnx are named from it")
-    if out.name.endswith(INT8_SUFFIX):
-        raise ExportError(f"--out {out}: NAME.int8.onnx is the name of the int8 copy --quantize writes of "
-                          f"NAME.onnx; choose another name (e.g. --out {fp32_of(out)} --quantize)")
-    for path in (out, sidecar_of(out), int8_of(out)):
+    if suffix := copy_suffix(out):
+        kind, flag = ("int8", "--quantize") if suffix == INT8_SUFFIX else ("fp16", "--fp16")
+        raise ExportError(f"--out {out}: NAME{suffix} is the name of the {kind} copy {flag} writes of NAME.onnx; "
+                          f"choose another name (e.g. --out {fp32_of(out)} {flag})")
+    for path in (out, sidecar_of(out), int8_of(out), fp16_of(out)):
         if path.is_dir():
             raise ExportError(f"--out {out}: {path} is a directory: give the model file's path, e.g. --out "
                               f"{out / 'model.onnx'}" if path == out else
@@ -382,10 +406,11 @@ def load_export(path: str | os.PathLike, providers: list[str] | None = None,
     export id and one checkpoint in both, and the ``.onnx`` file's sha256 the one the sidecar recorded. Exports
     written before the binding (no id in either) are checked by their checkpoint sha256 only."""
     path = Path(path)
-    if path.name.endswith(INT8_SUFFIX):
-        raise ExportError(f"{path} is the int8 copy of {fp32_of(path)} (written by python -m patchplace.export "
-                          f"--quantize), not an exported pair: load {fp32_of(path)}; the export's report "
-                          f"(--quantize --data SPLIT) gives the int8 model's top-1 change")
+    if suffix := copy_suffix(path):
+        kind, flag = ("int8", "--quantize") if suffix == INT8_SUFFIX else ("fp16", "--fp16")
+        raise ExportError(f"{path} is the {kind} copy of {fp32_of(path)} (written by python -m patchplace.export "
+                          f"{flag}), not an exported pair: load {fp32_of(path)}; the export's report "
+                          f"({flag} --data SPLIT) gives the {kind} model's parity and top-1 change")
     sidecar_path = sidecar_of(path)
     rerun = f"re-run the export (python -m patchplace.export CHECKPOINT --out {path})"
     if path.suffix != ".onnx" or not path.is_file():
@@ -420,7 +445,77 @@ def load_export(path: str | os.PathLike, providers: list[str] | None = None,
     if "onnx_sha256" in sidecar and sidecar["onnx_sha256"] != sha256_file(path):
         raise ExportError(f"{path} changed after its export (its sha256 is not the one {sidecar_path.name} "
                           f"records): damaged or edited; {rerun}")
+    if problem := sidecar_problem(sidecar, props):
+        raise ExportError(f"{sidecar_path}: {problem}: the sidecar was edited after its export, and its numbers "
+                          f"would not be the model's; {rerun}")
     return sidecar, session
+
+
+SIDECAR_PROPS = ("kind", "modality", "classes", "inputs", "backbone", "preprocessing", "graph")  # JSON in both
+
+
+def sidecar_problem(sidecar: dict[str, Any], props: dict[str, str]) -> str:
+    """What in a sidecar disagrees with the ``.onnx`` file's own ``metadata_props`` (written from the same dict at
+    export: the graph's sha256 binds them, not the sidecar's) or with itself — "" when nothing does. Every field
+    the evaluator reads is checked: the preprocessing (crop_pct, resize side, mean / std, padding), classes,
+    inputs, backbone."""
+    for key in SIDECAR_PROPS:
+        if key not in props:  # exports from before the field was written
+            continue
+        recorded = props[key] if key in ("kind", "modality") else json.loads(props[key])
+        if where := first_difference(sidecar.get(key), recorded, key):
+            return f"{where[0]} is {json.dumps(where[1])} but the .onnx file's metadata says {json.dumps(where[2])}"
+    return consistency_problem(sidecar)
+
+
+def first_difference(ours: Any, theirs: Any, path: str) -> tuple[str, Any, Any] | None:
+    """(dotted path, our value, theirs) of the first place two JSON values differ, else None."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in [*theirs, *(k for k in ours if k not in theirs)]:
+            if found := first_difference(ours.get(key), theirs.get(key), f"{path}.{key}"):
+                return found
+        return None
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            if found := first_difference(a, b, f"{path}[{i}]"):
+                return found
+        return None
+    return None if ours == theirs else (path, ours, theirs)
+
+
+def consistency_problem(sidecar: dict[str, Any]) -> str:
+    """What in an image sidecar contradicts itself: its evaluation transform's ``resize_short_side`` against
+    ``floor(size / crop_pct)``, ``timm.crop_pct``, the resize step and the input size; ``normalization`` and
+    ``pad_to`` against the preprocessing's. "" when all agree."""
+    pre = sidecar.get("preprocessing") or {}
+    record = pre.get("eval_transform") or {}
+    norm = sidecar.get("normalization")
+    for key in ("mean", "std"):
+        if norm and key in pre and list(norm.get(key) or []) != list(pre[key]):
+            return f"normalization.{key} is {norm.get(key)} but preprocessing.{key} is {pre[key]}"
+    if "pad_to" in pre and sidecar.get("pad_to") != pre["pad_to"]:
+        return f"pad_to is {sidecar.get('pad_to')} but preprocessing.pad_to is {pre['pad_to']}"
+    if record.get("mode") != "resize_center_crop":
+        return ""
+    crop_pct, side = record.get("crop_pct"), record.get("resize_short_side")
+    size = (record.get("input_size") or [0])[-1]
+    if not isinstance(crop_pct, (int, float)) or not 0 < crop_pct <= 1:
+        return f"preprocessing.eval_transform.crop_pct is {crop_pct}, not a number in (0, 1]"
+    if side != math.floor(size / crop_pct):
+        return (f"preprocessing.eval_transform.resize_short_side is {side} but its crop_pct {crop_pct} at size {size} "
+                f"gives floor({size} / {crop_pct}) = {math.floor(size / crop_pct)}")
+    if (record.get("timm") or {}).get("crop_pct", crop_pct) != crop_pct:
+        return (f"preprocessing.eval_transform.timm.crop_pct is {record['timm']['crop_pct']} but its crop_pct is "
+                f"{crop_pct}")
+    for step in pre.get("steps") or []:
+        if step.get("op") == "resize" and step.get("short_side", step.get("size")) != side:
+            return (f"the resize step's short_side is {step.get('short_side', step.get('size'))} but "
+                    f"preprocessing.eval_transform.resize_short_side is {side}")
+    inputs = sidecar.get("inputs") or [{}]
+    if list(inputs[0].get("shape") or [])[1:] != list(record.get("input_size") or []):
+        return (f"inputs[0].shape is {inputs[0].get('shape')} but preprocessing.eval_transform.input_size is "
+                f"{record.get('input_size')}")
+    return ""
 
 
 def max_abs_diff(module: nn.Module, session: ort.InferenceSession, inputs: dict[str, torch.Tensor],
@@ -671,8 +766,9 @@ def write_pair(graph: onnx.ModelProto, sidecar: dict[str, Any], tmp: Path, out: 
     _fsync(tmp_model)
     _fsync(tmp_json)
     sidecar_of(out).unlink(missing_ok=True)
-    int8_of(out).unlink(missing_ok=True)
-    data_of(int8_of(out)).unlink(missing_ok=True)
+    for copy in (int8_of(out), fp16_of(out)):  # the copies of the export replaced (--quantize / --fp16 follow)
+        copy.unlink(missing_ok=True)
+        data_of(copy).unlink(missing_ok=True)
     _commit_data(tmp_model, out, bool(external))
     os.replace(tmp_model, out)
     os.replace(tmp_json, sidecar_of(out))
@@ -706,6 +802,35 @@ def quantize_int8(path: str | os.PathLike) -> Path:
         _fsync(tmp_out)
         data_of(out).unlink(missing_ok=True)
         if int8_external:
+            _fsync(data_of(tmp_out))
+            os.replace(data_of(tmp_out), data_of(out))
+        os.replace(tmp_out, out)
+    return out
+
+
+FP16_CONVERTER = "onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True)"
+
+
+def convert_fp16(path: str | os.PathLike) -> Path:
+    """The fp16 copy of the exported ``path`` (:func:`fp16_of`: ``NAME.fp16.onnx``) by ONNX Runtime's own converter
+    (``onnxruntime.transformers.float16``: weights and activations fp16, inputs and outputs kept float32, ops
+    without fp16 kernels left in float32), its metadata_props kept; written whole or not at all. -> that path."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    path = Path(path)
+    out = fp16_of(path)
+    model = onnx.load(str(path))
+    remove_stale_temporaries(out)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=temporary_prefix(out)) as tmp:  # all or nothing
+        half = convert_float_to_float16(model, keep_io_types=True)
+        onnx.helper.set_model_props(half, {**{p.key: p.value for p in model.metadata_props},
+                                           "precision": f"fp16 ({FP16_CONVERTER})"})
+        tmp_out = Path(tmp) / out.name
+        external = weight_bytes(half) > EXTERNAL_DATA_THRESHOLD
+        save_graph(half, tmp_out, external)
+        _fsync(tmp_out)
+        data_of(out).unlink(missing_ok=True)
+        if external:
             _fsync(data_of(tmp_out))
             os.replace(data_of(tmp_out), data_of(out))
         os.replace(tmp_out, out)
