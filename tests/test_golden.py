@@ -319,24 +319,27 @@ def substitutions(base: Path) -> dict[str, str]:
 # metadata records its method's paper for the model card (``paper``; a fine-tune's under ``pretrain_metadata``), and
 # the card of an MP3 speech checkpoint cites that paper (the reference's card table had no entry for mp3_speech); the
 # precision a run trained in and the processor it detected (``compute``: run.mixed_precision=auto's record); the
-# preset the backbone was built from (``preset``: what a command-line model.preset beside a checkpoint is checked by).
+# preset the backbone was built from (``preset``: what a command-line model.preset beside a checkpoint is checked by);
+# the encoder the checkpoint saved (``encoder``: I-JEPA's / StoP's EMA target encoder, the backbone elsewhere) and a
+# speech checkpoint's front end (``frontend``).
 # Left out of both sides before comparing; everything else must still match.
-ADDED_METADATA = ("paper", "compute", "preset")
+ADDED_METADATA = ("paper", "compute", "preset", "encoder", "frontend")
 # What a checkpoint's state/trainer.json records beyond the reference: the config it trained with (``config``, which
 # a resume checks config.yaml against; its run.output / run.resume differ between a cut and a straight run).
-ADDED_TRAINER = ("config",)
+ADDED_TRAINER = ("config", "schedule_start")  # (and the step an optim.extend=phase schedule starts at)
 ADDED_CARD_LINE = re.compile(r"^(- \*\*Method\*\*: mp3_speech) — .*$", re.M)
 # Config fields added after the reference, with the value that trains as the reference did (off / null): left out of
 # config.yaml, the checkpoints' recipe and the model card's recipe table where they hold it (a golden run sets none).
 ADDED_CONFIG = {
     "optim": {"optimizer": "adamw", "schedule": "cosine", "warmup_steps": None, "warmup_epochs": None,
               "start_lr": None, "warmup_mode": "linear", "final_lr": None, "step_every": None, "step_gamma": 0.5,
-              "weight_decay_end": None},
+              "weight_decay_end": None, "extend": "replan"},
     "run": {"model_ema": None, "log_with": [], "log_project": "patchplace", "compile_scope": "blocks"},
     "finetune": {"pos_embed_init": "random"},
+    "objective": {"context_keep": None},
     "data": {"drop_last": True, "re_mode": "const", "re_count": 1, "crop_pct": 1.0, "repeated_aug": 1, "grayscale": 0.0,
              "gaussian_blur": 0.0, "color_jitter": 0.0, "mixup": 0.0, "cutmix": 0.0, "mixup_prob": 1.0,
-             "mixup_switch_prob": 0.5, "shard_deadline": 600.0},
+             "mixup_switch_prob": 0.5, "shard_deadline": 600.0, "frontend": "tf_speech_commands"},
 }
 
 

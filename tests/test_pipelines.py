@@ -235,6 +235,29 @@ def test_compiled_blocks_and_the_fused_optimizer_train_to_the_same_losses_and_ch
     assert engine.make_optimizer(model, cfg, device=torch.device("cpu")).defaults["fused"]
 
 
+@pytest.mark.parametrize("method", ["ijepa", "stop"])
+def test_ijepa_and_stop_checkpoints_hold_the_target_encoder_their_papers_evaluate(shards, tmp_path, method):
+    """checkpoint/ is the EMA target encoder (what probes, fine-tuning and export read), the context encoder beside
+    it in checkpoint/context_encoder/ (on request: model.checkpoint=RUN/checkpoint/context_encoder); the metadata
+    says which; every other method's checkpoint is its trained backbone."""
+    out = tmp_path / method
+    assert pretrain.main([*method_args(shards, method), "optim.max_steps=3", f"run.output={out}"]) == 0
+    state = load_file(str(state_dir(out) / "model.safetensors"))  # the whole objective, as Accelerate saved it
+    target, meta = load_pretrained(out / "checkpoint")
+    context, context_meta = load_pretrained(out / "checkpoint" / "context_encoder")
+    assert meta["encoder"] == "target_encoder" and context_meta["encoder"] == "context_encoder"
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, state[f"target_encoder.{name}"]), name
+    for name, tensor in context.state_dict().items():
+        assert torch.equal(tensor, state[f"backbone.{name}"]), name
+    assert not all(torch.equal(target.state_dict()[k], v) for k, v in context.state_dict().items()), \
+        "after 3 steps the EMA differs from the context encoder"
+    mae = tmp_path / "mae"
+    assert pretrain.main([*method_args(shards, "mae"), "optim.max_steps=1", f"run.output={mae}"]) == 0
+    assert load_pretrained(mae / "checkpoint")[1]["encoder"] == "backbone"
+    assert not (mae / "checkpoint" / "context_encoder").exists()
+
+
 def test_the_finite_check_in_force_is_lazy_on_a_gpu_with_the_fused_adamw_only():
     """run.finite_check=auto: no host sync per step where the lazy check is exact (a fused AdamW skips a flagged
     step; fp16's scaler skips steps of its own), the per-step check elsewhere; lazy without a fused AdamW refused."""

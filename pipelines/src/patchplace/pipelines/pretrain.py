@@ -137,9 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             return result
 
         batch_transform = build_mixup_transform(cfg, m.num_classes, m.modality, objective)
-        trainer = Trainer(accelerator, objective, backbone, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
+        # the encoder the paper evaluates is the checkpoint's backbone (I-JEPA / StoP: the EMA target encoder,
+        # with the context encoder trained beside it in checkpoint/context_encoder/)
+        evaluated = objective.evaluated_encoder
+        others = {} if evaluated is backbone else {"context_encoder": backbone}
+        metadata["encoder"] = get_method(cfg.method).evaluated_encoder
+        trainer = Trainer(accelerator, objective, evaluated, data, cfg.optim, cfg.run, metadata=metadata, config=cfg,
                           evaluate=evaluate if data.val is not None else None, batch_transform=batch_transform,
-                          command=command_line(__file__, argv))
+                          command=command_line(__file__, argv), others=others)
     except USER_ERRORS as exc:
         return report(exc)
     _, code = trainer.train(cfg.data.batch_size)

@@ -161,6 +161,14 @@ class BackboneObjective(nn.Module):
         return config
 
     @property
+    def evaluated_encoder(self) -> Backbone:
+        """The encoder the registered method's paper evaluates (its registration's ``evaluated_encoder``: the
+        trained ``backbone``, or I-JEPA's / StoP's EMA ``target_encoder``): what probes, fine-tuning and export
+        read, so what a checkpoint saves as its backbone."""
+        specs = type(self).method_specs
+        return getattr(self, specs[0].evaluated_encoder) if specs else self.backbone
+
+    @property
     def probe_feature(self) -> str:
         """The registered method's (:mod:`.registry`) on this backbone; an unregistered objective: the feature the
         classifier head reads (``cls`` or ``mean`` of a sequence that holds the class token)."""

@@ -125,13 +125,14 @@ def generator_on(device: torch.device, generator: torch.Generator | None) -> tor
 
 # I-JEPA's and StoP's code: the fixed 2-D sin-cos PE. The context encoder never sees a class token: their linear
 # probes read the average of its final-normed patch outputs (docs/design.md), and they fine-tune on average-pooled
-# patch tokens.
+# patch tokens. Their evaluations read the EMA target encoder (StoP's logistic_eval.py loads
+# checkpoint['target_encoder'], as I-JEPA's released evaluations do): a checkpoint saves it as the backbone.
 @register_method("ijepa", config=IJEPAConfig, pos_embed="sincos2d", class_token="unused", probe_feature="patch_mean",
-                 finetune_pool="mean",
+                 finetune_pool="mean", evaluated_encoder="target_encoder",
                  display="I-JEPA", paper="Assran et al. 2023, Self-Supervised Learning from Images with a "
                  "Joint-Embedding Predictive Architecture")
 @register_method("stop", config=IJEPAConfig, pos_embed="sincos2d", class_token="unused", probe_feature="patch_mean",
-                 finetune_pool="mean",
+                 finetune_pool="mean", evaluated_encoder="target_encoder",
                  defaults={"stop": True}, display="StoP",
                  paper="Bar et al. 2024, Stochastic positional embeddings improve masked image modeling (StoP)")
 class IJEPA(BackboneObjective):

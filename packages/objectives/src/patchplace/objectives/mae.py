@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from patchplace.models import Backbone, sincos_2d
@@ -130,17 +129,17 @@ class MAE(BackboneObjective):
         masked = self.mask_token.expand(b, n + 1 - x.shape[1], -1)
         patches = gather_rows(torch.cat([x[:, 1:], masked], dim=1), restore)  # back to raster order
         x = torch.cat([x[:, :1], patches], dim=1) + self.decoder_pos
-        return self.decoder_pred(self.decoder(x)[:, 1:])  # the class token's prediction is never read
+        return self.decoder_pred(self.decoder(x))[:, 1:]
 
     def forward_loss(self, images: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean squared error per patch, averaged over the masked patches only (``mask`` (B, N): bool, or 1.0 where
         masked)."""
         target = pixel_targets(images.float(), self.patch_size, self.config.norm_pix_loss)  # fp32 under autocast
-        per_patch = F.mse_loss(pred.float(), target, reduction="none").mean(dim=-1)
+        per_patch = ((pred.float() - target) ** 2).mean(dim=-1)
         return (per_patch * mask).sum() / mask.sum().clamp_min(1)
 
     def forward(self, batch, progress: float | None = None, generator: torch.Generator | None = None) -> dict:
         images, _ = split_batch(batch)
         latent, mask, restore = self.forward_encoder(images, self.config.mask_ratio, generator)
         pred = self.forward_decoder(latent, restore)
-        return {"loss": self.forward_loss(images, pred, mask)}
+        return {"loss": self.forward_loss(images, pred, mask.float())}

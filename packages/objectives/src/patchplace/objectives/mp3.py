@@ -154,13 +154,9 @@ class MP3(BackboneObjective):
         logits, targets, anchors = self.context_first_logits(inputs, generator=generator)
         b, n, _ = logits.shape  # targets: each row's original index
         # fp32 loss whatever the autocast (bf16 / fp16 logits over N positions)
-        if self.config.anchor_ratio > 0:  # anchors are given, not predicted: excluded from the loss
-            predicted = (~anchors).float()
-            ce = F.cross_entropy(logits.reshape(b * n, n).float(), targets.reshape(-1), reduction="none")
-            loss = (ce.view(b, n) * predicted).sum() / predicted.sum()
-        else:  # every token is predicted: the plain mean
-            predicted = None
-            loss = F.cross_entropy(logits.reshape(b * n, n).float(), targets.reshape(-1))
+        ce = F.cross_entropy(logits.reshape(b * n, n).float(), targets.reshape(-1), reduction="none").view(b, n)
+        predicted = (~anchors).float()  # anchors are given, not predicted: excluded from the loss
+        loss = (ce * predicted).sum() / predicted.sum()
         return {"loss": loss, "pos_acc": topk_accuracy(logits, targets, 1, predicted),
                 "pos_acc_top5": topk_accuracy(logits, targets, 5, predicted)}
 

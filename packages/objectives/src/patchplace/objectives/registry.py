@@ -38,6 +38,9 @@ PE_MODES = ("none", "learned", "sincos1d", "sincos2d", "relbias2d")
 # gradient); optional: used where the backbone has one
 CLASS_TOKEN = ("required", "unused", "optional")
 
+# the objective's attribute whose encoder a method's paper evaluates
+EVALUATED_ENCODERS = ("backbone", "target_encoder")
+
 T = TypeVar("T", bound=type)
 
 
@@ -66,6 +69,10 @@ class MethodSpec:
     pos_modes: tuple[str, ...] = ()  # the backbone PE modes the objective trains on; empty: pos_embed alone
     class_token: str = "optional"  # required | unused (never fed: frozen) | optional (see CLASS_TOKEN)
     any_modality: bool = False  # the objective trains a backbone of any modality, not only ``modality``'s
+    # the objective's attribute holding the encoder its paper evaluates (probes, fine-tuning, export read it; a
+    # checkpoint saves it as checkpoint/ and the trained backbone beside it where they differ): backbone, or
+    # target_encoder (I-JEPA / StoP: the EMA target encoder)
+    evaluated_encoder: str = "backbone"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
@@ -73,6 +80,7 @@ class MethodSpec:
         object.__setattr__(self, "pos_modes", tuple(self.pos_modes) or (self.pos_embed,))
         checks = [("pos_embed", self.pos_embed, PE_MODES), ("probe_feature", self.probe_feature, PROBE_FEATURES),
                   ("finetune_pool", self.finetune_pool, FINETUNE_POOLS), ("modality", self.modality, MODALITIES),
+                  ("evaluated_encoder", self.evaluated_encoder, EVALUATED_ENCODERS),
                   ("class_token", self.class_token, CLASS_TOKEN)]
         checks += [("pos_modes", mode, PE_MODES) for mode in self.pos_modes]
         for what, value, allowed in checks:
@@ -181,7 +189,8 @@ def _qualname(cls: type) -> str:
 
 def _class_facts(spec: MethodSpec) -> tuple:
     """The facts every method of one objective class shares (the class applies them whatever the method)."""
-    return spec.probe_feature, spec.finetune_pool, spec.class_token, spec.needs_head, spec.any_modality
+    return (spec.probe_feature, spec.finetune_pool, spec.class_token, spec.needs_head, spec.any_modality,
+            spec.evaluated_encoder)
 
 
 def _own_specs(objective_cls: type, without: str) -> tuple[MethodSpec, ...]:

@@ -28,7 +28,7 @@ import shutil
 import signal
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,9 @@ class Saved:
     ema: WeightsEma | None
     global_batch: int
     fingerprints: dict[str, str]
+    # other encoders saved beside the backbone, as folders of each backbone folder (I-JEPA / StoP: the context
+    # encoder in checkpoint/context_encoder/, beside the EMA target encoder their papers evaluate)
+    others: dict[str, Backbone] = field(default_factory=dict)
 
 
 class RunDirectory:
@@ -347,6 +350,8 @@ class RunDirectory:
         """The backbone checkpoint folder (``save_pretrained`` + the objective's extra parameters in
         ``objective.safetensors``): what ``checkpoint/``, ``snapshots/*`` and ``best/`` hold. Main process."""
         save_pretrained(self.saved.backbone, folder, metadata=metadata)
+        for name, other in self.saved.others.items():
+            save_pretrained(other, folder / name, metadata={**metadata, "encoder": name})
         extras = {k: v.detach().contiguous().cpu() for k, v in self.acc.unwrap_model(self.saved.objective)
                   .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
         if extras:

@@ -51,7 +51,8 @@ from patchplace.pipelines.sections import OptimSection, RunSection
 class Trainer:
     """Runs ``objective(batch, progress=) -> {"loss", ...}`` over the train reader for the configured budget.
 
-    ``backbone`` is what ``checkpoint/`` saves (with ``metadata``); the objective's own extra parameters (heads,
+    ``backbone`` is what ``checkpoint/`` saves (with ``metadata``; ``others``: encoders saved in folders of it); the
+    objective's own extra parameters (heads,
     decoders, predictors) go to ``checkpoint/objective.safetensors`` so evaluations can rebuild it. The run
     directory (checks, checkpoints, resume) is the :class:`RunDirectory` it holds; what the run section asks to keep
     beside it (run.keep_epochs, run.early_stop_patience, run.model_ema) are callbacks, after which ``callbacks`` run.
@@ -61,7 +62,8 @@ class Trainer:
                  optim: OptimSection, run: RunSection, *, metadata: dict[str, Any], config: Any,
                  batch_transform: Callable[[torch.Tensor, torch.Tensor], tuple] | None = None,
                  evaluate: Callable[[nn.Module, int], dict[str, Any]] | None = None,
-                 command: str | None = None, callbacks: Sequence[Callback] = ()) -> None:
+                 command: str | None = None, callbacks: Sequence[Callback] = (),
+                 others: dict[str, Backbone] | None = None) -> None:
         self.acc, self.objective, self.backbone, self.data = accelerator, objective, backbone, data
         self.optim_cfg, self.run, self.config = optim, run, config
         self.batch_transform, self.evaluate = batch_transform, evaluate
@@ -89,7 +91,8 @@ class Trainer:
         self.command = command or "the same command"
         self.console = Console(accelerator.is_main_process)
         self.rundir = RunDirectory(accelerator, run, config, Saved(
-            objective, backbone, self.metadata, self.ema, self.global_batch, data_fingerprints(data, config.data)),
+            objective, backbone, self.metadata, self.ema, self.global_batch, data_fingerprints(data, config.data),
+            others or {}),
             log=self.log, finite=self.finite, console=self.console, command=self.command)
         self.callbacks = Callbacks([*self._run_callbacks(), *callbacks])
         self.evaluation = Evaluation(self.rundir, evaluate, run.eval_every)
