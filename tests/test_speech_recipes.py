@@ -405,3 +405,9 @@ def test_the_shipped_speech_configs_run_on_speech_commands_as_it_ships(tmp_path:
     printed = capsys.readouterr().out
     assert "data.train: in memory" in printed and "data.val: in memory" in printed, printed
     assert (tmp_path / "runs" / "ft" / "checkpoint" / "config.json").is_file()
+    # the export takes the front end the checkpoint recorded (mp3_speech: 100 frames of a 1 s clip) into its graph
+    from patchplace.export.__main__ import main as export_main
+
+    assert export_main(["runs/ft/checkpoint", "--out", "runs/kws.onnx", "--no-optimize", "--samples", "8"]) == 0
+    sidecar = json.loads((tmp_path / "runs" / "kws.json").read_text())
+    assert sidecar["inputs"][0]["shape"] == ["batch", 16000], sidecar["inputs"]

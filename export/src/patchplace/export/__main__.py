@@ -39,7 +39,7 @@ def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_inp
     import torch
 
     from patchplace.data import Manifest, ShardDataset, build_transform
-    from patchplace.data.mfcc import MFCC
+    from patchplace.data.mfcc import build_frontend
     from patchplace.models import read_config
 
     from .exporter import recorded_crop_pct
@@ -56,7 +56,8 @@ def real_inputs(checkpoint: str, split: str, samples: int, kind: str, speech_inp
                            epoch_length=min(samples, manifest.num_samples))
     x, y = (torch.stack(t) if i == 0 else torch.tensor(t) for i, t in enumerate(zip(*dataset, strict=True)))
     if manifest.modality == "audio":
-        feed = {"waveform": x} if speech_input == "waveform" else {"features": MFCC()(x)}
+        feed = {"waveform": x} if speech_input == "waveform" else \
+            {"features": build_frontend(metadata.get("frontend"))(x)}  # the front end the checkpoint trained on
     else:
         feed = {"pixels": x}
         if config.unknown_pos and kind == "classifier":
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp16", action="store_true", help="also write an fp16 copy NAME.fp16.onnx (ONNX "
                         "Runtime's float16 converter, float32 inputs / outputs), kept only when it passes its parity "
                         f"gate against the fp32 graph: every output within {FP16_TOLERANCE:g} x max(1, max |output|), "
-                        f"top-1 agreement >= {FP16_AGREEMENT:.0%} on the --data samples")
+                        f"top-1 agreement >= {FP16_AGREEMENT * 100:g}%% on the --data samples")
     parser.add_argument("--no-optimize", action="store_true", help="write the plain standard-ONNX graph instead of "
                         "ONNX Runtime's fused one (com.microsoft Attention / BiasGelu ops)")
     parser.add_argument("--img-size", type=int, help="export for this image side instead of the checkpoint's "

@@ -54,7 +54,7 @@ from torch import nn
 
 from patchplace.data.atomic import path_problem
 from patchplace.data.manifest import sha256_file
-from patchplace.data.mfcc import MFCC
+from patchplace.data.mfcc import MFCC, build_frontend
 from patchplace.models import Backbone, ModelError, load_pretrained
 
 from .choices import DEFAULT_OPSET, KINDS, SPEECH_INPUTS
@@ -126,9 +126,9 @@ class FeatureExtractor(nn.Module):
 class SpeechModel(nn.Module):
     """MFCC frontend + speech backbone (classifier or feature extractor) on raw 16 kHz waveforms."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, frontend: str | None = None) -> None:
         super().__init__()
-        self.frontend, self.model = MFCC(), model
+        self.frontend, self.model = build_frontend(frontend), model  # the front end the checkpoint trained on
 
     def forward(self, waveform: torch.Tensor):
         return self.model(self.frontend(waveform))
@@ -142,9 +142,24 @@ class ExportPlan:
     outputs: list[str]
 
 
+def clip_samples(frontend: MFCC, frames: int) -> int:
+    """The waveform length the speech front end turns into ``frames`` frames (1 s at 16 kHz for every shipped
+    front end: 101 centred frames, 100 padded TC-ResNet frames, 98 unpadded ones)."""
+    hop, window = frontend.hop_length, frontend.win_length
+    for samples in ((frames - 1) * hop + window, frames * hop, (frames - 1) * hop):
+        try:
+            if frontend.num_frames(samples) == frames:
+                return samples
+        except ValueError:  # (too short for this framing)
+            continue
+    raise ExportError(f"no waveform length gives the backbone's {frames} frames with this front end "
+                      f"(framing={frontend.framing}): check the checkpoint's num_frames against its data.frontend")
+
+
 def plan_export(backbone: Backbone, kind: str = "classifier", speech_input: str = "waveform",
-                batch: int = 2) -> ExportPlan:
-    """Wrap ``backbone`` for ``kind`` and build example inputs and the sidecar's input description."""
+                batch: int = 2, frontend: str | None = None) -> ExportPlan:
+    """Wrap ``backbone`` for ``kind`` and build example inputs and the sidecar's input description (speech:
+    ``frontend``, the MFCC front end the checkpoint recorded)."""
     if kind not in KINDS or speech_input not in SPEECH_INPUTS:
         raise ExportError(f"kind must be one of {KINDS} and speech_input one of {SPEECH_INPUTS}")
     c = backbone.config
@@ -155,15 +170,15 @@ def plan_export(backbone: Backbone, kind: str = "classifier", speech_input: str 
     outputs = ["logits", "pooled"] if kind == "classifier" else ["pooled", "tokens"]
     if c.modality == "audio":
         if speech_input == "waveform":
-            module = SpeechModel(module)
-            samples = (c.num_frames - 1) * MFCC().hop_length  # center=True: T = 1 + samples // hop
+            module = SpeechModel(module, frontend)
+            samples = clip_samples(module.frontend, c.num_frames)
             inputs = {"waveform": torch.randn(batch, samples) * 0.1}
             specs = [{"name": "waveform", "shape": ["batch", samples], "dtype": "float32",
                       "meaning": "16 kHz mono waveform in [-1, 1]"}]
         else:
             inputs = {"features": torch.randn(batch, c.num_frames, c.in_features) * 10}
             specs = [{"name": "features", "shape": ["batch", c.num_frames, c.in_features], "dtype": "float32",
-                      "meaning": "MFCC frames (patchplace.data.mfcc.MFCC)"}]
+                      "meaning": f"MFCC frames (patchplace.data.mfcc front end {frontend or 'tf_speech_commands'})"}]
         return ExportPlan(module.eval(), inputs, specs, outputs)
     h, w = c.image_hw
     inputs = {"pixels": torch.randn(batch, c.in_chans, h, w)}
@@ -630,7 +645,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
     except ModelError as exc:
         raise ExportError(str(exc)) from exc
     check_finite_weights(backbone, checkpoint)
-    plan = plan_export(backbone.eval(), kind, speech_input)
+    plan = plan_export(backbone.eval(), kind, speech_input, frontend=metadata.get("frontend"))
     check_finite_outputs(plan, checkpoint)
     batch = torch.export.Dim("batch", min=1, max=4096)
     dynamic = {name: {0: batch} for name in plan.inputs}
@@ -647,7 +662,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *, 
                           verbose=False)
         graph = onnx.load(str(tmp_model))  # with its external data, if any (read into memory)
         onnx.checker.check_model(str(tmp_model), full_check=True)  # by path: works over 2 GiB too
-        batch_5 = plan_export(backbone, kind, speech_input, batch=5).inputs
+        batch_5 = plan_export(backbone, kind, speech_input, batch=5, frontend=metadata.get("frontend")).inputs
         parity = partial(parity_checks, path=tmp_model, plan=plan, batch_5=batch_5, real_inputs=real_inputs,
                          external=external)
         checks, info = None, {"optimized": False, "reason": "not asked (optimize=False)"}
