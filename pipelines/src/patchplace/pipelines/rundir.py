@@ -50,7 +50,7 @@ RUN_ENTRIES = ("log.jsonl", "config.yaml", "optimizer.json", CHECKPOINTS, "check
 # spelled another way, relative / absolute / a trailing slash, or the run moved elsewhere).
 RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.log_every", "run.checkpoint_every",
                      "run.eval_every", "run.tensorboard", "run.log_with", "run.log_project",
-                     "run.find_unused_parameters",
+                     "run.find_unused_parameters", "run.finite_check",
                      "data.verify_shards", "data.timeout", "data.retries")
 # the budget a resume may extend (the Trainer checks it grows: :func:`extension_problem`)
 EXTENDABLE = ("optim.epochs", "optim.max_steps", "optim.extend")

@@ -192,9 +192,9 @@ class DropPos(BackboneObjective):
             p = 0.0 if progress is None else float(progress)
             if not 0.0 <= p <= 1.0:
                 raise ObjectiveError(f"progress must be in [0, 1] (training fraction done), got {progress}")
-            progress = torch.full((), p, device=self.grid_sq_dist.device)
-        c = self.config
-        return c.sigma_start + progress.float() * (c.sigma_end - c.sigma_start)
+            progress = torch.full((), p, dtype=torch.float64, device=self.grid_sq_dist.device)
+        c = self.config  # in float64, as Python's floats (the schedule's sigma bit for bit, whichever was given)
+        return c.sigma_start + progress.to(torch.float64) * (c.sigma_end - c.sigma_start)
 
     def smoothing_matrix(self, sigma: float | torch.Tensor) -> torch.Tensor:
         """w*(y, j) (Eq. 5-6): (N, N), row y = smoothed target of true position y, each ROW summing to 1.
@@ -206,8 +206,8 @@ class DropPos(BackboneObjective):
         """
         d2 = self.grid_sq_dist
         if not isinstance(sigma, torch.Tensor):
-            sigma = torch.full((), float(sigma), device=d2.device)
-        sigma2 = sigma.to(d2.dtype).square().clamp_min(torch.finfo(d2.dtype).tiny)
+            sigma = torch.full((), float(sigma), dtype=torch.float64, device=d2.device)
+        sigma2 = sigma.to(torch.float64).square().clamp_min(torch.finfo(d2.dtype).tiny)  # (sigma ** 2 in float64)
         # softmax over j == exp(-d2 / sigma^2) / row sum, without underflow to 0/0 for tiny sigma.
         return torch.softmax(-d2 / sigma2, dim=1)
 
@@ -294,7 +294,7 @@ class DropPos(BackboneObjective):
             # the official code's logged accuracy: each dropped token weighted by its attentive weight A (Eq. 9);
             # equals pos_acc when tau = inf
             "pos_acc_attn_weighted": topk_accuracy(logits.detach(), labels, k=1, weight=weights * dropped),
-            "sigma": sigma.detach(),
+            "sigma": sigma.detach().float(),  # (logged as the float32 it always was)
         }
 
 
