@@ -32,7 +32,9 @@ def main(spec_path: str) -> int:
     for run in spec["runs"]:
         print(f"=== golden run {run['name']}: {run['script']} {' '.join(run['args'])}", flush=True)
         try:
-            code = modules[run["script"]].main(list(run["args"]))
+            args, stop = stopped_args(modules[run["script"]], list(run["args"]))
+            code = modules[run["script"]].main(args) if stop is None else stopped_main(modules[run["script"]], args,
+                                                                                         stop)
             results[run["name"]] = {"code": code}
         except SystemExit as exc:
             results[run["name"]] = {"code": exc.code}
@@ -51,6 +53,36 @@ def main(spec_path: str) -> int:
     report = {"runs": results, "modules": files, "methods": methods, "objective_defaults": objective_defaults()}
     Path(spec["report"]).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def stopped_args(module, args: list[str]) -> tuple[list[str], int | None]:
+    """``run.stop_after=N`` (the reference's stop for tests) for a code without it: the arguments without it and N
+    (the run is then stopped after N optimizer steps as a user stops one, by SIGTERM: :func:`stopped_main`)."""
+    stop = next((a for a in args if a.startswith("run.stop_after=")), None)
+    if stop is None or not module.__name__.startswith("patchplace.pipelines"):
+        return args, None
+    return [a for a in args if a != stop], int(stop.split("=", 1)[1])
+
+
+def stopped_main(module, args: list[str], steps: int) -> int:
+    """``module.main(args)`` with a SIGTERM agreed after ``steps`` optimizer steps (a checkpoint of that step, then
+    the interruption): exit 0 where the run stopped there, as the reference's run.stop_after did."""
+    import signal
+
+    from patchplace.pipelines.engine import guards
+
+    agreed, calls = guards.StopSignals.agreed, []
+
+    def stop_after(self, accelerator):
+        calls.append(1)
+        return signal.SIGTERM if len(calls) >= steps else agreed(self, accelerator)
+
+    guards.StopSignals.agreed = stop_after
+    try:
+        code = module.main(args)
+    finally:
+        guards.StopSignals.agreed = agreed
+    return 0 if code == 128 + signal.SIGTERM and len(calls) == steps else code
 
 
 def objective_defaults() -> dict[str, dict]:

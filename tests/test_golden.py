@@ -6,7 +6,8 @@ each in its own process (one process each, CPU, one thread, the same seed and ar
 must match file by file: weights, optimizer and RNG states bit-identical, logs and checkpoint metadata equal (timing
 fields aside). A run directory the reference code stopped after 2 of 4 steps must resume with the current code to
 the weights of an uninterrupted current run. Nothing measured here is stored: the reference is rebuilt from git on
-every run, so the comparison holds on any CPU and torch build.
+every run, so the comparison holds on any CPU and torch build. A method whose random draws moved by design is
+compared with the commit where they moved (:data:`REBASED`, with the reason).
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ DRIVER = Path(__file__).with_name("golden_driver.py")
 # The reference: the commit whose pipelines ran from pipelines/core/ as top-level modules, with the engine in one
 # file. PATCHPLACE_GOLDEN_REFERENCE=<sha> compares against another commit.
 REFERENCE = os.environ.get("PATCHPLACE_GOLDEN_REFERENCE", "e53e835af134bddce31feb52dfcdc1720651cf05")
+# Methods whose random draws moved by design after the reference, compared with the commit where they moved (the
+# same code then): their masks are drawn on the device inside the step with static shapes, from other ops of the same
+# random stream (docs/methods: the GPU step); a draw cannot move without a reference of its own.
+# PATCHPLACE_GOLDEN_REBASE=<sha> compares them against another commit.
+REBASE = os.environ.get("PATCHPLACE_GOLDEN_REBASE", "1658963c4f7c790ac0383e0fdae3908603894299")
+REBASED = {"ijepa": "multi-block masks of one shape per run, drawn on the device (block sizes as the official code)",
+           "stop": "I-JEPA's masks, and StoP's noise over the padded targets",
+           "randsac": "segments, hierarchy and serialization drawn on the device",
+           "mjp": "block-wise masks for the whole batch on the device, the official int(gamma N) count, the coin "
+                  "on the device"}
 # The tree whose code is compared with the reference: this one, or PATCHPLACE_GOLDEN_TREE (e.g. a perturbed copy, to
 # see the test fail).
 TREE = Path(os.environ.get("PATCHPLACE_GOLDEN_TREE", ROOT)).resolve()
@@ -77,6 +88,21 @@ def reference_code(root: Path) -> Code:
     """The reference layout: the sub-packages' src dirs, then pipelines/ (its scripts import ``core``)."""
     return Code("reference", root, (*package_sources(root), root / "pipelines"),
                 {"pretrain": "pretrain", "finetune": "finetune"})
+
+
+def rebased_code(root: Path) -> Code:
+    """The :data:`REBASE` commit, laid out as the current code."""
+    return Code("rebased", root, (*package_sources(root), root / "pipelines" / "src"),
+                {"pretrain": "patchplace.pipelines.pretrain", "finetune": "patchplace.pipelines.finetune"})
+
+
+def method_of(args: list[str]) -> str | None:
+    return next((a.split("=", 1)[1] for a in args if a.startswith("method=")), None)
+
+
+def base_of(run: str, runs: dict[str, tuple[str, list[str]]]) -> str:
+    """Which code a run is compared with: the reference, or the :data:`REBASE` commit for :data:`REBASED` methods."""
+    return "rebased" if method_of(runs[run][1]) in REBASED else "reference"
 
 
 def current_code() -> Code:
@@ -195,19 +221,18 @@ class Golden:
     stopped_logs: dict[str, str]  # resume run -> the log.jsonl the reference left
 
 
-@pytest.fixture(scope="session")
-def reference_tree(tmp_path_factory) -> Path:
-    """The reference commit's packages/, export/ and pipelines/, extracted from git."""
+def extracted(commit: str, tmp_path_factory) -> Path:
+    """``commit``'s packages/, export/ and pipelines/, extracted from git (skipped where git cannot give them)."""
     git = shutil.which("git")
     if git is None:
         pytest.skip("the golden test rebuilds the reference code from git, and git is not installed")
     if subprocess.run([git, "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True).returncode:
         pytest.skip(f"{ROOT} is not a git checkout: the golden test rebuilds the reference code from its history")
-    if subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", f"{REFERENCE}^{{commit}}"],
+    if subprocess.run([git, "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
                       capture_output=True).returncode:
-        pytest.skip(f"the reference commit {REFERENCE} is not in this clone (a shallow clone? fetch main's full "
+        pytest.skip(f"the reference commit {commit} is not in this clone (a shallow clone? fetch main's full "
                     "history, e.g. actions/checkout with fetch-depth: 0)")
-    archive = subprocess.run([git, "-C", str(ROOT), "archive", "--format=tar", REFERENCE, "packages", "export",
+    archive = subprocess.run([git, "-C", str(ROOT), "archive", "--format=tar", commit, "packages", "export",
                               "pipelines"], capture_output=True, check=True).stdout
     dest = tmp_path_factory.mktemp("reference")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
@@ -215,26 +240,40 @@ def reference_tree(tmp_path_factory) -> Path:
     return dest
 
 
+@pytest.fixture(scope="session")
+def reference_tree(tmp_path_factory) -> Path:
+    """The reference commit's code."""
+    return extracted(REFERENCE, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def rebased_tree(tmp_path_factory) -> Path:
+    """The :data:`REBASE` commit's code."""
+    return extracted(REBASE, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
-def golden(reference_tree, shards, tmp_path_factory) -> Golden:
+def golden(reference_tree, rebased_tree, shards, tmp_path_factory) -> Golden:
     """Both codes run ``golden_runs`` (in parallel); the reference also stops the resume runs after 2 steps and the
     current code runs them straight; then the current code resumes copies of the stopped runs."""
     base = tmp_path_factory.mktemp("golden")
-    codes = {"reference": reference_code(reference_tree), "current": current_code()}
+    codes = {"reference": reference_code(reference_tree), "rebased": rebased_code(rebased_tree),
+             "current": current_code()}
     dirs = {name: base / name for name in codes}
     runs, resumes = golden_runs(shards), resume_runs(shards)
+    cuts = {f"cut-{n}": (s, [*a, "run.stop_after=2"]) for n, (s, a) in resumes.items()}
+    bases = {**runs, **cuts}
     started = {
-        "reference": launch(codes["reference"], dirs["reference"],
-                            {**runs, **{f"cut-{n}": (s, [*a, "run.stop_after=2"]) for n, (s, a) in resumes.items()}}),
-        "current": launch(codes["current"], dirs["current"],
-                          {**runs, **{f"straight-{n}": r for n, r in resumes.items()}}),
-    }
+        name: launch(codes[name], dirs[name], {n: r for n, r in bases.items() if base_of(n, bases) == name})
+        for name in ("reference", "rebased")}
+    started["current"] = launch(codes["current"], dirs["current"],
+                                {**runs, **{f"straight-{n}": r for n, r in resumes.items()}})
     reports = {name: finish(*started[name]) for name in codes}
     resumed = base / "resumed"
     resumed.mkdir()
     stopped_at, stopped_logs = {}, {}
     for name in resumes:
-        cut = dirs["reference"] / f"cut-{name}"
+        cut = dirs[base_of(f"cut-{name}", bases)] / f"cut-{name}"
         if cut.is_dir():
             shutil.copytree(cut, resumed / f"cut-{name}", symlinks=True)
             stopped_logs[name] = (cut / "log.jsonl").read_text() if (cut / "log.jsonl").is_file() else ""
@@ -475,8 +514,8 @@ def shown(found: list[str], limit: int = 25) -> str:
 def test_each_process_ran_its_own_code(golden):
     """The drivers imported the packages and pipelines of their own tree (PYTHONPATH first, whatever is installed):
     the reference its archive, the current code the working tree; and every reference method is covered."""
-    for name, report in (("reference", golden.reports["reference"]), ("current", golden.reports["current"]),
-                         ("current", golden.reports["resumed"])):
+    for name, report in (("reference", golden.reports["reference"]), ("rebased", golden.reports["rebased"]),
+                         ("current", golden.reports["current"]), ("current", golden.reports["resumed"])):
         root = golden.codes[name].root.resolve()
         modules = report["modules"]
         outside = {m: f for m, f in modules.items() if not Path(f).is_relative_to(root)}
@@ -505,10 +544,11 @@ def test_the_objective_configs_keep_the_references_defaults(golden):
 def test_the_current_code_trains_bit_identically_to_the_reference(golden, run):
     """Weights (backbone, objective heads, the Accelerate state), optimizer and RNG states bit-identical; the
     training log (timing aside), config.yaml, optimizer.json, checkpoint metadata and model cards equal."""
-    for name in ("reference", "current"):
+    base = base_of(run, golden_runs(Path("shards")))  # (the reference, or the commit where the run's draws moved)
+    for name in (base, "current"):
         problem = outcome(golden.reports[name], run, golden.dirs[name] / "driver.log")
         assert problem is None, f"the {name} code failed: {problem}"
-    ref, cur = golden.dirs["reference"], golden.dirs["current"]
+    ref, cur = golden.dirs[base], golden.dirs["current"]
     found = differences(ref / run, cur / run, ref, cur)
     assert not found, f"{run}: the current code's run differs from the reference's:\n{shown(found)}"
 
@@ -517,8 +557,9 @@ def test_the_current_code_trains_bit_identically_to_the_reference(golden, run):
 def test_a_reference_run_resumes_with_the_current_code(golden, run):
     """A run the reference code left after 2 of 4 steps, resumed by the current code, ends as the current code's
     uninterrupted run: its checkpoints (weights, optimizer, RNG states, metadata) and every logged step."""
-    problem = outcome(golden.reports["reference"], f"cut-{run}", golden.dirs["reference"] / "driver.log")
-    assert problem is None, f"the reference code failed: {problem}"
+    base = "rebased" if method_of(resume_runs(Path("shards"))[run][1]) in REBASED else "reference"
+    problem = outcome(golden.reports[base], f"cut-{run}", golden.dirs[base] / "driver.log")
+    assert problem is None, f"the {base} code failed: {problem}"
     assert golden.stopped_at[run] == [2], f"the reference left checkpoints {golden.stopped_at[run]}, expected [2]"
     assert [r["step"] for r in log_records(golden.stopped_logs[run]) if "loss" in r] == [1, 2]
     problem = outcome(golden.reports["current"], f"straight-{run}", golden.dirs["current"] / "driver.log")
