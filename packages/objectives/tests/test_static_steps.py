@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import tiny_config
 from patchplace.models import create_model
 from patchplace.objectives import get_method, method_names
 from patchplace.objectives.audit import count_step, counting, fake_cuda
@@ -28,8 +27,14 @@ BATCH = 4
 FIELDS = {"mjp": {"ratio": 0.03, "apply_prob": 0.5, "warmup_fraction": 0.0}}
 
 
-def build(name: str, device: str = "cpu"):
-    """``name``'s objective on a 2-block ViT with a 14 x 14 grid (56 px, patch 4) or the speech backbone."""
+@pytest.fixture
+def build(tiny_method_config):
+    """Factory: ``name``'s objective on a 2-block ViT with a 14 x 14 grid (56 px, patch 4) or the speech backbone,
+    at the conftest's tiny decoder / predictor widths."""
+    return lambda name: objective_of(name, tiny_method_config)
+
+
+def objective_of(name: str, tiny_config):
     spec = get_method(name)
     torch.manual_seed(0)
     if spec.modality == "audio":
@@ -37,7 +42,7 @@ def build(name: str, device: str = "cpu"):
     else:
         backbone = create_model("vit_micro", in_chans=3, img_size=56, patch_size=4, pos_embed=spec.pos_embed,
                                 num_classes=3 if spec.needs_head else 0)
-    return spec.objective_cls(backbone, tiny_config(spec, **FIELDS.get(name, {}))).to(device).train()
+    return spec.objective_cls(backbone, tiny_config(spec, **FIELDS.get(name, {}))).train()
 
 
 def batch_for(objective, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +62,7 @@ def step(objective, batch, progress: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_a_step_never_waits_for_the_device(name):
+def test_a_step_never_waits_for_the_device(build, name):
     objective = build(name)
     batch = batch_for(objective)
     progress = torch.full((), 0.5)
@@ -67,7 +72,7 @@ def test_a_step_never_waits_for_the_device(name):
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_a_step_on_cuda_copies_nothing_from_the_host(name):
+def test_a_step_on_cuda_copies_nothing_from_the_host(build, name):
     objective = build(name)
     with fake_cuda(objective):
         batch = batch_for(objective, "cuda")
@@ -78,7 +83,7 @@ def test_a_step_on_cuda_copies_nothing_from_the_host(name):
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_a_step_is_one_graph_that_fresh_masks_reuse(name):
+def test_a_step_is_one_graph_that_fresh_masks_reuse(build, name):
     torch._dynamo.reset()
     counters.clear()
     objective = build(name)
