@@ -1,8 +1,10 @@
-"""``python data/cifar.py --help``: the dataset recipe :mod:`patchplace.pipelines.datasets.cifar`."""
+"""``python data/cifar.py --help``: the dataset recipe
+:mod:`patchplace.pipelines.datasets.cifar`; its options parse without torch
+(:mod:`patchplace.pipelines.datasets.cli`), the recipe is imported to run."""
 
 import sys
 
-from patchplace.pipelines.datasets.cifar import main
+from patchplace.pipelines.datasets.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("cifar"))

@@ -1,8 +1,10 @@
-"""``python data/fashion_mnist.py --help``: the dataset recipe :mod:`patchplace.pipelines.datasets.fashion_mnist`."""
+"""``python data/fashion_mnist.py --help``: the dataset recipe
+:mod:`patchplace.pipelines.datasets.fashion_mnist`; its options parse without torch
+(:mod:`patchplace.pipelines.datasets.cli`), the recipe is imported to run."""
 
 import sys
 
-from patchplace.pipelines.datasets.fashion_mnist import main
+from patchplace.pipelines.datasets.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("fashion_mnist"))

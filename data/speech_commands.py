@@ -1,9 +1,10 @@
 """``python data/speech_commands.py --help``: the dataset recipe
-:mod:`patchplace.pipelines.datasets.speech_commands`."""
+:mod:`patchplace.pipelines.datasets.speech_commands`; its options parse without torch
+(:mod:`patchplace.pipelines.datasets.cli`), the recipe is imported to run."""
 
 import sys
 
-from patchplace.pipelines.datasets.speech_commands import main
+from patchplace.pipelines.datasets.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("speech_commands"))

@@ -1,9 +1,10 @@
 """``python data/spoken_keywords.py --help``: the dataset recipe
-:mod:`patchplace.pipelines.datasets.spoken_keywords`."""
+:mod:`patchplace.pipelines.datasets.spoken_keywords`; its options parse without torch
+(:mod:`patchplace.pipelines.datasets.cli`), the recipe is imported to run."""
 
 import sys
 
-from patchplace.pipelines.datasets.spoken_keywords import main
+from patchplace.pipelines.datasets.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("spoken_keywords"))

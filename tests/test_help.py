@@ -28,6 +28,7 @@ PYTHON = [
     ("patchplace.export.evaluate", None),
     ("patchplace.data.__main__", None),
     ("patchplace.models.convert", None),
+    *((f"patchplace.pipelines.datasets.{p.stem}", None) for p in sorted((ROOT / "data").glob("*.py"))),
 ]
 
 

@@ -2,7 +2,8 @@
 first): the scripts (``python pipelines/<command>.py``: the training commands, the demo, the study, the controls,
 the benchmark), the modules (``python -m patchplace.pipelines.<command>``, ``patchplace.research.<command>``,
 ``patchplace.research.recipes``, ``.emulated_bf16``, ``patchplace.models.convert``, ``patchplace.export``,
-``patchplace.export.evaluate``, ``patchplace.data``) and the console scripts (``patchplace-<command>``), each
+``patchplace.export.evaluate``, ``patchplace.data``), the dataset recipes (``python data/<recipe>.py``: also within
+100 columns, a usage error in one line) and the console scripts (``patchplace-<command>``), each
 run as a user runs it, in a subprocess with ``-X importtime``; the modules it imported are read back. A usage error
 is argparse's, exit 2, before torch too. A module prints what its script prints, byte for byte. The torch-free
 copies ``--help`` reads (the objectives' fields and registration facts from their source, the attack's fields, the
@@ -37,6 +38,8 @@ RESEARCH = {"study": "patchplace.research.study", "controls": "patchplace.resear
             "benchmark": "patchplace.research.benchmark"}
 MODULES = {"recipes": "patchplace.research.recipes", "emulated_bf16": "patchplace.research.emulated_bf16",
            "convert": "patchplace.models.convert"}
+# the dataset recipes (python data/<recipe>.py): their options parse in patchplace.pipelines.datasets.cli
+RECIPES = sorted(p.stem for p in (ROOT / "data").glob("*.py"))
 
 
 def console_script(name: str) -> list[str]:
@@ -59,6 +62,7 @@ COMMANDS = {
     **{f"{c}.py": [PY, str(ROOT / "pipelines" / f"{c}.py")] for c in RESEARCH},
     **{f"-m research.{c}": [PY, "-m", module] for c, module in RESEARCH.items()},
     **{f"-m {c}": [PY, "-m", module] for c, module in MODULES.items()},
+    **{f"data/{r}.py": [PY, str(ROOT / "data" / f"{r}.py")] for r in RECIPES},
 }
 # the commands whose --help lists config fields (run.seed among them)
 FIELD_LISTS = {*(f"{c}.py" for c in ARGS), *(f"-m pipelines.{c}" for c in ARGS), *(f"patchplace-{c}" for c in ARGS),
@@ -101,6 +105,7 @@ def test_every_entry_point_is_covered():
     assert set(SCRIPTS) <= set(COMMANDS)
     assert all(SCRIPTS[f"patchplace-{c}"] == f"patchplace.pipelines.cli:{c}" for c in ARGS)
     assert {p.name for p in (ROOT / "pipelines").glob("*.py")} <= set(COMMANDS)
+    assert RECIPES and all(f"data/{r}.py" in COMMANDS for r in RECIPES)
 
 
 # a usage error of each command that parses its arguments before torch: exit 2, argparse's line (or the usage)
@@ -123,6 +128,56 @@ def test_usage_error_imports_no_torch(command, tmp_path):
     assert line in result.stderr, result.stderr[-2000:]
     assert not set(HEAVY) & imported(result)
     assert list(tmp_path.iterdir()) == []
+
+
+# a usage error of each recipe: (its arguments, the line it prints); one line, exit 2, before torch
+RECIPE_ERRORS = {"cifar": ([], "error: the following arguments are required: --src"),
+                 "fashion_mnist": (["--out", "s3://b/fm"], "error: argument --out: cannot write a split to s3://b/fm"),
+                 "image_folder": (["--src", "x", "--workers", "two"], "error: argument --workers: invalid int value"),
+                 "speech_commands": (["--src", "x", "--version", "3"], "error: argument --version: invalid choice"),
+                 "spoken_keywords": (["--out", "x", "--jobs"], "error: argument --jobs: expected one argument")}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_help_fits_and_imports_no_torch(recipe, tmp_path):
+    """``python data/<recipe>.py --help``: exit 0 before torch (or numpy, or webdataset) loads, every line
+    within 100 columns on a wide terminal (COLUMNS=250) and on none (argparse's 80)."""
+    result, seconds = run_traced([*COMMANDS[f"data/{recipe}.py"], "--help"], tmp_path)
+    check_help(f"data/{recipe}.py", result, seconds, tmp_path)
+    assert not {"numpy", "webdataset"} & imported(result)
+    assert f"usage: python data/{recipe}.py " in result.stdout
+    narrow = subprocess.run([*COMMANDS[f"data/{recipe}.py"], "--help"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    for text in (result.stdout, narrow.stdout):
+        widest = max(text.splitlines(), key=len)
+        assert len(widest) <= 100, f"{recipe}: {len(widest)} columns: {widest!r}"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_usage_error_is_one_line_without_torch(recipe, tmp_path):
+    extra, line = RECIPE_ERRORS[recipe]
+    result, _ = run_traced([*COMMANDS[f"data/{recipe}.py"], *extra], tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [x for x in result.stderr.splitlines() if not x.startswith("import time:")]
+    assert len(errors) == 1 and errors[0].startswith(f"python data/{recipe}.py: {line}"), errors
+    assert not set(HEAVY) & imported(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recipe_output_options_match_the_writers():
+    """The recipes' --out / --max-count / --max-size (parsed torch-free) are patchplace.data.recipes'."""
+    import argparse
+
+    from patchplace.data import recipes
+    from patchplace.pipelines.datasets import cli
+
+    def options(add) -> list[tuple]:
+        parser = argparse.ArgumentParser()
+        add(parser, "shards/x")
+        return [(a.option_strings, a.dest, a.default, a.help, a.type.__name__ if a.type else None)
+                for a in parser._actions if a.dest != "help"]
+
+    assert options(cli.add_output_args) == [(*o[:4], o[4].lstrip("_")) for o in options(recipes.add_output_args)]
 
 
 @pytest.mark.parametrize("command", ["demo", *RESEARCH])

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from patchplace.data import DataError, Manifest
-from patchplace.data.recipes import add_output_args, indexed_records, run_cli, write_image_splits
+from patchplace.data.recipes import indexed_records, run_cli, write_image_splits
+from patchplace.pipelines.datasets import cli
 
 RECIPE_VERSION = 1
 LAYOUTS = {  # variant -> (train files, test files, meta file, label-name key)
@@ -102,15 +103,12 @@ def build(src: Path, out: Path, labels: str = "fine", max_count: int = 10_000, m
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--src", type=Path, required=True,
-                        help="extracted cifar-10-batches-py or cifar-100-python folder")
-    parser.add_argument("--labels", choices=("fine", "coarse"), default="fine",
-                        help="CIFAR-100 label set (default: %(default)s; ignored for CIFAR-10)")
-    add_output_args(parser, "shards/cifar")
-    args = parser.parse_args(argv)
-    return run_cli(lambda: build(args.src, args.out, args.labels, args.max_count, args.max_size))
+    """``python data/cifar.py``: the options of :func:`patchplace.pipelines.datasets.cli.cifar`."""
+    return run(cli.parse("cifar", argv))
 
+
+def run(args: argparse.Namespace) -> int:
+    return run_cli(lambda: build(args.src, args.out, args.labels, args.max_count, args.max_size))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from patchplace.data import DataError, Manifest
-from patchplace.data.recipes import add_output_args, indexed_records, run_cli, write_image_splits
+from patchplace.data.recipes import indexed_records, run_cli, write_image_splits
+from patchplace.pipelines.datasets import cli
 
 RECIPE_VERSION = 1
-DEFAULT_SRC = Path("/usr/share/datasets/fashion-mnist")
+DEFAULT_SRC = cli.FASHION_MNIST_SRC
 CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
            "Ankle boot")
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -74,13 +75,12 @@ def build(src: Path = DEFAULT_SRC, out: Path = Path("shards/fashion_mnist"), max
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--src", type=Path, default=DEFAULT_SRC,
-                        help="directory with the four IDX .gz files (default: %(default)s)")
-    add_output_args(parser, "shards/fashion_mnist")
-    args = parser.parse_args(argv)
-    return run_cli(lambda: build(args.src, args.out, args.max_count, args.max_size))
+    """``python data/fashion_mnist.py``: the options of :func:`patchplace.pipelines.datasets.cli.fashion_mnist`."""
+    return run(cli.parse("fashion_mnist", argv))
 
+
+def run(args: argparse.Namespace) -> int:
+    return run_cli(lambda: build(args.src, args.out, args.max_count, args.max_size))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,7 @@
 """ImageNet-style class folders -> WebDataset shards (RGB).
 
-    ROOT/train/<class>/*.jpg   ROOT/val/<class>/*.jpg      python data/image_folder.py --src ROOT --out shards/mydata
+    ROOT/train/<class>/*.jpg   ROOT/val/<class>/*.jpg
+    python data/image_folder.py --src ROOT --out shards/mydata
 
 Classes are the sub-directories of the first split (sorted); every other split must use the same names.
 JPEG and PNG files are stored as they are (no re-encoding) under the member extension ``.img``; other formats
@@ -32,7 +33,8 @@ from PIL import Image, UnidentifiedImageError
 from patchplace.data import ChannelStats, DataError, Manifest
 from patchplace.data.manifest import class_list
 from patchplace.data.parallel import write_planned_split
-from patchplace.data.recipes import add_output_args, run_cli
+from patchplace.data.recipes import run_cli
+from patchplace.pipelines.datasets import cli
 
 RECIPE_VERSION = 2  # 2: samples shuffled (--seed) before sharding; 1: class order
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm"}
@@ -224,29 +226,14 @@ def build(src: Path, out: Path, splits: tuple[str, ...] = ("train", "val"), data
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--src", type=Path, required=True, help="dataset root holding one folder per split")
-    parser.add_argument("--splits", nargs="+", default=["train", "val"],
-                        help="split folders under --src; the first defines classes and statistics "
-                             "(default: %(default)s)")
-    parser.add_argument("--name", default=None, help="dataset name in the manifest (default: the --src folder name)")
-    parser.add_argument("--stats-samples", type=int, default=10_000,
-                        help="train images used for normalization statistics (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of each split's sample shuffle before sharding, recorded in the manifest's source "
-                             "(default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="processes writing whole shards (and decoding the statistics' images); the output is "
-                             "byte-identical for any count (default: %(default)s)")
-    parser.add_argument("--val-labels", type=Path, default=None, metavar="FILE",
-                        help="labels of a flat val folder (ILSVRC2012_val_*.JPEG): Kaggle's LOC_val_solution.csv "
-                             "or 'filename wnid' lines; wnids are the first split's class folders")
-    add_output_args(parser, "shards/image_folder")
-    args = parser.parse_args(argv)
+    """``python data/image_folder.py``: the options of :func:`patchplace.pipelines.datasets.cli.image_folder`."""
+    return run(cli.parse("image_folder", argv))
+
+
+def run(args: argparse.Namespace) -> int:
     return run_cli(lambda: build(args.src, args.out, tuple(args.splits), args.name, args.stats_samples,
                                  args.max_count, args.max_size, seed=args.seed, workers=args.workers,
                                  val_labels=args.val_labels))
-
 
 if __name__ == "__main__":
     sys.exit(main())

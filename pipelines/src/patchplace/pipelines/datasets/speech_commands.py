@@ -55,8 +55,9 @@ from patchplace.data.kws import (
     which_set,
 )
 from patchplace.data.manifest import Manifest
-from patchplace.data.recipes import add_output_args, run_cli
+from patchplace.data.recipes import run_cli
 from patchplace.data.writer import SplitWriter
+from patchplace.pipelines.datasets import cli
 
 RECIPE = "speech_commands"
 # 2: clips padded / cut to 1 s at write (1 left short clips short), --split-lists
@@ -70,7 +71,7 @@ TC_RESNET_LISTS = {"training": "train.txt", "validation": "valid.txt", "testing"
 SPLIT_DIRS = {"training": "train", "validation": "validation", "testing": "test"}
 BACKGROUND_SPLIT = "background_noise"
 SYNTH_HINT = "run python data/spoken_keywords.py first, or pass --src to a Speech Commands folder"
-DEFAULT_OUT = "shards/speech_commands"
+DEFAULT_OUT = cli.SPEECH_COMMANDS_OUT
 
 
 @dataclass(frozen=True)
@@ -343,44 +344,15 @@ def clip_wave(src: Path, clip: Clip, noise: list[tuple[str, np.ndarray]]) -> np.
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python data/speech_commands.py",
-        description="Turn a Speech Commands v1/v2 folder (or the synthesized spoken-keywords corpus) into "
-                    "12-class keyword-spotting WebDataset shards: train / validation / test (classes "
-                    f"{', '.join(KWS_CLASSES)}) plus a background_noise split, each with a manifest.json.",
-        epilog="Examples: python data/speech_commands.py --src speech_commands_v0.01 --split-lists "
-               "TC-ResNet/speech_commands_dataset (MP3 / TC-ResNet's splits, into shards/speech_commands); "
-               "python data/spoken_keywords.py --out corpora/spoken_keywords && "
-               "python data/speech_commands.py --src corpora/spoken_keywords --out shards/spoken_keywords (the demo)",
-    )
-    parser.add_argument("--src", required=True, type=Path,
-                        help="Speech Commands folder: <word>/*.wav, validation_list.txt, testing_list.txt, "
-                             f"{BACKGROUND_NOISE_DIR}/*.wav")
-    parser.add_argument("--version", default="auto", choices=["auto", "1", "2"],
-                        help="Speech Commands version (auto: 2 when v2-only words such as 'backward' exist)")
-    parser.add_argument("--silence-percentage", type=float, default=10.0,
-                        help="_silence_ clips per split, in %% of its keyword clips (default 10, as in "
-                             "TensorFlow)")
-    parser.add_argument("--unknown-percentage", type=float, default=10.0,
-                        help="_unknown_ clips per split, in %% of its keyword clips (default 10, as in "
-                             "TensorFlow)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for unknown subsampling and silence cuts")
-    parser.add_argument("--split-lists", type=Path, default=None, metavar="DIR",
-                        help="folder with TC-ResNet's fixed lists train.txt / valid.txt / test.txt "
-                             "(hyperconnect/TC-ResNet speech_commands_dataset/): each split holds exactly the "
-                             "files its list names, _silence_ lines as all-zero clips; --silence-percentage, "
-                             "--unknown-percentage and --seed then play no part (default: the seeded draw)")
-    add_output_args(parser, DEFAULT_OUT)
-    parser.add_argument("--dataset", default=None,
-                        help="dataset name in the manifests (default: spoken_keywords for the synthesized "
-                             "corpus, else speech_commands_v1/v2)")
-    args = parser.parse_args(argv)
+    """``python data/speech_commands.py``: the options of :func:`patchplace.pipelines.datasets.cli.speech_commands`."""
+    return run(cli.parse("speech_commands", argv))
+
+
+def run(args: argparse.Namespace) -> int:
     return run_cli(lambda: build_kws_shards(
         args.src, args.out, version=args.version, silence_percentage=args.silence_percentage,
         unknown_percentage=args.unknown_percentage, seed=args.seed, split_lists=args.split_lists,
-        max_count=args.max_count,
-        max_size=args.max_size, dataset=args.dataset))
-
+        max_count=args.max_count, max_size=args.max_size, dataset=args.dataset))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -49,6 +49,7 @@ from patchplace.data.kws import (
     speaker_id,
     which_set,
 )
+from patchplace.pipelines.datasets import cli
 
 RECIPE = "spoken_keywords"
 RECIPE_VERSION = 1
@@ -379,33 +380,19 @@ Shards: python data/speech_commands.py --src <this folder> --out shards/spoken_k
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python data/spoken_keywords.py",
-        description="Synthesize a Speech-Commands-layout keyword corpus with espeak-ng: 10 keywords, 25 "
-                    "unknown words, background noise, validation/testing lists split by speaker (voice x "
-                    "variant). Deterministic given --seed.",
-        epilog="Then: python data/speech_commands.py --src corpora/spoken_keywords "
-               "--out shards/spoken_keywords",
-    )
-    parser.add_argument("--out", required=True, type=Path,
-                        help="corpus folder to create (an existing one is replaced atomically)")
-    parser.add_argument("--clips-per-keyword", type=int, default=200, help="clips per keyword (default 200)")
-    parser.add_argument("--clips-per-unknown-word", type=int, default=30,
-                        help="clips per unknown word (default 30)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="parallel espeak-ng processes (default: number of CPU cores)")
-    parser.add_argument("--noise-seconds", type=float, default=None,
-                        help="length of each background-noise file (default: drawn from 30-60 s)")
-    args = parser.parse_args(argv)
+    """``python data/spoken_keywords.py``: the options of :func:`patchplace.pipelines.datasets.cli.spoken_keywords`."""
+    return run(cli.parse("spoken_keywords", argv))
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         synthesize_corpus(args.out, clips_per_keyword=args.clips_per_keyword,
                           clips_per_unknown_word=args.clips_per_unknown_word, seed=args.seed, jobs=args.jobs,
                           noise_seconds=args.noise_seconds)
     except DataError as exc:
-        parser.exit(2, f"error: {exc}\n")
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
