@@ -391,6 +391,11 @@ class RunSection:
     # what run.compile compiles: blocks (every Transformer block in place, regional; weight names unchanged) | step
     # (the objective's whole forward and backward as one graph, fullgraph: with reduce-overhead one CUDA graph a step)
     compile_scope: Literal["blocks", "step"] = "blocks"
+    # recompute every Transformer block's activations (the backbone's, the decoders' / predictors') in the backward
+    # instead of keeping them (torch.utils.checkpoint, non-reentrant: dropout / drop path replayed, the same loss and
+    # gradients): the memory of ViT-L / ViT-H at a larger batch, for about one more forward of the blocks per step
+    # (results/benchmark.md, activation_memory suite)
+    activation_checkpointing: bool = False
     # when a non-finite loss is looked for: step (every step, a host sync: the run stops before the step reaches the
     # weights) | lazy (no per-step sync, a GPU knob: the flags stay on the device, a bad step's update is skipped
     # inside AdamW's fused kernel, and the run stops with the same one line at the next log, checkpoint or

@@ -31,6 +31,7 @@ import torch
 from huggingface_hub import PyTorchModelHubMixin
 from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import Attention
 from .config import BackboneConfig
@@ -78,7 +79,33 @@ class FrameEmbed(nn.Module):
         return self.proj(x)
 
 
-class Block(nn.Module):
+class CheckpointedBlock(nn.Module):
+    """A Transformer block whose activations may be recomputed in the backward instead of kept (activation
+    checkpointing: Chen et al. 2016, Training Deep Nets with Sublinear Memory Cost, arXiv:1604.06174), switched by
+    :func:`set_grad_checkpointing` as timm's ``VisionTransformer.set_grad_checkpointing``. Off by default; a block
+    runs its math through :meth:`run` and keeps it in one place either way."""
+
+    grad_checkpointing: bool = False
+
+    def run(self, fn: Any, *args: Any) -> torch.Tensor:
+        """``fn(*args)``; while checkpointing and under autograd, through ``torch.utils.checkpoint.checkpoint``
+        (non-reentrant: it replays the CPU and device RNG state, so dropout and drop path draw the same masks in the
+        recomputation, and it composes with ``torch.compile``, which traces it as one higher-order op)."""
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+
+def set_grad_checkpointing(model: nn.Module, enable: bool = True) -> int:
+    """Switch activation checkpointing on every Transformer block of ``model`` (a backbone, an objective with its
+    decoders / predictors); returns how many blocks it switched. Parameter names and outputs are unchanged."""
+    blocks = [m for m in model.modules() if isinstance(m, CheckpointedBlock)]
+    for block in blocks:
+        block.grad_checkpointing = enable
+    return len(blocks)
+
+
+class Block(CheckpointedBlock):
     """Pre-norm Transformer block (timm names) with an optional per-layer relative position bias."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, qkv_bias: bool, drop: float,
@@ -94,6 +121,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 context_index: torch.Tensor | None = None, context_len: int | None = None) -> torch.Tensor:
+        return self.run(self._forward, x, attn_mask, context_index, context_len)
+
+    def _forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None, context_index: torch.Tensor | None,
+                 context_len: int | None) -> torch.Tensor:
         bias = None
         if self.rel_pos_bias is not None:
             bias = self.rel_pos_bias()  # (heads, T, T)
@@ -370,6 +401,12 @@ class Backbone(nn.Module, PyTorchModelHubMixin, library_name="patchplace", tags=
         self.config = replace(self.config, fc_norm=enabled).validate()
         fresh = nn.LayerNorm(self.embed_dim, eps=self.config.norm_eps).to(ref.device, ref.dtype)
         self.norm, self.fc_norm = (nn.Identity(), fresh) if enabled else (fresh, nn.Identity())
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute every block's activations in the backward (timm's method name): less memory, one more forward
+        of the blocks per step (:func:`set_grad_checkpointing`)."""
+        set_grad_checkpointing(self, enable)
 
     # ------------------------------------------------------------------ optimizer interface (timm's)
     @torch.jit.ignore

@@ -34,6 +34,7 @@ from torch import nn
 
 from patchplace.models import Backbone, sincos_2d
 from patchplace.models.attention import Attention, additive_mask, attention_dtype
+from patchplace.models.backbone import CheckpointedBlock
 
 from .common import (
     BackboneObjective,
@@ -114,7 +115,7 @@ class RandSACConfig(ObjectiveConfig):
         return self
 
 
-class DecoderBlock(nn.Module):
+class DecoderBlock(CheckpointedBlock):
     """Pre-norm Transformer decoder block (§4.1, Fig. 4 right): masked self-attention, masked cross-attention to the
     memory, MLP — each with a residual connection."""
 
@@ -131,6 +132,10 @@ class DecoderBlock(nn.Module):
                 memory_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, d), memory (B, S, d); masks bool (True = attend) or additive, broadcastable to (B, heads, T, T / S)
         (:meth:`RandSAC.attention_masks` builds both once per step, for every layer)."""
+        return self.run(self._forward, x, memory, self_mask, memory_mask)
+
+    def _forward(self, x: torch.Tensor, memory: torch.Tensor, self_mask: torch.Tensor | None,
+                 memory_mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), attn_mask=self_mask)
         x = x + self.cross_attn(self.norm2(x), attn_mask=memory_mask, memory=memory)
         return x + self.mlp(self.norm3(x))

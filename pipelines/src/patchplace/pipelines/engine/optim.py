@@ -1,5 +1,6 @@
 """The optimizer and its lr schedule: AdamW on the objective's parameter groups, the warm-up + cosine factor set
-before every optimizer step (:class:`StepSchedule`), ``run.compile``'s regional compilation, and the objective and
+before every optimizer step (:class:`StepSchedule`), ``run.compile``'s regional compilation,
+``run.activation_checkpointing``, and the objective and
 optimizer prepared for DDP (:func:`prepare_model`)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
 from patchplace.finetune import build_optimizer
-from patchplace.models.backbone import Block
+from patchplace.models.backbone import Block, set_grad_checkpointing
 from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.schedules import lr_factor, warmup_length, weight_decay_schedule
 from patchplace.pipelines.sections import OptimSection
@@ -55,6 +56,18 @@ def compile_objective(model: nn.Module, mode: str, scope: str = "blocks",
     if blocks and say is not None:
         say(f"run.compile={mode}: {len(blocks)} Transformer blocks compiled (the first steps compile them)")
     return len(blocks)
+
+
+def checkpoint_activations(model: nn.Module, enable: bool, say: Callable[[str], None] | None = None) -> int:
+    """``run.activation_checkpointing``: every Transformer block of ``model`` (backbone, decoders, predictors)
+    recomputes its activations in the backward (:func:`patchplace.models.backbone.set_grad_checkpointing`); returns
+    how many blocks it switched on (``say``: a line naming them)."""
+    if not enable:
+        return 0
+    count = set_grad_checkpointing(model, True)
+    if say is not None:
+        say(f"run.activation_checkpointing: {count} Transformer blocks recompute their activations in the backward")
+    return count
 
 
 def warmup_cosine(total_steps: int, warmup_fraction: float, min_ratio: float) -> Callable[[int], float]:

@@ -43,7 +43,13 @@ from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.engine.inputs import Data, data_fingerprints
 from patchplace.pipelines.engine.launch import check_seed, every_rank, reported
 from patchplace.pipelines.engine.logs import Console, JsonlLog, StepLog, Throughput, tracker_project, trackers
-from patchplace.pipelines.engine.optim import StepSchedule, compile_objective, make_optimizer, prepare_model
+from patchplace.pipelines.engine.optim import (
+    StepSchedule,
+    checkpoint_activations,
+    compile_objective,
+    make_optimizer,
+    prepare_model,
+)
 from patchplace.pipelines.engine.relayout import Layout, reader_as_rank, relaid_batches
 from patchplace.pipelines.sections import OptimSection, RunSection
 
@@ -86,6 +92,8 @@ class Trainer:
         self.finite = FiniteCheck(accelerator, self.finite_mode, divergence(self.out, self.peak_lr))
         # run.model_ema: copied before run.compile (a copy of a compiled block would run the original's forward)
         self.ema = WeightsEma(objective, run.model_ema, backbone) if run.model_ema is not None else None
+        # before run.compile: a compiled block traces its checkpoint
+        checkpoint_activations(objective, run.activation_checkpointing, accelerator.print)
         compile_objective(objective, run.compile, run.compile_scope, accelerator.print)
         plans.scaling_line(accelerator, optim, self.plan)
         self.command = command or "the same command"
