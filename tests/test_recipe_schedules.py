@@ -194,6 +194,18 @@ def test_several_processes_print_the_batch_the_peak_lr_and_the_schedule(capsys):
                    "from 1e-05), then cosine to 1e-06, 1000 steps in all; weight decay cosine 0.05 -> 0.4"], out
 
 
+def test_one_process_prints_the_same_line():
+    """1 process: the same line, "1 process", the lr scaled from its base batch as under several."""
+    printed = []
+    acc = SimpleNamespace(num_processes=1, is_main_process=True, print=printed.append)
+    optim = OptimSection(lr=1e-3, lr_scaling="sqrt", lr_base_batch=16, warmup_steps=5)
+    plan = BatchPlan(per_process=64, global_batch=64, lr_base_batch=16, peak_lr=2e-3)
+    start_line(acc, optim, plan, 50, 1000)
+    assert printed == ["1 process x 64 samples per step (data.batch_size x run.grad_accum) = global batch 64; peak lr "
+                       "0.002 (optim.lr 0.001, optim.lr_scaling=sqrt from global batch 16); warm-up 5 steps (linear), "
+                       "then cosine to lr x 0.01, 1000 steps in all"], printed
+
+
 # ---------------------------------------------------------------------------------------------- model EMA
 def test_the_ema_after_k_steps_is_timms_model_ema_v3_over_the_same_weights():
     """WeightsEma over k optimizer steps = a fresh timm ModelEmaV3 fed the recorded weights of each step = the
@@ -245,14 +257,19 @@ def recorded_groups(monkeypatch) -> list[list[tuple[float, float]]]:
     return seen
 
 
-def test_pretraining_applies_the_warmup_end_lr_and_the_final_weight_decay(shards, tmp_path, monkeypatch):
+def test_pretraining_applies_the_warmup_end_lr_and_the_final_weight_decay(shards, tmp_path, monkeypatch, capsys):
     """start_lr 1e-4 over 3 warm-up steps to lr 1e-3 then cosine to final_lr 1e-5; weight decay 0.04 -> 0.4: what
-    the param groups held at each step, what log.jsonl says (lr, wd) and the optimizer state saved at the end."""
+    the param groups held at each step, what log.jsonl says (lr, wd) and the optimizer state saved at the end; the
+    start line, once on this 1 process."""
     seen = recorded_groups(monkeypatch)
     out, total = tmp_path / "sup", 8
     assert pretrain.main(["method=supervised", *img(shards), *TINY, f"optim.max_steps={total}", "optim.lr=1e-3",
                           "optim.warmup_steps=3", "optim.start_lr=1e-4", "optim.final_lr=1e-5",
                           "optim.weight_decay=0.04", "optim.weight_decay_end=0.4", f"run.output={out}"]) == 0
+    started = [line for line in capsys.readouterr().out.splitlines() if "samples per step" in line]
+    assert started == ["1 process x 8 samples per step (data.batch_size x run.grad_accum) = global batch 8; peak lr "
+                       "0.001 (optim.lr 0.001, optim.lr_scaling=none); warm-up 3 steps (linear from 0.0001), then "
+                       "cosine to 1e-05, 8 steps in all; weight decay cosine 0.04 -> 0.4"], started
     assert len(seen) == total
     decays = [wd > 0 for _, wd in seen[0]]
     assert any(decays) and not all(decays)

@@ -1,7 +1,7 @@
 """A training's batch and budget, and the checks across config sections that the Trainer makes before it touches
 the run directory: the global batch and the peak lr ``optim.lr_scaling`` gives it (:func:`plan_batch`), whether
 such a batch can be formed from data.train (:func:`check_batch`), the steps per epoch and in all (:func:`budget`),
-the start line under several processes (:func:`start_line`), and ``run.finite_check=lazy``'s need of a fused AdamW
+the start line (:func:`start_line`), and ``run.finite_check=lazy``'s need of a fused AdamW
 (:func:`finite_mode`)."""
 
 from __future__ import annotations
@@ -69,16 +69,15 @@ def budget(train: ShardDataset | MemoryReader, batch_size: int, grad_accum: int,
 
 
 def start_line(acc: Accelerator, optim: OptimSection, plan: BatchPlan, per_epoch: int, total: int) -> None:
-    """Under several processes, one line on stdout: the batch per process and in all, the peak lr after
-    ``optim.lr_scaling``, the warm-up steps and the schedule. A warm-up given in steps or epochs that outlasts
-    the run is warned about (its lr never reaches the peak)."""
+    """One line on stdout, on the main process, whatever the process count: the batch per process and in all, the
+    peak lr after ``optim.lr_scaling``, the warm-up steps and the schedule. A warm-up given in steps or epochs that
+    outlasts the run is warned about (its lr never reaches the peak)."""
     warmup = warmup_length(optim, per_epoch, total)
-    if acc.num_processes > 1:
-        rule = f" from global batch {plan.lr_base_batch}" if optim.lr_scaling != "none" else ""
-        acc.print(f"{acc.num_processes} processes x {plan.per_process} samples per step (data.batch_size x "
-                  f"run.grad_accum) = global batch {plan.global_batch}; peak lr {plan.peak_lr:.4g} (optim.lr "
-                  f"{optim.lr:g}, optim.lr_scaling={optim.lr_scaling}{rule}); "
-                  f"{schedule_words(optim, warmup, total)}")
+    rule = f" from global batch {plan.lr_base_batch}" if optim.lr_scaling != "none" else ""
+    processes = f"{acc.num_processes} process" + ("es" if acc.num_processes > 1 else "")
+    acc.print(f"{processes} x {plan.per_process} samples per step (data.batch_size x run.grad_accum) = global batch "
+              f"{plan.global_batch}; peak lr {plan.peak_lr:.4g} (optim.lr {optim.lr:g}, "
+              f"optim.lr_scaling={optim.lr_scaling}{rule}); {schedule_words(optim, warmup, total)}")
     if warmup >= total and (optim.warmup_steps is not None or optim.warmup_epochs is not None) and \
             acc.is_main_process:
         print(f"warning: the warm-up ({warmup} steps) is not shorter than the run ({total} steps): the lr never "
@@ -98,10 +97,8 @@ def finite_mode(run: RunSection, optimizer: Any, device: torch.device) -> str:
 
 
 def scaling_line(acc: Accelerator, optim: OptimSection, plan: BatchPlan) -> None:
-    """One process under ``optim.lr_scaling``: the peak lr it gives (several: in :func:`start_line`)."""
-    if optim.lr_scaling != "none" and acc.num_processes == 1:
-        acc.print(f"optim.lr_scaling={optim.lr_scaling}: peak lr {optim.lr:g} at global batch {plan.lr_base_batch} "
-                  f"-> {plan.peak_lr:.4g} at global batch {plan.global_batch} ({acc.num_processes} process(es))")
+    """Prints nothing: the peak lr ``optim.lr_scaling`` gives is in :func:`start_line` on any process count (a
+    second line on 1 process would repeat it). The Trainer's call can go, and this with it."""
 
 
 def no_batches(epoch: int) -> DataError:
