@@ -122,6 +122,30 @@ def test_brace_patterns_and_pipe_urls_read_the_same_samples(toy_split):
         ShardDataset(split_dir, urls=pipes[:2])
 
 
+def test_a_pipe_commands_variables_are_left_to_its_shell(toy_split, monkeypatch):
+    """``${VAR}`` in a ``pipe:`` command is the shell's (webdataset's expansion would read WDS_VAR): set, the
+    shards read as the local ones; unset, one line naming it; assigned by the command itself, left alone. Elsewhere
+    ``${VAR}`` stays webdataset's WDS_VAR, an unset one a line naming it."""
+    from patchplace.data.reader import expand_urls
+
+    split_dir, _ = toy_split
+    expected = [k for _, _, k in ShardDataset(split_dir, return_key=True)]
+    urls = "pipe:cat ${SDIR}/train-{000000..000004}.tar"
+    monkeypatch.delenv("WDS_SDIR", raising=False)
+    monkeypatch.setenv("SDIR", str(split_dir))
+    assert expand_urls(urls)[1] == "pipe:cat ${SDIR}/train-000001.tar"
+    assert [k for _, _, k in ShardDataset(split_dir, urls=urls, return_key=True)] == expected
+    monkeypatch.delenv("SDIR")
+    with pytest.raises(DataError, match=r"^pipe:cat \$\{SDIR\}.*: the pipe: command uses \$\{SDIR\}, which is not set "
+                                        r"in this environment .*export SDIR=\.\.\. before the run"):
+        ShardDataset(split_dir, urls=urls)
+    assert expand_urls(f"pipe:D={split_dir}; cat ${{D}}/a.tar") == [f"pipe:D={split_dir}; cat ${{D}}/a.tar"]
+    with pytest.raises(DataError, match=r"\$\{SDIR\} is read from the environment variable WDS_SDIR .*not set"):
+        expand_urls("${SDIR}/train-{000000..000004}.tar")
+    monkeypatch.setenv("WDS_SDIR", str(split_dir))
+    assert expand_urls("${SDIR}/train-{000000..000004}.tar")[0] == f"{split_dir}/train-000000.tar"
+
+
 def test_loader_worker_count_must_match_the_plan(toy_split):
     split_dir, _ = toy_split
     ds = ShardDataset(split_dir, num_workers=2)

@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import os
 import random
+import re
 import tarfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 import webdataset as wds
+from braceexpand import braceexpand  # webdataset's own brace expansion (a dependency of it)
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .codecs import decode_image_bytes, decode_wav
@@ -47,15 +49,44 @@ from .errors import DataError
 from .integrity import open_shard
 from .manifest import Manifest
 from .plan import WorkerPlan, even_plan, even_quotas, plan_epoch, worker_quotas_for_epoch
-from .remote import Network, RemoteError
+from .remote import PIPE, Network, RemoteError
 
 _CORRUPT = (tarfile.TarError, OSError, EOFError, ValueError, KeyError)
+_VARIABLE = re.compile(r"\$\{(\w+)\}")  # what webdataset's envsubst replaces
 COPY_FIELD = "__copy__"  # repeated_aug: which copy of its sample a stream entry is
 
 
 def expand_urls(urls: str | list[str]) -> list[str]:
-    """Expand brace patterns (``a-{000..009}.tar``) and ``::``-joined lists the way webdataset does."""
-    return list(wds.shardlists.expand_urls(urls)) if isinstance(urls, str) else [str(u) for u in urls]
+    """Expand brace patterns (``a-{000..009}.tar``) and ``::``-joined lists the way webdataset does, except that a
+    ``pipe:`` command's ``${VAR}`` is left to its shell (webdataset's :func:`~webdataset.shardlists.expand_urls`
+    would put the environment variable ``WDS_VAR`` in its place): one that is neither in the environment nor
+    assigned in the command is a :class:`DataError` naming it. Elsewhere ``${VAR}`` is webdataset's ``WDS_VAR``; an
+    unset one is a :class:`DataError` too."""
+    if not isinstance(urls, str):
+        return [str(u) for u in urls]
+    expanded: list[str] = []
+    for url in urls.split("::"):
+        if url.startswith(PIPE):
+            check_shell_variables(url)
+            expanded.extend(braceexpand(url))  # ``${VAR}`` has no comma or ``..``: kept as it is
+            continue
+        if unset := [name for name in _VARIABLE.findall(url) if f"WDS_{name}" not in os.environ]:
+            raise DataError(f"{url}: ${{{unset[0]}}} is read from the environment variable WDS_{unset[0]} "
+                            f"(webdataset's URL expansion), which is not set: export WDS_{unset[0]}=..., or write "
+                            "the path out")
+        expanded.extend(wds.shardlists.expand_urls(url))
+    return expanded
+
+
+def check_shell_variables(url: str) -> None:
+    """A ``pipe:`` command's ``${VAR}`` must be set for its shell: in this environment (which the command
+    inherits) or by the command itself (``VAR=...``); an unset one would expand to nothing (``cat /train-000000.tar``
+    then fails far from the cause)."""
+    command = url[len(PIPE):]
+    for name in _VARIABLE.findall(command):
+        if name not in os.environ and not re.search(rf"(^|[\s;&|(]){name}=", command):
+            raise DataError(f"{url}: the pipe: command uses ${{{name}}}, which is not set in this environment (the "
+                            f"command's shell inherits it): export {name}=... before the run, or write the value out")
 
 
 class ShardDataset(IterableDataset):
@@ -254,6 +285,9 @@ class ShardDataset(IterableDataset):
             samples = open_shard(url, self.manifest.shards[shard], verify=self.verify, network=self.network)
         except RemoteError:  # the server or the network: not the shard's bytes
             raise
+        except FileNotFoundError as exc:  # an OSError, but no bytes to call corrupt
+            self._missing(url, exc)
+            return
         except _CORRUPT as exc:
             self._corrupt(url, _reason(exc))
             return
@@ -263,6 +297,9 @@ class ShardDataset(IterableDataset):
                 sample = next(samples)
             except StopIteration:
                 break
+            except FileNotFoundError as exc:  # verify=False: the file is opened by the first read
+                self._missing(url, exc)
+                return
             except _CORRUPT as exc:
                 self._corrupt(url, _reason(exc))
                 return
@@ -274,6 +311,16 @@ class ShardDataset(IterableDataset):
             yield sample
         if n != expected:
             self._corrupt(url, f"holds {n} samples, the manifest says {expected} (truncated?)")
+
+    def _missing(self, url: str, exc: FileNotFoundError) -> None:
+        """A shard the manifest lists that is not on disk: skipped and counted under ``skip_corrupt`` (as an
+        unreadable one), else a :class:`DataError` naming it."""
+        path = exc.filename or url
+        if self.skip_corrupt:
+            self.skipped.append(url)
+            warnings.warn(f"skipping missing shard {path} (listed in the manifest)", stacklevel=3)
+            return
+        raise DataError(f"missing shard {path} (listed in the manifest): restore it, or rebuild the split")
 
     def _corrupt(self, url: str, why: str) -> None:
         if self.skip_corrupt:
