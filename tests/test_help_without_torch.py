@@ -38,7 +38,7 @@ RESEARCH = {"study": "patchplace.research.study", "controls": "patchplace.resear
             "benchmark": "patchplace.research.benchmark"}
 MODULES = {"recipes": "patchplace.research.recipes", "emulated_bf16": "patchplace.research.emulated_bf16",
            "convert": "patchplace.models.convert"}
-# the dataset recipes (python data/<recipe>.py): their options parse in patchplace.pipelines.datasets.cli
+# the dataset recipes (python data/<recipe>.py): their options parse in patchplace.pipelines.datasets
 RECIPES = sorted(p.stem for p in (ROOT / "data").glob("*.py"))
 
 
@@ -169,7 +169,7 @@ def test_recipe_output_options_match_the_writers():
     import argparse
 
     from patchplace.data import recipes
-    from patchplace.pipelines.datasets import cli
+    from patchplace.pipelines import datasets
 
     def options(add) -> list[tuple]:
         parser = argparse.ArgumentParser()
@@ -177,7 +177,7 @@ def test_recipe_output_options_match_the_writers():
         return [(a.option_strings, a.dest, a.default, a.help, a.type.__name__ if a.type else None)
                 for a in parser._actions if a.dest != "help"]
 
-    assert options(cli.add_output_args) == [(*o[:4], o[4].lstrip("_")) for o in options(recipes.add_output_args)]
+    assert options(datasets.add_output_args) == [(*o[:4], o[4].lstrip("_")) for o in options(recipes.add_output_args)]
 
 
 @pytest.mark.parametrize("command", ["demo", *RESEARCH])

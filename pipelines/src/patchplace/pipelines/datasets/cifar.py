@@ -19,7 +19,7 @@ import numpy as np
 
 from patchplace.data import DataError, Manifest
 from patchplace.data.recipes import indexed_records, run_cli, write_image_splits
-from patchplace.pipelines.datasets import cli
+from patchplace.pipelines.datasets import parse
 
 RECIPE_VERSION = 1
 LAYOUTS = {  # variant -> (train files, test files, meta file, label-name key)
@@ -103,8 +103,8 @@ def build(src: Path, out: Path, labels: str = "fine", max_count: int = 10_000, m
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python data/cifar.py``: the options of :func:`patchplace.pipelines.datasets.cli.cifar`."""
-    return run(cli.parse("cifar", argv))
+    """``python data/cifar.py``: the options of :func:`patchplace.pipelines.datasets.cifar_parser`."""
+    return run(parse("cifar", argv))
 
 
 def run(args: argparse.Namespace) -> int:

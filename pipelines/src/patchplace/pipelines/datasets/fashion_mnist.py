@@ -19,10 +19,10 @@ import numpy as np
 
 from patchplace.data import DataError, Manifest
 from patchplace.data.recipes import indexed_records, run_cli, write_image_splits
-from patchplace.pipelines.datasets import cli
+from patchplace.pipelines.datasets import FASHION_MNIST_SRC, parse
 
 RECIPE_VERSION = 1
-DEFAULT_SRC = cli.FASHION_MNIST_SRC
+DEFAULT_SRC = FASHION_MNIST_SRC
 CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
            "Ankle boot")
 FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -75,8 +75,8 @@ def build(src: Path = DEFAULT_SRC, out: Path = Path("shards/fashion_mnist"), max
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python data/fashion_mnist.py``: the options of :func:`patchplace.pipelines.datasets.cli.fashion_mnist`."""
-    return run(cli.parse("fashion_mnist", argv))
+    """``python data/fashion_mnist.py``: the options of :func:`patchplace.pipelines.datasets.fashion_mnist_parser`."""
+    return run(parse("fashion_mnist", argv))
 
 
 def run(args: argparse.Namespace) -> int:

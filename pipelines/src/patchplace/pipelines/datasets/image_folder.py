@@ -34,7 +34,7 @@ from patchplace.data import ChannelStats, DataError, Manifest
 from patchplace.data.manifest import class_list
 from patchplace.data.parallel import write_planned_split
 from patchplace.data.recipes import run_cli
-from patchplace.pipelines.datasets import cli
+from patchplace.pipelines.datasets import parse
 
 RECIPE_VERSION = 2  # 2: samples shuffled (--seed) before sharding; 1: class order
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm"}
@@ -226,8 +226,8 @@ def build(src: Path, out: Path, splits: tuple[str, ...] = ("train", "val"), data
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python data/image_folder.py``: the options of :func:`patchplace.pipelines.datasets.cli.image_folder`."""
-    return run(cli.parse("image_folder", argv))
+    """``python data/image_folder.py``: the options of :func:`patchplace.pipelines.datasets.image_folder_parser`."""
+    return run(parse("image_folder", argv))
 
 
 def run(args: argparse.Namespace) -> int:

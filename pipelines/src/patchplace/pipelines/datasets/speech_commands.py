@@ -57,7 +57,7 @@ from patchplace.data.kws import (
 from patchplace.data.manifest import Manifest
 from patchplace.data.recipes import run_cli
 from patchplace.data.writer import SplitWriter
-from patchplace.pipelines.datasets import cli
+from patchplace.pipelines.datasets import SPEECH_COMMANDS_OUT, parse
 
 RECIPE = "speech_commands"
 # 2: clips padded / cut to 1 s at write (1 left short clips short), --split-lists
@@ -71,7 +71,7 @@ TC_RESNET_LISTS = {"training": "train.txt", "validation": "valid.txt", "testing"
 SPLIT_DIRS = {"training": "train", "validation": "validation", "testing": "test"}
 BACKGROUND_SPLIT = "background_noise"
 SYNTH_HINT = "run python data/spoken_keywords.py first, or pass --src to a Speech Commands folder"
-DEFAULT_OUT = cli.SPEECH_COMMANDS_OUT
+DEFAULT_OUT = SPEECH_COMMANDS_OUT
 
 
 @dataclass(frozen=True)
@@ -344,8 +344,9 @@ def clip_wave(src: Path, clip: Clip, noise: list[tuple[str, np.ndarray]]) -> np.
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python data/speech_commands.py``: the options of :func:`patchplace.pipelines.datasets.cli.speech_commands`."""
-    return run(cli.parse("speech_commands", argv))
+    """``python data/speech_commands.py``: the options of
+    :func:`patchplace.pipelines.datasets.speech_commands_parser`."""
+    return run(parse("speech_commands", argv))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,7 +49,7 @@ from patchplace.data.kws import (
     speaker_id,
     which_set,
 )
-from patchplace.pipelines.datasets import cli
+from patchplace.pipelines.datasets import parse
 
 RECIPE = "spoken_keywords"
 RECIPE_VERSION = 1
@@ -380,8 +380,9 @@ Shards: python data/speech_commands.py --src <this folder> --out shards/spoken_k
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python data/spoken_keywords.py``: the options of :func:`patchplace.pipelines.datasets.cli.spoken_keywords`."""
-    return run(cli.parse("spoken_keywords", argv))
+    """``python data/spoken_keywords.py``: the options of
+    :func:`patchplace.pipelines.datasets.spoken_keywords_parser`."""
+    return run(parse("spoken_keywords", argv))
 
 
 def run(args: argparse.Namespace) -> int:
