@@ -41,7 +41,6 @@ from typing import Any
 import numpy as np
 import torch
 import webdataset as wds
-from braceexpand import braceexpand  # webdataset's own brace expansion (a dependency of it)
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .codecs import decode_image_bytes, decode_wav
@@ -68,7 +67,9 @@ def expand_urls(urls: str | list[str]) -> list[str]:
     for url in urls.split("::"):
         if url.startswith(PIPE):
             check_shell_variables(url)
-            expanded.extend(braceexpand(url))  # ``${VAR}`` has no comma or ``..``: kept as it is
+            # each ${VAR} hidden from webdataset's envsubst (as \0VAR\0: no brace, nothing to expand), then put back
+            hidden = wds.shardlists.expand_urls(_VARIABLE.sub(lambda m: f"\0{m.group(1)}\0", url))
+            expanded.extend(re.sub(r"\0(\w+)\0", r"${\1}", u) for u in hidden)
             continue
         if unset := [name for name in _VARIABLE.findall(url) if f"WDS_{name}" not in os.environ]:
             raise DataError(f"{url}: ${{{unset[0]}}} is read from the environment variable WDS_{unset[0]} "
