@@ -23,10 +23,14 @@ at the same bilinear interpolation PyTorch's batched sampler does 198k images/s,
 default here; 79k images/s), needs no new dependency and runs the same code on CUDA. All of them are far above
 what training consumes (~250-450 samples/s for the study ViT); timm's per-sample PIL transform does ~8k.
 
-Differences from the PIL path, none of which moves the statistics tested in ``tests/test_batched.py``: PyTorch's
-bicubic kernel is a = -0.75 (PIL's a = -0.5); samples near a crop's edge read the image's real neighbours (PIL
-crops first, then clamps to the crop's edge). RandAugment / color jitter run on PIL images only: configs that ask
-for them stream (``data.in_memory=auto``) or fail (``data.in_memory=true``).
+Differences of the training crop from the PIL path, none of which moves the statistics tested in
+``tests/test_batched.py``: PyTorch's bicubic kernel is a = -0.75 (PIL's a = -0.5) and neither of its kernels widens
+when a crop shrinks (PIL's antialiases); samples near a crop's edge read the image's real neighbours (PIL crops
+first, then clamps to the crop's edge). Its interpolations are grid_sample's (``bicubic``, ``bilinear``,
+``nearest``; PIL's ``box`` / ``hamming`` / ``lanczos`` crops stream). The evaluation resize is PIL's bit for bit
+(:func:`pil_resize`: Pillow's fixed-point coefficients, two passes rounded to uint8 as ``libImaging/Resample.c``),
+for every interpolation timm names. RandAugment / color jitter run on PIL images only: configs that ask for them
+stream (``data.in_memory=auto``) or fail (``data.in_memory=true``).
 
 Audio (``BatchedAudioAugment``): fix to the clip length (random offset when training, centered for evaluation),
 zero-filled time shift, background-noise mixing and clamp, exactly :class:`AudioAugment`'s recipe; MFCC follows
@@ -35,11 +39,13 @@ on the same device (the pipelines' frontend).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
 
 import numpy as np
+import PIL
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +59,7 @@ from .transforms import ImageTransformConfig, check_native_size, image_transform
 CROP_STREAM, FLIP_STREAM, ERASE_STREAM, CLIP_STREAM, SHIFT_STREAM, NOISE_STREAM = range(1, 7)
 ATTEMPTS = 10  # timm's RandomResizedCrop / RandomErasing tries per sample
 ERASE_AREA, ERASE_ASPECT = (0.02, 1 / 3), 0.3  # timm RandomErasing defaults (create_transform passes none)
+CROP_INTERPOLATIONS = ("bicubic", "bilinear", "nearest")  # grid_sample's modes: the training crop's
 
 
 def _randint(u: torch.Tensor, low: torch.Tensor | int, high: torch.Tensor | int) -> torch.Tensor:
@@ -116,6 +123,122 @@ def _box_mask(top: torch.Tensor, left: torch.Tensor, h: torch.Tensor, w: torch.T
     return (inside_rows[:, :, None] & inside_cols[:, None, :])[:, None]
 
 
+# ---------------------------------------------------------------------------------------------- PIL's resize, exactly
+PRECISION_BITS = 32 - 8 - 2  # Pillow's fixed-point coefficients for 8-bit images (libImaging/Resample.c)
+HAMMING_A, HAMMING_B = (float(np.float32(v)) for v in (0.54, 0.46))  # Pillow's constants are C floats (0.54f)
+# Pillow >= 13 resamples vertically first when the height shrinks by more than twice the width's loss
+# (ImagingResampleInner's horizontal_first); before, always horizontally first. The two orders round differently.
+PIL_VERTICAL_FIRST = int(PIL.__version__.split(".")[0]) >= 13
+
+
+def _box(x: float) -> float:
+    return 1.0 if -0.5 < x <= 0.5 else 0.0
+
+
+def _triangle(x: float) -> float:
+    x = -x if x < 0.0 else x
+    return 1.0 - x if x < 1.0 else 0.0
+
+
+def _hamming(x: float) -> float:
+    x = -x if x < 0.0 else x
+    if x == 0.0:
+        return 1.0
+    if x >= 1.0:
+        return 0.0
+    x = x * math.pi
+    return math.sin(x) / x * (HAMMING_A + HAMMING_B * math.cos(x))
+
+
+def _cubic(x: float, a: float = -0.5) -> float:
+    x = -x if x < 0.0 else x
+    if x < 1.0:
+        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    if x < 2.0:
+        return (((x - 5) * x + 8) * x - 4) * a
+    return 0.0
+
+
+def _sinc(x: float) -> float:
+    if x == 0.0:
+        return 1.0
+    x = x * math.pi
+    return math.sin(x) / x
+
+
+def _lanczos(x: float) -> float:
+    return _sinc(x) * _sinc(x / 3) if -3.0 <= x < 3.0 else 0.0
+
+
+# Pillow's resampling filters and their supports (Resample.c: BOX, BILINEAR, HAMMING, BICUBIC a = -0.5, LANCZOS 3)
+PIL_FILTERS = {"box": (_box, 0.5), "bilinear": (_triangle, 1.0), "hamming": (_hamming, 1.0), "bicubic": (_cubic, 2.0),
+               "lanczos": (_lanczos, 3.0)}
+PIL_INTERPOLATIONS = (*PIL_FILTERS, "nearest")
+
+
+@functools.lru_cache(maxsize=64)
+def pil_resize_matrix(in_size: int, out_size: int, interpolation: str, device: str = "cpu") -> torch.Tensor:
+    """(out_size, in_size) float64 coefficients of one axis of PIL's ``Image.resize`` with a filter: Pillow's
+    ``precompute_coeffs`` (window, normalization) and ``normalize_coeffs_8bpc`` (rounded to ``PRECISION_BITS``),
+    integers, computed in Python's doubles in Pillow's order so that they are Pillow's."""
+    kernel, support = PIL_FILTERS[interpolation]
+    scale = in_size / out_size
+    filterscale = max(scale, 1.0)
+    support, inverse = support * filterscale, 1.0 / filterscale
+    weights = torch.zeros(out_size, in_size, dtype=torch.float64)
+    for x in range(out_size):
+        center = (x + 0.5) * scale
+        low, high = max(int(center - support + 0.5), 0), min(int(center + support + 0.5), in_size)
+        k = [kernel((i - center + 0.5) * inverse) for i in range(low, high)]
+        total = 0.0
+        for w in k:  # summed in order, as Pillow
+            total += w
+        for i, w in zip(range(low, high), k, strict=True):
+            w = w / total if total != 0.0 else w
+            weights[x, i] = int(-0.5 + w * (1 << PRECISION_BITS)) if w < 0 else int(0.5 + w * (1 << PRECISION_BITS))
+    return weights.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def pil_nearest_index(in_size: int, out_size: int, device: str = "cpu") -> torch.Tensor:
+    """(out_size,) int64 source pixels of PIL's ``Image.resize(NEAREST)`` along one axis: Pillow's scaling transform
+    (``ImagingScaleAffine``) accumulates the centre ``(x + 0.5) * scale`` step by step and truncates it."""
+    scale, index = in_size / out_size, []
+    position = 0.0 + scale * 0.5
+    for _ in range(out_size):
+        index.append(int(position))
+        position += scale
+    return torch.tensor(index, dtype=torch.int64, device=device)
+
+
+def _pil_pass(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One pass of PIL's resampling over the last axis of uint8-valued float64 ``x``: the sums of integers are exact
+    in float64 (below 2**53), then Pillow's rounding (``+ 2**21``, shift right, clip to uint8)."""
+    out = x @ weights.T
+    return torch.floor((out + (1 << (PRECISION_BITS - 1))) / (1 << PRECISION_BITS)).clamp_(0, 255)
+
+
+def pil_resize(x: torch.Tensor, size: tuple[int, int], interpolation: str) -> torch.Tensor:
+    """uint8-valued ``(..., H, W)`` images -> ``(..., h, w)`` float32, bit for bit PIL's ``Image.resize((w, h),
+    interpolation)`` of each (the resize of torchvision's ``Resize`` on a PIL image, timm's eval transform) with
+    the installed Pillow: for a filter, Pillow's two fixed-point passes in its order, each rounded to uint8 and
+    skipped when that side does not change; ``nearest``, Pillow's source pixels."""
+    if interpolation not in PIL_INTERPOLATIONS:
+        raise DataError(f"interpolation must be one of {', '.join(PIL_INTERPOLATIONS)}, got {interpolation!r}")
+    (height, width), device = x.shape[-2:], str(x.device)
+    if interpolation == "nearest":
+        x = x.index_select(-1, pil_nearest_index(width, size[1], device)) if width != size[1] else x
+        return (x.index_select(-2, pil_nearest_index(height, size[0], device)) if height != size[0] else x).float()
+    y = x.to(torch.float64)
+    vertical_first = PIL_VERTICAL_FIRST and height - size[0] > 0 and height - size[0] > 2 * (width - size[1])
+    for axis in ((-2, -1) if vertical_first else (-1, -2)):
+        before, after = (height, size[0]) if axis == -2 else (width, size[1])
+        if before != after:
+            y = _pil_pass(y.transpose(axis, -1), pil_resize_matrix(before, after, interpolation, device))
+            y = y.transpose(axis, -1)
+    return y.to(torch.float32)
+
+
 class BatchedImageAugment:
     """uint8 ``(B, C, H, W)`` images on any device -> normalized float32 ``(B, C, size, size)``; the batched
     counterpart of :class:`~patchplace.data.transforms.ImageTransform` with the same config and sizes."""
@@ -128,8 +251,9 @@ class BatchedImageAugment:
         if train and (cfg.ijepa_extras() or (cfg.re_prob and (cfg.re_mode, cfg.re_count) != ("const", 1))):
             raise DataError("color_distortion / grayscale / gaussian_blur and random erasing other than one const box "
                             "run per sample (timm, I-JEPA): stream this split (data.in_memory=false) or drop them")
-        if cfg.interpolation not in ("bicubic", "bilinear", "nearest"):
-            raise DataError(f"interpolation must be bicubic, bilinear or nearest, got {cfg.interpolation!r}")
+        if train and cfg.interpolation not in CROP_INTERPOLATIONS:
+            raise DataError(f"the batched crop resamples by grid_sample ({', '.join(CROP_INTERPOLATIONS)}), not "
+                            f"{cfg.interpolation!r}: stream this split (data.in_memory=false)")
         native = manifest.info.get("image_size")
         if not native:
             raise DataError(f"{manifest.dataset} images vary in size: they cannot be batched in memory")
@@ -190,7 +314,8 @@ class BatchedImageAugment:
         return out.round_().clamp_(0, 255)  # PIL resizes uint8 images to uint8
 
     def _resize(self, x: torch.Tensor) -> torch.Tensor:
-        """timm's eval transform: shorter side to size / crop_pct, then the central size x size crop."""
+        """timm's eval transform: shorter side to size / crop_pct (PIL's resize, bit for bit), then the central
+        size x size crop."""
         scale_size = math.floor(self.size / self.cfg.crop_pct)
         h, w = x.shape[-2:]
         if (h, w) != (self.size, self.size) or scale_size != self.size:
@@ -198,10 +323,7 @@ class BatchedImageAugment:
             new_long = int(scale_size * long / short)
             new = (scale_size, new_long) if h <= w else (new_long, scale_size)
             if new != (h, w):
-                x = F.interpolate(x, size=new, mode=self.cfg.interpolation,
-                                  antialias=self.cfg.interpolation != "nearest",
-                                  align_corners=False if self.cfg.interpolation != "nearest" else None)
-                x = x.round_().clamp_(0, 255)
+                x = pil_resize(x, new, self.cfg.interpolation)
             top, left = round((new[0] - self.size) / 2), round((new[1] - self.size) / 2)
             x = x[..., top:top + self.size, left:left + self.size]
         return x

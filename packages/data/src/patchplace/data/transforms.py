@@ -4,8 +4,9 @@ Images arrive as uint8 ``(C, H, W)`` tensors of the manifest's ``image_size`` (a
 cropped to fit: the reader checks each decoded image, the transform again). ``pad_to`` zero-pads them (centered)
 first — e.g. Fashion-MNIST 28 -> 32 so patch 4 gives the 8 x 8 grid of the MP3 CIFAR setting — then timm's
 ``create_transform`` does the crop / flip / (optional RandAugment, random erasing) / normalize with the manifest's
-mean and std (``img_size`` / ``crop_pct`` resize and crop as configured). I-JEPA's colour distortion, grayscale
-and Gaussian blur (:func:`ijepa_extras`), when asked for, run between timm's colour stage and ToTensor.
+mean and std (``img_size`` / ``crop_pct`` resize and crop as configured, with ``interpolation``). I-JEPA's colour
+distortion, grayscale and Gaussian blur (:func:`ijepa_extras`), when asked for, run between timm's colour stage and
+ToTensor.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from .errors import DataError
 from .manifest import Manifest
 
 RE_MODES = ("const", "rand", "pixel")  # timm RandomErasing modes
+# timm's (PIL's) interpolations of the crop and the evaluation resize ("random", timm's per-image pick of bilinear
+# or bicubic for the training crop, is left out: one interpolation for training, evaluation and the export)
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "box", "hamming", "lanczos")
 
 
 @dataclass
@@ -42,7 +46,7 @@ class ImageTransformConfig:
     re_prob: float = 0.0  # random erasing probability
     re_mode: str = "const"  # timm RandomErasing fill: const (zeros) | rand (per channel) | pixel (per pixel)
     re_count: int = 1  # timm RandomErasing max_count: up to this many boxes per image
-    interpolation: str = "bicubic"
+    interpolation: str = "bicubic"  # crop and eval resize (timm's default; torchvision's and I-JEPA's: bilinear)
     crop_pct: float = 1.0  # eval: resize to img_size / crop_pct, then center crop
     # I-JEPA's extras after timm's crop / flip / RandAugment, before ToTensor (their order in I-JEPA's make_transforms)
     color_distortion: float = 0.0  # strength s: RandomApply(ColorJitter(.8s, .8s, .8s, .2s), p=0.8) (SimCLR, I-JEPA)
@@ -59,6 +63,8 @@ class ImageTransformConfig:
                 raise DataError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 < self.crop_pct <= 1:
             raise DataError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise DataError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {self.interpolation!r}")
         if self.re_mode not in RE_MODES or self.re_count < 1:
             raise DataError(f"re_mode must be one of {', '.join(RE_MODES)} and re_count >= 1, got {self.re_mode!r} "
                             f"and {self.re_count}")
