@@ -164,22 +164,6 @@ def test_recipe_usage_error_is_one_line_without_torch(recipe, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_recipe_output_options_match_the_writers():
-    """The recipes' --out / --max-count / --max-size (parsed torch-free) are patchplace.data.recipes'."""
-    import argparse
-
-    from patchplace.data import recipes
-    from patchplace.pipelines import datasets
-
-    def options(add) -> list[tuple]:
-        parser = argparse.ArgumentParser()
-        add(parser, "shards/x")
-        return [(a.option_strings, a.dest, a.default, a.help, a.type.__name__ if a.type else None)
-                for a in parser._actions if a.dest != "help"]
-
-    assert options(datasets.add_output_args) == [(*o[:4], o[4].lstrip("_")) for o in options(recipes.add_output_args)]
-
-
 @pytest.mark.parametrize("command", ["demo", *RESEARCH])
 def test_module_answers_as_its_script(command):
     """``python -m <module>`` prints the --help of ``python pipelines/<command>.py``, byte for byte."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -13,30 +12,10 @@ from tqdm import tqdm
 
 from .errors import DataError
 from .manifest import Manifest
-from .remote import refuse_url
 from .writer import SplitWriter
 
 # (key, label, uint8 image HxW[xC], original encoded bytes or None to store PNG)
 ImageRecord = tuple[str, int, np.ndarray, bytes | None]
-
-
-def add_output_args(parser: argparse.ArgumentParser, default_out: str) -> None:
-    """``--out``, ``--max-count`` and ``--max-size`` (shard limits), shared by every recipe."""
-    parser.add_argument("--out", type=_local_dir, default=Path(default_out),
-                        help="output directory; each split goes to OUT/<split>/ (default: %(default)s)")
-    parser.add_argument("--max-count", type=int, default=10_000,
-                        help="max samples per shard (default: %(default)s)")
-    parser.add_argument("--max-size", type=float, default=256e6,
-                        help="max bytes per shard (default: %(default).0f)")
-
-
-def _local_dir(value: str) -> Path:
-    """``--out``: a local directory; a URL (``s3://...``) is refused in one line (write locally, then upload)."""
-    try:
-        refuse_url(value)
-    except DataError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return Path(value)
 
 
 def indexed_records(images: np.ndarray, labels: np.ndarray) -> Iterator[ImageRecord]:

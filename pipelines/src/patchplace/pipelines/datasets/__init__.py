@@ -46,9 +46,7 @@ def new_parser(recipe: str, **kwargs: object) -> RecipeParser:
 
 
 def add_output_args(parser: argparse.ArgumentParser, default_out: str) -> None:
-    """``--out``, ``--max-count`` and ``--max-size`` (shard limits), shared by every recipe: the options of
-    :func:`patchplace.data.recipes.add_output_args` (held equal by tests/test_help_without_torch.py), here without
-    the writer it imports."""
+    """``--out``, ``--max-count`` and ``--max-size`` (shard limits), shared by every recipe (torch-free)."""
     parser.add_argument("--out", type=local_dir, default=Path(default_out),
                         help="output directory; each split goes to OUT/<split>/ (default: %(default)s)")
     parser.add_argument("--max-count", type=int, default=10_000,

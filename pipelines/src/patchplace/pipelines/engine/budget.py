@@ -96,11 +96,6 @@ def finite_mode(run: RunSection, optimizer: Any, device: torch.device) -> str:
     return run.finite_check
 
 
-def scaling_line(acc: Accelerator, optim: OptimSection, plan: BatchPlan) -> None:
-    """Prints nothing: the peak lr ``optim.lr_scaling`` gives is in :func:`start_line` on any process count (a
-    second line on 1 process would repeat it). The Trainer's call can go, and this with it."""
-
-
 def no_batches(epoch: int) -> DataError:
     """An epoch of data.train without a batch while steps of the budget are left."""
     return DataError(f"epoch {epoch} of data.train yielded 0 batch(es), none left to train on (data.skip_corrupt "

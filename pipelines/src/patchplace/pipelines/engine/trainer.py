@@ -95,7 +95,6 @@ class Trainer:
         # before run.compile: a compiled block traces its checkpoint
         checkpoint_activations(objective, run.activation_checkpointing, accelerator.print)
         compile_objective(objective, run.compile, run.compile_scope, accelerator.print)
-        plans.scaling_line(accelerator, optim, self.plan)
         self.command = command or "the same command"
         self.console = Console(accelerator.is_main_process)
         self.rundir = RunDirectory(accelerator, run, config, Saved(
