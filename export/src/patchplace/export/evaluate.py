@@ -207,10 +207,10 @@ class OnnxModel:
                               f"{self.height}x{self.width} pixels: evaluate it on data of the size it was trained on")
 
     def resize_crop(self, image: torch.Tensor) -> torch.Tensor:
-        """uint8 (C, h, w) -> uint8 (C, H, W) by the recorded evaluation transform: PIL bicubic resize of the short
-        side to ``floor(H / crop_pct)`` (as torchvision's ``Resize(int)`` computes the long side), centre crop as
-        torchvision's ``CenterCrop`` — :mod:`.preprocess`'s numpy reference, the one the docs' ONNX Runtime snippet
-        runs; :meth:`normalize` then gives timm's eval tensor bit for bit."""
+        """uint8 (C, h, w) -> uint8 (C, H, W) by the recorded evaluation transform: PIL resize (its interpolation)
+        of the short side to ``floor(H / crop_pct)`` (as torchvision's ``Resize(int)`` computes the long side),
+        centre crop as torchvision's ``CenterCrop`` — :mod:`.preprocess`'s numpy reference, the one the docs' ONNX
+        Runtime snippet runs; :meth:`normalize` then gives timm's eval tensor bit for bit."""
         from .preprocess import center_crop, resize_short_side
 
         record = self.eval_transform

@@ -206,12 +206,13 @@ def image_preprocessing(backbone: Backbone, metadata: dict[str, Any]) -> dict[st
                       "when": "h, w <= to (larger images are refused, not cropped)"})
     record = eval_transform(backbone, metadata)
     crop_pct = record["crop_pct"] if record["mode"] == "resize_center_crop" else 1.0
+    kernel = recorded_interpolation(metadata)
     # images of any size (resize_center_crop) always go through the resize and the crop (no-ops at the input's
     # size); padded ones only when the checkpoint trained at another side than the padding's
     resize = record["mode"] == "resize_center_crop" or (bool(img_size) and img_size != (pad_to or height))
     if resize:
         short_side = record.get("resize_short_side", math.floor(height / crop_pct))
-        steps += [{"op": "resize", "short_side": short_side, "interpolation": "bicubic", "library": "PIL",
+        steps += [{"op": "resize", "short_side": short_side, "interpolation": kernel, "library": "PIL",
                    "long_side": "int(short_side * long / short) (torchvision Resize(int)); no resize when equal"},
                   {"op": "center_crop", "height": height, "width": width,
                    "placement": "top = int(round((h - height) / 2)), left likewise (torchvision CenterCrop)"}]
@@ -220,8 +221,16 @@ def image_preprocessing(backbone: Backbone, metadata: dict[str, Any]) -> dict[st
                "formula": "(x - mean[c]) / std[c] per channel"}]
     return {"input": "pixels", "layout": "NCHW", "dtype": "float32", "channels": c.in_chans, "height": height,
             "width": width, "steps": steps, "mean": list(norm["mean"]), "std": list(norm["std"]),
-            "pad_to": pad_to, "pad_value": 0, "interpolation": "bicubic" if resize else "none (no resize)",
+            "pad_to": pad_to, "pad_value": 0, "interpolation": kernel if resize else "none (no resize)",
             "crop": f"center, crop_pct {crop_pct}" if resize else "none", "eval_transform": record}
+
+
+def recorded_interpolation(metadata: dict[str, Any]) -> str:
+    """The interpolation of a checkpoint's evaluation resize: ``metadata.interpolation`` (written where it is not
+    bicubic), else its recipe's ``data.interpolation``, else bicubic (timm's default, every checkpoint before the
+    field)."""
+    recipe_data = ((metadata.get("recipe") or {}).get("data") or {}) if isinstance(metadata.get("recipe"), dict) else {}
+    return str(metadata.get("interpolation") or recipe_data.get("interpolation") or "bicubic")
 
 
 def recorded_crop_pct(metadata: dict[str, Any]) -> tuple[float, str]:
@@ -239,9 +248,10 @@ def eval_transform(backbone: Backbone, metadata: dict[str, Any]) -> dict[str, An
     """The checkpoint's evaluation transform of raw images, as ``patchplace.data`` (timm's ``create_transform(
     is_training=False)``) runs it, with every constant the ONNX Runtime evaluator needs to give PyTorch's input
     bit for bit. ``mode`` ``pad``: zero-pad (centered) to ``pad_to`` (larger images are refused, not cropped);
-    ``resize_center_crop``: PIL bicubic resize of the short side to ``floor(size / crop_pct)`` (torchvision's
-    ``Resize(int)``: the long side ``int(short * long / short_side)``), center crop to ``size`` (top ``int(round((h
-    - size) / 2))``), /255, normalize; ``timm`` holds the keyword arguments of that transform."""
+    ``resize_center_crop``: PIL resize with the recorded interpolation (:func:`recorded_interpolation`) of the
+    short side to ``floor(size / crop_pct)`` (torchvision's ``Resize(int)``: the long side ``int(short * long /
+    short_side)``), center crop to ``size`` (top ``int(round((h - size) / 2))``), /255, normalize; ``timm`` holds
+    the keyword arguments of that transform."""
     c = backbone.config
     height, width = c.image_hw
     norm = metadata.get("normalization") or {"mean": [0.5] * c.in_chans, "std": [0.5] * c.in_chans}
@@ -251,17 +261,18 @@ def eval_transform(backbone: Backbone, metadata: dict[str, Any]) -> dict[str, An
         return {"mode": "pad", "pad_to": int(metadata["pad_to"]), "pad_value": 0, **record,
                 "larger_images": "refused (padding never crops)"}
     crop_pct, source = recorded_crop_pct(metadata)
+    kernel = recorded_interpolation(metadata)
     if height != width or not 0 < crop_pct <= 1:
         return {"mode": "none", **record, "why": f"no resize record for a {height}x{width} input / crop_pct "
                                                  f"{crop_pct} (square inputs, crop_pct in (0, 1] only)"}
     return {"mode": "resize_center_crop", **record, "crop_pct": crop_pct, "crop_pct_source": source,
-            "resize_short_side": math.floor(height / crop_pct), "interpolation": "bicubic",
-            "resize": "PIL Image.resize(BICUBIC) of the short side to resize_short_side, the long side "
+            "resize_short_side": math.floor(height / crop_pct), "interpolation": kernel,
+            "resize": f"PIL Image.resize({kernel.upper()}) of the short side to resize_short_side, the long side "
                       "int(resize_short_side * long / short) (torchvision Resize(int); no resize when equal)",
             "crop": "center: top = int(round((h - size) / 2)), left = int(round((w - size) / 2)) (Python round)",
             "scale": "x / 255 (float32)", "normalize": "(x - mean[c]) / std[c] (float32)",
             "timm": {"is_training": False, "input_size": [c.in_chans, height, width], "crop_pct": crop_pct,
-                     "crop_mode": "center", "interpolation": "bicubic", "mean": [float(v) for v in norm["mean"]],
+                     "crop_mode": "center", "interpolation": kernel, "mean": [float(v) for v in norm["mean"]],
                      "std": [float(v) for v in norm["std"]]}}
 
 
@@ -500,7 +511,8 @@ def first_difference(ours: Any, theirs: Any, path: str) -> tuple[str, Any, Any] 
 
 def consistency_problem(sidecar: dict[str, Any]) -> str:
     """What in an image sidecar contradicts itself: its evaluation transform's ``resize_short_side`` against
-    ``floor(size / crop_pct)``, ``timm.crop_pct``, the resize step and the input size; ``normalization`` and
+    ``floor(size / crop_pct)``, ``timm.crop_pct``, the resize step and the input size, its interpolation against
+    ``timm.interpolation`` and the resize step's; ``normalization`` and
     ``pad_to`` against the preprocessing's. "" when all agree."""
     pre = sidecar.get("preprocessing") or {}
     record = pre.get("eval_transform") or {}
@@ -522,10 +534,17 @@ def consistency_problem(sidecar: dict[str, Any]) -> str:
     if (record.get("timm") or {}).get("crop_pct", crop_pct) != crop_pct:
         return (f"preprocessing.eval_transform.timm.crop_pct is {record['timm']['crop_pct']} but its crop_pct is "
                 f"{crop_pct}")
+    kernel = record.get("interpolation", "bicubic")
+    if (record.get("timm") or {}).get("interpolation", kernel) != kernel:
+        return (f"preprocessing.eval_transform.timm.interpolation is {record['timm']['interpolation']} but its "
+                f"interpolation is {kernel}")
     for step in pre.get("steps") or []:
         if step.get("op") == "resize" and step.get("short_side", step.get("size")) != side:
             return (f"the resize step's short_side is {step.get('short_side', step.get('size'))} but "
                     f"preprocessing.eval_transform.resize_short_side is {side}")
+        if step.get("op") == "resize" and step.get("interpolation", "bicubic") != kernel:
+            return (f"the resize step's interpolation is {step.get('interpolation', 'bicubic')} but "
+                    f"preprocessing.eval_transform.interpolation is {kernel}")
     inputs = sidecar.get("inputs") or [{}]
     if list(inputs[0].get("shape") or [])[1:] != list(record.get("input_size") or []):
         return (f"inputs[0].shape is {inputs[0].get('shape')} but preprocessing.eval_transform.input_size is "

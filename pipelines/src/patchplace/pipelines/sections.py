@@ -34,6 +34,8 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", 
             "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio"}
 HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.train
 ReMode = Literal["const", "rand", "pixel"]  # data.re_mode: timm RandomErasing's fills
+# data.interpolation: patchplace.data.transforms.INTERPOLATIONS (timm's / PIL's kernels), here for a torch-free --help
+Interpolation = Literal["bicubic", "bilinear", "nearest", "box", "hamming", "lanczos"]
 MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
 # what a model.preset names of a backbone (patchplace.models.BackboneConfig fields): its kind and size
 PRESET_SIZE = ("modality", "embed_dim", "depth", "num_heads")
@@ -106,6 +108,12 @@ class DataSection:
     # evaluation splits (data.val, evaluate.py): resize the short side to img_size / crop_pct (bicubic), centre crop
     # img_size, as timm's eval transform (ImageNet: 0.875, DeiT / MAE); < 1 streams data.val
     crop_pct: Annotated[Fraction, Words(note="(ImageNet: 0.875)")] = 1.0
+    # the training crop's and the evaluation resize's kernel (timm's names): bicubic (timm's default, DeiT, MAE,
+    # MJP) | bilinear (torchvision's default: I-JEPA, StoP, VISSL's probes) | nearest | box | hamming | lanczos;
+    # null: bicubic, and in evaluate.py the one the checkpoint recorded (the export uses the recorded one too). In
+    # memory, training crops resample by grid_sample (bicubic, bilinear, nearest; the others stream) and
+    # evaluation resizes are PIL's bit for bit
+    interpolation: Interpolation | None = None
     # repeated augmentation (DeiT, arXiv 2012.12877): each streamed training sample is read this many times,
     # independently augmented, in an epoch of unchanged length (~1 / N of the distinct images; DeiT: 3). Unlike
     # timm's RASampler the copies stay on one rank (the shuffle buffer mixes them); > 1 streams data.train

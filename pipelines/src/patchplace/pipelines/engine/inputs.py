@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from patchplace.data import Manifest, ShardDataset, build_transform
-from patchplace.data.batched import build_batched_transform
+from patchplace.data.batched import CROP_INTERPOLATIONS, build_batched_transform
 from patchplace.data.memory import InMemorySplit, MemoryReader, balanced_subset, decoded_bytes
 from patchplace.data.mfcc import build_frontend
 from patchplace.models import Backbone
@@ -76,6 +76,8 @@ def per_sample_recipe(cfg: DataSection, key: str, augment: bool) -> str | None:
         found.append(f"data.re_mode={cfg.re_mode} data.re_count={cfg.re_count}")
     if augmented and cfg.repeated_aug > 1:
         found.append(f"data.repeated_aug={cfg.repeated_aug}")
+    if augmented and (cfg.interpolation or "bicubic") not in CROP_INTERPOLATIONS:  # the batched crop: grid_sample's
+        found.append(f"data.interpolation={cfg.interpolation}")
     if not augmented and cfg.crop_pct != 1:  # batched resizing is not PIL's bicubic: timm's eval transform streams
         found.append(f"data.crop_pct={cfg.crop_pct}")
     return f"{', '.join(found)} run(s) per sample on the streaming path" if found else None
@@ -96,7 +98,7 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
     normalization = training_statistics(manifest, checkpoint)
-    options, eval_options = transform_options(cfg, manifest)
+    options, eval_options = transform_options(cfg, manifest, interpolation_in_force(cfg, checkpoint, augment))
     rank, world = (accelerator.process_index, accelerator.num_processes) if split_train else (0, 1)
     budget = int(cfg.memory_budget_mb * 2**20)
     readers, path, held, train_labels = {}, {}, None, None
@@ -134,13 +136,16 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
 
 
-def transform_options(cfg: DataSection, manifest: Manifest) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The transform options of data.train and of the unaugmented reads (audio: the noise bank only)."""
+def transform_options(cfg: DataSection, manifest: Manifest, interpolation: str | None = None
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The transform options of data.train and of the unaugmented reads (audio: the noise bank only), resampling
+    with ``interpolation`` (:func:`interpolation_in_force`; None: data.interpolation, else bicubic)."""
     if manifest.modality != "image":
         return {"noise_bank": cfg.noise_split}, {}
     options = dict(pad_to=cfg.pad_to, img_size=cfg.img_size, scale=cfg.scale, hflip=cfg.hflip,
-                   auto_augment=cfg.auto_augment, re_prob=cfg.re_prob, **recipe_options(cfg))
-    return options, dict(pad_to=cfg.pad_to, img_size=cfg.img_size, **eval_recipe_options(cfg))
+                   auto_augment=cfg.auto_augment, re_prob=cfg.re_prob,
+                   **{**recipe_options(cfg), **eval_recipe_options(cfg, interpolation)})
+    return options, dict(pad_to=cfg.pad_to, img_size=cfg.img_size, **eval_recipe_options(cfg, interpolation))
 
 
 def check_streamed(cfg: DataSection, why: str | None, train: bool) -> None:
@@ -225,10 +230,26 @@ def recipe_options(cfg: DataSection) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v != defaults.get(k)}
 
 
-def eval_recipe_options(cfg: DataSection) -> dict[str, Any]:
-    """data.crop_pct (timm's eval resize + centre crop) when it is not 1: unaugmented reads (data.val, evaluation,
-    data.train without augmentation) use it."""
-    return {"crop_pct": cfg.crop_pct} if cfg.crop_pct != 1 else {}
+def eval_recipe_options(cfg: DataSection, interpolation: str | None = None) -> dict[str, Any]:
+    """data.crop_pct (timm's eval resize + centre crop) when it is not 1 and the interpolation (``interpolation``,
+    else data.interpolation) when it is not bicubic: unaugmented reads (data.val, evaluation, data.train without
+    augmentation) use them; the interpolation is the training crop's too."""
+    kernel = interpolation or cfg.interpolation or "bicubic"
+    return {**({"crop_pct": cfg.crop_pct} if cfg.crop_pct != 1 else {}),
+            **({"interpolation": kernel} if kernel != "bicubic" else {})}
+
+
+def interpolation_in_force(cfg: DataSection, checkpoint: str | None, augment: bool) -> str:
+    """data.interpolation when set; else, for a run that does not train (evaluate.py: ``augment`` false), the one
+    ``checkpoint`` recorded (:func:`data_metadata`: its evaluation resized so), bicubic when it records none; else
+    bicubic (timm's default)."""
+    if cfg.interpolation is not None:
+        return cfg.interpolation
+    if augment or not checkpoint:
+        return "bicubic"
+    from patchplace.models.hub import read_config
+
+    return read_config(checkpoint)[1].get("interpolation") or "bicubic"
 
 
 def training_statistics(manifest: Manifest, checkpoint: str | None) -> dict[str, Any] | None:
@@ -296,10 +317,13 @@ def data_metadata(data: Data, cfg: DataSection) -> dict[str, Any]:
     (size and seed: :func:`hold_out` draws the same ones again), so evaluation can refuse the images it trained on."""
     m = data.manifest
     # native_size: the images' size before pad_to (timm's pretrained_cfg reproduces the padding from it); crop_pct
-    # where evaluation resizes and centre-crops (ImageNet's 0.875): the export records it for ONNX Runtime
+    # where evaluation resizes and centre-crops (ImageNet's 0.875) and interpolation where it is not bicubic (its
+    # kernel): the export records them for ONNX Runtime, evaluate.py resizes with the recorded interpolation
     return {"classes": m.classes, "normalization": data.normalization, "modality": m.modality, "pad_to": cfg.pad_to,
             "img_size": cfg.img_size, "native_size": m.info.get("image_size") if m.modality == "image" else None,
             **({"crop_pct": cfg.crop_pct} if cfg.crop_pct != 1.0 else {}),
+            **({"interpolation": cfg.interpolation} if m.modality == "image" and cfg.interpolation not in (
+                None, "bicubic") else {}),
             **({"frontend": cfg.frontend} if m.modality == "audio" else {}),
             "data": {"dataset": m.dataset, "split": m.split, "fingerprint": m.fingerprint(),
                      "holdout": {"size": cfg.holdout, "seed": cfg.holdout_seed}}}
