@@ -74,6 +74,11 @@ class MJPConfig(ObjectiveConfig):
       (see :meth:`MJP.dal_weight_at`), per epoch as the official code: training ``progress`` is cut into
       ``schedule_epochs`` (300, the official recipe) equal epochs of the schedule.
     * ``label_smoothing`` 0.1: the DeiT recipe the paper follows (supp. Table 7; official ``LABEL_SMOOTHING``).
+    * ``decay_pos_embed``: weight decay on the learned PE table and ``E_unk`` (the class token stays exempt). The
+      official code decays them: its PE is one ``nn.Embedding`` of the patch, class-token and unknown rows
+      (``models/vit_timm.py``), whose ``pos_embed.weight`` its ``no_weight_decay()`` set ``{'pos_embed',
+      'cls_token', 'dist_token'}`` does not name (``optimizer.py`` ``set_weight_decay`` matches names exactly);
+      ``train.sh`` passes ``--decay-posemb``. False (the default) keeps the project's rule: no PE is decayed.
     """
 
     ratio: float = 0.03  # gamma: fraction of patches jigsawed (Alg. 1)
@@ -87,6 +92,7 @@ class MJPConfig(ObjectiveConfig):
     dal_schedule: str = "constant"  # constant | official (warm-up + cosine 0.01 -> 0.005)
     schedule_epochs: int = 300  # epochs the official DAL schedule is cut into
     label_smoothing: float = 0.1  # DeiT recipe
+    decay_pos_embed: bool = False  # weight decay on the PE table and E_unk (official code: decayed)
 
     def validate(self, named: Callable[[str], str] = str) -> MJPConfig:
         check_ratio(named("ratio"), self.ratio)
@@ -112,6 +118,8 @@ class MJPConfig(ObjectiveConfig):
             raise ObjectiveError(f"{epochs} must be an integer with round({named('warmup_fraction')} * {epochs}) "
                                  f"< {epochs}, got {self.schedule_epochs!r}")
         check_ratio(named("label_smoothing"), self.label_smoothing)
+        if not isinstance(self.decay_pos_embed, bool):
+            raise ObjectiveError(f"{named('decay_pos_embed')} must be true or false, got {self.decay_pos_embed!r}")
         return self
 
 
@@ -346,6 +354,14 @@ class MJP(BackboneObjective):
         self.dal = DALRegressor(backbone.embed_dim, c.dal)
         # DAL's regression targets (Eq. 2): a constant table, moved with the model, not rebuilt per step
         self.register_buffer("dal_coords", grid_coords(tuple(backbone.grid)).float(), persistent=False)
+
+    def no_weight_decay(self) -> set[str]:
+        """The objective's no-decay set, without the PE table and ``E_unk`` under ``decay_pos_embed`` (the official
+        code's groups: see :class:`MJPConfig`)."""
+        names = super().no_weight_decay()
+        if self.config.decay_pos_embed:
+            names -= {"backbone.pos_table", "backbone.unknown_pos_embed"}
+        return names
 
     # ------------------------------------------------------------------ schedules
     @staticmethod
