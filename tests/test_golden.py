@@ -376,10 +376,11 @@ ADDED_CONFIG = {
     "run": {"model_ema": None, "log_with": [], "log_project": "patchplace", "compile_scope": "blocks",
             "activation_checkpointing": False},
     "finetune": {"pos_embed_init": "random"},
-    "objective": {"context_keep": None},
+    "objective": {"context_keep": None, "decay_pos_embed": False},
     "data": {"drop_last": True, "re_mode": "const", "re_count": 1, "crop_pct": 1.0, "repeated_aug": 1, "grayscale": 0.0,
              "gaussian_blur": 0.0, "color_jitter": 0.0, "mixup": 0.0, "cutmix": 0.0, "mixup_prob": 1.0,
-             "mixup_switch_prob": 0.5, "shard_deadline": 600.0, "frontend": "tf_speech_commands"},
+             "mixup_switch_prob": 0.5, "shard_deadline": 600.0, "frontend": "tf_speech_commands",
+             "interpolation": None},
 }
 
 
