@@ -402,7 +402,7 @@ class RunSection:
     # recompute every Transformer block's activations (the backbone's, the decoders' / predictors') in the backward
     # instead of keeping them (torch.utils.checkpoint, non-reentrant: dropout / drop path replayed, the same loss and
     # gradients): the memory of ViT-L / ViT-H at a larger batch, for about one more forward of the blocks per step
-    # (results/benchmark.md, activation_memory suite)
+    # (results/benchmark_activation_memory.md)
     activation_checkpointing: bool = False
     # when a non-finite loss is looked for: step (every step, a host sync: the run stops before the step reaches the
     # weights) | lazy (no per-step sync, a GPU knob: the flags stay on the device, a bad step's update is skipped

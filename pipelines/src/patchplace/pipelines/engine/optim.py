@@ -14,7 +14,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
 from patchplace.finetune import build_optimizer
-from patchplace.models.backbone import Block, set_grad_checkpointing
+from patchplace.models.backbone import Block, CheckpointedBlock, set_grad_checkpointing
 from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.schedules import lr_factor, warmup_length, weight_decay_schedule
 from patchplace.pipelines.sections import OptimSection
@@ -61,10 +61,13 @@ def compile_objective(model: nn.Module, mode: str, scope: str = "blocks",
 def checkpoint_activations(model: nn.Module, enable: bool, say: Callable[[str], None] | None = None) -> int:
     """``run.activation_checkpointing``: every Transformer block of ``model`` (backbone, decoders, predictors)
     recomputes its activations in the backward (:func:`patchplace.models.backbone.set_grad_checkpointing`); returns
-    how many blocks it switched on (``say``: a line naming them)."""
+    how many of them train (``say``: a line naming them; a frozen block, e.g. I-JEPA's EMA target encoder's, runs
+    without autograd and recomputes nothing)."""
     if not enable:
         return 0
-    count = set_grad_checkpointing(model, True)
+    set_grad_checkpointing(model, True)
+    blocks = [m for m in model.modules() if isinstance(m, CheckpointedBlock)]
+    count = sum(any(p.requires_grad for p in block.parameters()) for block in blocks)
     if say is not None:
         say(f"run.activation_checkpointing: {count} Transformer blocks recompute their activations in the backward")
     return count
