@@ -71,6 +71,10 @@ for ``all`` and ``gpu``, ``runs/benchmark`` otherwise. Suites:
               (saved-tensor hooks, GPU autocast dtypes) of MP3 at --mp3-etas vs the supervised step, ViT-B/16 at
               224 px (--preset), with each attention kernel (--kernels sdpa math). Writes
               <out>/benchmark_saved_bytes.{json,md}. About a minute on a CPU.
+  activation_memory  run.activation_checkpointing on any machine: per image method (--methods) at ViT-B and
+              ViT-L widths (--memory-widths), --memory-depth 4 blocks, --memory-batch 8 images of 224 px, the tensor
+              bytes a step holds for its backward and its peak of live tensor bytes, without and with every block
+              recomputing its activations (fp32; --amp bf16). Writes <out>/benchmark_activation_memory.{json,md}.
   ddp         pretrain.py on 1 process vs 2 (gloo, the README's accelerate command, global batch 128 split
               between them, cores split too) for --methods (supervised mp3 mjp), and the step-time cost of DDP's
               find_unused_parameters (2 processes, off vs on; MJP with its jigsaw on every step so that it can run
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out.mkdir(parents=True, exist_ok=True)
     own_file = ("mp3_table2", "gpu", "ddp", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence",
-                "profile")  # suites with a file of their own
+                "profile", "activation_memory")  # suites with a file of their own
     stem = f"benchmark_{args.suite}" if args.suite in own_file else "benchmark"
     if args.update and args.suite != "all" and (args.suite not in own_file or args.suite in ("speed", "cpu_speed")):
         rows, meta = updated(out / f"{stem}.json", rows, meta)

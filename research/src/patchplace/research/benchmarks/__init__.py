@@ -11,6 +11,8 @@
     onnx.py       onnx: PyTorch eager vs ONNX Runtime inference
     pipelines.py  pipelines (end-to-end pretrain.py per data path against the pure step), ddp (1 vs 2 processes),
                   anchor (finetune.py vs a plain timm loop): the suites that run the entry points
+    activation_memory.py  activation_memory: run.activation_checkpointing's memory per method (held for the
+                  backward, peak), ViT-B / ViT-L widths
     mp3.py        mp3_table2 (MP3 Table 2 on a GPU, both attention kernels), saved_bytes (its memory column on
                   any machine) and the paper's ratios
     gpu.py        gpu: every objective's step on a CUDA machine, eager and compiled, a process per row (busy

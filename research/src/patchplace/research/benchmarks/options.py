@@ -18,7 +18,7 @@ STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pip
 # benchmarks/suites.py's SUITES, in its order
 SUITES = ("matmul", "objectives", "masks", "data", "models", "onnx", "pipelines", "mp3_table2", "gpu", "ddp",
           "anchor", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence", "profile", "data_writer",
-          "loader_vs_step", "probe_memory", "all")
+          "loader_vs_step", "probe_memory", "activation_memory", "all")
 # the registered image methods (their registrations read without importing torch: objective_fields)
 IMAGE_METHODS = tuple(name for name, m in methods().items() if m.facts["modality"] == "image")
 # the speed ladders' methods: those with a Fashion-MNIST config, then the supervised fine-tuning
@@ -150,6 +150,15 @@ def _loader_vs_step_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--step-repeats", type=int, default=3, help="timed steps (default: %(default)s)")
 
 
+def _activation_memory_options(parser: argparse.ArgumentParser) -> None:
+    """--suite activation_memory: run.activation_checkpointing's memory per method (--methods, --amp)."""
+    g = parser.add_argument_group("activation_memory")
+    g.add_argument("--memory-widths", nargs="+", choices=["vit_b", "vit_l"], default=["vit_b", "vit_l"],
+                   help="backbone widths (ViT-B: 768 x 12 heads, ViT-L: 1024 x 16; default: both)")
+    g.add_argument("--memory-depth", type=int, default=4, help="backbone blocks (default: %(default)s)")
+    g.add_argument("--memory-batch", type=int, default=8, help="batch of 224 px images (default: %(default)s)")
+
+
 def _onnx_options(parser: argparse.ArgumentParser) -> None:
     """--suite onnx: the exported classifier's latency."""
     g = parser.add_argument_group("onnx")
@@ -253,6 +262,7 @@ OPTION_GROUPS = (
     _probe_memory_options,
     _data_writer_options,
     _loader_vs_step_options,
+    _activation_memory_options,
     _onnx_options,
     _pipelines_options,
     _profile_options,

@@ -91,6 +91,12 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("objective", "name"), ("attention kernel", "kernel"), ("eta", "eta"), ("MiB / sample", "mib_per_sample"),
         ("vs supervised", "vs_supervised"), ("paper memory ratio", "paper_memory_ratio"), ("preset", "preset"),
         ("autocast", "amp")]),
+    "activation_memory": ("run.activation_checkpointing: tensor memory of one training step without / with every "
+                          "Transformer block recomputing its activations in the backward", [
+        ("width / method", "name"), ("blocks", "blocks"), ("held MiB", "held_mib"), ("held, ckpt MiB", "held_ckpt_mib"),
+        ("held ratio", "held_ratio"), ("peak MiB", "peak_mib"), ("peak, ckpt MiB", "peak_ckpt_mib"),
+        ("peak ratio", "peak_ratio"), ("of which gradients MiB", "grads_mib"), ("depth", "depth"),
+        ("batch", "batch"), ("autocast", "amp")]),
     "ddp": ("pretrain.py on one process vs two (gloo, same global batch), and DDP's find_unused_parameters", [
         ("method", "name"), ("setting", "ddp_setting"), ("samples/s (median)", "samples_per_s"), ("runs", "runs"),
         ("vs 1 process", "vs_one_process"), ("vs find_unused off", "vs_find_unused_off"),
@@ -201,6 +207,16 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                           "softmax fp32). sdpa: the fused kernel (saves q, k, v, output, log-sum-exp); math: the "
                           "materialised softmax of the paper's time (also saves the N x K probabilities). Paper: "
                           "MP3 Table 2's GB per batch over the ViT-B baseline's (A100, batch not stated).", ""]
+            if suite == "activation_memory":
+                lines += ["Counted on the step (a TorchDispatchMode over every op: a storage counts from the op that "
+                          "allocates it until it is freed; weights and the input batch excluded). held: the tensors "
+                          "alive between forward and backward, what the backward needs; peak: the most alive at any "
+                          "point of forward + backward, the parameter gradients included. blocks: the Transformer "
+                          "blocks that recompute (the backbone's and the decoders' / predictors', at the paper's "
+                          "widths). A checkpointed block keeps only its input; the peak then comes in the backward "
+                          "(one block's recomputed activations beside the gradients). The cost, about one more "
+                          "forward of the blocks per step, is not tabled: the JSON's step_s / step_ckpt_s are one "
+                          "eager step each, too noisy on a shared CPU to compare.", ""]
             if suite == "gpu":
                 lines += [GPU_NOTE, ""]
             if suite == "mp3_table2":

@@ -6,6 +6,7 @@ import argparse
 import time
 from typing import Any
 
+from patchplace.research.benchmarks.activation_memory import activation_memory_suite
 from patchplace.research.benchmarks.common import STUDY
 from patchplace.research.benchmarks.compute import (
     masks_suite,
@@ -61,5 +62,5 @@ SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks
           "speed": speed_suite,
           "cpu_speed": cpu_speed_suite, "cpu_equivalence": equivalence_suite,
           "profile": profile_suite, "data_writer": data_writer_suite, "loader_vs_step": loader_vs_step_suite,
-          "probe_memory": probe_memory_suite,
+          "probe_memory": probe_memory_suite, "activation_memory": activation_memory_suite,
           "all": all_suite}
