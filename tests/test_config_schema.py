@@ -93,7 +93,8 @@ class Plain:
 
 
 def test_a_config_class_without_a_pydantic_config_is_strict_too():
-    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['inner.sise'\]; known: \['size'\]"):
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['inner.sise'\] \(did you mean "
+                                          r"inner.size\?\); known: \['size'\]"):
         build(Plain, {"inner.sise": 2})
     with pytest.raises(ConfigError, match=r"inner.size: expected int, got '2'"):
         build(Plain, {"inner.size": "2"})

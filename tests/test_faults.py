@@ -630,10 +630,10 @@ def test_a_refused_resume_changes_no_file_of_the_run(shards, tmp_path, capsys):
     before = files_of(out)
     assert pretrain.main([*stop_args(shards, out), "run.resume=true"]) == 2
     line = error_line(capsys)
-    assert "written by 2 process(es), this launch has 1: " in line and (
-        "; resume with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 pipelines/pretrain.py "
-        "method=stop ") in line and line.endswith(
-        " run.resume=true (on CPU; on 2 GPUs the same without ACCELERATE_USE_CPU=true), or start a new run (another "
+    assert "written by 2 process(es) x data.batch_size=" in line and "this launch has 1 process(es) x " in line and (
+        "(e.g. resume with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 "
+        "pipelines/pretrain.py method=stop ") in line and line.endswith(
+        " run.resume=true (on CPU; on 2 GPUs the same without ACCELERATE_USE_CPU=true)), or start a new run (another "
         "run.output, or run.overwrite=true)"), line
     assert files_of(out) == before
 

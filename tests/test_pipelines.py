@@ -44,7 +44,8 @@ def test_every_shipped_config_loads_and_validates(shards):
     classes = {"finetune": finetune.FinetuneConfig, "evaluate": evaluate.EvaluateConfig,
                "controls": controls.ControlsConfig}
     # the at-scale recipes: their stage is in their cited data (imagenet_*_linprobe.yaml is an evaluate.py config)
-    at_scale = {r.file: {"linprobe": "evaluate"}.get(r.stage, r.stage) for r in recipes.load_recipes()}
+    at_scale = {r.file: {"linprobe": "evaluate", "lowlabel": "evaluate"}.get(r.stage, r.stage)
+                for r in recipes.load_recipes()}
     for path in sorted((ROOT / "pipelines" / "configs").glob("*.yaml")):
         if path.name.startswith("study"):
             cfg = pipeline_config.load(study_plan.StudyConfig, str(path), [])
@@ -560,7 +561,8 @@ def test_finetune_and_export_at_another_resolution_resample_the_pe(shards, tmp_p
     assert export_main([str(tmp_path / "ft" / "checkpoint"), "--out", str(tmp_path / "ft.onnx"), "--data",
                         str(shards / "img" / "test"), "--samples", "8"]) == 0
     pre = json.loads((tmp_path / "ft.json").read_text())["preprocessing"]
-    assert [s["op"] for s in pre["steps"]] == ["pad", "resize", "scale", "normalize"] and pre["height"] == 48
+    assert [s["op"] for s in pre["steps"]] == ["pad", "resize", "center_crop", "scale", "normalize"] and \
+        pre["height"] == 48
     assert export_main([str(tmp_path / "pre" / "checkpoint"), "--kind", "features", "--img-size", "48", "--out",
                         str(tmp_path / "pre48.onnx")]) == 0
     assert json.loads((tmp_path / "pre48.json").read_text())["inputs"][0]["shape"] == ["batch", 1, 48, 48]

@@ -19,7 +19,8 @@ AT_SCALE = sorted(p.name for p in shipped_configs().glob("*.yaml")
 # What must be one command away: method -> the stages shipped for it
 EXPECTED = {"mp3": {"pretrain", "finetune"}, "mp3_speech": {"pretrain", "finetune"},
             "droppos": {"pretrain", "finetune"}, "mae": {"pretrain", "finetune", "linprobe"},
-            "ijepa": {"pretrain", "linprobe"}, "stop": {"pretrain", "linprobe"}, "mjp": {"pretrain"},
+            "ijepa": {"pretrain", "linprobe", "lowlabel"}, "stop": {"pretrain", "linprobe", "lowlabel"},
+            "mjp": {"pretrain"},
             "randsac": {"pretrain", "finetune", "linprobe"}, "supervised": {"pretrain"}}
 
 

@@ -78,7 +78,7 @@ RECIPES = load_recipes()
 CHAINS: dict[str, dict[str, str]] = defaultdict(dict)  # method -> stage -> config file
 for _r in RECIPES:
     CHAINS[_r.method][_r.stage] = _r.file
-STAGE_SCRIPT = {"pretrain": "pretrain", "finetune": "finetune", "linprobe": "evaluate"}
+STAGE_SCRIPT = {"pretrain": "pretrain", "finetune": "finetune", "linprobe": "evaluate", "lowlabel": "evaluate"}
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -139,7 +139,7 @@ def shrink(file: str, stage: str) -> list[str]:
         if key.startswith("objective.") and (method is None or key.split(".")[1] not in get_method(method)
                                              .config_cls.__dataclass_fields__):
             continue
-        if key == "optim.max_steps" and stage == "linprobe":
+        if key == "optim.max_steps" and stage in ("linprobe", "lowlabel"):
             continue
         out.append(f"{key}={value}")
     return out
@@ -152,7 +152,7 @@ class Stage:
 
     def __init__(self, file: str, stage: str, data: list[str], out: Path, checkpoint: Path | None = None) -> None:
         script = STAGE_SCRIPT[stage]
-        two = stage != "linprobe" or header_launches_accelerate(file, script)
+        two = stage not in ("linprobe", "lowlabel") or header_launches_accelerate(file, script)
         command = [*LAUNCH] if two else [sys.executable]
         args = [str(ROOT / "pipelines" / f"{script}.py"), "--config", str(CONFIGS / file), *data,
                 f"run.output={out}", *([f"model.checkpoint={checkpoint}"] if checkpoint else []), *shrink(file, stage)]
@@ -379,5 +379,11 @@ def test_recipe_chain_runs_at_scale_on_two_processes(method, imagenet, shards, t
         assert recipe["optimizer"] == cfg["eval.probe_optimizer"] and math.isclose(
             recipe["peak_lr"], cfg["eval.probe_lr"] * cfg["eval.probe_batch"] / cfg["eval.probe_lr_batch"])
         assert ("linear_probe_last4" in results) == ("last4" in cfg.get("eval.probe_layers", []))
+        assert results["linear_probe_low_label"]["solver"] == cfg.get("eval.label_probe", "linear")
+    if "lowlabel" in stages:  # the 1% probe's own config (its own crop), on the pretrained checkpoint
+        cfg, low = shipped(stages["lowlabel"]), tmp_path / "lowlabel"
+        Stage(stages["lowlabel"], "lowlabel", data, low, pretrained / "checkpoint").result()
+        results = json.loads((low / "results.json").read_text())
+        assert results["linear_probe_low_label"]["fraction"] == cfg["eval.low_label_fraction"]
         assert results["linear_probe_low_label"]["solver"] == cfg.get("eval.label_probe", "linear")
         # evaluate.py writes no config.yaml: the eval crop it read (data.crop_pct) is not recorded by the run

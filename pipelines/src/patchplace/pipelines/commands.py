@@ -325,6 +325,7 @@ class EvalDataSection(DataSection):
     mixup_prob: ClassVar[float] = 1.0
     mixup_switch_prob: ClassVar[float] = 0.5
     noise_split: ClassVar[str | None] = None
+    frontend: ClassVar[str | None] = None  # (a speech checkpoint's own: the one it recorded)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from patchplace.pipelines.config import (
 )
 
 HERE = Path(__file__).parent
-STAGES = ("pretrain", "finetune", "linprobe")
+STAGES = ("pretrain", "finetune", "linprobe", "lowlabel")  # lowlabel: a probe config of its own (the 1% one)
 # set by the user or the launcher, not by a recipe: the placeholders and the run's own bookkeeping (and the method,
 # checked against the file the recipe is listed in)
 EXEMPT = frozenset({"method", "data.train", "data.val", "run.output", "run.log_every", "run.checkpoint_every"})
