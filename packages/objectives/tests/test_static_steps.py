@@ -2,7 +2,7 @@
 
 * no host synchronisation: no op reads a device value on the host (``.item()``, ``nonzero``, boolean indexing);
 * no host-built data copied to the device mid-step: the forward run on a fake CUDA device (``FakeTensorMode``)
-  under bf16 autocast, the engine's CUDA default, copies nothing from the host and meets no data-dependent op
+  copies nothing from the host and meets no data-dependent op
   (autograd's engine needs a real CUDA context, so the backward is checked by the two other tests: its ops are
   derived from the forward's, on the forward's devices);
 * one graph: ``torch.compile(fullgraph=True)`` captures forward and backward without a graph break, and 5 further
@@ -77,7 +77,7 @@ def test_a_step_on_cuda_copies_nothing_from_the_host(build, name):
     with fake_cuda(objective):
         batch = batch_for(objective, "cuda")
         progress = torch.full((), 0.5, device="cuda")
-        with counting() as counts, torch.autocast("cuda", dtype=torch.bfloat16):
+        with counting() as counts:  # (torch disables autocast on a fake CUDA device)
             objective(batch, progress=progress)
     assert not counts.host_copies, f"{name}: host-to-device copies in one step: {dict(counts.host_copies)}"
 
