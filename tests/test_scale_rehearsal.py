@@ -372,18 +372,19 @@ def test_recipe_chain_runs_at_scale_on_two_processes(method, imagenet, shards, t
         results = json.loads((probed / "results.json").read_text())
         assert results["method"] == method and 0.0 <= results["linear_probe"]["top1"] <= 1.0
         assert results["probe_train_samples"] == min(cfg["eval.probe_train_samples"] or 400, 400)  # 0: the split
-        if "eval.low_label_fraction" in cfg:
-            assert results["linear_probe_low_label"]["fraction"] == cfg["eval.low_label_fraction"]
+        if cfg.get("eval.low_label_fraction", 0.01):  # (0: the 1% probe is a config of its own, below)
+            assert results["linear_probe_low_label"]["fraction"] == cfg.get("eval.low_label_fraction", 0.01)
+            assert results["linear_probe_low_label"]["solver"] == cfg.get("eval.label_probe", "linear")
         # the probe's recipe reached it: the optimizer, the lr after the batch rule, the layers and the 1% solver
         recipe = results["linear_probe"]["recipe"]
         assert recipe["optimizer"] == cfg["eval.probe_optimizer"] and math.isclose(
             recipe["peak_lr"], cfg["eval.probe_lr"] * cfg["eval.probe_batch"] / cfg["eval.probe_lr_batch"])
         assert ("linear_probe_last4" in results) == ("last4" in cfg.get("eval.probe_layers", []))
-        assert results["linear_probe_low_label"]["solver"] == cfg.get("eval.label_probe", "linear")
+        # evaluate.py writes no config.yaml: the eval crop it read (data.crop_pct) is not recorded by the run
     if "lowlabel" in stages:  # the 1% probe's own config (its own crop), on the pretrained checkpoint
         cfg, low = shipped(stages["lowlabel"]), tmp_path / "lowlabel"
         Stage(stages["lowlabel"], "lowlabel", data, low, pretrained / "checkpoint").result()
         results = json.loads((low / "results.json").read_text())
-        assert results["linear_probe_low_label"]["fraction"] == cfg["eval.low_label_fraction"]
-        assert results["linear_probe_low_label"]["solver"] == cfg.get("eval.label_probe", "linear")
-        # evaluate.py writes no config.yaml: the eval crop it read (data.crop_pct) is not recorded by the run
+        fractions = results["linear_probe_label_fraction"]
+        assert sorted(fractions) == [f"{f:g}" for f in cfg["eval.label_fractions"]], fractions
+        assert all(r["solver"] == cfg.get("eval.label_probe", "linear") for r in fractions.values())
