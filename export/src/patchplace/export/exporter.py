@@ -831,15 +831,21 @@ def quantize_int8(path: str | os.PathLike) -> Path:
         quantized = onnx.load(f"{tmp}/int8.onnx")
         onnx.helper.set_model_props(quantized, {**{p.key: p.value for p in model.metadata_props},
                                                 "quantization": "int8 dynamic (per-channel int8 weights)"})
-        int8_external = weight_bytes(quantized) > EXTERNAL_DATA_THRESHOLD
-        save_graph(quantized, tmp_out, int8_external)
-        _fsync(tmp_out)
-        data_of(out).unlink(missing_ok=True)
-        if int8_external:
-            _fsync(data_of(tmp_out))
-            os.replace(data_of(tmp_out), data_of(out))
-        os.replace(tmp_out, out)
+        replace_graph(quantized, tmp_out, out)
     return out
+
+
+def replace_graph(graph: onnx.ModelProto, tmp_out: Path, out: Path) -> None:
+    """``graph`` written to ``tmp_out`` (its weights beside it as ``.data`` when over protobuf's limit), synced, then
+    moved over ``out`` (and its data file): a reader sees the old file or the new one whole."""
+    external = weight_bytes(graph) > EXTERNAL_DATA_THRESHOLD
+    save_graph(graph, tmp_out, external)
+    _fsync(tmp_out)
+    data_of(out).unlink(missing_ok=True)
+    if external:
+        _fsync(data_of(tmp_out))
+        os.replace(data_of(tmp_out), data_of(out))
+    os.replace(tmp_out, out)
 
 
 FP16_CONVERTER = "onnxruntime.transformers.float16.convert_float_to_float16(keep_io_types=True)"
@@ -859,13 +865,5 @@ def convert_fp16(path: str | os.PathLike) -> Path:
         half = convert_float_to_float16(model, keep_io_types=True)
         onnx.helper.set_model_props(half, {**{p.key: p.value for p in model.metadata_props},
                                            "precision": f"fp16 ({FP16_CONVERTER})"})
-        tmp_out = Path(tmp) / out.name
-        external = weight_bytes(half) > EXTERNAL_DATA_THRESHOLD
-        save_graph(half, tmp_out, external)
-        _fsync(tmp_out)
-        data_of(out).unlink(missing_ok=True)
-        if external:
-            _fsync(data_of(tmp_out))
-            os.replace(data_of(tmp_out), data_of(out))
-        os.replace(tmp_out, out)
+        replace_graph(half, Path(tmp) / out.name, out)
     return out
