@@ -147,6 +147,75 @@ def _table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> list[s
     return lines
 
 
+# what each suite's table measures, printed under it
+SUITE_NOTES = {
+    "objectives": (
+        "Time ratio: median step time / the supervised step's in the same rotated round-robin "
+        "run. FLOP ratio: FLOPs counted on the step (FlopCounterMode: matrix products, "
+        "convolutions, attention; forward and backward). Achieved GFLOP/s = FLOP/sample x batch / "
+        "step time; "
+        "'of peak' divides by the fp32 matmul peak. Peak RSS: the high-water mark of a fresh "
+        "process that builds only this objective and runs its steps; steps' RSS: what the steps "
+        "added to the RSS of the built model (activations, gradients, AdamW state, allocator "
+        f"caches). MP3 paper (ViT-B): wall-clock ratio {MP3_PAPER['time_ratio']} at eta = "
+        f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}. ATen ops / host syncs: "
+        "one step's forward, backward and EMA update (patchplace.objectives.audit.count_step; "
+        "the optimizer, the same for all, left out)."
+    ),
+    "onnx": (
+        "plain: the standard-ONNX graph of the training model's attention (`python -m "
+        "patchplace.export --no-optimize`) on a default ONNX Runtime session, as exported before "
+        "the optimizer; optimized: the default export (ONNX Runtime's fused Attention / BiasGelu, "
+        "SkipLayerNormalization split back into Add + LayerNormalization) through `onnx_session`; "
+        "int8: its dynamic-quantized variant (`--quantize`). Speed-up: PyTorch p50 / this p50 in "
+        "the same run; every runner on the same number of threads."
+    ),
+    "ddp": (
+        "samples/s: the last log line of pretrain.py (every step; process start-up excluded), "
+        "median of the alternated runs listed. On one machine the 2 processes share its cores, "
+        "so 2 vs 1 process measures DDP's overhead, not a speed-up. 'vs find_unused off': what "
+        "DDP's find_unused_parameters costs (no method needs it now: MJP's jigsaw is selected on the device; "
+        "here it also shuffles every step). Differences smaller than the spread of the runs are noise."
+    ),
+    "saved_bytes": (
+        "Bytes of the distinct storages autograd saves for backward in one training forward "
+        "(torch.autograd.graph.saved_tensors_hooks; parameters excluded), batch 2 minus batch 1: "
+        "the activations a step keeps, whatever the device and its allocator. Autocast dtypes "
+        "are GPU autocast's for these ops (LayerNorm fp32, projections bf16, the math kernel's "
+        "softmax fp32). sdpa: the fused kernel (saves q, k, v, output, log-sum-exp); math: the "
+        "materialised softmax of the paper's time (also saves the N x K probabilities). Paper: "
+        "MP3 Table 2's GB per batch over the ViT-B baseline's (A100, batch not stated)."
+    ),
+    "activation_memory": (
+        "Counted on the step (a TorchDispatchMode over every op: a storage counts from the op that "
+        "allocates it until it is freed; weights and the input batch excluded). held: the tensors "
+        "alive between forward and backward, what the backward needs; peak: the most alive at any "
+        "point of forward + backward, the parameter gradients included. blocks: the Transformer "
+        "blocks that recompute (the backbone's and the decoders' / predictors', at the paper's "
+        "widths). A checkpointed block keeps only its input; the peak then comes in the backward "
+        "(one block's recomputed activations beside the gradients). The cost, about one more "
+        "forward of the blocks per step, is not tabled: the JSON's step_s / step_ckpt_s are one "
+        "eager step each, too noisy on a shared CPU to compare."
+    ),
+    "gpu": (
+    GPU_NOTE
+    ),
+    "mp3_table2": (
+        "Time / memory ratio: this objective's median step time / peak CUDA memory (a fresh "
+        "process per objective: weights, AdamW state, activations) over the supervised ViT's, "
+        "same run and batch; the forward runs under the stated autocast, AdamW in fp32. Paper: "
+        "MP3 Table 2, seconds per iteration and GB per batch on one A100 over the ViT-B "
+        f"baseline's ({MP3_TABLE2['vit_b']['time']} s, {MP3_TABLE2['vit_b']['memory']} GB; "
+        "its batch size is not stated). FLOP ratio: counted on the step; time / FLOP ratio: how far "
+        "the "
+        "step's time is from what its FLOPs say (within 10%: |time / FLOP ratio - 1| <= 0.1). "
+        "Attention: sdpa is the fused kernel, math the materialised softmax (the paper's time). "
+        "`+compile` rows: torch.compile'd objectives, their time ratio over the compiled "
+        "supervised step."
+    ),
+}
+
+
 def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     hardware = f"_Hardware: {meta['hardware']}"
     if meta.get("matmul_peak"):
@@ -172,65 +241,10 @@ def to_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines += [f"## {title}" + (f" — {setting}" if setting else ""), "", hardware, ""]
             lines += _table(group, columns)
             lines.append("")
-            if suite == "objectives":
-                lines += ["Time ratio: median step time / the supervised step's in the same rotated round-robin "
-                          "run. FLOP ratio: FLOPs counted on the step (FlopCounterMode: matrix products, "
-                          "convolutions, attention; forward and backward). Achieved GFLOP/s = FLOP/sample x batch / "
-                          "step time; "
-                          "'of peak' divides by the fp32 matmul peak. Peak RSS: the high-water mark of a fresh "
-                          "process that builds only this objective and runs its steps; steps' RSS: what the steps "
-                          "added to the RSS of the built model (activations, gradients, AdamW state, allocator "
-                          f"caches). MP3 paper (ViT-B): wall-clock ratio {MP3_PAPER['time_ratio']} at eta = "
-                          f"{MP3_PAPER['eta']}, FLOP bound ~{MP3_PAPER['flop_bound']}. ATen ops / host syncs: "
-                          "one step's forward, backward and EMA update (patchplace.objectives.audit.count_step; "
-                          "the optimizer, the same for all, left out).", ""]
-            if suite == "onnx":
-                lines += ["plain: the standard-ONNX graph of the training model's attention (`python -m "
-                          "patchplace.export --no-optimize`) on a default ONNX Runtime session, as exported before "
-                          "the optimizer; optimized: the default export (ONNX Runtime's fused Attention / BiasGelu, "
-                          "SkipLayerNormalization split back into Add + LayerNormalization) through `onnx_session`; "
-                          "int8: its dynamic-quantized variant (`--quantize`). Speed-up: PyTorch p50 / this p50 in "
-                          "the same run; every runner on the same number of threads.", ""]
+            if suite in SUITE_NOTES:
+                lines += [SUITE_NOTES[suite], ""]
             if suite == "anchor":
                 lines += [anchor_summary(group), ""]
-            if suite == "ddp":
-                lines += ["samples/s: the last log line of pretrain.py (every step; process start-up excluded), "
-                          "median of the alternated runs listed. On one machine the 2 processes share its cores, "
-                          "so 2 vs 1 process measures DDP's overhead, not a speed-up. 'vs find_unused off': what "
-                          "DDP's find_unused_parameters costs (MJP needs it; here MJP shuffles every step so that "
-                          "it can run without). Differences smaller than the spread of the runs are noise.", ""]
-            if suite == "saved_bytes":
-                lines += ["Bytes of the distinct storages autograd saves for backward in one training forward "
-                          "(torch.autograd.graph.saved_tensors_hooks; parameters excluded), batch 2 minus batch 1: "
-                          "the activations a step keeps, whatever the device and its allocator. Autocast dtypes "
-                          "are GPU autocast's for these ops (LayerNorm fp32, projections bf16, the math kernel's "
-                          "softmax fp32). sdpa: the fused kernel (saves q, k, v, output, log-sum-exp); math: the "
-                          "materialised softmax of the paper's time (also saves the N x K probabilities). Paper: "
-                          "MP3 Table 2's GB per batch over the ViT-B baseline's (A100, batch not stated).", ""]
-            if suite == "activation_memory":
-                lines += ["Counted on the step (a TorchDispatchMode over every op: a storage counts from the op that "
-                          "allocates it until it is freed; weights and the input batch excluded). held: the tensors "
-                          "alive between forward and backward, what the backward needs; peak: the most alive at any "
-                          "point of forward + backward, the parameter gradients included. blocks: the Transformer "
-                          "blocks that recompute (the backbone's and the decoders' / predictors', at the paper's "
-                          "widths). A checkpointed block keeps only its input; the peak then comes in the backward "
-                          "(one block's recomputed activations beside the gradients). The cost, about one more "
-                          "forward of the blocks per step, is not tabled: the JSON's step_s / step_ckpt_s are one "
-                          "eager step each, too noisy on a shared CPU to compare.", ""]
-            if suite == "gpu":
-                lines += [GPU_NOTE, ""]
-            if suite == "mp3_table2":
-                lines += ["Time / memory ratio: this objective's median step time / peak CUDA memory (a fresh "
-                          "process per objective: weights, AdamW state, activations) over the supervised ViT's, "
-                          "same run and batch; the forward runs under the stated autocast, AdamW in fp32. Paper: "
-                          "MP3 Table 2, seconds per iteration and GB per batch on one A100 over the ViT-B "
-                          f"baseline's ({MP3_TABLE2['vit_b']['time']} s, {MP3_TABLE2['vit_b']['memory']} GB; "
-                          "its batch size is not stated). FLOP ratio: counted on the step; time / FLOP ratio: how far "
-                          "the "
-                          "step's time is from what its FLOPs say (within 10%: |time / FLOP ratio - 1| <= 0.1). "
-                          "Attention: sdpa is the fused kernel, math the materialised softmax (the paper's time). "
-                          "`+compile` rows: torch.compile'd objectives, their time ratio over the compiled "
-                          "supervised step.", ""]
     if meta.get("seconds"):
         lines += ["Seconds per part: " + ", ".join(f"{k} {v}" for k, v in meta["seconds"].items()), ""]
     return "\n".join(lines)
