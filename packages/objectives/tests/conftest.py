@@ -76,3 +76,19 @@ def method_objective():
 @pytest.fixture
 def tiny_method_config():
     return tiny_config
+
+
+def random_batch(objective, size: int, device: str = "cpu", generator: torch.Generator | None = None):
+    """(inputs, labels) of ``size`` random samples shaped for ``objective``'s backbone (images or MFCC frames), labels
+    of 3 classes."""
+    config = objective.backbone.config
+    shape = (config.num_frames, config.in_features) if config.modality == "audio" else \
+        (config.in_chans, config.img_size, config.img_size)
+    x = torch.randn(size, *shape, generator=generator, device=device)
+    return x, torch.randint(0, 3, (size,), generator=generator, device=device)
+
+
+@pytest.fixture
+def batch_of():
+    """Factory: :func:`random_batch`."""
+    return random_batch

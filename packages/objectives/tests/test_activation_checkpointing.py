@@ -37,14 +37,8 @@ def objective_of(name: str, tiny_config) -> torch.nn.Module:
     return spec.objective_cls(backbone, tiny_config(spec, **deep, **FIELDS.get(name, {}))).train()
 
 
-def batch_for(objective: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    config = objective.backbone.config
-    if config.modality == "audio":
-        x = torch.randn(BATCH, config.num_frames, config.in_features, generator=g)
-    else:
-        x = torch.randn(BATCH, config.in_chans, config.img_size, config.img_size, generator=g)
-    return x, torch.randint(0, 3, (BATCH,), generator=g)
+def batch_for(objective: torch.nn.Module, batch_of) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch_of(objective, BATCH, generator=torch.Generator().manual_seed(1))
 
 
 def one_step(objective: torch.nn.Module, batch, forward=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -72,10 +66,10 @@ def test_the_switch_reaches_every_block_of_the_backbone_and_of_the_decoders(tiny
     assert set_grad_checkpointing(mae) == len(mae.backbone.blocks) + len(mae.decoder.blocks)
 
 
-def test_checkpointed_blocks_keep_fewer_tensors_for_the_backward(tiny_method_config):
+def test_checkpointed_blocks_keep_fewer_tensors_for_the_backward(tiny_method_config, batch_of):
     """The point of the switch: a checkpointed block keeps its input only, not its attention / MLP activations."""
     objective = objective_of("mae", tiny_method_config)
-    batch = batch_for(objective)
+    batch = batch_for(objective, batch_of)
 
     def saved() -> int:
         count = 0
@@ -96,9 +90,9 @@ def test_checkpointed_blocks_keep_fewer_tensors_for_the_backward(tiny_method_con
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_a_step_with_checkpointing_equals_one_without(tiny_method_config, name):
+def test_a_step_with_checkpointing_equals_one_without(tiny_method_config, batch_of, name):
     objective = objective_of(name, tiny_method_config)
-    batch = batch_for(objective)
+    batch = batch_for(objective, batch_of)
     loss, grads = one_step(objective, batch)
     assert set_grad_checkpointing(objective, True) == len(blocks_of(objective)) > 0
     loss_ckpt, grads_ckpt = one_step(objective, batch)
@@ -114,7 +108,7 @@ def test_a_step_with_checkpointing_equals_one_without(tiny_method_config, name):
 
 @pytest.mark.parametrize("scope", ["blocks", "step"])
 @pytest.mark.parametrize("name", ["mae", "randsac", "ijepa"])
-def test_checkpointing_composes_with_compile(tiny_method_config, name, scope):
+def test_checkpointing_composes_with_compile(tiny_method_config, batch_of, name, scope):
     """run.compile=aot_eager with either run.compile_scope: the checkpointed step compiles (``step``: one graph,
     no break) and gives the compiled step's loss and gradients without checkpointing."""
     from patchplace.pipelines.engine.optim import compile_objective
@@ -126,7 +120,7 @@ def test_checkpointing_composes_with_compile(tiny_method_config, name, scope):
         objective = objective_of(name, tiny_method_config)
         set_grad_checkpointing(objective, enable)
         compile_objective(objective, "aot_eager", scope)
-        results.append(one_step(objective, batch_for(objective)))
+        results.append(one_step(objective, batch_for(objective, batch_of)))
         assert not counters["graph_break"], f"{name}: graph breaks {dict(counters['graph_break'])}"
     (loss, grads), (loss_ckpt, grads_ckpt) = results
     torch.testing.assert_close(loss_ckpt, loss, rtol=1e-5, atol=1e-6)

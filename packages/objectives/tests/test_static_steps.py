@@ -45,15 +45,6 @@ def objective_of(name: str, tiny_config):
     return spec.objective_cls(backbone, tiny_config(spec, **FIELDS.get(name, {}))).train()
 
 
-def batch_for(objective, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    config = objective.backbone.config
-    if config.modality == "audio":
-        x = torch.randn(BATCH, config.num_frames, config.in_features, device=device)
-    else:
-        x = torch.randn(BATCH, config.in_chans, config.img_size, config.img_size, device=device)
-    return x, torch.randint(0, 3, (BATCH,), device=device)
-
-
 def step(objective, batch, progress: torch.Tensor) -> torch.Tensor:
     """Forward and backward of one training step; returns the loss."""
     loss = objective(batch, progress=progress)["loss"]
@@ -62,9 +53,9 @@ def step(objective, batch, progress: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_a_step_never_waits_for_the_device(build, name):
+def test_a_step_never_waits_for_the_device(build, batch_of, name):
     objective = build(name)
-    batch = batch_for(objective)
+    batch = batch_of(objective, BATCH)
     progress = torch.full((), 0.5)
     counts = count_step(lambda: step(objective, batch, progress))
     assert counts.ops > 0
@@ -72,10 +63,10 @@ def test_a_step_never_waits_for_the_device(build, name):
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_a_step_on_cuda_copies_nothing_from_the_host(build, name):
+def test_a_step_on_cuda_copies_nothing_from_the_host(build, batch_of, name):
     objective = build(name)
     with fake_cuda(objective):
-        batch = batch_for(objective, "cuda")
+        batch = batch_of(objective, BATCH, "cuda")
         progress = torch.full((), 0.5, device="cuda")
         with counting() as counts:  # (torch disables autocast on a fake CUDA device)
             objective(batch, progress=progress)
@@ -83,11 +74,11 @@ def test_a_step_on_cuda_copies_nothing_from_the_host(build, name):
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_a_step_is_one_graph_that_fresh_masks_reuse(build, name):
+def test_a_step_is_one_graph_that_fresh_masks_reuse(build, batch_of, name):
     torch._dynamo.reset()
     counters.clear()
     objective = build(name)
-    batch = batch_for(objective)
+    batch = batch_of(objective, BATCH)
     compiled = torch.compile(objective, backend="aot_eager", fullgraph=True)
     for i in range(6):
         loss = compiled(batch, progress=torch.full((), i / 10))["loss"]
