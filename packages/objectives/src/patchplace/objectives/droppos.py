@@ -294,7 +294,7 @@ class DropPos(BackboneObjective):
             # the official code's logged accuracy: each dropped token weighted by its attentive weight A (Eq. 9);
             # equals pos_acc when tau = inf
             "pos_acc_attn_weighted": topk_accuracy(logits.detach(), labels, k=1, weight=weights * dropped),
-            "sigma": sigma.detach().float(),  # (logged as the float32 it always was)
+            "sigma": sigma.detach().float(),  # logged in float32
         }
 
 
