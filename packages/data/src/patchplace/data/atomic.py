@@ -1,4 +1,9 @@
-"""Atomic file and directory writes: readers never see a half-written shard, manifest or split."""
+"""Atomic file and directory writes: readers never see a half-written shard, manifest, split, run folder or export.
+
+The one home of the write protocol every package that may import ``patchplace.data`` shares (the pipelines' run
+directories, the export's graph + sidecar): :func:`swap_dir` (a folder replaced by two renames), :func:`fsync` (a file
+or folder flushed, so a rename survives a power cut), :func:`pid_alive` (whether a temporary's owner still runs);
+the sha256 of a file is :func:`patchplace.data.manifest.sha256_file`."""
 
 from __future__ import annotations
 
@@ -64,6 +69,35 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     swap_dir(tmp, final, final.with_name(f".{final.name}.old-{os.getpid()}"))
+
+
+def fsync(path: str | os.PathLike) -> None:
+    """Flush ``path`` (a file's bytes, or a folder's entries) to the disk, so that a file renamed after it, or a
+    rename inside the folder, survives a power cut whole. Folders cannot be opened on Windows: skipped there."""
+    if os.name != "posix" and os.path.isdir(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a lock's or a temporary's owner): signal 0 probes without
+    signalling. Another user's process counts alive (EPERM); ``pid`` <= 0 is none (``kill`` would address a process
+    group); on Windows, where ``os.kill(pid, 0)`` would end the process, every pid counts alive."""
+    if pid <= 0:
+        return False
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def swap_dir(new: Path, final: Path, old: Path, sync: Callable[[Path], None] | None = None) -> None:
