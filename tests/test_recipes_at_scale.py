@@ -125,8 +125,9 @@ def test_values_compare_as_the_pipeline_holds_them():
 
 
 def test_the_docs_tables_are_generated_from_the_same_data():
-    pages = {recipes.DOC_PAGE.get(r.method, r.method) for r in RECIPES}
-    for page in pages:
+    pages = recipes.doc_pages(ROOT / "docs")
+    assert {r.method for r in RECIPES} <= set(pages), "a recipe of an unregistered method"
+    for page in {pages[r.method] for r in RECIPES}:
         text = (ROOT / "docs" / "methods" / f"{page}.md").read_text()
-        assert recipes.render_page(text, recipes.doc_section(RECIPES, page)) == text, (
+        assert recipes.render_page(text, recipes.doc_section(RECIPES, page, pages)) == text, (
             f"docs/methods/{page}.md: run python -m patchplace.research.recipes --write-docs")

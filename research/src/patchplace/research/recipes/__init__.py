@@ -50,9 +50,8 @@ STAGES = ("pretrain", "finetune", "linprobe", "lowlabel")  # lowlabel: a probe c
 # set by the user or the launcher, not by a recipe: the placeholders and the run's own bookkeeping (and the method,
 # checked against the file the recipe is listed in)
 EXEMPT = frozenset({"method", "data.train", "data.val", "run.output", "run.log_every", "run.checkpoint_every"})
-# docs/methods/<page>.md that holds each method's table
-DOC_PAGE = {"mae": "baselines", "supervised": "baselines", "ijepa": "stop", "stop": "stop", "mp3": "mp3",
-            "mp3_speech": "mp3", "droppos": "droppos", "mjp": "mjp", "randsac": "randsac"}
+# a row of docs/methods/README.md's index: its objective file (the first linked) ... its page
+INDEX_ROW = re.compile(r"^\|[^|\n]*\|[^|\n]*\| \[`(\w+)\.py`\][^\n]*\| \[(\w+)\.md\]", re.M)
 BEGIN, END = "<!-- recipe-at-scale:begin (generated: python -m patchplace.research.recipes --write-docs) -->", \
     "<!-- recipe-at-scale:end -->"
 NO_FIELD = "-"  # a recipe value no config field can express (always a departure)
@@ -351,8 +350,26 @@ def table(recipes: list[Recipe]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def doc_section(recipes: list[Recipe], page: str) -> str:
-    mine = [r for r in recipes if DOC_PAGE.get(r.method, r.method) == page]
+def doc_pages(docs: Path) -> dict[str, str]:
+    """{method: the docs/methods/<page>.md that holds its table}: the page the methods index
+    (docs/methods/README.md) gives the objective file that registers the method, so no method is named here."""
+    from patchplace.objectives import list_methods
+
+    page_of: dict[str, str] = {}
+    for file, page in INDEX_ROW.findall((docs / "methods" / "README.md").read_text()):
+        page_of.setdefault(file, page)  # the file's first row (ijepa.py: StoP's page holds I-JEPA's table too)
+    pages = {}
+    for spec in list_methods():
+        file = spec.objective_cls.__module__.rpartition(".")[2]
+        if file not in page_of:
+            raise ValueError(f"docs/methods/README.md has no row for {file}.py (method {spec.name}): add its page")
+        pages[spec.name] = page_of[file]
+    return pages
+
+
+def doc_section(recipes: list[Recipe], page: str, pages: dict[str, str]) -> str:
+    """The generated section of docs/methods/<page>.md: the recipes of the methods ``pages`` puts there."""
+    mine = [r for r in recipes if pages[r.method] == page]
     intro = ("Generated from `research/src/patchplace/research/recipes/*.yaml` (the paper's value, where it is "
              "stated, and every departure of the shipped config with its reason); `tests/test_recipes_at_scale.py` "
              "holds each shipped config to it field by field.\n\n")
@@ -368,10 +385,10 @@ def render_page(text: str, section: str) -> str:
 
 
 def write_docs(docs: Path, recipes: list[Recipe]) -> list[Path]:
-    written = []
-    for page in sorted({DOC_PAGE.get(r.method, r.method) for r in recipes}):
+    written, pages = [], doc_pages(docs)
+    for page in sorted({pages[r.method] for r in recipes}):
         path = docs / "methods" / f"{page}.md"
-        new = render_page(path.read_text(), doc_section(recipes, page))
+        new = render_page(path.read_text(), doc_section(recipes, page, pages))
         if new != path.read_text():
             path.write_text(new)
             written.append(path)
