@@ -63,8 +63,9 @@ class Release:
 
 @dataclass(frozen=True)
 class MethodFacts:
-    """What a checkpoint of a method records for evaluation (as the method's registration in
-    ``patchplace.objectives`` declares it; this package imports no objective)."""
+    """What a converted checkpoint of a method records for evaluation. The method's registration in
+    ``patchplace.objectives`` states the same facts, but that package depends on this one, never the reverse: written
+    here, held to the registration by tests/test_method_facts.py (``finetune_pool`` may be finer: ``mean_fc_norm``)."""
 
     paper: str | None
     probe_feature: str  # the pooled feature its pretraining trained (probes read it)
