@@ -10,15 +10,19 @@ import sys
 
 from .layouts import IMAGENET_MEAN, IMAGENET_STD, LAYOUTS, METHODS
 
+# every patchplace command's --help width (patchplace.data.helpformat.HELP_WIDTH), written again here because this
+# package depends on none of ours; tests/test_help_width.py holds the two equal
+HELP_WIDTH = 100
+
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """--help in at most 100 columns whatever the terminal's width, as every patchplace command's."""
+    """--help in at most :data:`HELP_WIDTH` columns whatever the terminal's width."""
 
     def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
                  width: int | None = None) -> None:
         import shutil
 
-        width = min(width or shutil.get_terminal_size().columns - 2, 100)
+        width = min(width or shutil.get_terminal_size().columns - 2, HELP_WIDTH)
         super().__init__(prog, indent_increment, max_help_position, width)
 
 
