@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from patchplace.data.atomic import pid_alive
+
 
 class StageError(RuntimeError):
     """A stage's pipeline returned a non-zero exit code."""
@@ -150,13 +152,12 @@ class _Lock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             try:
-                pid = int(self.path.read_text() or 0)
-                os.kill(pid, 0)
-            except (ValueError, ProcessLookupError, FileNotFoundError):
+                pid = int(self.path.read_text() or 0)  # empty: its process died between creating and writing it
+            except (ValueError, FileNotFoundError):
+                pid = 0
+            if not pid_alive(pid):
                 self.path.unlink(missing_ok=True)  # stale: its process is gone
                 return self.__enter__()
-            except PermissionError:
-                pass
             raise StageError(f"{self.name} is being run by process {pid} ({self.path}); wait for it or run "
                              "other groups") from None
         with os.fdopen(fd, "w") as f:
