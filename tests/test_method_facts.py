@@ -3,8 +3,6 @@
 patchplace-models imports nothing of ours (docs/design.md, "Packages"), so the converter cannot read the objectives'
 registry: what a converted checkpoint records for evaluation (paper, probe feature, fine-tuning pooling, a head the
 method trains) is written in the models package, and this test, which sees both packages, fails where the two part.
-The converter's pooling may be finer than the registry's vocabulary: ``mean_fc_norm`` (MAE's and DropPos's
-``--global_pool``, MAE main_finetune.py) is the registry's ``mean`` through a fresh LayerNorm.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ def test_a_converted_checkpoint_records_what_the_registration_states(name):
     facts, spec = METHODS[name], get_method(name)
     assert facts.trains_head == spec.needs_head
     assert facts.probe_feature == spec.probe_feature_for(BACKBONE)
-    assert facts.finetune_pool.removesuffix("_fc_norm") == spec.finetune_pool_for(BACKBONE)
+    assert facts.finetune_pool == spec.finetune_pool_for(BACKBONE)
     if spec.paper:  # "authors year, title (tag)": the converter's adds the arXiv id
         title = re.sub(r" \((MP3|StoP|RandSAC|DeiT)\)$", "", spec.paper)
         assert facts.paper.startswith(title), (facts.paper, spec.paper)

@@ -43,8 +43,9 @@ CONFIGS = ROOT / "pipelines" / "configs"
 PAPERS = {  # method: (pos_embed, needs_head, probe feature, fine-tuning pooling, modality)
     "mp3": ("none", False, "mean", "cls", "image"),  # §3 no PE; §3.1 class token fed; §3.3 head on it
     "mp3_speech": ("sincos1d", False, "mean", "cls", "audio"),  # §4.3: 5% anchors keep the true sin PE
-    "droppos": ("sincos2d", False, "cls", "mean", "image"),  # MAE's code: sin-cos PE, --global_pool
-    "mae": ("sincos2d", False, "cls", "mean", "image"),
+    # MAE's code: sin-cos PE; main_finetune.py's --global_pool (default): the patch mean through a fresh fc_norm
+    "droppos": ("sincos2d", False, "cls", "mean_fc_norm", "image"),
+    "mae": ("sincos2d", False, "cls", "mean_fc_norm", "image"),
     "ijepa": ("sincos2d", False, "patch_mean", "mean", "image"),  # class token never fed
     "stop": ("sincos2d", False, "patch_mean", "mean", "image"),
     "randsac": ("sincos2d", False, "patch_mean", "mean", "image"),  # App. B.2: the averaged pooled feature

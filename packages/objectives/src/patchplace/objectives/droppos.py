@@ -82,10 +82,10 @@ class DropPosConfig(ObjectiveConfig):
 
 
 # §3, official code (MAE's): the fixed 2-D sin-cos PE, kept by the class token (Eq. 3), so probes read it; fine-tuning
-# follows MAE's code and its --global_pool (average pooling).
+# follows MAE's code and its --global_pool (average pooling through a fresh fc_norm).
 # the [CLS] token keeps its PE and drives attentive reconstruction (Eq. 9): it is required
 @register_method("droppos", config=DropPosConfig, pos_embed="sincos2d", class_token="required", probe_feature="cls",
-                 finetune_pool="mean", curves="position_grid", display="DropPos",
+                 finetune_pool="mean_fc_norm", curves="position_grid", display="DropPos",
                  paper="Wang et al. 2023, DropPos: Pre-Training Vision Transformers by Reconstructing Dropped "
                  "Positions")
 class DropPos(BackboneObjective):

@@ -68,9 +68,9 @@ def pixel_targets(images: torch.Tensor, patch_size: int, normalize: bool = True)
 
 
 # MAE's code: the fixed 2-D sin-cos PE; the encoder runs [CLS; visible] (its linear probe reads the class token);
-# fine-tuning with --global_pool, the average of the patch outputs.
+# fine-tuning with --global_pool (its default), the average of the patch outputs through a fresh fc_norm.
 @register_method("mae", config=MAEConfig, pos_embed="sincos2d", class_token="required", probe_feature="cls",
-                 finetune_pool="mean",
+                 finetune_pool="mean_fc_norm",
                  display="MAE", paper="He et al. 2022, Masked Autoencoders Are Scalable Vision Learners")
 class MAE(BackboneObjective):
     """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token.

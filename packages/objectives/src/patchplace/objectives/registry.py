@@ -31,7 +31,7 @@ from .common import ObjectiveConfig, ObjectiveError
 
 # ``head``: the pooling of the backbone's classifier head (``global_pool``), for methods that train through it.
 PROBE_FEATURES = ("cls", "mean", "patch_mean", "head")
-FINETUNE_POOLS = ("cls", "mean", "head")
+FINETUNE_POOLS = ("cls", "mean", "mean_fc_norm", "head")
 MODALITIES = ("image", "audio")
 PE_MODES = ("none", "learned", "sincos1d", "sincos2d", "relbias2d")
 # required: the objective reads it (fails without one); unused: never fed, so frozen (DDP meets no parameter without a
@@ -58,7 +58,8 @@ class MethodSpec:
     # the pooled feature the pretraining trains (docs/design.md): cls | mean (patch outputs of a sequence holding the
     # class token) | patch_mean (the patch tokens alone: the class token is never fed) | head
     probe_feature: str = "head"
-    finetune_pool: str = "head"  # what the method's own fine-tuning puts its classifier head on: cls | mean | head
+    finetune_pool: str = "head"  # what the method's own fine-tuning puts its classifier head on: cls | mean | head |
+    # mean_fc_norm (the mean through a fresh LayerNorm, no final norm: MAE's main_finetune.py --global_pool)
     modality: str = "image"  # image | audio: the data it pretrains on
     paper: str = ""  # authors, year, title: the model card's reference
     display: str = ""  # the name tables show (the method's own spelling, e.g. I-JEPA); empty: ``name``
