@@ -204,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
         except ProtocolError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if not cfg.protocol and args.report_only:
+        print(f"error: {args.config or 'the config'} names no protocol: the study reports its claims only under a "
+              "pre-registered one (protocol: research/protocols/..., as pipelines/configs/study_v5.yaml)",
+              file=sys.stderr)
+        return 2
+    if not cfg.protocol and not args.no_report:
+        print("[study] no protocol in the config: its stages run and no report is written (claims are decided "
+              "only under a pre-registered protocol: pipelines/configs/study_v5.yaml)", flush=True)
+        args.no_report = True
     if not args.report_only:
         print(f"[study] {precision_line(resolve_precision(cfg.precision))}" if cfg.precision == "auto" else
               f"[study] precision={cfg.precision} (forced)", flush=True)
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_report:
         return 0
     print(report(cfg, argv))
-    print(f"[study] results: {cfg.results}/{cfg.name}.md, {cfg.name}.json and {cfg.name}_*.png")
+    print(f"[study] results: {cfg.results}/{cfg.name}.md and {cfg.name}.json")
     return 0
 
 
