@@ -25,10 +25,10 @@ TORCH_INDEX ?=
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
-	@echo "make study  the reproduction study v4 (results/study.md; resumable, reuses rows results/study.json holds whole: nothing left to run once it has them all; ~3.3 h from nothing on 2 CPU cores, docs/study.md)"
+	@echo "make study  the reproduction study v4's stages (resumable; reuses the rows results/study.json holds whole; its report results/study.md is a committed record; docs/study.md)"
 	@echo "make study-v5  study v5's CPU rows in the pre-registered order (research/protocols/study_v5.yaml; results/study_v5.md; resumable; ~570 process-min, docs/study.md)"
-	@echo "make study-curves  the learning curves that chose the study's budget (merged into results/study.md)"
-	@echo "make study-gpu  the same study at a GPU budget, every ablation (results/study_gpu.md)"
+	@echo "make study-curves  the learning curves that chose the study's budget (run directories, no report)"
+	@echo "make study-gpu  the same rows at a GPU budget, every ablation (run directories, no report)"
 	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
 setup: apt venv
@@ -90,9 +90,9 @@ demo: setup data
 	$(PY) -m patchplace.data verify $(SHARDS)/fashion_mnist $(SHARDS)/spoken_keywords
 	$(PY) pipelines/demo.py --out runs/demo
 
-# Reproduction study: every method, label efficiency and the ablations this budget decides, on Fashion-MNIST and
-# spoken keywords -> results/ (study.md, study.json, PNGs). Two processes share the (row, seed) units; resumable
-# (run it again after an interruption). Knobs and the reasoning behind them: pipelines/configs/study_fashion_mnist.yaml
+# Study v4's rows: every method, label efficiency and the ablations this budget decides, on Fashion-MNIST and spoken
+# keywords (run directories; no report: claims are decided under a pre-registered protocol, study v5). Two processes
+# share the (row, seed) units; resumable. Knobs and the reasoning behind them: pipelines/configs/study_fashion_mnist.yaml
 STUDY_JOBS ?= 2
 study: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_fashion_mnist.yaml
@@ -103,11 +103,11 @@ study: setup data
 study-v5: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_v5.yaml
 
-# The learning curves that chose the CPU study's pretraining budget (seed 0; merged into results/study.md)
+# The learning curves that chose the CPU study's pretraining budget (seed 0; run directories, no report)
 study-curves: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_fashion_mnist.yaml 'groups=[curves]'
 
-# The GPU study: every ablation group, 3 seeds, 10 + 10 epochs, bf16 -> results/study_gpu.{json,md}
+# The GPU study's rows: every ablation group, 3 seeds, 10 + 10 epochs, bf16 (run directories, no report)
 STUDY_GPU_JOBS ?= 4
 study-gpu: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_GPU_JOBS) --config pipelines/configs/study_gpu.yaml

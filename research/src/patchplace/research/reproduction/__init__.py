@@ -5,11 +5,12 @@
                 controls.py, ONNX export + ONNX Runtime, each its command line as a process of its own
                 (``python -m ...``); each stage resumable
     metrics.py  the numbers the stages left (results.json, logs), merged with an earlier study.json
-    claims.py   the papers' claims as a table of specs (``PAPER_CLAIMS``) built in one loop and decided by
-                seed-paired tests, the statistics helpers of the tables, the random-init control a row is read
-                against
-    report.py   markdown tables (one function per section), the claims table, PNG figures and
-                ``results/<name>.{json,md}``
+    corpora.py  the corpus a row was made on (manifest fingerprints), so no row is reused on another
+    stats.py    seed-paired tests, Holm, Welch, a paired test's power and the effect it detects at 80%
+    gate.py     the learned gate: a feature counts as learned by a one-sided Welch test on validation
+    claims.py   the protocol's claims, each decided in its regime by its Holm family
+    report.py   results/<name>.{json,md} of a protocol: claims, rows, corrections (corrections.py), minutes
+                (wallclock.py)
     protocol.py a pre-registered protocol (research/protocols/): its hash and commit, each row's provenance, the
                 rows refused and the pairs never formed, the PE-free position ceiling, the doubling rule
     schedule.py the order a protocol's rows run in: seed 0, the doubling rule on validation (recorded), the rest
