@@ -374,7 +374,7 @@ ADDED_CONFIG = {
               "start_lr": None, "warmup_mode": "linear", "final_lr": None, "step_every": None, "step_gamma": 0.5,
               "weight_decay_end": None, "extend": "replan"},
     "run": {"model_ema": None, "log_with": [], "log_project": "patchplace", "compile_scope": "blocks",
-            "activation_checkpointing": False},
+            "activation_checkpointing": False, "fsdp": "off"},
     "finetune": {"pos_embed_init": "random"},
     "objective": {"context_keep": None, "decay_pos_embed": False},
     "data": {"drop_last": True, "re_mode": "const", "re_count": 1, "crop_pct": 1.0, "repeated_aug": 1, "grayscale": 0.0,

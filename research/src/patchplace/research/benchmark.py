@@ -75,6 +75,11 @@ for ``all`` and ``gpu``, ``runs/benchmark`` otherwise. Suites:
               ViT-L widths (--memory-widths), --memory-depth 4 blocks, --memory-batch 8 images of 224 px, the tensor
               bytes a step holds for its backward and its peak of live tensor bytes, without and with every block
               recomputing its activations (fp32; --amp bf16). Writes <out>/benchmark_activation_memory.{json,md}.
+  fsdp_memory  run.fsdp and run.activation_checkpointing per rank on 2 CPU processes (gloo): the peak resident
+              memory of one step (forward, backward, AdamW) as DDP, with checkpointing, with FSDP2's fully_shard
+              (as run.fsdp=full_shard shards), with both; --methods (supervised mae ijepa) at --memory-widths,
+              --memory-depth blocks, --memory-batch images of 224 px per rank, fp32. Writes
+              <out>/benchmark_fsdp_memory.{json,md}.
   ddp         pretrain.py on 1 process vs 2 (gloo, the README's accelerate command, global batch 128 split
               between them, cores split too) for --methods (supervised mp3 mjp), and the step-time cost of DDP's
               find_unused_parameters (2 processes, off vs on; MJP with its jigsaw on every step so that it can run
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out.mkdir(parents=True, exist_ok=True)
     own_file = ("mp3_table2", "gpu", "ddp", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence",
-                "profile", "activation_memory")  # suites with a file of their own
+                "profile", "activation_memory", "fsdp_memory")  # suites with a file of their own
     stem = f"benchmark_{args.suite}" if args.suite in own_file else "benchmark"
     if args.update and args.suite != "all" and (args.suite not in own_file or args.suite in ("speed", "cpu_speed")):
         rows, meta = updated(out / f"{stem}.json", rows, meta)

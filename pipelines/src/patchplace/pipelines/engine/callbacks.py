@@ -22,6 +22,7 @@ from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.checkpoints import RunDirectory, folder_step, snapshot_name
 from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.inputs import metrics_split
+from patchplace.pipelines.engine.launch import check_sharded_evaluation
 from patchplace.pipelines.engine.scoring import BestTracker
 from patchplace.pipelines.rundir import publish_folder
 from patchplace.pipelines.sections import RunSection
@@ -267,7 +268,9 @@ def run_callbacks(run: RunSection, rundir: RunDirectory, snapshots: dict[int, fl
                   evaluate: Evaluate | None, objective: nn.Module) -> list[Callback]:
     """The callbacks the run section asks for: run.checkpoint_every, run.keep_epochs (``snapshots``:
     :func:`snapshot_steps` of the run's budget, ``total`` steps), run.early_stop_patience, run.model_ema. Early
-    stopping without an evaluation is a :class:`ConfigError` before the directory is touched."""
+    stopping without an evaluation is a :class:`ConfigError` before the directory is touched, so is an evaluation
+    under FSDP."""
+    check_sharded_evaluation(rundir.acc, evaluate is not None)
     callbacks: list[Callback] = [CheckpointEvery(run.checkpoint_every)] if run.checkpoint_every else []
     if snapshots:
         callbacks.append(KeepEpochs(rundir, snapshots))

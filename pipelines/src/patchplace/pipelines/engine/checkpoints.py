@@ -44,7 +44,7 @@ from patchplace.pipelines.config import ConfigError, to_dict
 from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.guards import FiniteCheck
 from patchplace.pipelines.engine.inputs import metrics_split
-from patchplace.pipelines.engine.launch import Interrupted, every_rank, relaunch
+from patchplace.pipelines.engine.launch import Interrupted, every_rank, gathered, relaunch
 from patchplace.pipelines.engine.logs import Console, JsonlLog, read_log, trackers, truncate_log
 from patchplace.pipelines.engine.relayout import Layout, relaid_seed
 from patchplace.pipelines.rundir import (
@@ -321,8 +321,9 @@ class RunDirectory:
                     shutil.rmtree(partial)
                 partial.mkdir(parents=True)
             acc.wait_for_everyone()
+            exported = gathered(acc, saved)  # every rank: run.fsdp gathers the full weights (a collective)
             if acc.is_main_process:
-                self.save_backbone(partial / "checkpoint", metadata)
+                self.save_backbone(partial / "checkpoint", metadata, exported)
             acc.save_state(str(partial / "state"))  # every process writes its own random_states_<rank>.pkl
             if acc.is_main_process and saved.ema is not None:  # run.model_ema's average (the same on every rank)
                 saved.ema.save_state(partial / "state")
@@ -346,13 +347,15 @@ class RunDirectory:
         point_checkpoint_link(self.out, final / "checkpoint")
         clean(self.out, keep=final)
 
-    def save_backbone(self, folder: Path, metadata: dict[str, Any]) -> None:
+    def save_backbone(self, folder: Path, metadata: dict[str, Any], saved: Saved | None = None) -> None:
         """The backbone checkpoint folder (``save_pretrained`` + the objective's extra parameters in
-        ``objective.safetensors``): what ``checkpoint/``, ``snapshots/*`` and ``best/`` hold. Main process."""
-        save_pretrained(self.saved.backbone, folder, metadata=metadata)
-        for name, other in self.saved.others.items():
+        ``objective.safetensors``): what ``checkpoint/``, ``snapshots/*`` and ``best/`` hold, of ``saved`` (default:
+        the run's; under run.fsdp, :func:`~patchplace.pipelines.engine.launch.gathered`'s). Main process."""
+        saved = saved or self.saved
+        save_pretrained(saved.backbone, folder, metadata=metadata)
+        for name, other in saved.others.items():
             save_pretrained(other, folder / name, metadata={**metadata, "encoder": name})
-        extras = {k: v.detach().contiguous().cpu() for k, v in self.acc.unwrap_model(self.saved.objective)
+        extras = {k: v.detach().contiguous().cpu() for k, v in self.acc.unwrap_model(saved.objective)
                   .state_dict().items() if not k.startswith(("backbone.", "target_encoder."))}
         if extras:
             save_file(extras, str(folder / "objective.safetensors"))
@@ -362,10 +365,11 @@ class RunDirectory:
         (``metadata`` added to the training's). Every rank calls this (the finite check); the main process writes,
         unless ``missing_only`` and the folder is there already. True: it was written."""
         self.finite.weights(self.saved.objective, step)
+        exported = gathered(self.acc, self.saved)  # every rank (run.fsdp: a collective)
         if not self.acc.is_main_process or (missing_only and (self.out / name).is_dir()):
             return False
         publish_folder(self.out / name, lambda folder: self.save_backbone(
-            folder, {**self.saved.metadata, "step": step, **metadata}))
+            folder, {**self.saved.metadata, "step": step, **metadata}, exported))
         return True
 
     def record_run(self, plan: Any, optim: OptimSection, groups: Any) -> None:

@@ -1,5 +1,7 @@
 """Starting a run and ending it in one line: the errors a user can act on and :func:`report`, each rank's seed, the
-Accelerator and the launch checks, and :func:`start` (config, Accelerator, seed, readers)."""
+Accelerator and the launch checks, ``run.fsdp``'s plugin and the weights it gathers for the backbone folders
+(:func:`fsdp_plugin`, :func:`shard_layers`, :func:`gathered`), and :func:`start` (config, Accelerator, seed,
+readers)."""
 
 from __future__ import annotations
 
@@ -12,15 +14,24 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import ProjectConfiguration, parse_flag_from_env, set_seed
+from accelerate.utils import (
+    DistributedType,
+    FullyShardedDataParallelPlugin,
+    ProjectConfiguration,
+    parse_flag_from_env,
+    set_seed,
+)
+from torch import nn
 
 from patchplace.data import DataError
 from patchplace.models import ModelError, set_attention_kernel
+from patchplace.models.backbone import CheckpointedBlock
 from patchplace.objectives import ObjectiveError
 from patchplace.pipelines.config import ConfigError, command_args, load, one_line, parser
 from patchplace.pipelines.engine import inputs
@@ -191,6 +202,7 @@ def dangling_link(path: Path) -> Path | None:
 
 
 def make_accelerator(run: RunSection) -> Accelerator:
+    check_fsdp(run)  # before run.output is created: a refusal leaves no folder
     link = dangling_link(Path(run.output))
     if link is not None:  # mkdir would call it "File exists"
         target = os.readlink(link)
@@ -211,6 +223,7 @@ def make_accelerator(run: RunSection) -> Accelerator:
                           "write, e.g. run.output=runs/my_run") from None
     precision = resolve_precision(run.mixed_precision, "cpu" if parse_flag_from_env("ACCELERATE_USE_CPU") else None)
     accelerator = Accelerator(mixed_precision=precision.value, gradient_accumulation_steps=run.grad_accum,
+                              fsdp_plugin=fsdp_plugin(run.fsdp),  # (run.mixed_precision: Accelerate's policy)
                               log_with=accelerator_log_with(run),  # "tensorboard" alone by default, as ever
                               # accelerate writes to <logging_dir>/<run name>: the events land in <output>/tensorboard/
                               project_config=ProjectConfiguration(project_dir=run.output, logging_dir=run.output))
@@ -218,6 +231,112 @@ def make_accelerator(run: RunSection) -> Accelerator:
     if precision.value != precision.asked:  # auto, or fp16 on a CPU (engine/hardware.py)
         accelerator.print(precision_line(precision))
     return accelerator
+
+
+# run.fsdp -> FSDP2's reshard_after_forward: full_shard (ZeRO-3) frees each block's gathered weights after its
+# forward and gathers them again for the backward; shard_grad_op (ZeRO-2) keeps them until the backward
+RESHARD_AFTER_FORWARD = {"full_shard": True, "shard_grad_op": False}
+
+
+def check_fsdp(run: RunSection) -> None:
+    """``run.fsdp`` where it can shard: Accelerate switches to FSDP only on GPU-like devices (CUDA here); on CPUs
+    (``ACCELERATE_USE_CPU=true``, or no CUDA device) it would run the processes as DDP, every rank holding the whole
+    model. ``run.model_ema`` keeps an unsharded copy that the sharded weights cannot update."""
+    if run.fsdp == "off":
+        return
+    if parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available():
+        raise ConfigError(f"run.fsdp={run.fsdp} shards the model over GPUs, and this launch has none (on CPUs "
+                          "Accelerate runs the processes as DDP, every rank holding the whole model): train on CUDA "
+                          f"GPUs (accelerate launch --multi_gpu --num_processes N <script> ... run.fsdp={run.fsdp}), "
+                          "or set run.fsdp=off (run.activation_checkpointing=true saves activation memory anywhere)")
+    if run.model_ema is not None:
+        raise ConfigError(f"run.model_ema={run.model_ema:g} with run.fsdp={run.fsdp}: the EMA is an unsharded copy "
+                          "of the whole objective on every rank, updated from the sharded weights; set "
+                          "run.model_ema=null, or run.fsdp=off")
+
+
+def fsdp_plugin(mode: str) -> FullyShardedDataParallelPlugin | None:
+    """``run.fsdp``'s plugin (None: off): FSDP2 (torch's ``fully_shard``), each Transformer block of the objective a
+    unit of its own (:func:`shard_layers` names the classes at ``prepare``), the root holding the rest;
+    ``state_dict_type=FULL_STATE_DICT``: ``save_state`` gathers the full model and optimizer state on the main process
+    into one file each, as a DDP checkpoint holds them, so a checkpoint resumes on any process count (the run
+    directory's relayout) and its files pass the same safe loader."""
+    if mode == "off":
+        return None
+    return FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=RESHARD_AFTER_FORWARD[mode],
+                                          auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT",
+                                          cpu_ram_efficient_loading=False)
+
+
+def block_classes(model: nn.Module) -> list[str]:
+    """The names of ``model``'s Transformer block classes (every :class:`CheckpointedBlock`: the backbone's ``Block``,
+    the decoders' / predictors'), FSDP's wrap units: found on the model, so a method's own block class is sharded
+    without a list to keep."""
+    return sorted({type(m).__name__ for m in model.modules() if isinstance(m, CheckpointedBlock)})
+
+
+def shard_layers(accelerator: Any, model: nn.Module) -> None:
+    """Before ``accelerator.prepare(model, ...)`` under FSDP (``run.fsdp``, or ``accelerate launch --use_fsdp``): the
+    transformer-based wrap policy gets :func:`block_classes` unless the launch named its own; FSDP1 is refused
+    (the optimizer is made before ``prepare``, which FSDP1 cannot remap; FSDP2 does)."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if getattr(accelerator, "distributed_type", None) != DistributedType.FSDP or plugin is None:
+        return
+    if plugin.fsdp_version != 2:
+        raise ConfigError(f"FSDP version {plugin.fsdp_version}: this engine trains with FSDP2 (torch's fully_shard); "
+                          "launch with --fsdp_version 2, or use run.fsdp=full_shard without --use_fsdp")
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if plugin.auto_wrap_policy is transformer_auto_wrap_policy and not plugin.transformer_cls_names_to_wrap:
+        plugin.transformer_cls_names_to_wrap = block_classes(model)
+
+
+def check_sharded_evaluation(accelerator: Any, evaluates: bool) -> None:
+    """Under FSDP a forward needs every rank (each gathers the blocks' shards), and a pipeline's evaluation runs on
+    the main process alone: a run that evaluates during training (``data.val``, fine-tuning) is refused before
+    anything is written, instead of the main process waiting for the others forever."""
+    if evaluates and getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:
+        raise ConfigError("FSDP shards the weights over every process, and the evaluation during training runs on "
+                          "the main process alone: drop data.val (pretrain.py) and evaluate the checkpoint "
+                          "afterwards (python pipelines/evaluate.py ...), or train with run.fsdp=off")
+
+
+class FullState(nn.Module):
+    """The objective's full state dict, gathered (:func:`gathered`), where a backbone folder reads the objective's
+    extra parameters."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.full = state
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        return self.full
+
+
+def gathered(accelerator: Any, saved: Any) -> Any:
+    """What a checkpoint's backbone folder is written from (``saved``: the run directory's ``Saved``), called on
+    every rank: as it is without FSDP; under FSDP each parameter is a shard, so the full state dict is gathered
+    (a collective, to the main process's CPU) and the main process gets plain copies of the backbone and the other
+    encoders holding it (the other ranks: None)."""
+    if getattr(accelerator, "distributed_type", None) != DistributedType.FSDP:
+        return saved
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    objective = saved.objective
+    full = get_model_state_dict(objective, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not accelerator.is_main_process:
+        return None
+    names = {id(module): name for name, module in objective.named_modules()}
+
+    def plain(backbone: nn.Module) -> nn.Module:
+        prefix = f"{names[id(backbone)]}."
+        copy = type(backbone)(backbone.config)
+        copy.load_state_dict({k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)})
+        copy.pretrained_metadata = backbone.pretrained_metadata
+        return copy
+
+    return replace(saved, objective=FullState(full), backbone=plain(saved.backbone),
+                   others={name: plain(other) for name, other in saved.others.items()})
 
 
 def relaunch(processes: int, command: str) -> str:

@@ -131,4 +131,7 @@ def prepare_model(acc: Any, objective: nn.Module, optimizer: torch.optim.Optimiz
     if find_unused is None:
         find_unused = bool(getattr(objective, "leaves_parameters_unused", False))
     acc.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=find_unused)
+    from patchplace.pipelines.engine.launch import shard_layers  # run.fsdp: its wrap units, from the objective
+
+    shard_layers(acc, objective)
     return acc.prepare(objective, optimizer)

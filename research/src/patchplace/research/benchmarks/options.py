@@ -18,7 +18,7 @@ STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pip
 # benchmarks/suites.py's SUITES, in its order
 SUITES = ("matmul", "objectives", "masks", "data", "models", "onnx", "pipelines", "mp3_table2", "gpu", "ddp",
           "anchor", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence", "profile", "data_writer",
-          "loader_vs_step", "probe_memory", "activation_memory", "all")
+          "loader_vs_step", "probe_memory", "activation_memory", "fsdp_memory", "all")
 # the registered image methods (their registrations read without importing torch: objective_fields)
 IMAGE_METHODS = tuple(name for name, m in methods().items() if m.facts["modality"] == "image")
 # the speed ladders' methods: those with a Fashion-MNIST config, then the supervised fine-tuning

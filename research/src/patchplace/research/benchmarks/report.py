@@ -97,6 +97,11 @@ TABLES = {  # suite -> (title, [(column header, row key)])
         ("held ratio", "held_ratio"), ("peak MiB", "peak_mib"), ("peak, ckpt MiB", "peak_ckpt_mib"),
         ("peak ratio", "peak_ratio"), ("of which gradients MiB", "grads_mib"), ("depth", "depth"),
         ("batch", "batch"), ("autocast", "amp")]),
+    "fsdp_memory": ("run.fsdp / run.activation_checkpointing: per-rank peak memory of one training step on 2 CPU "
+                    "processes", [
+        ("width / method / mode", "name"), ("peak MiB", "peak_mib"), ("vs DDP", "vs_ddp"),
+        ("weights + AdamW MiB", "state_mib"), ("step s", "step_s"), ("depth", "depth"),
+        ("batch / rank", "batch_per_rank")]),
     "ddp": ("pretrain.py on one process vs two (gloo, same global batch), and DDP's find_unused_parameters", [
         ("method", "name"), ("setting", "ddp_setting"), ("samples/s (median)", "samples_per_s"), ("runs", "runs"),
         ("vs 1 process", "vs_one_process"), ("vs find_unused off", "vs_find_unused_off"),
@@ -176,6 +181,16 @@ SUITE_NOTES = {
         "so 2 vs 1 process measures DDP's overhead, not a speed-up. 'vs find_unused off': what "
         "DDP's find_unused_parameters costs (no method needs it now: MJP's jigsaw is selected on the device; "
         "here it also shuffles every step). Differences smaller than the spread of the runs are noise."
+    ),
+    "fsdp_memory": (
+        "Each (width, method): a fresh pair of processes (gloo, 1 thread each), fp32, each rank "
+        "its half of the batch. peak: the resident set's high-water mark during the second step "
+        "(the first made AdamW's moments) above the resident set before the model was built, "
+        "the larger rank's. weights + AdamW: what a rank keeps between steps (a shard's local "
+        "part under FSDP). ddp: DistributedDataParallel (every rank the whole model, and its "
+        "gradient buckets); ckpt: every Transformer block recomputing its activations; fsdp: "
+        "FSDP2's fully_shard as run.fsdp=full_shard applies it (a unit per block, gathered for "
+        "its forward and again for its backward). step s: noisy on a shared CPU."
     ),
     "saved_bytes": (
         "Bytes of the distinct storages autograd saves for backward in one training forward "

@@ -19,6 +19,7 @@ from patchplace.research.benchmarks.cpu_speed import cpu_speed_suite
 from patchplace.research.benchmarks.data import data_suite, data_vs_training
 from patchplace.research.benchmarks.data_writer import data_writer_suite
 from patchplace.research.benchmarks.equivalence import equivalence_suite
+from patchplace.research.benchmarks.fsdp_memory import fsdp_memory_suite
 from patchplace.research.benchmarks.gpu import gpu_suite
 from patchplace.research.benchmarks.loader_vs_step import loader_vs_step_suite
 from patchplace.research.benchmarks.mp3 import mp3_table2_suite, saved_bytes_suite
@@ -63,4 +64,5 @@ SUITES = {"matmul": matmul_suite, "objectives": objectives_suite, "masks": masks
           "cpu_speed": cpu_speed_suite, "cpu_equivalence": equivalence_suite,
           "profile": profile_suite, "data_writer": data_writer_suite, "loader_vs_step": loader_vs_step_suite,
           "probe_memory": probe_memory_suite, "activation_memory": activation_memory_suite,
+          "fsdp_memory": fsdp_memory_suite,
           "all": all_suite}
