@@ -1,8 +1,8 @@
 """``python -m patchplace.models.convert`` as a user runs it, on the files and places a fault probe handed it: each
 refusal is exactly one ``error:`` line on stderr (no traceback, no warning raised on the way — torch's load warnings
 are Python warnings, recorded here with every filter at "always" —, no advice to allowlist a pickle's globals), exit 2,
-and nothing written or changed; one case runs as its own process, ``python -m`` as typed. (The converter's own tests of
-the same refusals: packages/models/tests/test_convert.py.)"""
+and nothing written or changed; one case runs as its own process, ``python -m`` as typed. (The layouts, converted
+against a reference, and their key / shape refusals: packages/models/tests/test_convert.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -145,7 +146,8 @@ def test_a_directory_and_an_empty_file_are_not_weights(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("form", ["legacy", "pickle.dump protocol 4", "torch.save protocol 4"])
+@pytest.mark.parametrize("form", ["legacy", "pickle.dump protocol 4", "torch.save protocol 4",
+                                  "legacy protocol 4", "legacy numpy global"])
 def test_pickles_torch_would_warn_about_are_refused_by_name(capsys, tmp_path, form):
     """torch.load(weights_only=True) would answer these with a multi-line UnpicklingError advising to allowlist the
     globals (or, for a planted one, run it without weights_only): the command names the file's problem instead."""
@@ -155,11 +157,23 @@ def test_pickles_torch_would_warn_about_are_refused_by_name(capsys, tmp_path, fo
     elif form == "pickle.dump protocol 4":
         with open(path, "wb") as f:
             pickle.dump({"model": encoder(), "hook": Planted(marker)}, f, protocol=4)
+    elif form == "legacy numpy global":  # numpy's reconstructor: not torch's weights_only allowlist
+        torch.save({"model": encoder(), "stats": np.zeros(3)}, path, _use_new_zipfile_serialization=False)
     else:
-        torch.save({"model": encoder()}, path, pickle_protocol=4)
+        torch.save({"model": encoder()}, path, pickle_protocol=4, _use_new_zipfile_serialization=form == "torch.save "
+                   "protocol 4")
     line = refusal(capsys, path, tmp_path / "out")
-    assert ("posix.system" in line) if form != "torch.save protocol 4" else ("protocol 4" in line), line
+    expected = {"legacy numpy global": "its pickle names numpy", "torch.save protocol 4": "protocol 4",
+                "legacy protocol 4": "protocol 4"}.get(form, "posix.system")
+    assert expected in line, line
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_legacy_torch_save_of_weights_only_converts(capsys, tmp_path):
+    """The pre-zip format (torch.save(_use_new_zipfile_serialization=False)) with nothing but tensors is read."""
+    torch.save({"model": encoder()}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    rc, err = convert(capsys, tmp_path / "legacy.pth", tmp_path / "out")
+    assert rc == 0 and (tmp_path / "out" / "model.safetensors").is_file(), err
 
 
 def test_integer_weights_are_refused_not_cast_to_zeros(capsys, tmp_path):

@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import sys
 import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from timm.models.vision_transformer import checkpoint_filter_fn
 
 from patchplace.models import ModelError, load_pretrained, sincos_2d, timm_data_config, timm_transform
@@ -490,99 +487,3 @@ def test_the_command_converts_and_refuses_a_directory_it_would_replace(tmp_path,
     assert main([*args, "--out", str(tmp_path / "mine")]) == 2
     assert "exists and is not a checkpoint directory" in capsys.readouterr().err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-
-
-# ------------------------------------------------------------- files that are not what they claim, places not to write
-def _small_encoder() -> dict[str, torch.Tensor]:
-    torch.manual_seed(11)
-    return vit_encoder(64, 1, 4, 8, chans=1)
-
-
-SMALL = ["--from", "mae", "--num-heads", "2", "--mean", "0.5", "--std", "0.25"]
-
-
-def _one_line_refusal(capsys, file: Path | str, out: Path | str) -> str:
-    assert main([str(file), *SMALL, "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: "), err
-    return err
-
-
-def test_a_patchplace_checkpoint_is_not_relabelled_an_authors_release(tmp_path, capsys):
-    """A patchplace checkpoint's model.safetensors holds timm's keys: --from mae took it, and called it MAE's."""
-    from patchplace.models import create_model, save_pretrained
-
-    save_pretrained(create_model("vit_micro", img_size=16, num_classes=3), tmp_path / "stop", {"method": "stop"})
-    err = _one_line_refusal(capsys, tmp_path / "stop" / "model.safetensors", tmp_path / "out")
-    assert "weights file of a patchplace checkpoint" in err and "relabel" in err
-    assert "needs no conversion" in _one_line_refusal(capsys, tmp_path / "stop", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-def test_integer_and_non_finite_weights_are_refused(tmp_path, capsys):
-    weights = _small_encoder()
-    weights["blocks.0.attn.qkv.weight"] = (weights["blocks.0.attn.qkv.weight"] * 100).long()  # cast: all zeros
-    save_file(weights, str(tmp_path / "int.safetensors"))
-    err = _one_line_refusal(capsys, tmp_path / "int.safetensors", tmp_path / "out")
-    assert "'blocks.0.attn.qkv.weight' is int64, not a floating-point weight" in err
-    weights = _small_encoder()
-    weights["blocks.0.mlp.fc1.weight"][3, 5] = float("nan")
-    weights["norm.weight"][0] = float("inf")
-    save(dict(model=weights), tmp_path / "nan.pth")
-    err = _one_line_refusal(capsys, tmp_path / "nan.pth", tmp_path / "out")
-    assert "holds NaN (1 of 16384 values)" in err and "diverged" in err
-    assert not (tmp_path / "out").exists()
-
-
-def _training_run(run: Path) -> None:
-    """A run directory as patchplace.pipelines leaves it: lock, config, a sealed step, the checkpoint link."""
-    from patchplace.models import create_model, save_pretrained
-
-    step = run / "checkpoints" / "step-00000003"
-    save_pretrained(create_model("vit_micro", img_size=16), step / "checkpoint", {"method": "stop"})
-    (step / "COMPLETE").write_text("{}\n")
-    (run / "config.yaml").write_text("method: stop\n")
-    (run / ".lock").write_text("")
-    (run / "checkpoint").symlink_to("checkpoints/step-00000003/checkpoint")
-
-
-def test_an_out_inside_a_training_run_is_refused(tmp_path, capsys):
-    file = save(dict(model=_small_encoder()), tmp_path / "small.pth")
-    run = tmp_path / "run"
-    _training_run(run)
-    sealed = (run / "checkpoints" / "step-00000003" / "checkpoint" / "model.safetensors").read_bytes()
-    for out in (run / "checkpoint", run / "checkpoints" / "step-00000003" / "checkpoint", run / "converted"):
-        err = _one_line_refusal(capsys, file, out)
-        assert f"inside the training run {run}" in err and ".lock" in err, err
-    assert os.readlink(run / "checkpoint") == "checkpoints/step-00000003/checkpoint"
-    assert (run / "checkpoints" / "step-00000003" / "checkpoint" / "model.safetensors").read_bytes() == sealed
-    assert not (run / "converted").exists()
-    assert main([str(file), *SMALL, "--out", str(tmp_path / "elsewhere")]) == 0  # outside any run: converted
-
-
-def test_unreadable_inputs_and_outputs_are_one_line_each(tmp_path, capsys):
-    file = save(dict(model=_small_encoder()), tmp_path / "small.pth")
-    assert "is 300 bytes long" in _one_line_refusal(capsys, file, tmp_path / ("x" * 300))
-    (tmp_path / "folder").mkdir()
-    assert "is a directory, not a released weights file" in _one_line_refusal(capsys, tmp_path / "folder",
-                                                                                tmp_path / "out")
-    (tmp_path / "empty.pth").write_bytes(b"")
-    assert "is empty (0 bytes)" in _one_line_refusal(capsys, tmp_path / "empty.pth", tmp_path / "out")
-    marker = tmp_path / "pwned"
-    with open(tmp_path / "raw.pth", "wb") as f:  # pickle.dump: not torch.save's format
-        pickle.dump({"model": _small_encoder(), "hook": Planted(marker)}, f, protocol=4)
-    err = _one_line_refusal(capsys, tmp_path / "raw.pth", tmp_path / "out")
-    assert "a plain pickle" in err and "posix.system" in err and "allowlist" not in err and "Warning" not in err
-    torch.save(dict(model=_small_encoder()), tmp_path / "p4.pth", pickle_protocol=4)
-    torch.save(dict(model=_small_encoder()), tmp_path / "p4legacy.pth", pickle_protocol=4,
-               _use_new_zipfile_serialization=False)
-    for name in ("p4.pth", "p4legacy.pth"):
-        err = _one_line_refusal(capsys, tmp_path / name, tmp_path / "out")
-        assert "pickled with protocol 4" in err and "Weights only load failed" not in err, err
-    torch.save(dict(model=_small_encoder(), stats=np.zeros(3)), tmp_path / "np.pth",
-               _use_new_zipfile_serialization=False)
-    err = _one_line_refusal(capsys, tmp_path / "np.pth", tmp_path / "out")
-    assert "its pickle names numpy" in err and "allowlist" not in err
-    assert not marker.exists() and not (tmp_path / "out").exists()
-    torch.save(dict(model=_small_encoder()), tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
-    assert main([str(tmp_path / "legacy.pth"), *SMALL, "--out", str(tmp_path / "out")]) == 0  # legacy is read
