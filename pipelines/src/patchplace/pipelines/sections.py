@@ -377,9 +377,10 @@ class RunSection:
     overwrite: bool = False  # replace the run already in run.output (without it, reusing a directory is an error)
     tensorboard: bool = True  # events in output/tensorboard/ (train/*, val/*)
     # experiment trackers beside run.tensorboard, by Accelerate's names: tensorboard, wandb, mlflow, comet_ml, aim,
-    # clearml, dvclive, swanlab, trackio; each gets train/* and val/* as TensorBoard does and is set up as it
-    # usually is (its environment: WANDB_MODE=offline, MLFLOW_TRACKING_URI=file:mlruns, ...), e.g. [wandb]
-    log_with: tuple[str, ...] | str = ()  # (a name, as Accelerate takes it, is a list of one)
+    # clearml, dvclive, swanlab, trackio, or all (every one installed); each gets train/*, val/* and the config as
+    # its params, the run named after run.output, and is set up as it usually is (its environment: WANDB_MODE=offline,
+    # MLFLOW_TRACKING_URI=file:mlruns with MLFLOW_ALLOW_FILE_STORE=true, ...; docs/pipelines.md), e.g. [wandb]
+    log_with: tuple[str, ...] | str = ()  # trackers beside run.tensorboard: a name, a list, or all (docs/pipelines.md)
     log_project: str = "patchplace"  # the run.log_with trackers' project (W&B, Comet, Aim) / experiment (MLflow)
     # DDP's find_unused_parameters; null = only for objectives whose steps may leave a trainable parameter without
     # gradient (MJP's E_unk). True costs a graph traversal per step (results/benchmark.md, ddp suite).

@@ -4,7 +4,9 @@ resume hint repeats."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import sys
 import time
@@ -12,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, MLflowTracker, TensorBoardTracker, get_available_trackers
 from tqdm.auto import tqdm
 
 from patchplace.data.atomic import atomic_file
+from patchplace.pipelines.config import ConfigError, one_line, to_dict
 
 
 def say(text: str, file: Any = None) -> None:
@@ -131,28 +136,230 @@ class Throughput:
 
 
 # ---------------------------------------------------------------------------------------------- experiment trackers
+# what the Trainer's run directory shows a tracker that keeps files (MLflow's artifacts), at the run's end
+RUN_FILES = (("config.yaml", None), ("optimizer.json", None), ("checkpoint/README.md", "checkpoint"),
+             ("checkpoint/config.json", "checkpoint"))
+# the packages whose errors name their tracker (a failed start is reported under that name)
+ERROR_PACKAGES = {"torch": "tensorboard", "tensorboardX": "tensorboard"}
+
+
 def trackers(run: Any) -> list[str]:
     """Every experiment tracker a run logs train/* and val/* to: TensorBoard (``run.tensorboard``) first, then
-    ``run.log_with`` (an evaluation's run section has neither: none)."""
-    return list(dict.fromkeys([*(["tensorboard"] if run.tensorboard else []), *getattr(run, "log_with", ())]))
+    ``run.log_with``, whose "all" is every tracker installed here (an evaluation's run section has neither: none)."""
+    asked = list(getattr(run, "log_with", ()))
+    if "all" in asked:
+        asked = [str(t) for t in get_available_trackers()]
+    return list(dict.fromkeys([*(["tensorboard"] if run.tensorboard else []), *asked]))
 
 
-def accelerator_log_with(run: Any) -> Any:
-    """``Accelerator(log_with=...)`` for ``run``: None, "tensorboard" alone as ever, or with other trackers a
-    TensorBoard tracker of its own, so that its events stay in output/tensorboard/ while the others take
-    ``run.log_project`` as their project (Accelerate names both after one ``init_trackers`` argument)."""
-    names = trackers(run)
-    if not names or names == ["tensorboard"]:
-        return names[0] if names else None
-    from accelerate.tracking import TensorBoardTracker  # it opens its writer in start(): on the main process
-
-    return [TensorBoardTracker("tensorboard", run.output) if n == "tensorboard" else n for n in names]
+def run_name(run: Any) -> str:
+    """The name a tracker gives the run: run.output's folder name (runs/mae_tiny: "mae_tiny")."""
+    return Path(run.output).absolute().name
 
 
-def tracker_project(run: Any) -> str:
-    """The ``init_trackers`` project: "tensorboard" for TensorBoard alone (output/tensorboard/), else
-    ``run.log_project``."""
-    return "tensorboard" if trackers(run) == ["tensorboard"] else run.log_project
+class RunTensorBoard(TensorBoardTracker):
+    """TensorBoard in ``<output>/tensorboard/``, the config as the hparams of that same run (Accelerate's own
+    writes them to a run of their own, apart from the scalars), so that the HParams dashboard shows them beside the
+    run's train/loss."""
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        writer = self.writer._get_file_writer()  # the events file of train/* and val/*
+        for summary in hparams(values, {"train/loss": None}):  # (experiment, session start, session end)
+            writer.add_summary(summary)
+        self.writer.flush()
+
+    def abort(self) -> None:
+        self.writer.close()
+
+
+class RunMLflow(MLflowTracker):
+    """MLflow as Accelerate starts it, with the system metrics MLflow samples (CPU, memory, disk, network, GPU:
+    ``log_system_metrics``, psutil's, an Accelerate dependency) unless MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING says
+    otherwise, and the config's long values clipped to MLflow's limit rather than dropped."""
+
+    def start(self) -> None:
+        import mlflow
+
+        found = mlflow.get_experiment_by_name(self.experiment_name)
+        experiment = found.experiment_id if found is not None else mlflow.create_experiment(
+            self.experiment_name, artifact_location=self.logging_dir)
+        system = None if "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING" in os.environ else True
+        self.active_run = mlflow.start_run(run_id=self.run_id, experiment_id=experiment, run_name=self.run_name,
+                                           nested=self.nested_run, tags=self.tags, description=self.description,
+                                           log_system_metrics=system)
+
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        import mlflow
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        params = list({key: clip(str(value), MAX_PARAM_VAL_LENGTH) for key, value in values.items()}.items())
+        for at in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):  # MLflow takes so many per call
+            mlflow.log_params(dict(params[at:at + MAX_PARAMS_TAGS_PER_BATCH]))
+
+    def abort(self) -> None:
+        import mlflow
+
+        mlflow.end_run(status="FAILED")
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters, a clipped one saying so (the whole value is in config.yaml)."""
+    if len(text) <= limit:
+        return text
+    note = f" ... ({len(text)} characters: config.yaml)"
+    return text[:limit - len(note)] + note
+
+
+def accelerator_log_with(run: Any) -> list[Any] | None:
+    """``Accelerator(log_with=...)`` for ``run``: None, or the trackers built here. TensorBoard writes to
+    output/tensorboard/, MLflow names its experiment run.log_project and its run after run.output, W&B / Comet /
+    Aim / ... take run.log_project as their project as Accelerate gives it (those with a run name, W&B, SwanLab,
+    Trackio, ClearML, the run.output's)."""
+    names, name = trackers(run), run_name(run)
+    built: list[Any] = []
+    for tracker in names:
+        if tracker == "tensorboard":
+            built.append(RunTensorBoard("tensorboard", run.output))
+        elif tracker == "mlflow":
+            built.append(RunMLflow(run.log_project, run_name=name,
+                                   tags={"patchplace.output": str(Path(run.output).absolute())}))
+        else:
+            cls = LOGGER_TYPE_TO_CLASS[tracker]
+            place = (run.output,) if cls.requires_logging_directory else ()
+            built.append(cls(run.log_project, *place, **named(tracker, name)))
+    return built or None
+
+
+def named(tracker: str, name: str) -> dict[str, str]:
+    """The keyword a tracker's own start takes the run name by (W&B's ``wandb.init(name=)``, ...); none where the
+    user's environment names it (CLEARML_TASK)."""
+    if tracker == "clearml":
+        return {} if "CLEARML_TASK" in os.environ else {"task_name": name}
+    key = {"wandb": "name", "trackio": "name", "swanlab": "experiment_name"}.get(tracker)
+    return {key: name} if key else {}
+
+
+def flat_config(tree: dict[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
+    """A config as the trackers' params / hparams: dotted keys (optim.lr), scalars as they are, lists and nulls as
+    JSON (["mlflow"], null)."""
+    flat: dict[str, bool | int | float | str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(flat_config(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, bool | int | float | str) else json.dumps(value)
+    return flat
+
+
+def start_trackers(acc: Any, run: Any, config: Any, lock: Any = None) -> None:
+    """Start the run's trackers (main process) with the resolved config as their params / hparams, and its YAML as
+    text (TensorBoard) or an artifact (MLflow). A tracker that does not start (MLflow refusing its store, say) is
+    one line on every rank (exit 2), with every file the start wrote in run.output removed again, and ``lock`` (the
+    run directory's lock: its ``path``) too if nothing else is left."""
+    if not trackers(run):
+        return
+    problem = _start(acc, run, config, lock) if acc.is_main_process else None
+    if acc.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        problem = broadcast_object_list([problem], from_process=0)[0]
+    if problem is not None:
+        error = ConfigError(problem)
+        error.every_rank = True  # (launch.every_rank: printed once)
+        raise error
+
+
+def _start(acc: Any, run: Any, config: Any, lock: Any) -> str | None:
+    """:func:`start_trackers` on the main process: None, or what went wrong."""
+    out = Path(run.output)
+    before = set(out.rglob("*"))
+    tree = to_dict(config)
+    try:
+        acc.init_trackers(run.log_project, config=flat_config(tree))
+        _record_config(acc, yaml.safe_dump(tree, sort_keys=False))
+    except Exception as exc:  # whatever a tracker's package raises (MlflowException, OSError, ...)
+        failed = _failed(acc, exc)
+        _abort(acc)
+        _remove_new(out, before, None if lock is None else lock.path)
+        return tracker_failure(failed, exc)
+    return None
+
+
+def _record_config(acc: Any, text: str) -> None:
+    """The config's YAML: TensorBoard's text "config", MLflow's artifact config.yaml (there from the start)."""
+    for tracker in acc.trackers:
+        if isinstance(tracker, RunTensorBoard):
+            tracker.writer.add_text("config", "".join(f"    {line}\n" for line in text.splitlines()))  # code block
+            tracker.writer.flush()
+        elif isinstance(tracker, RunMLflow):
+            from mlflow import MlflowClient
+
+            MlflowClient().log_text(tracker.active_run.info.run_id, text, "config.yaml")
+
+
+def _failed(acc: Any, exc: BaseException) -> str:
+    """The tracker that failed: the first not started, else the one whose package raised ``exc``."""
+    for tracker in acc.trackers:
+        if getattr(tracker, "tracker", None) is None:  # (each keeps its run / writer from its start)
+            return tracker.name
+    package = type(exc).__module__.split(".")[0]
+    names = [t.name for t in acc.trackers]
+    found = ERROR_PACKAGES.get(package, package)
+    return found if found in names else " / ".join(names)
+
+
+def _abort(acc: Any) -> None:
+    """End the trackers a failed start left open (MLflow's run marked FAILED), so none is left running."""
+    for tracker in acc.trackers:
+        if getattr(tracker, "tracker", None) is not None:
+            with contextlib.suppress(Exception):  # closing what half-started: its own error is the one reported
+                (tracker.abort if hasattr(tracker, "abort") else tracker.finish)()
+    acc.trackers.clear()
+
+
+def _remove_new(out: Path, before: set[Path], lock: Path | None) -> None:
+    """Remove what appeared in ``out`` since ``before`` (deepest first), and the ``lock`` file of a directory left
+    with nothing else, which a refused launch then removes (launch.remove_created_output): the next run finds no
+    half-made run folder."""
+    for path in sorted(set(out.rglob("*")) - before, key=lambda p: len(p.parts), reverse=True):
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink()
+    if lock is not None and list(out.iterdir()) == [lock]:
+        lock.unlink()
+
+
+def tracker_failure(name: str, exc: BaseException) -> str:
+    """The one line of a tracker that did not start: its error, how to set it up, or how to leave it out."""
+    hint = {"mlflow": "MLflow opens the store MLFLOW_TRACKING_URI names (unset, MLflow 3's sqlite:///mlflow.db, which "
+                      "needs the sqlalchemy of the full mlflow package), e.g. MLFLOW_TRACKING_URI=file:mlruns "
+                      "MLFLOW_ALLOW_FILE_STORE=true or an MLflow server's http://host:5000"}.get(
+        name, "set it up as its documentation says")
+    leave = "run.tensorboard=false" if name == "tensorboard" else f"leave {name} out of run.log_with"
+    return f"run.log_with: {name} did not start ({type(exc).__name__}: {one_line(exc)}); {hint}, or {leave}"
+
+
+def finish_trackers(acc: Any, output: str | Path, step: int) -> None:
+    """The run's files where a tracker keeps them (main process, after the final checkpoint): MLflow's artifacts
+    (:data:`RUN_FILES`: config.yaml, optimizer.json, the model card and the final checkpoint's config.json with its
+    metadata), TensorBoard's text "model_card". Closing them is ``end_training``'s."""
+    if not acc.is_main_process:
+        return
+    out = Path(output)
+    for tracker in acc.trackers:
+        if isinstance(tracker, RunMLflow):
+            from mlflow import MlflowClient
+
+            client, run_id = MlflowClient(), tracker.active_run.info.run_id
+            for name, folder in RUN_FILES:
+                if (out / name).is_file():
+                    client.log_artifact(run_id, str(out / name), folder)
+        elif isinstance(tracker, RunTensorBoard) and (out / "checkpoint" / "README.md").is_file():
+            tracker.writer.add_text("model_card", (out / "checkpoint" / "README.md").read_text(), global_step=step)
+            tracker.writer.flush()
 
 
 class StepLog:

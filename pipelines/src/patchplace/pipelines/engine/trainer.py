@@ -42,7 +42,7 @@ from patchplace.pipelines.engine.guards import FiniteCheck, StopSignals
 from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.engine.inputs import Data, data_fingerprints
 from patchplace.pipelines.engine.launch import check_seed, every_rank, reported
-from patchplace.pipelines.engine.logs import Console, JsonlLog, StepLog, Throughput, tracker_project, trackers
+from patchplace.pipelines.engine.logs import Console, JsonlLog, StepLog, Throughput, finish_trackers, start_trackers
 from patchplace.pipelines.engine.optim import (
     StepSchedule,
     checkpoint_activations,
@@ -253,9 +253,8 @@ class Trainer:
         """A session that trains from ``step``: optimizer.json, config.yaml, the trackers, the progress bar and the
         throughput meter."""
         acc, optim = self.acc, self.optim_cfg
+        start_trackers(acc, self.run, self.config, self.rundir.lock)  # first: a failed start leaves no file
         self.rundir.record_run(self.plan, optim, self.groups)
-        if acc.is_main_process and trackers(self.run):  # run.tensorboard, run.log_with
-            acc.init_trackers(tracker_project(self.run))
         self.bar = self.console.bar = tqdm(total=self.total, initial=step, disable=not acc.is_main_process,
                                            desc=self.metadata.get("method"))
         self.meter = Throughput(self.data.started)
@@ -356,6 +355,7 @@ class Trainer:
         self.save_checkpoint(step, metrics=metrics, records=records)
         self.callbacks.on_checkpoint(step)
         self.callbacks.on_close()
+        finish_trackers(self.acc, self.run.output, step)  # the run's files as MLflow artifacts, the model card
         # the trackers closed and, on every rank, the process group destroyed: one left to the interpreter's end
         # can abort the process there ("terminate called without an active exception": gloo's worker threads)
         self.acc.end_training()
