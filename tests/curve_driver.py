@@ -5,7 +5,7 @@ reports a scripted top-1 per step (:func:`scripted_main`), so where the run stop
     python tests/curve_driver.py kills REPORT.json BASE_DIR SEED COUNT SWEEP -- <pretrain arguments>
         Runs the arguments straight, then once more counting the Python line events of every snapshot, best/ and
         checkpoint write and every optimizer step (the kill points). For each kill point (SWEEP, a comma list of:
-        step: as each optimizer step begins; best / snapshot: every distinct line of ``rundir.py`` in the last
+        step: as each optimizer step begins; best / snapshot: every distinct line of ``engine/protocol.py`` in the last
         write of that kind, which nothing rewrites later; then COUNT more drawn with SEED among all events of every
         write), forks a child that SIGKILLs itself there, resumes the killed run with run.resume=true (then once
         more: a finished run is complete), and records whether every snapshot, best/, the final weights and the
@@ -30,13 +30,13 @@ from patchplace.data import atomic
 from patchplace.pipelines import (
     engine,
     pretrain,
-    rundir,
 )
+from patchplace.pipelines.engine import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RUNDIR_FILE = str(Path(rundir.__file__).resolve())
-# the protocol's lines: rundir.py and the folder swap it calls (patchplace.data.atomic.swap_dir)
+RUNDIR_FILE = str(Path(protocol.__file__).resolve())
+# the protocol's lines: engine/protocol.py and the folder swap it calls (patchplace.data.atomic.swap_dir)
 PROTOCOL_FILES = {RUNDIR_FILE, str(Path(atomic.__file__).resolve())}
 # top-1 by step: bests at 2, 4 and 8; 10, 12 (a tie is no better) and 14 are not: patience 3 stops at step 14
 SCRIPT = {2: 0.30, 4: 0.50, 6: 0.45, 8: 0.55, 10: 0.52, 12: 0.55, 14: 0.54, 16: 0.60}

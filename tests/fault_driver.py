@@ -3,7 +3,7 @@
 
     python tests/fault_driver.py kills REPORT.json OUT_DIR SEED COUNT -- <pretrain arguments>
         Runs the arguments straight once, counts the Python line events of every checkpoint save (the kill points),
-        then, for COUNT kill points drawn with SEED (half among the lines of rundir.py, the checkpoint protocol
+        then, for COUNT kill points drawn with SEED (half among the lines of engine/protocol.py, the checkpoint protocol
         itself, half among all of them), forks a child that SIGKILLs itself at that line of that save, resumes the
         killed run with run.resume=true, and records whether it resumed, from which step, whether its final
         weights equal the straight run's, and what stray files were left after the resume's saves.
@@ -40,18 +40,18 @@ from patchplace.pipelines import (
     engine,
     finetune,
     pretrain,
-    rundir,
 )
+from patchplace.pipelines.engine import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RUNDIR_FILE = str(Path(rundir.__file__).resolve())
-# the protocol's lines: rundir.py and the folder swap it calls (patchplace.data.atomic.swap_dir)
+RUNDIR_FILE = str(Path(protocol.__file__).resolve())
+# the protocol's lines: engine/protocol.py and the folder swap it calls (patchplace.data.atomic.swap_dir)
 PROTOCOL_FILES = {RUNDIR_FILE, str(Path(atomic.__file__).resolve())}
 
 
 class LineCounter:
-    """``sys.settrace`` tracer that counts line events (and notes which ones are in rundir.py); at event number
+    """``sys.settrace`` tracer that counts line events (and notes which ones are in engine/protocol.py); at event number
     ``kill_at`` of save number ``save_index`` it SIGKILLs the process."""
 
     def __init__(self, kill_at: tuple[int, int] | None = None) -> None:
@@ -118,8 +118,8 @@ def kills(report: Path, base: Path, seed: int, count: int, args: list[str]) -> N
     counter = LineCounter()
     counter.install()
     resumed: list[int] = []
-    resume_step = engine.RunDirectory.resume_step
-    engine.RunDirectory.resume_step = lambda rundir: resumed.append(resume_step(rundir)) or resumed[-1]
+    resume_step = engine.RunDir.resume_step
+    engine.RunDir.resume_step = lambda rundir: resumed.append(resume_step(rundir)) or resumed[-1]
     assert script.main(with_output(args, straight)) == 0
     # Count on a second straight run: the first one also ran one-time work (lazy imports, first-call caches) that
     # the forked children, started from this warmed-up process, will not repeat.
@@ -127,8 +127,8 @@ def kills(report: Path, base: Path, seed: int, count: int, args: list[str]) -> N
     assert script.main(with_output(args, base / "counted")) == 0
     assert same(weights(straight), weights(base / "counted"))
     saves = [dict(s) for s in counter.saves]
-    # Every distinct line of the checkpoint protocol (rundir.py) in a save that has a previous checkpoint to lose,
-    # then COUNT random points: alternately a line of rundir.py and any line of the save path, in any save.
+    # Every distinct line of the checkpoint protocol (engine/protocol.py) in a save that has a previous checkpoint to
+    # lose, then COUNT random points: alternately a line of the protocol and any line of the save path, in any save.
     middle = len(saves) - 1 if os.environ.get("KILL_SAVE") == "last" else len(saves) // 2
     points = [(middle, event) for event in sorted(saves[middle]["rundir_lines"].values())]
     rng = random.Random(seed)
@@ -167,7 +167,7 @@ def sealed_metrics(out: Path) -> dict | None:
     """The metrics in the final checkpoint's config.json, after checking the checkpoint against its seal."""
     if not (out / "checkpoint").exists():
         return None
-    rundir.verify((out / "checkpoint").resolve().parent)
+    protocol.verify((out / "checkpoint").resolve().parent)
     return json.loads((out / "checkpoint" / "config.json").read_text())["metadata"].get("metrics")
 
 

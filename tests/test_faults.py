@@ -15,10 +15,9 @@ import pytest
 from fault_driver import same, sigterm_at, strays, weights
 from pipeline_args import TINY, files_of, img, small_heads
 
-from patchplace.pipelines import (
-    pretrain,
-    rundir,
-)
+from patchplace.data.manifest import sha256_file
+from patchplace.pipelines import pretrain
+from patchplace.pipelines.engine import protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
@@ -48,8 +47,8 @@ def logged_steps(out: Path) -> list[int]:
 
 
 def test_a_kill_at_any_line_of_a_save_loses_nothing(shards, tmp_path):
-    """SIGKILL at every distinct line of the checkpoint protocol (rundir.py) in the middle save, and at 6 random
-    lines of the whole save path (torch / safetensors / Accelerate writes included) of any save: each killed run
+    """SIGKILL at every distinct line of the checkpoint protocol (engine/protocol.py) in the middle save, and at 6
+    random lines of the whole save path (torch / safetensors / Accelerate writes included) of any save: each killed run
     resumes from its newest complete checkpoint (never step 0 once one exists), ends with the uninterrupted run's
     weights, logs every step once, and leaves no partial / trash file after its next save."""
     report = tmp_path / "report.json"
@@ -86,7 +85,7 @@ def test_the_rename_windows_and_leftovers_resume_from_the_newest_checkpoint(shar
             assert pretrain.main([*stop_args(shards, out), "run.checkpoint_every=2", "run.resume=true"]) == 143
         if window == "link_not_swapped":
             shutil.copytree(keep, two)
-            rundir.point_checkpoint_link(out, two / "checkpoint")
+            protocol.point_checkpoint_link(out, two / "checkpoint")
         else:
             shutil.copytree(keep, out / "checkpoints" / ".trash-step-00000002-1")
         (out / "checkpoints" / ".partial-step-00000005").mkdir()
@@ -98,7 +97,7 @@ def test_the_rename_windows_and_leftovers_resume_from_the_newest_checkpoint(shar
 
 def test_one_run_per_directory(shards, tmp_path, capsys):
     out = tmp_path / "run"
-    lock = rundir.RunLock(out).acquire()  # another process would hold this flock while it trains
+    lock = protocol.RunLock(out).acquire()  # another process would hold this flock while it trains
     try:
         assert pretrain.main(stop_args(shards, out, 2)) == 2
         err = capsys.readouterr().err
@@ -316,7 +315,7 @@ def test_data_settings_that_cannot_work_name_the_key_and_the_fix(shards, tmp_pat
 def reseal(step: Path) -> None:
     """Rewrite a checkpoint's COMPLETE record to match its files as they are now: damage the seal cannot see."""
     record = json.loads((step / "COMPLETE").read_text())
-    record["files"] = {name: {"bytes": (step / name).stat().st_size, "sha256": rundir._sha256(step / name)}
+    record["files"] = {name: {"bytes": (step / name).stat().st_size, "sha256": sha256_file(step / name)}
                        for name in record["files"]}
     (step / "COMPLETE").write_text(json.dumps(record))
 
@@ -478,7 +477,7 @@ def test_a_finished_run_resumes_as_complete_without_touching_its_files(shards, t
     out = tmp_path / "ft"
     assert finetune.main(finetune_args(shards, out)) == 0
     step = (out / "checkpoint").resolve().parent
-    record = rundir.verify(step)
+    record = protocol.verify(step)
     metrics = json.loads((out / "checkpoint" / "config.json").read_text())["metadata"]["metrics"]
     assert metrics["count"] == 32 and 0 <= metrics["top1"] <= 1
     assert "config.json" in " ".join(record["files"]) and "top1" in (out / "checkpoint" / "README.md").read_text()
@@ -488,7 +487,7 @@ def test_a_finished_run_resumes_as_complete_without_touching_its_files(shards, t
     assert finetune.main([*finetune_args(shards, out), "run.resume=true"]) == 0
     assert f"{out} is complete (step 4 of 4); nothing to do" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before
-    assert (out / "log.jsonl").read_text() == log and rundir.verify(step) == record
+    assert (out / "log.jsonl").read_text() == log and protocol.verify(step) == record
 
 
 def test_a_kill_in_the_last_save_of_a_finetune_keeps_its_metrics_sealed(shards, tmp_path):

@@ -123,7 +123,7 @@ def test_an_objective_refusal_names_every_field_it_mentions_as_its_key(shards, m
 def test_a_run_recorded_with_the_given_objective_fields_only_still_resumes(shards, tmp_path, capsys):
     """config.yaml records every objective field in force; a run whose record holds the given ones only (written
     before it did) compares by its method's defaults: it resumes, and a changed field is named."""
-    from patchplace.pipelines.rundir import config_changes
+    from patchplace.pipelines.engine.rundir import config_changes
 
     full = {"method": "stop", "objective": dict(vars(get_method("stop").config({"sigma": 0.5})))}  # as recorded now
     assert config_changes({"method": "stop", "objective": {"sigma": 0.5}}, full) == []

@@ -46,7 +46,7 @@ def record_checkpoints(monkeypatch) -> dict[int, dict]:
 
     def recording(trainer, step, **kwargs):
         save(trainer, step, **kwargs)
-        saved[step] = tensors(trainer.out / "checkpoint" / "model.safetensors")
+        saved[step] = tensors(trainer.rundir.out / "checkpoint" / "model.safetensors")
 
     monkeypatch.setattr(engine.Trainer, "save_checkpoint", recording)
     return saved
@@ -183,7 +183,7 @@ def test_the_closing_evaluation_competes_for_best(shards, tmp_path, monkeypatch)
 
 @pytest.mark.parametrize(("sweep", "count", "least"), [("step", 2, 14 + 2), ("best,snapshot", 0, 30)])
 def test_a_kill_anywhere_resumes_to_the_same_snapshots_best_and_stop(shards, tmp_path, sweep, count, least):
-    """SIGKILL as each optimizer step begins, or at every line of the write protocol (rundir.py) in the last
+    """SIGKILL as each optimizer step begins, or at every line of the write protocol (engine/protocol.py) in the last
     best/ write (step 8: it replaces step 4's) or in the last snapshot, plus random lines of any write: each killed run
     resumes, stops at step 14 like the uninterrupted run, with bit-identical snapshots, best/ and final weights,
     every step logged once, and no partial / replaced folder left; a further resume (every 4th kill) says it is

@@ -18,7 +18,7 @@ import yaml
 from patchplace.data import ShardDataset, SplitWriter
 from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import inputs
-from patchplace.pipelines.rundir import prepare_directory
+from patchplace.pipelines.engine.rundir import prepare_directory
 from patchplace.pipelines.sections import DataSection
 
 ROOT = Path(__file__).resolve().parents[1]

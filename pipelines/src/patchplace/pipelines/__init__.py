@@ -7,8 +7,8 @@
     sections.py    the training sections (data, model, optim, run): each field's type, range and meaning
     commands.py    the config classes of pretrain / finetune / evaluate (no torch: ``--help`` answers in a second)
     cli.py         the scripts' and console scripts' entry: ``--help`` without torch, else the command's ``main``
-    engine/        the training engine (see docs/design.md#5-pipelines-and-run-directories)
-    rundir.py      one run per directory, and the crash-consistent checkpoint protocol
+    engine/        the training engine, its run directories and checkpoints (see
+                   docs/design.md#5-pipelines-and-run-directories)
     stages.py      resumable multi-stage jobs (the demo; the study in patchplace.research)
     evaluation.py  the first images of a split, the linear probe, MJP's gradient-inversion grid
     datasets/      recipes that turn on-disk datasets into WebDataset shards (``python data/<recipe>.py``)

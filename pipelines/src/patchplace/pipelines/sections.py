@@ -36,17 +36,21 @@ HOLDOUT = "holdout"  # data.val: the samples data.holdout keeps out of data.trai
 ReMode = Literal["const", "rand", "pixel"]  # data.re_mode: timm RandomErasing's fills
 # data.interpolation: patchplace.data.transforms.INTERPOLATIONS (timm's / PIL's kernels), here for a torch-free --help
 Interpolation = Literal["bicubic", "bilinear", "nearest", "box", "hamming", "lanczos"]
+MAX_SIZE = 2**31  # model.overrides: an integer below this in magnitude (a tensor size torch takes as int32 / int64)
 MAX_SEED = 2**31  # run.seed < this: rank r > 0 draws from a seed of its own above it (engine.rank_seed)
 # what a model.preset names of a backbone (patchplace.models.BackboneConfig fields): its kind and size
 PRESET_SIZE = ("modality", "embed_dim", "depth", "num_heads")
 
 # timm's auto-augment policies (timm.data.auto_augment: rand_augment_transform, augment_and_mix_transform,
-# auto_augment_transform), section by section: timm skips a section it cannot read (rand-mXX trains at m10) and
-# clamps a magnitude above mmax (10) without a word
+# auto_augment_transform), section by section as timm's parser reads them (KEY then digits; m, n, mmax, w, d as
+# int(), mstd, p, a as float(); rand's t names a weighted op set): timm skips a section without a digit (rand-mXX
+# trains at m10) and an unknown op set (rand-tfoo trains the default ops), asserts on an unknown key (a 40-line
+# AssertionError) and clamps a magnitude above mmax (10), each without naming the key
+_FLOAT = r"\d+(\.\d*)?"
 _AUGMENT_SECTIONS = {
-    "rand": r"m\d+(\.\d+)?|n\d+|mstd\d+(\.\d+)?|mmax\d+|inc[01]|w\d+|p\d*\.?\d+|t[a-z]+",
-    "augmix": r"m\d+|w\d+|d-?\d+|a\d*\.?\d+|b[01]|mstd\d+(\.\d+)?",
-    **dict.fromkeys(("original", "originalr", "v0", "v0r", "3a"), r"mstd\d+(\.\d+)?"),
+    "rand": rf"m\d+|n\d+|mstd{_FLOAT}|mmax\d+|inc[01]|p{_FLOAT}|t(weights|3aw|3a)",
+    "augmix": rf"m\d+|w\d+|d\d+|a{_FLOAT}|b[01]|mstd{_FLOAT}",
+    **dict.fromkeys(("original", "originalr", "v0", "v0r", "3a"), rf"mstd{_FLOAT}"),
 }
 
 
@@ -57,9 +61,9 @@ def augment_problem(policy: str) -> str | None:
         return f"timm's policies are {', '.join(_AUGMENT_SECTIONS)} (e.g. rand-m9-mstd0.5-inc1)"
     bad = [part for part in sections if not re.fullmatch(_AUGMENT_SECTIONS[name], part)]
     if bad:
-        return f"timm cannot read {', '.join(bad)} of a {name} policy (it would skip it silently): e.g. " \
-               f"{'rand-m9-mstd0.5-inc1' if name == 'rand' else name}"
-    values = {part[0]: float(part[1:]) for part in sections if re.fullmatch(r"m\d+(\.\d+)?", part)}
+        return f"timm cannot read {', '.join(bad)} of a {name} policy (it would skip it silently or fail on it): " \
+               f"e.g. {'rand-m9-mstd0.5-inc1' if name == 'rand' else name}"
+    values = {part[0]: float(part[1:]) for part in sections if re.fullmatch(r"m\d+", part)}
     ceiling = max([float(part[4:]) for part in sections if part.startswith("mmax")] or [10.0])
     if values.get("m", 0.0) > ceiling:
         return f"magnitude m{values['m']:g} is above timm's maximum {ceiling:g} (it would be clamped silently)"
@@ -172,6 +176,13 @@ class DataSection:
                               f"{self.auto_augment} (timm's) both distort colour: set one")
         if self.auto_augment and (problem := augment_problem(self.auto_augment)):
             raise ConfigError(f"data.auto_augment={self.auto_augment}: {problem}")
+        if self.repeated_aug > self.batch_size:
+            # DeiT's RASampler deals an image's copies into one step (3 in a batch of 1024); more copies than a
+            # batch holds fill batches with one image (without a shuffle buffer, only it) and the epoch reads
+            # 1 / repeated_aug of the images
+            raise ConfigError(f"data.repeated_aug={self.repeated_aug} copies of each image exceed data.batch_size="
+                              f"{self.batch_size}, the batch that should hold them beside other images (DeiT: 3 in "
+                              f"1024): set data.repeated_aug <= {self.batch_size} or a larger data.batch_size")
         return self
 
     def validate(self) -> None:
@@ -218,6 +229,16 @@ class ModelSection:
 
     __pydantic_config__ = STRICT
     key: ClassVar[str] = "model"
+
+    @model_validator(mode="after")
+    def _cross(self) -> ModelSection:
+        """An integer override no tensor size can hold is named here (torch would answer "Overflow when unpacking
+        long long", naming no key)."""
+        for name, value in (getattr(self, "overrides", None) or {}).items():
+            if isinstance(value, int) and not isinstance(value, bool) and not -MAX_SIZE < value < MAX_SIZE:
+                raise ConfigError(f"model.overrides.{name}={value} is beyond any model's size (an integer of magnitude "
+                                  f"< 2**31): set model.overrides.{name} to the architecture's value")
+        return self
 
     def validate(self) -> None:
         """The declared checks (:func:`check`), then the checkpoint: a folder that holds one, no overrides."""

@@ -1,13 +1,13 @@
 """A training's batch and budget, and the checks across config sections that the Trainer makes before it touches
 the run directory: the global batch and the peak lr ``optim.lr_scaling`` gives it (:func:`plan_batch`), whether
 such a batch can be formed from data.train (:func:`check_batch`), the steps per epoch and in all (:func:`budget`),
-the start line (:func:`start_line`), and ``run.finite_check=lazy``'s need of a fused AdamW
-(:func:`finite_mode`)."""
+the start line (:func:`start_line`), ``run.finite_check=lazy``'s need of a fused AdamW (:func:`finite_mode`), and
+the budget a resume may change (:func:`extension_problem`, :func:`layout_problem`)."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from patchplace.data import DataError, ShardDataset
 from patchplace.data.memory import MemoryReader
 from patchplace.pipelines.config import ConfigError
+from patchplace.pipelines.engine.relayout import Layout, reader_as_rank
 from patchplace.pipelines.engine.schedules import schedule_words, warmup_length
 from patchplace.pipelines.sections import OptimSection, RunSection
 
@@ -101,3 +102,35 @@ def no_batches(epoch: int) -> DataError:
     return DataError(f"epoch {epoch} of data.train yielded 0 batch(es), none left to train on (data.skip_corrupt "
                      "skipped every shard of this process?): check the split with "
                      "`python -m patchplace.data verify <split dir>`")
+
+
+def extension_problem(trainer: dict[str, Any], train: Any, batch_size: int, grad_accum: int,
+                      optim: OptimSection) -> str | None:
+    """A resume whose optim.epochs / optim.max_steps differ from the checkpoint's (``trainer``: its trainer.json)
+    extends the run: refused (the line) when the new budget is smaller than the one the run was planned for."""
+    old = trainer.get("config", {}).get("optim", {})
+    if all(old.get(key, getattr(optim, key)) == getattr(optim, key) for key in ("epochs", "max_steps")):
+        return None
+    planned = replace(optim, epochs=old.get("epochs", optim.epochs), max_steps=old.get("max_steps", optim.max_steps))
+    before, now = budget(train, batch_size, grad_accum, planned)[1], budget(train, batch_size, grad_accum, optim)[1]
+    if now < before:
+        return (f"run.resume=true: optim.epochs={optim.epochs:g} / optim.max_steps={optim.max_steps} give {now} "
+                f"steps, fewer than the {before} the run was planned for (optim.epochs={planned.epochs:g} / "
+                f"optim.max_steps={planned.max_steps}): a resume extends a run, never shortens it; resume with the "
+                "run's values or larger ones")
+    return None
+
+
+def layout_problem(trainer: dict[str, Any], now: Layout, train: Any, optim: OptimSection) -> str | None:
+    """A resume on another layout of the same global batch (:mod:`.relayout`) needs the epoch to keep its
+    optimizer steps (the step -> epoch map, and the budget, hold across the layouts)."""
+    saved = Layout.of_checkpoint(trainer)
+    if saved is None or saved == now or saved.global_batch != now.global_batch:
+        return None  # (the global batch: the run directory's own check)
+    before = budget(reader_as_rank(train, 0, saved.processes), saved.batch_size, saved.grad_accum, optim)[0]
+    after = budget(train, now.batch_size, now.grad_accum, optim)[0]
+    if before != after:
+        return (f"run.resume=true: the step-{trainer['step']} checkpoint's layout ({saved.words()}) plans "
+                f"{before} steps per epoch, this launch's ({now.words()}) {after}: the epochs would shift; "
+                "resume with the checkpoint's layout, or a process count that divides data.train as evenly")
+    return None

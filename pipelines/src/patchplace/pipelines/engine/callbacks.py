@@ -6,7 +6,7 @@ of ``run.keep_epochs`` (:class:`KeepEpochs`), ``best/`` and early stopping of ``
 step's log record), ``on_evaluate`` (after an evaluation), ``on_checkpoint`` (after the step's checkpoint); at the
 run's end ``on_evaluate`` (the closing evaluation, unless it stopped early), ``on_end`` (before the final
 checkpoint), ``on_checkpoint`` and ``on_close``; and ``on_start`` once the session's first step is loaded. Each
-writes through the :class:`~patchplace.pipelines.engine.checkpoints.RunDirectory` it is given.
+writes through the :class:`~patchplace.pipelines.engine.rundir.RunDir` it is given.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from patchplace.pipelines.config import ConfigError
-from patchplace.pipelines.engine.checkpoints import RunDirectory, folder_step, snapshot_name
+from patchplace.pipelines.engine.checkpoints import folder_step, snapshot_name
 from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.inputs import metrics_split
 from patchplace.pipelines.engine.launch import check_sharded_evaluation
+from patchplace.pipelines.engine.protocol import publish_folder
+from patchplace.pipelines.engine.rundir import RunDir
 from patchplace.pipelines.engine.scoring import BestTracker
-from patchplace.pipelines.rundir import publish_folder
 from patchplace.pipelines.sections import RunSection
 
 Evaluate = Callable[[nn.Module, int], dict[str, Any]]
@@ -78,7 +79,7 @@ class KeepEpochs(Callback):
     """``run.keep_epochs``: the backbone after epoch E in ``snapshots/epoch-E/`` (metadata with step and epoch;
     epoch 0: the initial weights). A snapshot step is a checkpoint step, written before its checkpoint."""
 
-    def __init__(self, rundir: RunDirectory, snapshots: dict[int, float]) -> None:
+    def __init__(self, rundir: RunDir, snapshots: dict[int, float]) -> None:
         self.rundir, self.snapshots = rundir, snapshots
 
     def acts_at(self, step: int) -> bool:
@@ -108,7 +109,7 @@ class KeepBest(Callback):
     (metadata: step, best_metric, best_value, metrics), written right after its step's checkpoint; the run stops
     after ``patience`` evaluations without a better one. Early stopping's state is replayed from the log on resume."""
 
-    def __init__(self, rundir: RunDirectory, tracker: BestTracker, snapshots: dict[int, float], total: int) -> None:
+    def __init__(self, rundir: RunDir, tracker: BestTracker, snapshots: dict[int, float], total: int) -> None:
         self.rundir, self.tracker, self.snapshots, self.total = rundir, tracker, snapshots, total
         self.pending: int | None = None  # a new best whose checkpoint is not written yet
 
@@ -179,9 +180,9 @@ class KeepEma(Callback):
     """``run.model_ema``: the average of the weights after every step (target encoder included); at the run's end
     evaluated as the trained ones are (log.jsonl's ``eval_ema``, the trackers' val/ema_*) when the pipeline
     evaluates, and ``output/ema/`` written (the backbone folder as checkpoint/ holds it, metadata with the decay and
-    that evaluation). Its running average is checkpointed by the RunDirectory (``state/``)."""
+    that evaluation). Its running average is checkpointed by the RunDir (``state/``)."""
 
-    def __init__(self, rundir: RunDirectory, ema: WeightsEma, objective: nn.Module,
+    def __init__(self, rundir: RunDir, ema: WeightsEma, objective: nn.Module,
                  evaluate: Evaluate | None) -> None:
         self.rundir, self.ema, self.objective, self.evaluate = rundir, ema, objective, evaluate
 
@@ -245,7 +246,7 @@ class Evaluation:
     """The pipeline's ``evaluate`` callback (None: it has none) of the unwrapped model, every ``run.eval_every``
     steps and at the end: main process, recorded in log.jsonl and the trackers; every rank waits for it."""
 
-    def __init__(self, rundir: RunDirectory, evaluate: Evaluate | None, every: int | None) -> None:
+    def __init__(self, rundir: RunDir, evaluate: Evaluate | None, every: int | None) -> None:
         self.rundir, self.evaluate, self.every = rundir, evaluate, every
 
     def due(self, step: int) -> bool:
@@ -264,7 +265,7 @@ class Evaluation:
         return result
 
 
-def run_callbacks(run: RunSection, rundir: RunDirectory, snapshots: dict[int, float], total: int,
+def run_callbacks(run: RunSection, rundir: RunDir, snapshots: dict[int, float], total: int,
                   evaluate: Evaluate | None, objective: nn.Module) -> list[Callback]:
     """The callbacks the run section asks for: run.checkpoint_every, run.keep_epochs (``snapshots``:
     :func:`snapshot_steps` of the run's budget, ``total`` steps), run.early_stop_patience, run.model_ema. Early

@@ -24,7 +24,7 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 from patchplace.models import save_pretrained
-from patchplace.pipelines.rundir import CheckpointError
+from patchplace.pipelines.engine.protocol import CheckpointError
 
 STATE_FILE = "model_ema.safetensors"  # in a checkpoint's state/: the running average, for run.resume=true
 

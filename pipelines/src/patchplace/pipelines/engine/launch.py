@@ -37,7 +37,7 @@ from patchplace.pipelines.config import ConfigError, command_args, load, one_lin
 from patchplace.pipelines.engine import inputs
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.engine.logs import accelerator_log_with
-from patchplace.pipelines.rundir import disk_error, disk_message
+from patchplace.pipelines.engine.protocol import disk_error, disk_message
 from patchplace.pipelines.sections import MAX_SEED, RunSection
 
 

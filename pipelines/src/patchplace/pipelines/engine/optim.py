@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedDataParallelKwargs
+from timm.optim import create_optimizer_v2
 from torch import nn
 
-from patchplace.finetune import build_optimizer
 from patchplace.models.backbone import Block, CheckpointedBlock, set_grad_checkpointing
 from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.schedules import lr_factor, warmup_length, weight_decay_schedule
@@ -22,16 +22,36 @@ from patchplace.pipelines.sections import OptimSection
 
 def make_optimizer(model: nn.Module, cfg: OptimSection, lr: float | None = None,
                    device: torch.device | None = None) -> torch.optim.Optimizer:
-    """AdamW on the objective's parameter groups (``patchplace.finetune.build_optimizer``): no weight decay on norms,
-    biases, PEs, class / mask / unknown tokens; layer-wise lr decay (each group's lr pre-scaled) if configured.
-    ``lr``: the peak lr (default ``cfg.lr``; the Trainer passes it scaled to the global batch). ``optim.fused``
-    null: the fused kernel when ``device`` (where the run trains) is a GPU."""
+    """``optim.optimizer`` (AdamW; ``adam``: MP3's speech recipe) through timm's ``create_optimizer_v2`` on the
+    objective's own parameter groups (its ``group_matcher`` / ``no_weight_decay``): no weight decay on 1-D tensors
+    (norms, biases) nor on PEs, class / mask / unknown tokens, relative bias tables; ``optim.layer_decay``: block i
+    gets lr scale layer_decay^(depth - i) (BEiT / MAE ``param_groups_lrd``), written into each group's lr up front so
+    the schedule's factor keeps the ratios. ``lr``: the peak lr (default ``cfg.lr``; the Trainer passes it scaled to
+    the global batch). ``optim.fused`` null: the fused kernel when ``device`` (where the run trains) is a GPU. A
+    layer decay without effect (no ``group_matcher``, or every parameter in one layer) is a :class:`ConfigError`."""
     fused = cfg.fused if cfg.fused is not None else (device is not None and device.type == "cuda")
-    try:
-        return build_optimizer(model, lr=cfg.lr if lr is None else lr, weight_decay=cfg.weight_decay,
-                               betas=cfg.betas, layer_decay=cfg.layer_decay, fused=fused, opt=cfg.optimizer)
-    except ValueError as exc:
-        raise ConfigError(f"optim.layer_decay: {exc}") from None
+    lr, decay = cfg.lr if lr is None else lr, cfg.layer_decay
+    decays = decay is not None and decay != 1.0
+    if decays and not hasattr(model, "group_matcher"):
+        raise ConfigError(f"optim.layer_decay: layer_decay={decay} needs parameter groups: {type(model).__name__} has "
+                          "no group_matcher() (wrap the backbone in a patchplace objective, or set layer_decay=null)")
+    optimizer = create_optimizer_v2(model, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay, layer_decay=decay,
+                                    betas=cfg.betas, **({"fused": True} if fused else {}))
+    if decays and len({group.get("lr_scale", 1.0) for group in optimizer.param_groups}) < 2:
+        raise ConfigError(f"optim.layer_decay: layer_decay={decay} has no effect on {type(model).__name__}: all "
+                          "parameters fell into one layer")
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    return optimizer
+
+
+def parameter_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{parameter name: {"lr_scale", "weight_decay", "shape"}}`` of an optimizer built on ``model`` (what each
+    parameter really gets: a run's ``optimizer.json``). Parameters the optimizer does not hold are left out."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names.get(id(p), f"<unnamed {tuple(p.shape)}>"): {
+        "lr_scale": float(group.get("lr_scale", 1.0)), "weight_decay": float(group["weight_decay"]),
+        "shape": list(p.shape)} for group in optimizer.param_groups for p in group["params"]}
 
 
 def compile_objective(model: nn.Module, mode: str, scope: str = "blocks",

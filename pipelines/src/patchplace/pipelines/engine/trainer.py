@@ -2,7 +2,7 @@
 configured budget, one optimizer step at a time (:meth:`Trainer.train_step`, then :meth:`Trainer.after_step`): the
 micro-batches of ``run.grad_accum`` under Accelerate's ``accumulate``, the finite check, gradient clipping, the lr
 of the schedule, AdamW; then the EMA target, the log record, the callbacks (``callbacks.py``), the evaluation, the
-checkpoint (:class:`~patchplace.pipelines.engine.checkpoints.RunDirectory`), and a stop asked by SIGTERM / SIGINT
+checkpoint (:class:`~patchplace.pipelines.engine.rundir.RunDir`), and a stop asked by SIGTERM / SIGINT
 (a checkpoint and the command to resume: exit code 143 / 130; a second Ctrl-C aborts at once).
 
 Under P processes (``accelerate launch``; docs/scale-out.md): the same initial weights on every rank, then each
@@ -14,7 +14,6 @@ the main process, except each rank's own random state in ``state/``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,33 +23,28 @@ from accelerate.utils import set_seed
 from torch import nn
 from tqdm.auto import tqdm
 
-from patchplace.finetune import parameter_groups
 from patchplace.models import Backbone
 from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine import budget as plans
 from patchplace.pipelines.engine import launch
 from patchplace.pipelines.engine.callbacks import Callback, Callbacks, Evaluation, run_callbacks
-from patchplace.pipelines.engine.checkpoints import (
-    RunDirectory,
-    Saved,
-    divergence,
-    snapshot_steps,
-    training_metadata,
-)
+from patchplace.pipelines.engine.checkpoints import Saved, divergence, snapshot_steps, training_metadata
 from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.guards import FiniteCheck, StopSignals
 from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.engine.inputs import Data, data_fingerprints
 from patchplace.pipelines.engine.launch import check_seed, every_rank, reported
-from patchplace.pipelines.engine.logs import Console, JsonlLog, StepLog, Throughput, finish_trackers, start_trackers
+from patchplace.pipelines.engine.logs import StepLog, Throughput, finish_trackers, start_trackers
 from patchplace.pipelines.engine.optim import (
     StepSchedule,
     checkpoint_activations,
     compile_objective,
     make_optimizer,
+    parameter_groups,
     prepare_model,
 )
-from patchplace.pipelines.engine.relayout import Layout, reader_as_rank, relaid_batches
+from patchplace.pipelines.engine.relayout import relaid_batches
+from patchplace.pipelines.engine.rundir import RunDir
 from patchplace.pipelines.sections import OptimSection, RunSection
 
 
@@ -60,7 +54,7 @@ class Trainer:
     ``backbone`` is what ``checkpoint/`` saves (with ``metadata``; ``others``: encoders saved in folders of it); the
     objective's own extra parameters (heads,
     decoders, predictors) go to ``checkpoint/objective.safetensors`` so evaluations can rebuild it. The run
-    directory (checks, checkpoints, resume) is the :class:`RunDirectory` it holds; what the run section asks to keep
+    directory (checks, records, checkpoints, resume) is the :class:`RunDir` it holds; what the run section asks to keep
     beside it (run.keep_epochs, run.early_stop_patience, run.model_ema) are callbacks, after which ``callbacks`` run.
     """
 
@@ -79,90 +73,60 @@ class Trainer:
             raise every_rank(exc) from None
         # optim.lr_scaling: the peak lr follows the global batch (recorded in the model card and optimizer.json)
         self.plan = plans.plan_batch(config.data.batch_size, run.grad_accum, optim, accelerator.num_processes)
-        self.peak_lr, self.global_batch = self.plan.peak_lr, self.plan.global_batch
         self.metadata = training_metadata(
             metadata, objective, backbone, config, accelerator.num_processes, {
-                "global_batch": self.global_batch, "peak_lr": self.peak_lr},
+                "global_batch": self.plan.global_batch, "peak_lr": self.plan.peak_lr},
             resolve_precision(run.mixed_precision, accelerator.device.type).record())
-        self.out = Path(run.output)
-        self.log = JsonlLog(self.out / "log.jsonl", accelerator.is_main_process)
         # here, so a knob without effect fails before training
-        self.optimizer = make_optimizer(objective, optim, self.peak_lr, accelerator.device)
-        self.finite_mode = plans.finite_mode(run, self.optimizer, accelerator.device)
-        self.finite = FiniteCheck(accelerator, self.finite_mode, divergence(self.out, self.peak_lr))
+        self.optimizer = make_optimizer(objective, optim, self.plan.peak_lr, accelerator.device)
+        self.finite = FiniteCheck(accelerator, plans.finite_mode(run, self.optimizer, accelerator.device),
+                                  divergence(Path(run.output), self.plan.peak_lr))
         # run.model_ema: copied before run.compile (a copy of a compiled block would run the original's forward)
         self.ema = WeightsEma(objective, run.model_ema, backbone) if run.model_ema is not None else None
         # before run.compile: a compiled block traces its checkpoint
         checkpoint_activations(objective, run.activation_checkpointing, accelerator.print)
         compile_objective(objective, run.compile, run.compile_scope, accelerator.print)
-        self.command = command or "the same command"
-        self.console = Console(accelerator.is_main_process)
-        self.rundir = RunDirectory(accelerator, run, config, Saved(
-            objective, backbone, self.metadata, self.ema, self.global_batch, data_fingerprints(data, config.data),
-            others or {}),
-            log=self.log, finite=self.finite, console=self.console, command=self.command)
+        self.rundir = RunDir(accelerator, run, optim, config, Saved(
+            objective, backbone, self.metadata, self.ema, self.plan.global_batch,
+            data_fingerprints(data, config.data), others or {}),
+            train=data.train, finite=self.finite, command=command or "the same command")
+        # the batch and the budget, checked before the directory is touched (_begin: for fit's batch size)
+        plans.check_batch(self.plan, data.train, config.data.batch_size, run.grad_accum, accelerator.num_processes)
+        self.per_epoch, self.total = self.budget(config.data.batch_size)
         self.callbacks = Callbacks([*self._run_callbacks(), *callbacks])
         self.evaluation = Evaluation(self.rundir, evaluate, run.eval_every)
-        self.rundir.check_resumed = lambda trainer: (self._extension_problem(trainer, config.data.batch_size)
-                                                     or self._layout_problem(trainer, config.data.batch_size))
+        # what a session fills: _begin (the prepared model, the schedule, the resumed step), _open (the records)
+        self.model: nn.Module = objective
+        self.groups: dict[str, Any] | None = None  # optimizer.json's parameters (main process)
+        self.schedule: StepSchedule | None = None
+        self.first_step = 0
+        self.bar: tqdm | None = None
+        self.meter: Throughput | None = None
+        self.steps: StepLog | None = None
+        self.last_eval: dict[str, Any] = {}
+        self.stopped = False  # by early stopping
         self.rundir.claim()
 
     def _run_callbacks(self) -> list[Callback]:
-        """The batch, run.keep_epochs / run.early_stop_patience, checked before the directory is touched."""
-        batch_size, acc = self.config.data.batch_size, self.acc
-        plans.check_batch(self.plan, self.data.train, batch_size, self.run.grad_accum, acc.num_processes)
-        per_epoch, total = self.budget(batch_size)
-        snapshots = snapshot_steps(self.run.keep_epochs, per_epoch, total)
-        plans.start_line(acc, self.optim_cfg, self.plan, per_epoch, total)
-        return run_callbacks(self.run, self.rundir, snapshots, total, self.evaluate, self.objective)
+        """run.keep_epochs / run.early_stop_patience, checked before the directory is touched."""
+        snapshots = snapshot_steps(self.run.keep_epochs, self.per_epoch, self.total)
+        plans.start_line(self.acc, self.optim_cfg, self.plan, self.per_epoch, self.total)
+        return run_callbacks(self.run, self.rundir, snapshots, self.total, self.evaluate, self.objective)
 
-    def budget(self, batch_size: int, optim: OptimSection | None = None) -> tuple[int, int]:
-        """(optimizer steps per epoch, total optimizer steps) of ``optim`` (default: this run's)."""
-        return plans.budget(self.data.train, batch_size, self.run.grad_accum, optim or self.optim_cfg)
-
-    def _layout_problem(self, trainer: dict[str, Any], batch_size: int) -> str | None:
-        """A resume on another layout of the same global batch (:mod:`.relayout`) needs the epoch to keep its
-        optimizer steps (the step -> epoch map, and the budget, hold across the layouts)."""
-        saved, now = Layout.of_checkpoint(trainer), self.rundir.layout()
-        if saved is None or saved == now or saved.global_batch != now.global_batch:
-            return None  # (the global batch: the run directory's own check)
-        before = plans.budget(reader_as_rank(self.data.train, 0, saved.processes), saved.batch_size,
-                              saved.grad_accum, self.optim_cfg)[0]
-        after = self.budget(batch_size)[0]
-        if before != after:
-            return (f"run.resume=true: the step-{trainer['step']} checkpoint's layout ({saved.words()}) plans "
-                    f"{before} steps per epoch, this launch's ({now.words()}) {after}: the epochs would shift; "
-                    "resume with the checkpoint's layout, or a process count that divides data.train as evenly")
-        return None
-
-    def _extension_problem(self, trainer: dict[str, Any], batch_size: int) -> str | None:
-        """A resume whose optim.epochs / optim.max_steps differ from the checkpoint's extends the run: refused
-        (the line) when the new budget is smaller than the one the run was planned for."""
-        old = trainer.get("config", {}).get("optim", {})
-        if all(old.get(key, getattr(self.optim_cfg, key)) == getattr(self.optim_cfg, key)
-               for key in ("epochs", "max_steps")):
-            return None
-        planned = replace(self.optim_cfg, epochs=old.get("epochs", self.optim_cfg.epochs),
-                          max_steps=old.get("max_steps", self.optim_cfg.max_steps))
-        before, now = self.budget(batch_size, planned)[1], self.budget(batch_size)[1]
-        if now < before:
-            return (f"run.resume=true: optim.epochs={self.optim_cfg.epochs:g} / optim.max_steps="
-                    f"{self.optim_cfg.max_steps} give {now} steps, fewer than the {before} the run was planned "
-                    f"for (optim.epochs={planned.epochs:g} / optim.max_steps={planned.max_steps}): a resume extends "
-                    "a run, never shortens it; resume with the run's values or larger ones")
-        return None
+    def budget(self, batch_size: int) -> tuple[int, int]:
+        """(optimizer steps per epoch, total optimizer steps)."""
+        return plans.budget(self.data.train, batch_size, self.run.grad_accum, self.optim_cfg)
 
     # ------------------------------------------------------------------ running
     def train(self, batch_size: int) -> tuple[dict[str, Any], int]:
         """:meth:`fit` for a pipeline's ``main``: (last evaluation, exit code). An interruption prints how to resume
         (exit 143 / 130), an error training meets prints one line (exit 2)."""
-        return reported(lambda: self.fit(batch_size), self.out)
+        return reported(lambda: self.fit(batch_size), self.rundir.out)
 
     def fit(self, batch_size: int) -> dict[str, Any]:
         """Train for the configured budget (or until early stopping); returns the last evaluation. Raises
         :class:`Interrupted` (after a checkpoint) on SIGTERM / SIGINT. The directory's lock is released however it
         ends."""
-        self.bar: tqdm | None = None
         try:
             with StopSignals() as signals:
                 return self._fit(batch_size, signals)
@@ -228,21 +192,17 @@ class Trainer:
         # order has its own (seed, epoch, rank) seeds.
         set_seed(launch.rank_seed(run.seed, acc.process_index))
         self.first_step = self.rundir.resume()
-        self.schedule = self._schedule(self.first_step)
+        self.schedule = self._schedule()
         self.callbacks.on_start(self.first_step)
         return self.first_step
 
-    def _schedule(self, step: int) -> StepSchedule:
-        """The lr schedule from ``step`` on: over the whole budget (``optim.extend=replan``, and every run that was
-        not extended), or, from the step a resume extended the budget at, a phase of its own over the added steps
-        (``optim.extend=phase``; later resumes of that phase keep its start)."""
-        optim, rundir, resumed = self.optim_cfg, self.rundir, self.rundir.resumed_trainer
-        if resumed is not None and optim.extend == "phase":
-            old = resumed.get("config", {}).get("optim", {})
-            if any(old.get(key, getattr(optim, key)) != getattr(optim, key) for key in ("epochs", "max_steps")):
-                rundir.schedule_start = step  # this session extends the budget: the new phase starts here
-        start = rundir.schedule_start
-        schedule = StepSchedule.of_run(self.optimizer, optim, self.per_epoch, self.total - start, self.peak_lr)
+    def _schedule(self) -> StepSchedule:
+        """The lr schedule: over the whole budget (``optim.extend=replan``, and every run that was not extended),
+        or, from the step a resume extended the budget at (the run directory's ``schedule_start``), a phase of its
+        own over the added steps (``optim.extend=phase``)."""
+        start = self.rundir.schedule_start
+        schedule = StepSchedule.of_run(self.optimizer, self.optim_cfg, self.per_epoch, self.total - start,
+                                       self.plan.peak_lr)
         if start:
             factor, decay = schedule.factor, schedule.weight_decay
             schedule.factor = lambda t: factor(t - start)
@@ -252,16 +212,15 @@ class Trainer:
     def _open(self, step: int) -> None:
         """A session that trains from ``step``: optimizer.json, config.yaml, the trackers, the progress bar and the
         throughput meter."""
-        acc, optim = self.acc, self.optim_cfg
+        acc, optim, rundir = self.acc, self.optim_cfg, self.rundir
         start_trackers(acc, self.run, self.config, self.rundir.lock)  # first: a failed start leaves no file
-        self.rundir.record_run(self.plan, optim, self.groups)
-        self.bar = self.console.bar = tqdm(total=self.total, initial=step, disable=not acc.is_main_process,
-                                           desc=self.metadata.get("method"))
+        rundir.record_run(self.plan, optim, self.groups)
+        self.bar = rundir.console.bar = tqdm(total=self.total, initial=step, disable=not acc.is_main_process,
+                                             desc=self.metadata.get("method"))
         self.meter = Throughput(self.data.started)
         decaying = self.optimizer if optim.weight_decay_end is not None else None  # wd logged
-        self.steps = StepLog(acc, self.log, self.run, self.data, self.meter, self.bar, decaying)
-        self.last_eval: dict[str, Any] = {}
-        self.stopped = False  # by early stopping
+        self.steps = StepLog(acc, rundir.log, self.run, self.data, self.meter, self.bar, decaying)
+        self.last_eval, self.stopped = {}, False
 
     def _inputs(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = (t.to(self.acc.device, non_blocking=True) for t in batch[:2])
@@ -311,7 +270,7 @@ class Trainer:
             unwrapped.update_target(step / total)
         self.bar.update(1)
         if step % run.log_every == 0 or step == total:
-            self.steps.write(step, epoch, out, self.peak_lr * lr_factor)
+            self.steps.write(step, epoch, out, self.plan.peak_lr * lr_factor)
         checkpoint = self.callbacks.on_step(step, epoch, out)
         # evaluation before the step's checkpoint: a run resumed from it has its evaluation in the log
         if self.evaluation.due(step) and step < total:
@@ -333,7 +292,7 @@ class Trainer:
         return step >= total
 
     def save_checkpoint(self, step: int, **final: Any) -> None:
-        """The checkpoint of ``step`` (:meth:`RunDirectory.save`; ``final``: the last one's metrics and records)."""
+        """The checkpoint of ``step`` (:meth:`RunDir.save`; ``final``: the last one's metrics and records)."""
         self.rundir.save(step, **final)
 
     def _shows(self, step: int) -> bool:
