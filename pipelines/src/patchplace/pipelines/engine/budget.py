@@ -24,18 +24,20 @@ from patchplace.pipelines.sections import OptimSection, RunSection
 @dataclass(frozen=True)
 class BatchPlan:
     """The samples of one optimizer step: per process (data.batch_size x run.grad_accum) and in all, the global
-    batch ``optim.lr`` is given at (``optim.lr_base_batch``, default the per-process batch) and the peak lr the
-    scaling rule gives this run (recorded in the model card and optimizer.json)."""
+    batch ``optim.lr`` is given at (``optim.lr_base_batch``, default the per-process batch; None under
+    ``optim.lr_scaling=none``, which rescales from no batch) and the peak lr the scaling rule gives this run
+    (recorded in the model card and optimizer.json)."""
 
     per_process: int
     global_batch: int
-    lr_base_batch: int
+    lr_base_batch: int | None
     peak_lr: float
 
 
 def plan_batch(batch_size: int, grad_accum: int, optim: OptimSection, processes: int) -> BatchPlan:
     per_process = batch_size * grad_accum
-    return BatchPlan(per_process, per_process * processes, optim.lr_base_batch or per_process,
+    base = (optim.lr_base_batch or per_process) if optim.lr_scaling != "none" else None
+    return BatchPlan(per_process, per_process * processes, base,
                      optim.scaled_lr(per_process * processes, default_base=per_process))
 
 

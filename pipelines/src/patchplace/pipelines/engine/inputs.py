@@ -97,6 +97,8 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     val_manifest = manifest if holdout else Manifest.load(cfg.val, cfg.network())
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
+    if augment and accelerator.is_main_process and (line := upscale_warning(cfg, manifest)):
+        print(line, file=sys.stderr)
     normalization = training_statistics(manifest, checkpoint)
     options, eval_options = transform_options(cfg, manifest, interpolation_in_force(cfg, checkpoint, augment))
     rank, world = (accelerator.process_index, accelerator.num_processes) if split_train else (0, 1)
@@ -134,6 +136,25 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     frontend = build_frontend(getattr(cfg, "frontend", None)).to(accelerator.device) \
         if manifest.modality == "audio" else None
     return Data(train, val, manifest, frontend, path, started, normalization, train_labels)
+
+
+# data.img_size above this multiple of data.train's fixed image side is warned about: a recipe's crop on images far
+# smaller than its own (ImageNet's 224 px crop on 28 px digits: 8x, the ViT built for 224 px and the data's channels)
+UPSCALE_WARNING = 4.0
+
+
+def upscale_warning(cfg: DataSection, manifest: Manifest) -> str | None:
+    """The warning line of a training crop (data.img_size) :data:`UPSCALE_WARNING` times or more the side of
+    data.train's images (their manifest's fixed size); None otherwise, or for images of no fixed size."""
+    native = manifest.info.get("image_size") if manifest.modality == "image" else None
+    if not native or not cfg.img_size or cfg.img_size < UPSCALE_WARNING * max(native):
+        return None
+    channels = int(manifest.info.get("channels", 3))
+    return (f"warning: data.train ({manifest.dataset}/{manifest.split}) holds {native[0]}x{native[1]} "
+            f"{_image_kind(channels)} images and data.img_size={cfg.img_size} upsamples them "
+            f"{cfg.img_size / max(native):.3g}x: a model for {cfg.img_size} px inputs of {channels} channel(s) trains "
+            f"on {max(native)} px of content; set data.img_size near {max(native)} (or data.img_size=null and "
+            "data.pad_to) for these images, or point data.train at images of the recipe's size")
 
 
 def transform_options(cfg: DataSection, manifest: Manifest, interpolation: str | None = None
