@@ -3,10 +3,11 @@
     python export/tests/kill_driver.py OLD_CHECKPOINT NEW_CHECKPOINT OUT_DIR REPORT.json
 
 Exports OLD_CHECKPOINT to ``OUT_DIR/model.onnx`` (the older pair), then NEW_CHECKPOINT over it once, counting the
-Python line events of the commit (:func:`patchplace.export.exporter.write_pair`, the exporter.py functions it calls,
-and its return). Then, at the first event of every distinct line: puts the older pair back, forks a child that
-exports NEW_CHECKPOINT over it and SIGKILLs itself at that event, asks the evaluator's loader (``OnnxModel``) about
-the pair left behind, re-runs the export and lists the temporary directories left. The graph torch.onnx.export
+Python line events of the commit (:func:`patchplace.export.exporter.write_pair`, the functions it calls in the
+export package and in ``patchplace.data.atomic``, and its return). Then, at the first event of every distinct
+line: puts the older pair back, forks a child that exports NEW_CHECKPOINT over it and SIGKILLs itself at that event,
+asks the evaluator's loader (``OnnxModel``) about the pair left behind, re-runs the export and lists the temporary
+directories left. The graph torch.onnx.export
 wrote for NEW_CHECKPOINT is reused by the later exports (what is killed here is the commit, not the tracing), so a
 kill point takes about a second. One process, ``OMP_NUM_THREADS=1``: the forked children are safe.
 """
@@ -23,12 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from patchplace.data import atomic
 from patchplace.export import ExportError, export_checkpoint, exporter
 from patchplace.export.evaluate import OnnxModel
 from patchplace.models import load_pretrained
 
 COMMIT = exporter.write_pair.__code__
-EXPORTER_FILE = COMMIT.co_filename
+EXPORT_DIR = str(Path(exporter.__file__).parent)  # the commit's own steps: files.py, pair.py, ...
+TRACED_FILES = (atomic.__file__,)  # and the shared fsync
 
 
 class Killer:
@@ -42,7 +45,8 @@ class Killer:
         if event == "call":
             if code is COMMIT:
                 self.active = True
-            elif not (self.active and code.co_filename == EXPORTER_FILE):
+            elif not (self.active and (code.co_filename.startswith(EXPORT_DIR)
+                                       or code.co_filename in TRACED_FILES)):
                 return None
         if event == "line" or (event == "return" and code is COMMIT):
             self.events += 1

@@ -192,7 +192,7 @@ def test_cli_real_input_parity_and_int8_variant(toy, tmp_path, capsys):
 
 
 def test_corrupted_images_are_seeded_and_cached(tmp_path, monkeypatch):
-    import patchplace.export.evaluate as evaluate
+    from patchplace.export import robustness
     from patchplace.export.evaluate import corrupted_images
 
     images = torch.randint(0, 256, (3, 1, 32, 32), dtype=torch.uint8)
@@ -201,6 +201,6 @@ def test_corrupted_images_are_seeded_and_cached(tmp_path, monkeypatch):
     assert not torch.equal(first, corrupted_images(images, "gaussian_noise", 4))
     cached = corrupted_images(images, "shot_noise", 1, tmp_path)
     assert len(list(tmp_path.glob("shot_noise-1-3-*.npz"))) == 1
-    monkeypatch.setattr(evaluate, "corrupt_batch", None)  # a second call reads the cache instead of recomputing
+    monkeypatch.setattr(robustness, "corrupt_batch", None)  # a second call reads the cache instead of recomputing
     assert torch.equal(corrupted_images(images, "shot_noise", 1, tmp_path), cached)
     assert not list(tmp_path.glob(".*.tmp"))

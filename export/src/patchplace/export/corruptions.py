@@ -21,7 +21,7 @@ from PIL import Image
 
 from patchplace.data.extras import extra_message
 
-from .exporter import Unavailable
+from .errors import Unavailable
 
 MENDED = ("glass_blur", "fog")
 
