@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from patchplace.data.helpformat import help_formatter
 
 from .choices import DEFAULT_OPSET, KINDS, SPEECH_INPUTS
+from .cli import OneLineParser
 
 if TYPE_CHECKING:  # torch, the models and the exporter are imported once the arguments parse: --help needs none
     import torch
@@ -160,8 +161,8 @@ def half(path: str, sidecar: dict, real: list[dict[str, torch.Tensor]], split: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m patchplace.export", description=__doc__,
-                                     formatter_class=help_formatter(argparse.HelpFormatter))
+    parser = OneLineParser(prog="python -m patchplace.export", description=__doc__,
+                           formatter_class=help_formatter(argparse.HelpFormatter))
     parser.add_argument("checkpoint", help="a save_pretrained() directory (config.json + model.safetensors)")
     parser.add_argument("--out", required=True, help="output NAME.onnx; the sidecar NAME.json goes beside it")
     parser.add_argument("--kind", choices=KINDS, default="classifier", help="default: %(default)s")

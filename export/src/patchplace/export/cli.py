@@ -16,12 +16,20 @@ from .choices import PROVIDERS
 OPTIONAL_PARTS = ("parity", "consistency", "robustness", "latency")  # what --require names
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, the cause and where the options are listed (exit 2), instead of the
+    whole usage block above it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def evaluate_parser() -> argparse.ArgumentParser:
     """The evaluator's arguments, described by :mod:`patchplace.export.evaluate`'s docstring (read from its source,
     not imported)."""
     doc = ast.get_docstring(ast.parse(Path(__file__).with_name("evaluate.py").read_text()), clean=False)
-    parser = argparse.ArgumentParser(prog="python -m patchplace.export.evaluate", description=doc,
-                                     formatter_class=help_formatter(argparse.RawDescriptionHelpFormatter))
+    parser = OneLineParser(prog="python -m patchplace.export.evaluate", description=doc,
+                           formatter_class=help_formatter(argparse.RawDescriptionHelpFormatter))
     parser.add_argument("model", help="model.onnx written by python -m patchplace.export")
     parser.add_argument("--data", required=True,
                         help="test split directory (manifest.json + shards), or its URL (http(s)://, s3://, gs://, "
