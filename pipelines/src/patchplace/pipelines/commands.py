@@ -353,6 +353,7 @@ class EvalRunSection:
     mixed_precision: ClassVar[str] = "no"
     grad_accum: ClassVar[int] = 1
     tensorboard: ClassVar[bool] = False
+    fsdp: ClassVar[str] = "off"  # the ranks share the feature extraction, each with the whole model
     __pydantic_config__ = STRICT
     key: ClassVar[str] = "run"
 
