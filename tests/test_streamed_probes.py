@@ -146,7 +146,13 @@ def test_each_sample_is_read_once_across_processes_and_workers_in_the_same_batch
 def test_the_probe_memory_benchmark_measures_each_size():
     from patchplace.research.benchmarks.probe_memory import probe_memory_suite
 
-    rows = probe_memory_suite(argparse.Namespace(probe_sizes=[300], probe_epochs=1), {})
-    assert [r["train_samples"] for r in rows] == [300] and rows[0]["suite"] == "probe_memory"
-    assert rows[0]["peak_rss_anon_mb"] > rows[0]["added_rss_anon_mb"] > 0 and rows[0]["store_mb"] > 0
-    assert rows[0]["peak_rss_anon_fixed_mmap_mb"] > 0 and 0 <= rows[0]["linear_probe_top1"] <= 1
+    rows = probe_memory_suite(argparse.Namespace(probe_sizes=[300], probe_epochs=1, feature_dims=[96],
+                                                 width_samples=400), {})
+    width, size = rows
+    assert [r["train_samples"] for r in rows] == [400, 300] and {r["suite"] for r in rows} == {"probe_memory"}
+    assert size["peak_rss_anon_mb"] > size["added_rss_anon_mb"] > 0 and size["store_mb"] > 0
+    assert size["peak_rss_anon_fixed_mmap_mb"] > 0 and 0 <= size["linear_probe_top1"] <= 1
+    # the width axis: three features of 400 + 1000 rows x 96 float32 on disk, every probe run on them
+    assert width["feature_dim"] == 96 and width["store_mb"] >= 3 * 1400 * 96 * 4 / 2**20
+    assert width["added_rss_anon_fixed_mmap_mb"] > 0 and width["half_labels_logistic_top1"] > 0.5
+

@@ -150,3 +150,38 @@ def test_subset_names_the_split_lacks_or_that_are_ambiguous_are_refused_in_one_l
         read_subset_file(tmp_path / "empty.txt")
     with pytest.raises(StoreError, match="cannot be read"):
         read_subset_file(tmp_path / "absent.txt")
+
+
+def test_the_logistic_regression_read_chunk_by_chunk_from_a_store_is_scikit_learns(tmp_path):
+    """StoP's probe summed over 17-row chunks of a memory-mapped store reaches the full-batch optimum (scikit-learn's
+    LogisticRegression on all rows in memory): bounded memory changes no number."""
+    from patchplace.finetune.probe_recipes import logistic_objective_grad, logistic_regression_chunked
+
+    g = torch.Generator().manual_seed(5)
+    y = torch.arange(120) % 3
+    x = (torch.randn(3, 6, generator=g)[y] + torch.randn(120, 6, generator=g)) * torch.tensor([1, 10, .1, 3, 1, 5]) + 2
+    with FeatureWriter(tmp_path, 0) as writer:
+        writer.append({"last": x}, y, torch.arange(120), [str(i) for i in range(120)])
+    merge_parts(tmp_path, 1, 120, "train")
+    store = FeatureStore(tmp_path)
+    rows = np.arange(0, 120, 2)  # a subset, as a label fraction
+    lambd = 0.0025 * 400
+    model = logistic_regression_chunked(lambda: store.chunks("last", rows, size=17), 3, lambd, tolerance=1e-10)
+    sub_x, sub_y = x[rows], y[rows]
+    assert logistic_objective_grad(model, sub_x, sub_y, lambd).abs().max() < 1e-6
+    sklearn = pytest.importorskip("sklearn.linear_model")
+    z = ((sub_x.double() - model.mean) / model.std).numpy()
+    reference = sklearn.LogisticRegression(C=1 / lambd, fit_intercept=False, tol=1e-12, max_iter=10000).fit(z, sub_y)
+    np.testing.assert_allclose(model.weight.numpy(), reference.coef_, rtol=1e-4, atol=1e-6)
+
+
+def test_a_chunk_of_a_wide_feature_holds_a_bounded_number_of_bytes(tmp_path):
+    from patchplace.finetune.feature_store import CHUNK_BYTES, MERGE_ROWS
+
+    with FeatureWriter(tmp_path, 0) as writer:
+        writer.append({"narrow": torch.zeros(2, 8), "wide": torch.zeros(2, 5120)}, torch.zeros(2), torch.arange(2),
+                      ["a", "b"])
+    merge_parts(tmp_path, 1, 2, "train")
+    store = FeatureStore(tmp_path)
+    assert store.chunk_rows("narrow") == MERGE_ROWS
+    assert store.chunk_rows("wide") * 5120 * 4 <= CHUNK_BYTES < (store.chunk_rows("wide") + 1) * 5120 * 4

@@ -59,7 +59,6 @@ from patchplace.finetune import (
     ProbeRecipe,
     consistency_curve,
     feature_names,
-    logistic_regression,
     match_subset,
     pooled_features,
     position_probe,
@@ -72,6 +71,7 @@ from patchplace.finetune import (
     torch_predict,
     train_probe,
 )
+from patchplace.finetune.probe_recipes import logistic_regression_chunked
 from patchplace.models import ModelError, load_pretrained
 from patchplace.models.hub import check_finite
 from patchplace.objectives import (
@@ -526,9 +526,9 @@ def recipe_probe(recipe: ProbeRecipe, stores: Stores, name: str, rows: np.ndarra
 def logistic_probe(stores: Stores, rows: np.ndarray, num_classes: int, lambd: float) -> dict[str, Any]:
     """StoP's low-shot probe (logistic_eval.py) on the train store's ``rows`` of the last layer: the regression
     on the rows standardized by their own statistics; data.val's features standardized by data.val's own, as the
-    authors' script does."""
-    x, y = stores.train.rows("last", rows)
-    model = logistic_regression(x, y, num_classes, lambd)
+    authors' script does. The rows are read from the store chunk by chunk at every objective evaluation
+    (:func:`logistic_regression_chunked`): memory of the weights, not of the rows."""
+    model = logistic_regression_chunked(lambda: stores.train.chunks("last", rows), num_classes, lambd)
     mean, std = standardization(x for x, _ in stores.val.chunks("last"))
     scored = score(lambda v: model.logits(v.cpu(), mean, std), stores.val.chunks("last"))
     return {"top1": scored["top1"], "top5": scored["top5"], "train_samples": len(rows), "feature": "last",

@@ -184,18 +184,27 @@ def store_split(split: str, reader, positions: torch.Tensor, names: list[str], e
     return FeatureStore(folder)
 
 
+KNN_TEST_BYTES = 512 << 20  # test features a kNN pass holds (more: the training features are read again)
+
+
 def knn_per_layer(train: FeatureStore, rows: np.ndarray, test: FeatureStore, layers: int, num_classes: int,
-                  ranks: Ranks, device, block: int = 256, chunk: int = 4096) -> dict[int, float]:
+                  ranks: Ranks, device, block: int = 256, chunk: int | None = None) -> dict[int, float]:
     """MP3 App. C's layer-wise kNN top-1 from the stores: the test samples in fixed blocks of ``block`` dealt
     round-robin to the processes, each block voted on against the training ``rows`` ``chunk`` at a time
-    (:func:`knn_vote_counts`: memory of this process's test features and one block x chunk similarity matrix); the
-    correct counts summed over processes (the same as one process)."""
+    (default: :meth:`FeatureStore.chunk_rows`; :func:`knn_vote_counts`); a process holds at most
+    :data:`KNN_TEST_BYTES` of its test features at once (one pass over the training rows each), so memory is
+    bounded whatever the splits' sizes. The correct counts are summed over processes (the same as one process: a
+    test sample's vote does not depend on its group)."""
     mine = [np.arange(s, min(s + block, len(test))) for s in range(0, len(test), block)][ranks.rank::ranks.world]
     counts = []
     for layer in range(1, layers + 1):
         name = f"block{layer}"
-        correct = knn_vote_counts(train.chunks(name, rows, chunk), [test.rows(name, b) for b in mine],
-                                  num_classes=num_classes, device=device)
-        counts.append(correct[1])
+        per_pass = max(1, KNN_TEST_BYTES // (4 * block * max(int(test.dims[name]), 1)))
+        correct = 0
+        for start in range(0, len(mine), per_pass):
+            correct += knn_vote_counts(train.chunks(name, rows, chunk),
+                                       [test.rows(name, b) for b in mine[start:start + per_pass]],
+                                       num_classes=num_classes, device=device)[1]
+        counts.append(correct)
     summed = ranks.total(torch.tensor(counts, dtype=torch.int64))
     return {layer: int(n) / max(len(test), 1) for layer, n in zip(range(1, layers + 1), summed.tolist(), strict=True)}

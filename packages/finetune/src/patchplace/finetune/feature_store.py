@@ -33,6 +33,7 @@ from .probes import _pool, check_feature, embed_tokens
 
 LAST_LAYERS = 4  # the "last 4 layers" of StoP Table 1 / I-JEPA's concatenated probe
 MERGE_ROWS = 4096  # rows gathered / read at a time while merging and scoring (bounded memory)
+CHUNK_BYTES = 8 << 20  # float32 a chunk read for scoring / the logistic regression holds at most (wide features)
 # image extensions a key may end with ("n01440764__n01440764_10026_JPEG": image_folder.py turns '.' and '/' into '_')
 IMAGE_EXTENSIONS = ("jpeg", "jpg", "png", "bmp", "webp", "tif", "tiff", "ppm", "pgm", "gif")
 
@@ -153,9 +154,11 @@ class Order:
         return int((np.diff(self.positions) == 0).sum())
 
     def gather(self, sources: list[np.ndarray | None], out: np.ndarray) -> None:
-        """``out[i] = sources[part[i]][row[i]]``, :data:`MERGE_ROWS` rows at a time."""
-        for start in range(0, len(self), MERGE_ROWS):
-            part, row = self.part[start:start + MERGE_ROWS], self.row[start:start + MERGE_ROWS]
+        """``out[i] = sources[part[i]][row[i]]``, :data:`MERGE_ROWS` rows at a time (fewer of rows wider than
+        :data:`CHUNK_BYTES` / :data:`MERGE_ROWS`)."""
+        step = max(1, min(MERGE_ROWS, CHUNK_BYTES // max(out.itemsize * int(np.prod(out.shape[1:])), 1)))
+        for start in range(0, len(self), step):
+            part, row = self.part[start:start + step], self.row[start:start + step]
             chunk = np.empty((len(part), *out.shape[1:]), out.dtype)
             for rank, source in enumerate(sources):
                 mine = part == rank
@@ -246,10 +249,17 @@ class FeatureStore:
         return (torch.from_numpy(np.ascontiguousarray(self.features(name)[index])),
                 torch.from_numpy(np.ascontiguousarray(self.labels[index])))
 
-    def chunks(self, name: str, index: np.ndarray | None = None, size: int = MERGE_ROWS
+    def chunk_rows(self, name: str) -> int:
+        """Rows a chunk of feature ``name`` holds: :data:`MERGE_ROWS`, fewer for features wider than
+        :data:`CHUNK_BYTES` / :data:`MERGE_ROWS` (ViT-H's 5,120-d last-4 concatenation: 409)."""
+        return max(1, min(MERGE_ROWS, CHUNK_BYTES // (4 * max(int(self.dims[name]), 1))))
+
+    def chunks(self, name: str, index: np.ndarray | None = None, size: int | None = None
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(features, labels) of the rows ``index`` (default: all), ``size`` rows at a time."""
+        """(features, labels) of the rows ``index`` (default: all), ``size`` rows at a time (default:
+        :meth:`chunk_rows`): memory of one chunk, whatever the store's size."""
         index = np.arange(self.count) if index is None else np.asarray(index, dtype=np.int64)
+        size = size or self.chunk_rows(name)
         for start in range(0, len(index), size):
             yield self.rows(name, index[start:start + size])
 

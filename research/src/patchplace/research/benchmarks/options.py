@@ -123,6 +123,10 @@ def _probe_memory_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--probe-sizes", type=int, nargs="+", default=[2000, 8000, 32000],
                    help="train split sizes (default: 2000 8000 32000)")
     g.add_argument("--probe-epochs", type=int, default=2, help="epochs of each linear probe (default: %(default)s)")
+    g.add_argument("--feature-dims", type=int, nargs="*", default=[],
+                   help="feature widths probed from a store alone, e.g. 768 3072 5120 (default: none)")
+    g.add_argument("--width-samples", type=int, default=8000,
+                   help="train samples of each --feature-dims store (default: %(default)s)")
 
 
 def _data_writer_options(parser: argparse.ArgumentParser) -> None:

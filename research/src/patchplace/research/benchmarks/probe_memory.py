@@ -6,7 +6,15 @@ in a fresh process with no DataLoader worker (everything it reads is counted); t
 anonymous memory. Flat = memory independent of the split's size. Each size runs twice: with glibc's default
 allocator, whose dynamic mmap threshold keeps freed large buffers in the heap (a few MB more the more batches a run
 allocates), and with that threshold fixed (MALLOC_MMAP_THRESHOLD_=131072, glibc's initial value: freed large buffers
-go back to the system), which shows what the evaluation itself holds."""
+go back to the system), which shows what the evaluation itself holds.
+
+The feature-width axis (--feature-dims, e.g. ViT-B's 768, its 3,072-d last-4 concatenation and ViT-H's 5,120):
+a store of --width-samples train and VAL val samples of that width (class-separated Gaussian rows, every feature
+``last`` / ``last4`` / ``block1`` that wide) written through the evaluation's writer and merge, then read by the
+evaluation's own probes (evaluate.frozen_probes: both linear probes, StoP's 1% logistic regression and a logistic
+regression on half the labels; the kNN of evaluation.knn_per_layer), in a fresh process each; no model is loaded,
+so the RssAnon is the probes' alone. Bounded = growing with the width for the heads' weights and a chunk, not with
+the rows."""
 
 from __future__ import annotations
 
@@ -49,6 +57,51 @@ done.set()
 thread.join()
 print(json.dumps({"code": code, "before": before, "peak": max(peak[0], anon()), "seconds": seconds}))
 """
+
+
+# the width axis: a store of one width written and probed in a fresh process (argv: folder, rows, dim, epochs)
+WIDTH_DRIVER = DRIVER.split("before = anon()")[0] + """
+import numpy as np, torch
+from pathlib import Path
+from patchplace.finetune import FeatureStore, FeatureWriter, merge_parts
+from patchplace.pipelines.commands import EvaluateConfig
+from patchplace.pipelines.config import build
+from patchplace.pipelines.evaluate import Stores, frozen_probes
+from patchplace.pipelines.evaluation import Ranks, knn_per_layer
+
+folder, rows, dim, epochs = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+names, classes = ["last", "last4", "block1"], 10
+centers = torch.randn(classes, dim, generator=torch.Generator().manual_seed(0))
+
+def store(split, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    with FeatureWriter(folder / split, 0) as writer:
+        for start in range(0, n, 256):
+            y = torch.arange(start, min(start + 256, n)) % classes
+            x = centers[y] + 4 * torch.randn(len(y), dim, generator=g)
+            writer.append({name: x for name in names}, y, torch.arange(start, start + len(y)),
+                          [str(i) for i in range(start, start + len(y))])
+    merge_parts(folder / split, 1, n, split)
+    return FeatureStore(folder / split)
+
+cfg = build(EvaluateConfig, {"eval.probe_layers": ["last", "last4"], "eval.probe_epochs": epochs,
+                             "eval.label_probe": "logistic", "eval.low_label_fraction": 0.01,
+                             "eval.label_fractions": [0.5]})
+before = anon()
+thread = threading.Thread(target=sample, daemon=True)
+thread.start()
+start = time.perf_counter()
+train, val = store("train", rows, 1), store("val", VAL, 2)
+stores = Stores(train, val, np.arange(rows))
+results = frozen_probes(cfg, stores, classes, "cpu")
+knn = knn_per_layer(train, stores.probe, val, 1, classes, Ranks(), "cpu")
+seconds = time.perf_counter() - start
+done.set()
+thread.join()
+print(json.dumps({"code": 0, "before": before, "peak": max(peak[0], anon()), "seconds": seconds,
+                  "linear_probe_top1": results["linear_probe"]["top1"], "knn_top1": knn[1],
+                  "half_labels_logistic_top1": results["linear_probe_label_fraction"]["0.5"]["top1"]}))
+""".replace("VAL, 2", f"{VAL}, 2")
 
 
 def write_split(root: Path, split: str, n: int, seed: int) -> Path:
@@ -101,8 +154,38 @@ def measure(train: Path, val: Path, checkpoint: Path, out: Path, epochs: int, en
             "knn_top1_last": round(results["knn_per_layer"]["4"], 4)}
 
 
-def probe_memory_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+def measure_width(folder: Path, rows: int, dim: int, epochs: int) -> dict[str, Any]:
+    """Peak RssAnon of a ``rows`` x ``dim`` store written and probed (:data:`WIDTH_DRIVER`), glibc's mmap
+    threshold fixed."""
+    result = subprocess.run([sys.executable, "-c", WIDTH_DRIVER, str(folder), str(rows), str(dim), str(epochs)],
+                            capture_output=True, text=True, timeout=3600, env={**os.environ, **FIXED_MMAP})
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not lines:
+        raise RuntimeError(f"the width driver failed: {result.stderr[-2000:]}")
+    found = json.loads(lines[-1])
+    store = sum(f.stat().st_size for f in folder.rglob("*.npy"))
+    return {"name": f"probes/store/width={dim}", "train_samples": rows, "val_samples": VAL, "feature_dim": dim,
+            "probe_epochs": epochs, "store_mb": round(store / 2**20, 1),
+            "peak_rss_anon_fixed_mmap_mb": round(found["peak"] / 2**20, 1),
+            "added_rss_anon_fixed_mmap_mb": round((found["peak"] - found["before"]) / 2**20, 1),
+            "seconds": round(found["seconds"], 1), "linear_probe_top1": round(found["linear_probe_top1"], 4),
+            "half_labels_logistic_top1": round(found["half_labels_logistic_top1"], 4),
+            "knn_top1": round(found["knn_top1"], 4)}
+
+
+def width_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The feature-width axis (--feature-dims at --width-samples train samples)."""
     rows = []
+    for dim in getattr(args, "feature_dims", None) or []:
+        with tempfile.TemporaryDirectory(prefix="probe_width_") as tmp:
+            row = measure_width(Path(tmp), getattr(args, "width_samples", 8000), dim, args.probe_epochs)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def probe_memory_suite(args: argparse.Namespace, state: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = width_rows(args)
     with tempfile.TemporaryDirectory(prefix="probe_memory_") as tmp:
         root = Path(tmp)
         val = write_split(root / "val", "val", VAL, seed=1)
