@@ -156,3 +156,21 @@ def test_the_probe_memory_benchmark_measures_each_size():
     assert width["feature_dim"] == 96 and width["store_mb"] >= 3 * 1400 * 96 * 4 / 2**20
     assert width["added_rss_anon_fixed_mmap_mb"] > 0 and width["half_labels_logistic_top1"] > 0.5
 
+
+def test_a_streamed_and_an_in_memory_evaluation_give_one_answer(shards, classifier, tmp_path):
+    """data.in_memory=true / false read the same samples: the position probe trains on the same batches (blocks of
+    data.batch_size in manifest order, whatever the shards and the loader's workers) with the same masks, MJP's
+    consistency reads the same first images, so every number is the same; results.json says which reader ran."""
+    runs = {}
+    for mode in ("true", "false"):
+        out = tmp_path / f"in_memory_{mode}"
+        args = [*img(shards), "data.batch_size=6", "data.num_workers=2", f"data.in_memory={mode}",
+                f"model.checkpoint={classifier}", "eval.probe_train_samples=40", "eval.probe_epochs=2",
+                "eval.max_eval_samples=20", "eval.consistency_ratios=[0.27,0.5]", "eval.low_label_fraction=0",
+                f"run.output={out}"]
+        assert evaluate.main(args) == 0
+        runs[mode] = json.loads((out / "results.json").read_text())
+    memory, streamed = runs["true"], runs["false"]
+    assert memory.pop("data")["mode"] == "in_memory" and streamed.pop("data")["mode"] == "streamed"
+    assert memory == streamed, {k: (v, streamed.get(k)) for k, v in memory.items() if v != streamed.get(k)}
+

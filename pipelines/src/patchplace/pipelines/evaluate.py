@@ -51,7 +51,7 @@ from safetensors.torch import load_file
 
 from patchplace.data.atomic import atomic_file
 from patchplace.data.manifest import class_list, first_difference
-from patchplace.data.memory import balanced_subset
+from patchplace.data.memory import MemoryReader, balanced_subset
 from patchplace.data.mfcc import build_frontend
 from patchplace.finetune import (
     LAST_LAYERS,
@@ -89,10 +89,10 @@ from patchplace.pipelines.engine import USER_ERRORS, Data, check_inputs, classif
 from patchplace.pipelines.evaluation import (
     Ranks,
     SharedBatches,
-    first_images,
     knn_per_layer,
+    leading_images,
+    ordered_batches,
     plot_privacy_grid,
-    share_batches,
     split_size,
     store_split,
 )
@@ -293,9 +293,10 @@ def plot_mp3(curve: dict, images: torch.Tensor, picture, out_dir: Path) -> None:
 
 
 def one_per_class(dataset, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first test image of each class, in class order, up to ``n`` (a fixed set: same images for every model)."""
+    """The first test image of each class (manifest order, on either reader), in class order, up to ``n`` (a fixed
+    set: same images for every model)."""
     chosen: dict[int, torch.Tensor] = {}
-    for x, y in dataset.batches(batch_size, epoch=0):
+    for x, y in ordered_batches(dataset, torch.arange(split_rows(dataset)), batch_size):
         for image, label in zip(x, y.tolist(), strict=True):
             chosen.setdefault(label, image)
         if len(chosen) >= n:
@@ -576,8 +577,9 @@ def frozen_probes(cfg: EvaluateConfig, stores: Stores, num_classes: int, device)
 
 def positions_batches(data: Data, reader, positions: torch.Tensor, batch_size: int, device
                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(inputs, labels)`` of ``positions`` of a split, read batch by batch on this process (the frontend on)."""
-    for x, y, _, _ in share_batches(reader, positions, batch_size):
+    """``(inputs, labels)`` of ``positions`` of a split, read batch by batch on this process (the frontend on), in
+    the same batches from memory or streamed (:func:`ordered_batches`)."""
+    for x, y in ordered_batches(reader, positions, batch_size):
         x = x.to(device)
         yield (data.frontend(x) if data.frontend is not None else x), y
 
@@ -607,7 +609,8 @@ def evaluation(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, An
     if cfg.run.overwrite and ranks.main:  # an earlier evaluation's files go: none is listed or read as this one's
         for name in RESULT_FILES:
             (out_dir / name).unlink(missing_ok=True)
-    results: dict[str, Any] = {"checkpoint": cfg.model.checkpoint, "method": metadata.get("method")}
+    results: dict[str, Any] = {"checkpoint": cfg.model.checkpoint, "method": metadata.get("method"),
+                               "data": data_record(data)}
     try:
         pool = probe_feature_of(metadata, backbone)  # the feature the checkpoint's training trained (docs/design.md)
     except ValueError as exc:
@@ -620,6 +623,14 @@ def evaluation(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, An
     finally:  # (an evaluation that fails half-way leaves no features behind either)
         if ranks.main and not ev.keep_features:
             shutil.rmtree(out_dir / "features", ignore_errors=True)
+
+
+def data_record(data: Data) -> dict[str, str]:
+    """What read the splits: ``mode`` ``in_memory`` (data.in_memory) or ``streamed`` (shards read batch by batch),
+    ``mixed`` when data.train and data.val differ; every result is the same on either."""
+    modes = {split: "in_memory" if isinstance(reader, MemoryReader) else "streamed"
+             for split, reader in (("train", data.train), ("val", data.val))}
+    return {"mode": modes["val"] if len(set(modes.values())) == 1 else "mixed", **modes}
 
 
 def main_results(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any], device,
@@ -647,7 +658,7 @@ def image_results(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str,
     """MJP consistency, the method's own curves and the privacy evaluation (main process, bounded image sets)."""
     results: dict[str, Any] = {}
     if data.manifest.modality == "image":
-        images, _ = first_images(data.val, cfg.eval.max_eval_samples, cfg.data.batch_size)
+        images, _ = leading_images(data.val, cfg.eval.max_eval_samples, cfg.data.batch_size)
         if backbone.config.num_classes == data.manifest.num_classes and cfg.eval.consistency_ratios:
             results["consistency"] = consistency_curve(
                 torch_predict(backbone), images, backbone.config.patch_size, cfg.eval.consistency_ratios,

@@ -153,6 +153,32 @@ class ShardShare(IterableDataset):
                 found[b] = []
 
 
+def ordered_batches(reader, positions: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(inputs, labels)`` of ``positions`` (sorted) in blocks of ``batch_size`` in manifest order, read on this
+    process: the same batches, in the same order, from a split in memory and from streamed shards (whatever their
+    sizes and the loader's workers), so that a probe trained batch by batch (the position probe, with its masks
+    drawn batch by batch) gives one answer on either reader. Streamed, the samples read ahead of the block being
+    filled wait (the loader's workers read their shards side by side: about a shard a worker at most)."""
+    if isinstance(reader, MemoryReader):
+        for x, y, _, _ in share_batches(reader, positions, batch_size):
+            yield x, y
+        return
+    blocks, waiting, b = positions.split(batch_size), {}, 0
+    for x, y, where, _ in share_batches(reader, positions, batch_size):
+        waiting.update(zip(where.tolist(), zip(x, y.tolist(), strict=True), strict=True))
+        while b < len(blocks) and all(int(p) in waiting for p in blocks[b]):
+            samples = [waiting.pop(int(p)) for p in blocks[b]]
+            yield torch.stack([x for x, _ in samples]), torch.tensor([y for _, y in samples])
+            b += 1
+
+
+def leading_images(reader, n: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` samples of a split in manifest order (:func:`ordered_batches`: the same on either reader)."""
+    count = min(n, split_size(reader), reader.epoch_length or n)
+    xs, ys = zip(*ordered_batches(reader, torch.arange(count), batch_size), strict=True)
+    return torch.cat(xs), torch.cat(ys)
+
+
 class SharedBatches:
     """A share of a split behind the ``batches(batch_size, epoch)`` interface of the readers (for ``classify``)."""
 

@@ -166,10 +166,15 @@ def position_probe(backbone: Backbone, train: Batches, test: Batches, *, mask_ra
                    class_token: bool = True) -> dict[str, float]:
     """DropPos Table 7: freeze the backbone, train a linear position head on its patch outputs, with a random
     ``mask_ratio`` of the PEs removed per sample; accuracy is over the tokens whose PE was removed.
-    ``class_token=False`` runs the patch tokens alone (backbones whose pretraining never fed the class token)."""
+    ``class_token=False`` runs the patch tokens alone (backbones whose pretraining never fed the class token).
+    The head's initial weights and the masks are drawn from ``seed`` alone (the caller's RNG is left as it was, and
+    whatever drew from it before — a DataLoader's workers seed from it — changes nothing)."""
     gen = torch.Generator().manual_seed(seed)
     backbone.eval()
-    head = nn.Linear(backbone.embed_dim, backbone.num_patches).to(device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = nn.Linear(backbone.embed_dim, backbone.num_patches)
+    head = head.to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=lr)
 
     def features(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
