@@ -174,3 +174,27 @@ def test_a_streamed_and_an_in_memory_evaluation_give_one_answer(shards, classifi
     assert memory.pop("data")["mode"] == "in_memory" and streamed.pop("data")["mode"] == "streamed"
     assert memory == streamed, {k: (v, streamed.get(k)) for k, v in memory.items() if v != streamed.get(k)}
 
+
+FAULT_DRIVER = str(ROOT / "tests" / "evaluate_fault_driver.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigterm", "own_output"])
+def test_a_stopped_or_failed_evaluation_on_two_processes_leaves_no_features_on_any_machine(
+        shards, classifier, tmp_path, fault):
+    """Rank 1 SIGTERMed as soon as it wrote its first batch of features (a user's kill, the launcher then ending
+    rank 0), or rank 1 given a run.output of its own (run.output not shared across machines: the merge fails on
+    both): each rank removes its own part, so neither folder keeps features, and no results are written."""
+    out = tmp_path / "ev"
+    env = {**ENV, "EVAL_SIGTERM_RANK": "1"} if fault == "sigterm" else {**ENV, "EVAL_OWN_OUTPUT_RANK": "1"}
+    args = [*img(shards), "data.batch_size=8", "data.num_workers=1", "data.in_memory=false",
+            f"model.checkpoint={classifier}", "eval.probe_train_samples=40", "eval.max_eval_samples=8",
+            "eval.consistency_ratios=[]", f"run.output={out}"]
+    result = subprocess.run([*LAUNCH, FAULT_DRIVER, *args], capture_output=True, text=True, timeout=300, env=env,
+                            cwd=ROOT)
+    assert result.returncode != 0, result.stderr[-3000:]
+    expected = "interrupted by SIGTERM" if fault == "sigterm" else "wrote no complete part of the features"
+    assert expected in result.stderr, result.stderr[-3000:]
+    for folder in (out, tmp_path / "ev-rank1"):
+        assert not (folder / "features").exists(), (folder, sorted(folder.rglob("*")))
+        assert not (folder / "results.json").exists()

@@ -38,8 +38,11 @@ if __name__ == "__main__":  # `python -m patchplace.pipelines.evaluate`, before 
 
     sys.exit(cli.main("evaluate"))
 
+import contextlib
 import json
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +88,16 @@ from patchplace.objectives import (
 )
 from patchplace.pipelines.commands import EvalSection, EvaluateConfig, PrivacySection, expand_flags
 from patchplace.pipelines.config import ConfigError, check_path, command_args, load, parser
-from patchplace.pipelines.engine import USER_ERRORS, Data, check_inputs, classify, holdout_indices, report, start
+from patchplace.pipelines.engine import (
+    USER_ERRORS,
+    Data,
+    Interrupted,
+    check_inputs,
+    classify,
+    holdout_indices,
+    report,
+    start,
+)
 from patchplace.pipelines.evaluation import (
     Ranks,
     SharedBatches,
@@ -616,13 +628,58 @@ def evaluation(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, An
     except ValueError as exc:
         raise ConfigError(f"{cfg.model.checkpoint}: {exc}") from None
     try:
-        shared, stores = shared_results(cfg, data, backbone, pool, device, ranks)
-        if not ranks.main:
-            return None
-        return main_results(cfg, data, backbone, metadata, device, {**results, **shared}, stores, pool)
-    finally:  # (an evaluation that fails half-way leaves no features behind either)
-        if ranks.main and not ev.keep_features:
-            shutil.rmtree(out_dir / "features", ignore_errors=True)
+        with sigterm_raises():
+            shared, stores = shared_results(cfg, data, backbone, pool, device, ranks)
+            if not ranks.main:
+                return None
+            return main_results(cfg, data, backbone, metadata, device, {**results, **shared}, stores, pool)
+    finally:  # an evaluation that fails half-way, or is stopped, leaves no features behind either
+        remove_features(out_dir / "features", ranks, ev.keep_features)
+
+
+class EvaluationInterrupted(Interrupted):
+    """SIGTERM stopped this process's evaluation (its features removed); a rank's own stop, not agreed."""
+
+    every_rank = False
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM (a user's ``kill``, the launcher ending the other ranks once one failed) raises
+    :class:`EvaluationInterrupted` in the main thread, so the ``finally`` clauses run (the features removed); a
+    second SIGTERM then acts at once (the previous handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, previous)
+        raise EvaluationInterrupted("interrupted by SIGTERM: the evaluation stopped, no results written and its "
+                                    "features removed; run it again", 128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def remove_features(folder: Path, ranks: Ranks, keep: bool) -> None:
+    """What an evaluation leaves of ``run.output/features`` on this machine: each rank removes its own parts (also
+    where run.output is not one folder every machine shares, so nothing but this rank wrote them here); without
+    eval.keep_features the main rank removes the stores, and the other ranks the folders their parts left, once
+    empty (on a shared run.output, the main rank may still be reading the stores)."""
+    for split in ("train", "val"):
+        shutil.rmtree(folder / split / f"part-{ranks.rank}", ignore_errors=True)
+    if keep:
+        return
+    if ranks.main:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for empty in (folder / "train", folder / "val", folder):
+        with contextlib.suppress(OSError):
+            empty.rmdir()
 
 
 def data_record(data: Data) -> dict[str, str]:
@@ -696,8 +753,8 @@ def main(argv: list[str] | None = None) -> int:
             data.frontend = build_frontend(metadata["frontend"]).to(accelerator.device)
         preflight(cfg, data, backbone, metadata)
         results = evaluation(cfg, data, backbone, metadata, accelerator.device, ranks_of(accelerator))
-    except USER_ERRORS as exc:  # ConfigError, DataError, ModelError, PrivacyError, a non-finite output, ...
-        return report(exc)  # one line, exit 2; the run.output this launch created is removed while empty
+    except (*USER_ERRORS, EvaluationInterrupted) as exc:  # ConfigError, DataError, ModelError, PrivacyError, ...
+        return report(exc)  # one line, exit 2 (SIGTERM: 143); the run.output this launch created goes while empty
     accelerator.end_training()  # every rank, the others as soon as their shares are done (as the trainer's end)
     if results is not None:  # the main process (the others computed their shares)
         print(to_markdown(results))
