@@ -145,6 +145,11 @@ def test_subset_names_the_split_lacks_or_that_are_ambiguous_are_refused_in_one_l
     assert "\n" not in str(missing.value)
     with pytest.raises(StoreError, match=r"1 names in the list match several samples .*n01440764_10026\.JPEG"):
         match_subset(chunks(KEYS), ["n01440764_10026.JPEG"])
+    # one sample twice (two names of one file): refused, never trained on as one sample fewer than listed
+    with pytest.raises(StoreError, match=r"1 of the 3 names in 1percent.txt name a sample an earlier line names too "
+                                         r"\(e\.g\. n01443537_2\)"):
+        match_subset(chunks(KEYS), ["n01443537/n01443537_2.JPEG", "n01443537_10007.JPEG", "n01443537_2"],
+                     "1percent.txt")
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(StoreError, match="names no sample"):
         read_subset_file(tmp_path / "empty.txt")

@@ -98,6 +98,8 @@ from patchplace.pipelines.engine import (
     report,
     start,
 )
+from patchplace.pipelines.engine.protocol import LOCK, RunLock
+from patchplace.pipelines.engine.rundir import holds_run
 from patchplace.pipelines.evaluation import (
     Ranks,
     SharedBatches,
@@ -105,6 +107,7 @@ from patchplace.pipelines.evaluation import (
     leading_images,
     ordered_batches,
     plot_privacy_grid,
+    split_keys,
     split_size,
     store_split,
 )
@@ -220,11 +223,43 @@ def preflight(cfg: EvaluateConfig, data: Data, backbone, metadata: dict[str, Any
     extras = Path(checkpoint) / "objective.safetensors"
     if m.modality == "image" and curve_method(metadata) is not None and extras.is_file():
         objective_state(extras)
-    for file in cfg.eval.label_subset_files:  # readable and not empty (matched to the samples once they are read)
-        read_subset_file(file)
+    check_subset_files(cfg, data)
+    check_probe_samples(cfg, m)
     if "last4" in cfg.eval.probe_layers and cfg.eval.linear_probe and len(backbone.blocks) < LAST_LAYERS:
         print(f"note: eval.probe_layers=last4 concatenates all {len(backbone.blocks)} blocks of {checkpoint} (fewer "
               f"than {LAST_LAYERS})", file=sys.stderr)
+
+
+def check_subset_files(cfg: EvaluateConfig, data: Data) -> None:
+    """Each eval.label_subset_files list names samples of data.train (each once) of two classes or more: matched
+    against the split's keys before any feature is extracted (local shards' tar headers, or the split in memory;
+    shards read by URL are matched once their features are stored)."""
+    for file in cfg.eval.label_subset_files:
+        names, labels = read_subset_file(file), []
+        chunks = split_keys(data.train, split_rows(data.train), labels)
+        if chunks is not None:
+            rows = match_subset(chunks, names, f"eval.label_subset_files {file}")
+            check_subset_classes(np.concatenate(labels)[rows], file, data.manifest.classes)
+
+
+def check_subset_classes(labels: np.ndarray, file: str, classes: list[str] | None = None) -> None:
+    """A label subset of one class trains no classifier: refused, naming the class."""
+    found = np.unique(labels)
+    if len(found) < 2:
+        name = repr(classes[int(found[0])]) if classes else f"label {int(found[0])}"
+        raise ConfigError(f"eval.label_subset_files {file} lists {len(labels)} samples, all of class "
+                          f"{name}: a probe needs samples of two classes or more (list the "
+                          "subset's samples of every class)")
+
+
+def check_probe_samples(cfg: EvaluateConfig, manifest) -> None:
+    """eval.probe_train_samples below the number of classes leaves classes the linear and kNN probes never see
+    (their top-1 would be bounded by the classes drawn, not the features): refused."""
+    n, classes = cfg.eval.probe_train_samples, manifest.num_classes
+    if (cfg.eval.linear_probe or cfg.eval.knn) and n and n < classes:
+        raise ConfigError(f"eval.probe_train_samples={n} is fewer than the {classes} classes of "
+                          f"{manifest.dataset}/{manifest.split}: the probes could not see every class; give at "
+                          f"least {classes} (or 0: all of data.train)")
 
 
 def curve_method(metadata: dict[str, Any]) -> MethodSpec | None:
@@ -582,6 +617,7 @@ def frozen_probes(cfg: EvaluateConfig, stores: Stores, num_classes: int, device)
         out["linear_probe_label_subset"] = {}
         for file in ev.label_subset_files:
             rows = match_subset(stores.train.key_chunks(), read_subset_file(file), f"eval.label_subset_files {file}")
+            check_subset_classes(np.asarray(stores.train.labels[rows]), file)
             out["linear_probe_label_subset"][Path(file).name] = {
                 **label_probe(ev, stores, rows, num_classes, device, seed, Path(file).name), "file": file}
     return out
@@ -735,6 +771,21 @@ def write_results(results: dict[str, Any], data: Data, out_dir: Path) -> None:
             tmp.write_text(text)
 
 
+@contextlib.contextmanager
+def run_lock(out: Path, main: bool) -> Iterator[None]:
+    """A training run's folder (its ``.lock``, log or checkpoints) is evaluated into under its lock (main process):
+    refused in one line while a live training process holds it, and held while the evaluation writes, so no run
+    resumes there meanwhile; released with the lock file given back what it held (a plain folder gets none)."""
+    if not main or not ((out / LOCK).exists() or holds_run(out)):
+        yield
+        return
+    lock = RunLock(out).acquire()
+    try:
+        yield
+    finally:
+        lock.release(restore=True)
+
+
 def ranks_of(accelerator) -> Ranks:
     """The :class:`Ranks` of an Accelerator (sums on its device: NCCL reduces GPU tensors)."""
     return Ranks(accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone,
@@ -752,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
         if data.frontend is not None and metadata.get("frontend"):  # the speech front end the checkpoint trained on
             data.frontend = build_frontend(metadata["frontend"]).to(accelerator.device)
         preflight(cfg, data, backbone, metadata)
-        results = evaluation(cfg, data, backbone, metadata, accelerator.device, ranks_of(accelerator))
+        with run_lock(Path(cfg.run.output), accelerator.is_main_process):
+            results = evaluation(cfg, data, backbone, metadata, accelerator.device, ranks_of(accelerator))
     except (*USER_ERRORS, EvaluationInterrupted) as exc:  # ConfigError, DataError, ModelError, PrivacyError, ...
         return report(exc)  # one line, exit 2 (SIGTERM: 143); the run.output this launch created goes while empty
     accelerator.end_training()  # every rank, the others as soon as their shares are done (as the trainer's end)

@@ -179,6 +179,44 @@ def leading_images(reader, n: int, batch_size: int) -> tuple[torch.Tensor, torch
     return torch.cat(xs), torch.cat(ys)
 
 
+def split_keys(reader, rows: int, labels: list[np.ndarray], size: int = 4096
+               ) -> Iterator[tuple[int, list[str]]] | None:
+    """``(start, keys)`` chunks of the first ``rows`` samples of a split in manifest order, without decoding a
+    sample: the keys of a split in memory, or the tar headers of local shards (each ``.cls`` member's few bytes
+    appended to ``labels``). None for shards read by URL (their keys cost a download: they are matched once the
+    features are stored)."""
+    if isinstance(reader, MemoryReader):
+        keys, found = reader.split.keys[:rows], reader.split.labels[:rows].cpu().numpy()
+        labels.append(found)
+        return ((start, keys[start:start + size]) for start in range(0, len(keys), size))
+    if any("://" in str(url) for url in reader.urls):
+        return None
+    return _tar_keys(reader.urls, reader.manifest.fields.get("label", "cls"), rows, labels, size)
+
+
+def _tar_keys(paths: list[str], label: str, rows: int, labels: list[np.ndarray], size: int
+              ) -> Iterator[tuple[int, list[str]]]:
+    import tarfile
+
+    keys, found, start = [], [], 0
+    for path in paths:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:  # headers only: the reader seeks over each member's data
+                key, _, ext = member.name.rpartition("/")[2].partition(".")
+                if ext == label:
+                    keys.append(member.name.rpartition("/")[0] + ("/" if "/" in member.name else "") + key)
+                    found.append(int(tar.extractfile(member).read()))
+                if len(keys) == size or start + len(keys) == rows:
+                    labels.append(np.asarray(found, dtype=np.int64))
+                    yield start, keys
+                    start, keys, found = start + len(keys), [], []
+                    if start == rows:
+                        return
+    if keys:
+        labels.append(np.asarray(found, dtype=np.int64))
+        yield start, keys
+
+
 class SharedBatches:
     """A share of a split behind the ``batches(batch_size, epoch)`` interface of the readers (for ``classify``)."""
 

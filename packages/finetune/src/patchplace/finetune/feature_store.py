@@ -306,7 +306,8 @@ def match_subset(key_chunks: Iterable[tuple[int, Sequence[str]]], names: Sequenc
     """Sorted store rows of the listed ``names``: a name matches the key it is (or that image_folder.py makes of
     it, folders included), else the one key with its stem (folders and extension left out). A name no key matches,
     or whose stem several keys share, is refused (:class:`StoreError` naming a few of them). Memory: the list's
-    names, whatever the store's size."""
+    names, whatever the store's size. A sample listed twice (the same line, or two names of one file) is refused
+    too: the probe would train on fewer samples than the list names."""
     exact: dict[str, int] = {}
     stems: dict[str, list[int]] = {}
     for i, name in enumerate(names):
@@ -334,4 +335,10 @@ def match_subset(key_chunks: Iterable[tuple[int, Sequence[str]]], names: Sequenc
                 if missing else f"{len(ambiguous)} names in {source} match several samples (e.g. {some})")
         raise StoreError(f"{what}: list the split's own files, by name (n01440764_10026.JPEG) or by the path under "
                          "the split folder that data/image_folder.py keyed them by (n01440764/n01440764_10026.JPEG)")
-    return np.unique(np.asarray(rows, dtype=np.int64))
+    found = np.asarray(rows, dtype=np.int64)
+    unique, first = np.unique(found, return_index=True)
+    if len(unique) < len(found):  # the probe would train on fewer samples than the list names
+        again = [names[i] for i in sorted(set(range(len(found))) - set(first.tolist()))]
+        raise StoreError(f"{len(again)} of the {len(names)} names in {source} name a sample an earlier line names "
+                         f"too (e.g. {', '.join(again[:3])}): list each sample once")
+    return unique
