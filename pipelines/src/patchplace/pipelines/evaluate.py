@@ -234,12 +234,18 @@ def check_subset_files(cfg: EvaluateConfig, data: Data) -> None:
     """Each eval.label_subset_files list names samples of data.train (each once) of two classes or more: matched
     against the split's keys before any feature is extracted (local shards' tar headers, or the split in memory;
     shards read by URL are matched once their features are stored)."""
+    import tarfile
+
     for file in cfg.eval.label_subset_files:
         names, labels = read_subset_file(file), []
         chunks = split_keys(data.train, split_rows(data.train), labels)
-        if chunks is not None:
+        if chunks is None:
+            continue
+        try:
             rows = match_subset(chunks, names, f"eval.label_subset_files {file}")
-            check_subset_classes(np.concatenate(labels)[rows], file, data.manifest.classes)
+        except (OSError, tarfile.TarError):  # a shard that cannot be listed: the reader names it when it reads it
+            continue
+        check_subset_classes(np.concatenate(labels)[rows], file, data.manifest.classes)
 
 
 def check_subset_classes(labels: np.ndarray, file: str, classes: list[str] | None = None) -> None:

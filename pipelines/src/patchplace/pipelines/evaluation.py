@@ -200,7 +200,7 @@ def _tar_keys(paths: list[str], label: str, rows: int, labels: list[np.ndarray],
 
     keys, found, start = [], [], 0
     for path in paths:
-        with tarfile.open(path, "r:") as tar:
+        with tarfile.open(path, "r") as tar:  # (a compressed shard too)
             for member in tar:  # headers only: the reader seeks over each member's data
                 key, _, ext = member.name.rpartition("/")[2].partition(".")
                 if ext == label:
