@@ -22,9 +22,13 @@ low-label ones (StoP's logistic regression, ImageNet 1% / 10% lists) train on th
 Memory does not grow with the splits, and the results equal one process's.
 
 Refused in one line, before anything is computed: a ``run.output`` holding an earlier evaluation's results (unless
-``run.overwrite=true``, which replaces them), images the checkpoint trained on (``data.val`` = its training split,
-or ``data.val=holdout`` outside the hold-out it records), a classifier on data whose classes (names, order) are not
-its own, and inputs the model cannot take. Every split is normalized with the checkpoint's training statistics.
+``run.overwrite=true``, which replaces them) or a training run whose lock a live process holds, images the
+checkpoint trained on (``data.val`` = its training split, or ``data.val=holdout`` outside the hold-out it records), a
+classifier on data whose classes (names, order) are not its own, inputs the model cannot take, a label-subset list
+naming samples data.train lacks, a sample twice or one class only, and fewer probe samples than classes. Every split
+is normalized with the checkpoint's training statistics; a streamed and an in-memory split give the same results
+(``results.json`` records ``data.mode``). A stopped (SIGTERM: one line, exit 143) or failed evaluation leaves no
+features behind on any process.
 """
 
 from __future__ import annotations
