@@ -65,9 +65,9 @@ RESUMABLE_CHANGES = ("run.output", "run.resume", "run.overwrite", "run.log_every
                      "run.eval_every", "run.tensorboard", "run.log_with", "run.log_project",
                      "run.find_unused_parameters", "run.finite_check",
                      "data.verify_shards", "data.timeout", "data.retries")
-# the budget a resume may extend (the Trainer checks it grows: :func:`extension_problem`)
+# the budget a resume may extend (:meth:`RunDir.claim` checks it grows: :func:`.budget.extension_problem`)
 EXTENDABLE = ("optim.epochs", "optim.max_steps", "optim.extend")
-# the layout of a step's global batch a resume may change while keeping it (the checkpoints check the product)
+# the layout of a step's global batch a resume may change while keeping it (:meth:`RunDir.claim` checks the product)
 RELAYOUT = ("data.batch_size", "run.grad_accum")
 
 
