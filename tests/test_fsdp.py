@@ -11,6 +11,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +33,7 @@ from patchplace.pipelines.engine.checkpoints import Saved
 from patchplace.pipelines.engine.launch import block_classes, gathered
 from patchplace.research.benchmarks.fsdp_memory import shard
 
+ROOT = Path(__file__).resolve().parents[1]
 WORLD, PER_RANK, STEPS = 2, 2, 2
 TEST_FIELDS = {"mjp": {"ratio": 0.15, "apply_prob": 1.0, "warmup_fraction": 0.0}}
 
@@ -164,6 +167,54 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoint" / "model.safetensors"))
 
 
+def launched(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``tests/fsdp_driver.py`` (pretrain.py on Accelerate's FSDP2 path) or, without run.fsdp, pretrain.py (DDP) on 2
+    CPU processes."""
+    script = ROOT / ("tests/fsdp_driver.py" if "run.fsdp=full_shard" in args else "pipelines/pretrain.py")
+    command = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    return subprocess.run([*command, str(script), *args], capture_output=True, text=True, timeout=600, env={
+        **os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.slow
+def test_the_engine_on_accelerates_fsdp_path_trains_evaluates_saves_and_resumes(shards, tmp_path):
+    """The whole run under Accelerate's FSDP2 path on 2 CPU processes (I-JEPA: the EMA target, the context encoder
+    folder): the losses and final weights of the DDP run; the evaluation on every rank; the checkpoint's full state;
+    a SIGTERM during step 2 stops the ranks after step 3, and the resumed run ends with the uninterrupted run's
+    weights."""
+    args = [*method_args(shards, "ijepa"), "optim.max_steps=4"]
+    sharded, stopped, ddp = tmp_path / "fsdp", tmp_path / "stopped", tmp_path / "ddp"
+    for out, extra in ((sharded, ["run.fsdp=full_shard"]), (ddp, [])):
+        result = launched([*args, *extra, f"run.output={out}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    state = sharded / "checkpoints" / "step-00000004" / "state"
+    assert {p.name for p in state.iterdir()} >= {"pytorch_model_fsdp.bin", "optimizer.bin", "random_states_0.pkl",
+                                                 "random_states_1.pkl", "trainer.json"}
+    logged = [[r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())] for out in (sharded, ddp)]
+    assert [r["step"] for r in logged[0] if "loss" in r] == [1, 2, 3, 4]
+    for a, b in zip(*logged, strict=True):
+        for key in ("loss", "eval"):
+            if key in a:
+                got, want = (a[key]["loss"], b[key]["loss"]) if key == "eval" else (a[key], b[key])
+                assert got == pytest.approx(want, rel=1e-4), (key, a, b)
+    for name in ("model.safetensors", "context_encoder/model.safetensors", "objective.safetensors"):
+        fsdp_w, ddp_w = (load_file(str(out / "checkpoint" / name)) for out in (sharded, ddp))
+        assert fsdp_w.keys() == ddp_w.keys()
+        for key in ddp_w:
+            torch.testing.assert_close(fsdp_w[key], ddp_w[key], rtol=0, atol=1e-4, msg=f"{name}: {key}")
+    interrupted = launched([*args, "run.fsdp=full_shard", f"run.output={stopped}"], env={"FSDP_SIGTERM_AT": "2"})
+    # (several processes agree on a stop one step late: the step-3 checkpoint)
+    assert interrupted.returncode != 0 and "interrupted by SIGTERM at step 3" in interrupted.stderr, \
+        interrupted.stderr[-3000:]
+    resumed = launched([*args, "run.fsdp=full_shard", "run.resume=true", f"run.output={stopped}"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = final_weights(sharded), final_weights(stopped)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pytest -m gpu)")
 @pytest.mark.parametrize("method", ["mae", "ijepa"])
@@ -172,8 +223,7 @@ def test_a_sharded_run_resumed_ends_where_an_uninterrupted_one_does(shards, tmp_
     model and AdamW state, the gathered backbone folder); the resumed run ends with the uninterrupted run's weights."""
     from fault_driver import sigterm_at
 
-    args = [a for a in method_args(shards, method) if not a.startswith("data.val=")]  # no evaluation
-    args += ["run.fsdp=full_shard", "optim.max_steps=4"]
+    args = [*method_args(shards, method), "run.fsdp=full_shard", "optim.max_steps=4"]
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     assert pretrain.main([*args, f"run.output={whole}"]) == 0
     with sigterm_at(2):
@@ -187,9 +237,10 @@ def test_a_sharded_run_resumed_ends_where_an_uninterrupted_one_does(shards, tmp_
 
 
 def test_what_fsdp_cannot_shard_is_refused_before_training(monkeypatch):
-    """Where CUDA is seen: run.model_ema's unsharded copy; under FSDP, an evaluation on the main process alone."""
+    """Where CUDA is seen: run.model_ema's unsharded copy, and fine-tuning (its evaluation runs the backbone outside
+    the sharded objective's forward)."""
     from patchplace.pipelines.config import ConfigError
-    from patchplace.pipelines.engine.launch import check_fsdp, check_sharded_evaluation
+    from patchplace.pipelines.engine.launch import check_fsdp
     from patchplace.pipelines.sections import RunSection
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
@@ -197,8 +248,6 @@ def test_what_fsdp_cannot_shard_is_refused_before_training(monkeypatch):
     check_fsdp(RunSection(fsdp="full_shard"))
     with pytest.raises(ConfigError, match=re.escape("run.model_ema=0.999 with run.fsdp=shard_grad_op")):
         check_fsdp(RunSection(fsdp="shard_grad_op", model_ema=0.999))
-    sharded = SimpleNamespace(distributed_type=DistributedType.FSDP)
-    with pytest.raises(ConfigError, match=re.escape("drop data.val")):
-        check_sharded_evaluation(sharded, evaluates=True)
-    check_sharded_evaluation(sharded, evaluates=False)
-    check_sharded_evaluation(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), evaluates=True)
+    with pytest.raises(ConfigError, match=re.escape("run.fsdp=full_shard in finetune.py")):
+        check_fsdp(RunSection(fsdp="full_shard"), fine_tunes=True)
+    check_fsdp(RunSection(), fine_tunes=True)

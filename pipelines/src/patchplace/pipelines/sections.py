@@ -429,7 +429,8 @@ class RunSection:
     # shard the weights, gradients and AdamW state over the processes (Accelerate's FSDP2, a unit per Transformer
     # block): off | full_shard (ZeRO-3: each block's weights gathered for its forward and again for its backward) |
     # shard_grad_op (ZeRO-2: kept from the forward to the backward). A GPU knob (refused on CPUs, where Accelerate
-    # runs DDP); checkpoints hold the full state and resume as DDP's; not with run.model_ema (docs/scale-out.md)
+    # runs DDP); checkpoints hold the full state and resume as DDP's; not with run.model_ema, nor in
+    # finetune.py (docs/scale-out.md)
     fsdp: Literal["off", "full_shard", "shard_grad_op"] = "off"
     # when a non-finite loss is looked for: step (every step, a host sync: the run stops before the step reaches the
     # weights) | lazy (no per-step sync, a GPU knob: the flags stay on the device, a bad step's update is skipped

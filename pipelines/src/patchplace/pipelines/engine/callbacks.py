@@ -22,7 +22,7 @@ from patchplace.pipelines.config import ConfigError
 from patchplace.pipelines.engine.checkpoints import folder_step, snapshot_name
 from patchplace.pipelines.engine.ema import WeightsEma
 from patchplace.pipelines.engine.inputs import metrics_split
-from patchplace.pipelines.engine.launch import check_sharded_evaluation
+from patchplace.pipelines.engine.launch import sharded
 from patchplace.pipelines.engine.protocol import publish_folder
 from patchplace.pipelines.engine.rundir import RunDir
 from patchplace.pipelines.engine.scoring import BestTracker
@@ -244,7 +244,8 @@ class Callbacks(Callback):
 
 class Evaluation:
     """The pipeline's ``evaluate`` callback (None: it has none) of the unwrapped model, every ``run.eval_every``
-    steps and at the end: main process, recorded in log.jsonl and the trackers; every rank waits for it."""
+    steps and at the end: main process (under FSDP every rank, on the same whole validation split: a sharded
+    forward needs them all), recorded in log.jsonl and the trackers; every rank waits for it."""
 
     def __init__(self, rundir: RunDir, evaluate: Evaluate | None, every: int | None) -> None:
         self.rundir, self.evaluate, self.every = rundir, evaluate, every
@@ -255,11 +256,12 @@ class Evaluation:
 
     def __call__(self, model: nn.Module, step: int) -> dict[str, Any]:
         acc, result = self.rundir.acc, {}
-        if acc.is_main_process:
+        if acc.is_main_process or sharded(acc):  # (FSDP: every rank's forward gathers the shards, in lockstep)
             # eager: a compiled step (run.compile_scope=step) is the training graph; evaluations draw their masks
             # from a seeded generator and run in eval mode, shapes and paths of their own
             with torch.compiler.set_stance("force_eager"):
                 result = self.evaluate(acc.unwrap_model(model), step)
+        if acc.is_main_process:
             self.rundir.record_eval(step, result)
         acc.wait_for_everyone()
         return result
@@ -269,9 +271,7 @@ def run_callbacks(run: RunSection, rundir: RunDir, snapshots: dict[int, float], 
                   evaluate: Evaluate | None, objective: nn.Module) -> list[Callback]:
     """The callbacks the run section asks for: run.checkpoint_every, run.keep_epochs (``snapshots``:
     :func:`snapshot_steps` of the run's budget, ``total`` steps), run.early_stop_patience, run.model_ema. Early
-    stopping without an evaluation is a :class:`ConfigError` before the directory is touched, so is an evaluation
-    under FSDP."""
-    check_sharded_evaluation(rundir.acc, evaluate is not None)
+    stopping without an evaluation is a :class:`ConfigError` before the directory is touched."""
     callbacks: list[Callback] = [CheckpointEvery(run.checkpoint_every)] if run.checkpoint_every else []
     if snapshots:
         callbacks.append(KeepEpochs(rundir, snapshots))

@@ -184,7 +184,7 @@ def start(config_cls: type, description: str, argv: list[str] | None, augment: b
     argv = sys.argv[1:] if argv is None else argv
     parser(config_cls, description, argv).parse_args(argv)  # argparse's usage errors
     cfg = load(config_cls, *command_args(argv))  # (--config given twice: refused)
-    accelerator = make_accelerator(cfg.run)
+    accelerator = make_accelerator(cfg.run, fine_tunes=hasattr(cfg, "finetune"))
     set_seed(cfg.run.seed)
     if hasattr(cfg, "model"):
         set_attention_kernel(cfg.model.attention)
@@ -201,8 +201,8 @@ def dangling_link(path: Path) -> Path | None:
     return None
 
 
-def make_accelerator(run: RunSection) -> Accelerator:
-    check_fsdp(run)  # before run.output is created: a refusal leaves no folder
+def make_accelerator(run: RunSection, fine_tunes: bool = False) -> Accelerator:
+    check_fsdp(run, fine_tunes)  # before run.output is created: a refusal leaves no folder
     link = dangling_link(Path(run.output))
     if link is not None:  # mkdir would call it "File exists"
         target = os.readlink(link)
@@ -238,10 +238,12 @@ def make_accelerator(run: RunSection) -> Accelerator:
 RESHARD_AFTER_FORWARD = {"full_shard": True, "shard_grad_op": False}
 
 
-def check_fsdp(run: RunSection) -> None:
+def check_fsdp(run: RunSection, fine_tunes: bool = False) -> None:
     """``run.fsdp`` where it can shard: Accelerate switches to FSDP only on GPU-like devices (CUDA here); on CPUs
     (``ACCELERATE_USE_CPU=true``, or no CUDA device) it would run the processes as DDP, every rank holding the whole
-    model. ``run.model_ema`` keeps an unsharded copy that the sharded weights cannot update."""
+    model. ``run.model_ema`` keeps an unsharded copy that the sharded weights cannot update; fine-tuning
+    (``fine_tunes``) evaluates through the backbone alone, whose root-unit weights only the objective's forward
+    gathers."""
     if run.fsdp == "off":
         return
     if parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available():
@@ -253,6 +255,10 @@ def check_fsdp(run: RunSection) -> None:
         raise ConfigError(f"run.model_ema={run.model_ema:g} with run.fsdp={run.fsdp}: the EMA is an unsharded copy "
                           "of the whole objective on every rank, updated from the sharded weights; set "
                           "run.model_ema=null, or run.fsdp=off")
+    if fine_tunes:
+        raise ConfigError(f"run.fsdp={run.fsdp} in finetune.py: its evaluation runs the backbone outside the sharded "
+                          "objective's forward, where the backbone's own weights stay sharded; fine-tune with "
+                          "run.fsdp=off (run.activation_checkpointing=true saves activation memory)")
 
 
 def fsdp_plugin(mode: str) -> FullyShardedDataParallelPlugin | None:
@@ -280,7 +286,7 @@ def shard_layers(accelerator: Any, model: nn.Module) -> None:
     transformer-based wrap policy gets :func:`block_classes` unless the launch named its own; FSDP1 is refused
     (the optimizer is made before ``prepare``, which FSDP1 cannot remap; FSDP2 does)."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if getattr(accelerator, "distributed_type", None) != DistributedType.FSDP or plugin is None:
+    if not sharded(accelerator) or plugin is None:
         return
     if plugin.fsdp_version != 2:
         raise ConfigError(f"FSDP version {plugin.fsdp_version}: this engine trains with FSDP2 (torch's fully_shard); "
@@ -291,14 +297,10 @@ def shard_layers(accelerator: Any, model: nn.Module) -> None:
         plugin.transformer_cls_names_to_wrap = block_classes(model)
 
 
-def check_sharded_evaluation(accelerator: Any, evaluates: bool) -> None:
-    """Under FSDP a forward needs every rank (each gathers the blocks' shards), and a pipeline's evaluation runs on
-    the main process alone: a run that evaluates during training (``data.val``, fine-tuning) is refused before
-    anything is written, instead of the main process waiting for the others forever."""
-    if evaluates and getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:
-        raise ConfigError("FSDP shards the weights over every process, and the evaluation during training runs on "
-                          "the main process alone: drop data.val (pretrain.py) and evaluate the checkpoint "
-                          "afterwards (python pipelines/evaluate.py ...), or train with run.fsdp=off")
+def sharded(accelerator: Any) -> bool:
+    """Whether ``accelerator`` trains under FSDP (``run.fsdp``, or ``accelerate launch --use_fsdp``): each rank holds
+    shards, and a forward needs every rank."""
+    return getattr(accelerator, "distributed_type", None) == DistributedType.FSDP
 
 
 class FullState(nn.Module):
@@ -318,7 +320,7 @@ def gathered(accelerator: Any, saved: Any) -> Any:
     every rank: as it is without FSDP; under FSDP each parameter is a shard, so the full state dict is gathered
     (a collective, to the main process's CPU) and the main process gets plain copies of the backbone and the other
     encoders holding it (the other ranks: None)."""
-    if getattr(accelerator, "distributed_type", None) != DistributedType.FSDP:
+    if not sharded(accelerator):
         return saved
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
