@@ -228,7 +228,8 @@ def test_a_sharded_run_resumed_ends_where_an_uninterrupted_one_does(shards, tmp_
     assert pretrain.main([*args, f"run.output={whole}"]) == 0
     with sigterm_at(2):
         assert pretrain.main([*args, f"run.output={stopped}"]) == 143
-    assert (stopped / "checkpoints" / "step-2").is_dir()
+    saved = sorted((stopped / "checkpoints").glob("step-*"))
+    assert [json.loads((d / "state" / "trainer.json").read_text())["step"] for d in saved] == [2]
     assert pretrain.main([*args, "run.resume=true", f"run.output={stopped}"]) == 0
     a, b = final_weights(whole), final_weights(stopped)
     assert a.keys() == b.keys() and a
