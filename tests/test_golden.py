@@ -387,6 +387,24 @@ ADDED_CONFIG = {
 # Defaults changed after the reference to a value that trains as the reference's did on the CPU: current -> reference
 # (run.finite_check=auto is lazy on a GPU only).
 CHANGED_DEFAULTS = {"run": {"finite_check": ("auto", "step")}}
+# Records the reference wrote wrongly, training untouched: optimizer.json's lr_base_batch under optim.lr_scaling=none
+# (no batch was scaled from: null; the reference wrote the per-process batch), and the fine-tuning pooling MAE and
+# DropPos record (main_finetune.py's --global_pool: the mean through a fresh fc_norm; the reference wrote "mean").
+CORRECTED_POOL = {"mae": "mean_fc_norm", "droppos": "mean_fc_norm"}
+
+
+def as_reference_recorded(name: str, data):
+    """``data`` (a parsed JSON file of the current code) with the :data:`CORRECTED_POOL` / lr_base_batch records
+    written as the reference wrote them."""
+    if not isinstance(data, dict):
+        return data
+    if name.endswith("optimizer.json") and data.get("lr_scaling") == "none" and data.get("lr_base_batch") is None:
+        data["lr_base_batch"] = data.get("global_batch", 0) // max(data.get("processes", 1), 1)
+    metadata = data.get("metadata")
+    for section in (metadata, (metadata or {}).get("pretrain_metadata")):
+        if isinstance(section, dict) and section.get("finetune_pool") == CORRECTED_POOL.get(section.get("method")):
+            section["finetune_pool"] = "mean"
+    return data
 
 
 def without_added_config(sections: dict) -> dict:
@@ -468,7 +486,7 @@ def loaded(path: Path, base: Path):
         if path.name == "trainer.json":
             for key in ADDED_TRAINER:
                 data.pop(key, None)
-        return without_additions(data)
+        return without_additions(as_reference_recorded(str(path), data))
     if suffix in (".yaml", ".yml"):
         data = yaml.safe_load(text)
         for section, keys in DROPPED_CONFIG.items():

@@ -168,11 +168,13 @@ def test_every_method_declares_the_pooling_of_its_own_finetuning(shards):
         spec = get_method(method)
         objective, backbone = pretrain.build_objective(cfg, 12 if spec.modality == "audio" else 3, 1, spec.modality)
         assert objective.finetune_pool == spec.finetune_pool_for(backbone), method
-        assert objective.finetune_pool == ("mean" if spec.finetune_pool == "mean" else "cls"), method
+        expected = "cls" if spec.finetune_pool in ("cls", "head") else spec.finetune_pool
+        assert objective.finetune_pool == expected, method
 
 
 def test_finetune_pools_like_the_checkpoints_method_unless_told(shards, tmp_path, capsys):
-    """``finetune.global_pool: null`` (the shipped configs): the checkpoint's ``finetune_pool`` (MAE: mean, MP3: cls),
+    """``finetune.global_pool: null`` (the shipped configs): the checkpoint's ``finetune_pool`` (MAE: the mean through
+    a fresh fc_norm, MP3: cls),
     recorded in the fine-tuned checkpoint with the matching probe feature; set, it wins; older checkpoints fall back
     to the backbone's ``global_pool``; from scratch, the class token."""
     for method in ("mae", "mp3"):
@@ -183,12 +185,12 @@ def test_finetune_pools_like_the_checkpoints_method_unless_told(shards, tmp_path
     out = tmp_path / "ft"
     assert finetune.main(["--config", FT_CONFIG, *img(shards), *TINY, "optim.max_steps=1", "finetune.mixup=0",
                           "finetune.cutmix=0", f"model.checkpoint={mae}", f"run.output={out}"]) == 0
-    assert ("finetune.global_pool: mean (the checkpoint's finetune_pool: mae fine-tunes on average-pooled patch "
-            "tokens)") in capsys.readouterr().out
+    assert ("finetune.global_pool: mean_fc_norm (the checkpoint's finetune_pool: mae fine-tunes on average-pooled "
+            "patch tokens through a LayerNorm") in capsys.readouterr().out
     written = json.loads((out / "checkpoint" / "config.json").read_text())
-    assert written["backbone"]["global_pool"] == "mean"
+    assert written["backbone"]["global_pool"] == "mean" and written["backbone"]["fc_norm"]
     assert written["metadata"]["finetune_pool"] == written["metadata"]["probe_feature"] == "mean"
-    assert written["metadata"]["pretrain_metadata"]["finetune_pool"] == "mean"
+    assert written["metadata"]["pretrain_metadata"]["finetune_pool"] == "mean_fc_norm"
     assert written["metadata"]["preset"] == written["metadata"]["pretrain_metadata"]["preset"], "its checkpoint's"
     backbone, metadata = load_pretrained(out / "checkpoint")
     assert probe_feature_of(metadata, backbone) == "mean", "evaluate's probes read the fine-tuned head's pooling"
