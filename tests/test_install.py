@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from test_extras import HEAVY, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = {"patchplace-data": "packages/data", "patchplace-models": "packages/models",
@@ -71,14 +72,21 @@ def test_the_readme_installs_each_package_by_its_path_alone():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["patchplace-objectives", "patchplace-export"])
 def test_one_package_resolves_from_a_clean_slate_with_its_readme_line(name, tmp_path):
+    """What pip would install for the README line (``./export[cpu]``: the image-only export) from a clean slate,
+    transitively: the package's local closure and no other local package, and none of the heavy distributions of
+    the audio / corruption extras (tests/test_extras.py checks the declarations; this is what their dependencies
+    bring). One resolution per package: each takes a minute or two (a build environment per local package)."""
     report = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                            "--disable-pip-version-check", "--report", str(report), *readme_lines()[name]],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
     assert done.returncode == 0, done.stderr[-2000:]
-    resolved = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+    resolved = {parse(item["metadata"]["name"])[0] for item in json.loads(report.read_text())["install"]}
     assert local_closure(name) <= resolved and {"torch", "timm"} <= resolved
     assert not (set(LOCAL) - local_closure(name)) & resolved, "no local package it does not need"
+    assert not resolved & HEAVY, sorted(resolved & HEAVY)
+    if name == "patchplace-export":
+        assert "onnxruntime" in resolved and "onnxruntime-gpu" not in resolved, "[cpu]: one runtime"
 
 
 def third_party_view(folder: Path) -> Path:
