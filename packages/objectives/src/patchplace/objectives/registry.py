@@ -65,7 +65,7 @@ class MethodSpec:
     display: str = ""  # the name tables show (the method's own spelling, e.g. I-JEPA); empty: ``name``
     defaults: Mapping[str, Any] = field(default_factory=dict)  # config fields that differ from the class's defaults
     # the curves evaluate.py draws from its saved objective (objective.safetensors): a name of
-    # patchplace.pipelines.evaluate.CURVES (e.g. "eta" for MP3, "position_grid" for DropPos); empty: none
+    # patchplace.pipelines.curves.CURVES (e.g. "eta" for MP3, "position_grid" for DropPos); empty: none
     curves: str = ""
     pos_modes: tuple[str, ...] = ()  # the backbone PE modes the objective trains on; empty: pos_embed alone
     class_token: str = "optional"  # required | unused (never fed: frozen) | optional (see CLASS_TOKEN)
