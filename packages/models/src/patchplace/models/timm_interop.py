@@ -15,8 +15,8 @@ timm's eval transform reproduce ours.
 
 This module works on configs, state dicts and timm models only: it imports no backbone class, so that
 :mod:`~patchplace.models.hub` (checkpoint files) can use it and :mod:`~patchplace.models.backbone` can use both.
-The functions that build a backbone from a timm model (``from_timm``, ``adopt_timm``) live in ``backbone.py``.
-Imports go one way: errors, config, pos_embed -> timm_interop -> card -> hub -> backbone -> registry.
+The functions that build a backbone from a timm model (``from_timm``, ``adopt_timm``) live in ``timm_backbone.py``.
+Imports go one way: errors, config, pos_embed -> timm_interop -> card -> hub -> backbone -> timm_backbone, registry.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def _refuse(timm_model: nn.Module) -> None:
 
 def timm_config(timm_model: nn.Module) -> BackboneConfig:
     """The :class:`BackboneConfig` of a timm ``VisionTransformer``; what the backbone cannot express is refused by
-    name (``ModelError``). :func:`~patchplace.models.backbone.from_timm` builds the backbone with its weights."""
+    name (``ModelError``). :func:`~patchplace.models.timm_backbone.from_timm` builds the backbone with its weights."""
     _refuse(timm_model)
     blocks = timm_model.blocks
     return BackboneConfig(
