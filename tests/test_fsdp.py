@@ -1,6 +1,6 @@
 """run.fsdp: refused on CPUs in one line before anything is written; where torch shards on CPUs (FSDP2's
 ``fully_shard`` over gloo), every registered method's objective, sharded by Accelerate's own ``fsdp2_prepare_model``
-with the plugin and wrap units the knob builds (``shard``, the fsdp_memory benchmark's), trains as one unsharded
+with the plugin and wrap units the knob builds (:func:`shard`), trains as one unsharded
 process on the whole batch does (gradients, AdamW's update, I-JEPA / StoP's EMA target) and exports the same full
 weights; on a GPU (``pytest -m gpu``) a run.fsdp=full_shard run resumed from its checkpoint ends where an
 uninterrupted one does."""
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from accelerate.utils import DistributedType
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from pipeline_args import method_args
 from safetensors.torch import load_file
 
@@ -30,12 +31,22 @@ from patchplace.models.backbone import set_grad_checkpointing
 from patchplace.objectives import get_method, method_names
 from patchplace.pipelines import pretrain
 from patchplace.pipelines.engine.checkpoints import Saved
-from patchplace.pipelines.engine.launch import block_classes, gathered
-from patchplace.research.benchmarks.fsdp_memory import shard
+from patchplace.pipelines.engine.launch import block_classes, fsdp_plugin, gathered, shard_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD, PER_RANK, STEPS = 2, 2, 2
 TEST_FIELDS = {"mjp": {"ratio": 0.15, "apply_prob": 1.0, "warmup_fraction": 0.0}}
+
+
+def shard(objective: torch.nn.Module, rank: int, mode: str = "full_shard") -> torch.nn.Module:
+    """``objective`` sharded in place as ``accelerator.prepare`` shards it under ``run.fsdp=mode``: the knob's plugin
+    (``fsdp_plugin``), its wrap units (``shard_layers``), Accelerate's ``fsdp2_prepare_model`` (on an Accelerator
+    stand-in: Accelerate runs DDP on CPUs; a process group must be running)."""
+    acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=fsdp_plugin(mode)), torch_device_mesh=None,
+                          distributed_type=DistributedType.FSDP, parallelism_config=None, mixed_precision="no",
+                          is_main_process=rank == 0, device=torch.device("cpu"))
+    shard_layers(acc, objective)
+    return fsdp2_prepare_model(acc, objective)
 
 
 def tiny_objective(name: str) -> torch.nn.Module:

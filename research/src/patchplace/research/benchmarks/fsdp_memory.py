@@ -3,7 +3,7 @@ CPUs: two processes over gloo, each running one training step (forward, backward
 as DDP (every rank the whole model, Accelerate's path on CPUs), with every Transformer block recomputing its
 activations (Chen et al. 2016, arXiv:1604.06174), with FSDP2's ``fully_shard`` (ZeRO-3: Rajbhandari et al. 2020,
 ZeRO: Memory Optimizations Toward Training Trillion Parameter Models, arXiv:1910.02054) as run.fsdp=full_shard
-builds it (the knob's plugin and wrap units through Accelerate's ``fsdp2_prepare_model``), and with both; at ViT-B
+builds it (each Transformer block a unit, as the knob's wrap policy), and with both; at ViT-B
 and ViT-L widths with a shrunk depth.
 
 Memory is the process's resident set (``/proc/self/status``): its peak during the measured step (``VmHWM``, reset
@@ -21,11 +21,12 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
+
+from patchplace.models.backbone import CheckpointedBlock
 
 MIB = 2**20
 MODES = {"ddp": (False, False), "ddp + ckpt": (True, False), "fsdp": (False, True), "fsdp + ckpt": (True, True)}
@@ -33,19 +34,16 @@ WORLD = 2
 
 
 def shard(objective: nn.Module, rank: int, mode: str = "full_shard") -> nn.Module:
-    """``objective`` sharded in place as ``accelerator.prepare`` shards it under ``run.fsdp=mode``: the knob's plugin
-    (``fsdp_plugin``), its wrap units (``shard_layers``: every Transformer block class), Accelerate's
-    ``fsdp2_prepare_model`` (a process group must be running)."""
-    from accelerate.utils import DistributedType
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    """``objective`` sharded in place with torch's ``fully_shard`` as ``accelerator.prepare`` shards it under
+    ``run.fsdp=mode`` (Accelerate's ``fsdp2_prepare_model`` with the knob's transformer-based wrap policy): each
+    Transformer block (every :class:`CheckpointedBlock`: the units ``block_classes`` names) a unit of its own, then
+    the root holding the rest (a process group must be running; ``rank`` is unused: every rank shards alike)."""
+    from torch.distributed.fsdp import fully_shard
 
-    from patchplace.pipelines.engine.launch import fsdp_plugin, shard_layers
-
-    acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=fsdp_plugin(mode)), torch_device_mesh=None,
-                          distributed_type=DistributedType.FSDP, parallelism_config=None, mixed_precision="no",
-                          is_main_process=rank == 0, device=torch.device("cpu"))
-    shard_layers(acc, objective)
-    return fsdp2_prepare_model(acc, objective)
+    reshard = {"full_shard": True, "shard_grad_op": False}[mode]
+    for module in [m for m in objective.modules() if isinstance(m, CheckpointedBlock)]:
+        fully_shard(module, reshard_after_forward=reshard)
+    return fully_shard(objective, reshard_after_forward=reshard)
 
 
 def _status(key: str) -> float:
