@@ -17,6 +17,7 @@ import functools
 import inspect
 import io
 import json
+import math
 import operator
 import re
 import textwrap
@@ -34,6 +35,8 @@ from ruamel.yaml import YAML
 from ruamel.yaml.constructor import DuplicateKeyError
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.nodes import MappingNode, SequenceNode
+from ruamel.yaml.representer import SafeRepresenter
+from ruamel.yaml.resolver import VersionedResolver
 
 from patchplace.data.helpformat import HELP_WIDTH, help_formatter
 
@@ -83,6 +86,34 @@ def _yaml() -> YAML:
 def parse_yaml(text: str) -> Any:
     """YAML 1.2 text of a config file or an override value."""
     return _yaml().load(text)
+
+
+class _Quoting(VersionedResolver):
+    """Writes YAML 1.1's booleans quoted (``'no'``, ``'off'``), so that a YAML 1.1 reader (PyYAML) reads them as
+    strings too."""
+
+    @property
+    def processing_version(self) -> tuple[int, int]:
+        return (1, 1)
+
+
+def _float(representer: SafeRepresenter, value: float) -> Any:
+    """A float as YAML 1.1 reads it too (``1.0e-06``: a mantissa with a dot)."""
+    text = {math.inf: ".inf", -math.inf: "-.inf"}.get(value) or repr(value).lower()
+    return representer.represent_scalar("tag:yaml.org,2002:float", text.replace("e", ".0e", 1) if "." not in text
+                                        and "e" in text else text)
+
+
+def dump_yaml(tree: Any) -> str:
+    """``tree`` (plain values) as block YAML in its own key order: a run's ``config.yaml``, readable by any YAML
+    reader (1.1 or 1.2) as the same values."""
+    yaml = YAML(typ="safe", pure=True)
+    yaml.default_flow_style, yaml.allow_unicode, yaml.Resolver = False, False, _Quoting
+    yaml.sort_base_mapping_type_on_output = False  # type: ignore[assignment]
+    yaml.representer.add_representer(float, _float)
+    out = io.StringIO()
+    yaml.dump(tree, out)
+    return out.getvalue()
 
 
 def _parsed(text: str | bytes, what: str, fix: str) -> Any:

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
 from patchplace.data.atomic import pid_alive
 
 
@@ -132,11 +130,14 @@ def what_it_computes(argv: list[str]) -> list[str]:
 
 
 def config_fingerprint(argv: list[str]) -> str | None:
-    """sha256 (16 hex) of the settings in the stage's ``--config`` YAML (parsed: comments and layout do not count),
-    so that a stage done before the file's settings changed is not silently reused; None without ``--config``."""
+    """sha256 (16 hex) of the settings in the stage's ``--config`` (a file or a shipped config's name, parsed as
+    the command reads it: comments and layout do not count), so that a stage done before the file's settings
+    changed is not silently reused; None without ``--config``."""
+    from patchplace.pipelines.config import config_path, parse_yaml
+
     if "--config" not in argv[:-1]:
         return None
-    settings = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+    settings = parse_yaml(config_path(argv[argv.index("--config") + 1]).read_text())
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, MLflowTracker, TensorBoardTracker, get_available_trackers
 from tqdm.auto import tqdm
 
 from patchplace.data.atomic import atomic_file
-from patchplace.pipelines.config import ConfigError, one_line, to_dict
+from patchplace.pipelines.config import ConfigError, dump_yaml, one_line, to_dict
 
 
 def say(text: str, file: Any = None) -> None:
@@ -278,7 +277,7 @@ def _start(acc: Any, run: Any, config: Any, lock: Any) -> str | None:
     tree = to_dict(config)
     try:
         acc.init_trackers(run.log_project, config=flat_config(tree))
-        _record_config(acc, yaml.safe_dump(tree, sort_keys=False))
+        _record_config(acc, dump_yaml(tree))
     except Exception as exc:  # whatever a tracker's package raises (MlflowException, OSError, ...)
         failed = _failed(acc, exc)
         _abort(acc)

@@ -31,13 +31,13 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import yaml
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
+from ruamel.yaml.error import YAMLError
 
 from patchplace.data.atomic import atomic_file, write_json_atomic
 from patchplace.pipelines import objective_fields
-from patchplace.pipelines.config import ConfigError, one_line, to_dict
+from patchplace.pipelines.config import ConfigError, dump_yaml, one_line, parse_yaml, to_dict
 from patchplace.pipelines.engine.budget import extension_problem, layout_problem
 from patchplace.pipelines.engine.checkpoints import Checkpoints, Saved, recorded_config, recorded_data
 from patchplace.pipelines.engine.guards import FiniteCheck
@@ -139,10 +139,10 @@ def _saved_config(saved: Path) -> dict[str, Any] | None:
     if not saved.is_file():
         return None
     try:
-        old = yaml.safe_load(saved.read_text())
+        old = parse_yaml(saved.read_text())
         if not isinstance(old, dict | None):
             raise ValueError(f"a {type(old).__name__}, not a mapping")
-    except (ValueError, yaml.YAMLError, UnicodeDecodeError) as exc:
+    except (ValueError, YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"run.resume=true: {saved} is unreadable ({one_line(exc)}), so the run's settings "
                           "cannot be checked: restore it, or start over with run.overwrite=true") from None
     return old or {}
@@ -345,8 +345,7 @@ class RunDir:
                 "weight_decay": optim.weight_decay, "parameters": groups})
             history = self.config_history()
             with atomic_file(self.out / "config.yaml") as tmp:
-                tmp.write_text("".join(f"{line}\n" for line in history) + yaml.safe_dump(to_dict(self.config),
-                                                                                            sort_keys=False))
+                tmp.write_text("".join(f"{line}\n" for line in history) + dump_yaml(to_dict(self.config)))
 
     def config_history(self) -> list[str]:
         """config.yaml's history: the comment lines of the extensions before (kept) and this session's, if it
