@@ -144,6 +144,22 @@ class MFCC(nn.Module):
         dct_norm: str = "ortho",
     ) -> None:
         super().__init__()
+        self._set_sizes(sample_rate, n_mfcc, n_mels, win_length, hop_length, n_fft, fmin, fmax)
+        self._check_choices(framing, htk, mel_norm, log, log_offset, top_db, dct_norm)
+        self.framing, self.htk, self.mel_norm = framing, htk, mel_norm
+        self.log, self.log_offset, self.dct_norm = log, float(log_offset), dct_norm
+        self.top_db = None if top_db is None else float(top_db)
+        mel = self._mel_bands()
+        basis, mel_t = self._dft_basis(mel)
+        # Non-persistent: they are derived from the constructor args, so checkpoints need not (and should not)
+        # carry them; float32 because that is what the exported graph computes in.
+        self.register_buffer("dft_basis", torch.from_numpy(basis).float().unsqueeze(1), persistent=False)
+        self.register_buffer("mel_matrix", torch.from_numpy(mel_t).float(), persistent=False)
+        self.register_buffer("dct_matrix", torch.from_numpy(self._dct()).float(), persistent=False)
+
+    def _set_sizes(self, sample_rate: object, n_mfcc: object, n_mels: object, win_length: object,
+                   hop_length: object, n_fft: object, fmin: float, fmax: float | None) -> None:
+        """The sizes and the mel filterbank's edges, each refused in one line where no MFCC could come of it."""
         self.sample_rate = _positive_int("sample_rate", sample_rate)
         self.n_mfcc = _positive_int("n_mfcc", n_mfcc)
         self.n_mels = _positive_int("n_mels", n_mels)
@@ -162,27 +178,35 @@ class MFCC(nn.Module):
         if fmax > nyquist:
             raise DataError(f"MFCC fmax={fmax} Hz is above the Nyquist frequency {nyquist} Hz of sample_rate="
                             f"{self.sample_rate}; lower fmax")
-        self._check_choices(framing, htk, mel_norm, log, log_offset, top_db, dct_norm)
-        self.fmin, self.fmax, self.framing, self.htk, self.mel_norm = fmin, fmax, framing, htk, mel_norm
-        self.log, self.log_offset, self.dct_norm = log, float(log_offset), dct_norm
-        self.top_db = None if top_db is None else float(top_db)
+        self.fmin, self.fmax = fmin, fmax
+
+    def _mel_bands(self) -> np.ndarray:
+        """librosa's mel filterbank ``(n_mels, n_fft // 2 + 1)`` in float64; a band left empty is refused."""
         try:  # the [audio] extra: librosa's mel matrix, scipy's window and DCT; not at the top, so that importing
             # this module (the export does) needs neither
             import librosa
-            import scipy.fft
-            import scipy.signal
+            import scipy.fft  # _dct's
+            import scipy.signal  # noqa: F401  (_dft_basis's)
         except ImportError as exc:
             raise missing(exc, "the MFCC frontend") from exc
 
         with warnings.catch_warnings():
             # librosa only warns about empty bands; they are turned into a DataError just below.
             warnings.filterwarnings("ignore", message="Empty filters detected")
-            mel = librosa.filters.mel(sr=self.sample_rate, n_fft=self.n_fft, n_mels=self.n_mels, fmin=fmin,
-                                      fmax=fmax, htk=htk, norm=mel_norm).astype(np.float64)  # (n_mels, n_fft//2+1)
+            mel = librosa.filters.mel(sr=self.sample_rate, n_fft=self.n_fft, n_mels=self.n_mels, fmin=self.fmin,
+                                      fmax=self.fmax, htk=self.htk, norm=self.mel_norm).astype(np.float64)
         if not mel.any(axis=1).all():
             # An all-zero band would be a constant -100 dB feature, i.e. a silent bug.
-            raise DataError(f"MFCC n_mels={n_mels} is too many for n_fft={n_fft} between {fmin} and {fmax} Hz "
-                            "(some mel bands are empty); lower n_mels or raise n_fft")
+            raise DataError(f"MFCC n_mels={self.n_mels} is too many for n_fft={self.n_fft} between {self.fmin} and "
+                            f"{self.fmax} Hz (some mel bands are empty); lower n_mels or raise n_fft")
+        return mel
+
+    def _dft_basis(self, mel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The windowed real DFT as conv taps ``(2 n_bins, win_length)`` (cos rows, then sin rows) and the mel
+        projection of their squares ``(2 n_bins, n_mels)``, over the bins some mel band touches."""
+        import librosa
+        import scipy.signal
+
         # Bins no mel band touches (everything above fmax and the DC bin) contribute exactly zero, so their DFT
         # rows are dropped: 127 of 257 bins remain at the defaults (fmax 4 kHz), halving the conv.
         bins = np.flatnonzero(mel.any(axis=0))
@@ -201,20 +225,20 @@ class MFCC(nn.Module):
         # |X_k|^2 = re^2 + im^2, so the mel projection of the power spectrum is the mel matrix applied to the
         # squared conv outputs, with the mel columns repeated for the cos and the sin rows.
         mel_t = np.concatenate([mel[:, bins], mel[:, bins]], axis=1).T  # (2 n_bins, n_mels)
+        return basis, mel_t
+
+    def _dct(self) -> np.ndarray:
+        """The first ``n_mfcc`` DCT-II rows as a ``(n_mels, n_mfcc)`` matrix for ``features @``."""
+        import scipy.fft
+
         # DCT-II along the mel axis: with axis=0, column j of the result is dct(e_j), so this is the DCT matrix C
         # (dct(v) = C @ v); features (.., n_mels) @ C[:n_mfcc].T gives the first n_mfcc coefficients. TensorFlow
         # scales the unnormalized DCT by 1 / sqrt(2 n_mels) (mfccs_from_log_mel_spectrograms).
-        if dct_norm == "ortho":
+        if self.dct_norm == "ortho":
             dct = scipy.fft.dct(np.eye(self.n_mels), type=2, norm="ortho", axis=0)
         else:
             dct = scipy.fft.dct(np.eye(self.n_mels), type=2, norm=None, axis=0) / np.sqrt(2.0 * self.n_mels)
-        dct = dct[: self.n_mfcc].T  # (n_mels, n_mfcc)
-
-        # Non-persistent: they are derived from the constructor args, so checkpoints need not (and should not)
-        # carry them; float32 because that is what the exported graph computes in.
-        self.register_buffer("dft_basis", torch.from_numpy(basis).float().unsqueeze(1), persistent=False)
-        self.register_buffer("mel_matrix", torch.from_numpy(mel_t).float(), persistent=False)
-        self.register_buffer("dct_matrix", torch.from_numpy(dct).float(), persistent=False)
+        return dct[: self.n_mfcc].T  # (n_mels, n_mfcc)
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> MFCC:

@@ -98,43 +98,54 @@ def write_planned_split(
     final = Path(out_dir) / split
     with atomic_dir(final) as tmp:
         jobs = [(i, str(tmp), split, [items[j] for j in shard], make_record, kwargs) for i, shard in enumerate(plan)]
-        bar = tqdm(total=len(items), desc=f"{kwargs.get('dataset', '?')}/{split}", disable=not progress)
-        results = []
-        if workers == 1 or len(jobs) == 1:
-            for job in jobs:
-                results.append(_write_shard(job))
-                bar.update(results[-1]["shard"].count)
-        else:
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-            with context.Pool(min(workers, len(jobs))) as pool:
-                for result in pool.imap(_write_shard, jobs):  # shard order, whatever order they finish in
-                    results.append(result)
-                    bar.update(result["shard"].count)
-        bar.close()
-        seen: set[str] = set()
-        class_counts = np.zeros(len(kwargs["classes"]), dtype=np.int64)
-        stats = None
-        for result in results:
-            if duplicate := seen.intersection(result["keys"]):
-                raise DataError(f"duplicate sample key {sorted(duplicate)[0]!r} in {kwargs.get('dataset')}/{split}")
-            seen.update(result["keys"])
-            class_counts += result["class_counts"]
-            if result["stats"] is not None:
-                stats = stats or ChannelStats(int(kwargs["info"].get("channels", 1)))
-                stats.n += result["stats"][0]
-                stats.sum += result["stats"][1]
-                stats.sumsq += result["stats"][2]
-        normalization = kwargs.get("normalization")
-        if normalization is None and stats is not None:
-            normalization = stats.result(computed_on=split)
-        manifest = Manifest(
-            dataset=kwargs["dataset"], split=split, modality=kwargs["modality"], classes=list(kwargs["classes"]),
-            num_samples=len(seen), shards=[r["shard"] for r in results],
-            fields={"input": kwargs.get("input_ext") or "png", "label": "cls"}, info=dict(kwargs["info"]),
-            source=kwargs["source"], recipe=kwargs["recipe"], recipe_version=kwargs["recipe_version"],
-            normalization=normalization, class_counts=[int(c) for c in class_counts],
-        )
+        with tqdm(total=len(items), desc=f"{kwargs.get('dataset', '?')}/{split}", disable=not progress) as bar:
+            results = _run_jobs(jobs, workers, bar)
+        manifest = _merged_manifest(results, split, kwargs)
         manifest.save(tmp / "manifest.json")
     manifest.path = final / "manifest.json"
     return manifest
+
+
+def _run_jobs(jobs: list[tuple], workers: int, bar: tqdm) -> list[dict[str, Any]]:
+    """Each job's shard (:func:`_write_shard`), in shard order: in this process, or in a pool of ``workers``."""
+    results = []
+    if workers == 1 or len(jobs) == 1:
+        for job in jobs:
+            results.append(_write_shard(job))
+            bar.update(results[-1]["shard"].count)
+        return results
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with context.Pool(min(workers, len(jobs))) as pool:
+        for result in pool.imap(_write_shard, jobs):  # shard order, whatever order they finish in
+            results.append(result)
+            bar.update(result["shard"].count)
+    return results
+
+
+def _merged_manifest(results: list[dict[str, Any]], split: str, kwargs: dict[str, Any]) -> Manifest:
+    """The split's manifest from its shards' results in shard order: a key in two shards refused, the class counts
+    and (without ``normalization``) the channel statistics summed."""
+    seen: set[str] = set()
+    class_counts = np.zeros(len(kwargs["classes"]), dtype=np.int64)
+    stats = None
+    for result in results:
+        if duplicate := seen.intersection(result["keys"]):
+            raise DataError(f"duplicate sample key {sorted(duplicate)[0]!r} in {kwargs.get('dataset')}/{split}")
+        seen.update(result["keys"])
+        class_counts += result["class_counts"]
+        if result["stats"] is not None:
+            stats = stats or ChannelStats(int(kwargs["info"].get("channels", 1)))
+            stats.n += result["stats"][0]
+            stats.sum += result["stats"][1]
+            stats.sumsq += result["stats"][2]
+    normalization = kwargs.get("normalization")
+    if normalization is None and stats is not None:
+        normalization = stats.result(computed_on=split)
+    return Manifest(
+        dataset=kwargs["dataset"], split=split, modality=kwargs["modality"], classes=list(kwargs["classes"]),
+        num_samples=len(seen), shards=[r["shard"] for r in results],
+        fields={"input": kwargs.get("input_ext") or "png", "label": "cls"}, info=dict(kwargs["info"]),
+        source=kwargs["source"], recipe=kwargs["recipe"], recipe_version=kwargs["recipe_version"],
+        normalization=normalization, class_counts=[int(c) for c in class_counts],
+    )
