@@ -308,23 +308,8 @@ def privacy_settings(model: nn.Module, images: torch.Tensor, labels: torch.Tenso
     attacks = ["gradient_matching"]
     if analytic and batch_size == 1 and "pos_table" in dict(model.named_parameters()):
         attacks.append("analytic")
-    recon: dict[str, dict[str, list[torch.Tensor]]] = {a: {"a": [], "b": []} for a in attacks}
-    distances: dict[str, list[float]] = {"a": [], "b": []}
-    updates = 0
-    for start in range(0, len(images), batch_size):
-        sl = slice(start, start + batch_size)
-        for setting, x, mask in (("a", images[sl], None),
-                                 ("b", shuffled[sl], unknown_pos[sl] if uses_unknown else None)):
-            grads = client_gradients(model, x, labels[sl], mask)
-            rec, info = gradient_matching_attack(model, grads, tuple(x.shape), labels=labels[sl], config=cfg,
-                                                 unknown_pos=mask, bounds=bounds)
-            recon["gradient_matching"][setting].append(rec)
-            distances[setting].append(info["gradient_distance"])
-            if "analytic" in attacks:
-                recon["analytic"][setting].append(analytic_attack(model, grads, tuple(x.shape[-2:])))
-            updates += 1
-            if progress:
-                progress(updates)
+    recon, distances = _attack_updates(model, images, labels, shuffled, unknown_pos if uses_unknown else None,
+                                       batch_size, attacks, cfg, bounds, progress)
     stacked = {a: {k: torch.cat(v) for k, v in r.items()} for a, r in recon.items()}
     px, px_shuffled = to_pixels(images), to_pixels(shuffled)
     noise = torch.rand(px.shape, generator=torch.Generator().manual_seed(cfg.seed)).to(px.device)
@@ -338,3 +323,30 @@ def privacy_settings(model: nn.Module, images: torch.Tensor, labels: torch.Tenso
     return PrivacyResult(metrics, px.detach().cpu(), px_shuffled.detach().cpu(),
                          {a: {k: to_pixels(t).clamp(0, 1).detach().cpu() for k, t in r.items()}
                           for a, r in stacked.items()}, info)
+
+
+def _attack_updates(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, shuffled: torch.Tensor,
+                    unknown_pos: torch.Tensor | None, batch_size: int, attacks: list[str], cfg: AttackConfig,
+                    bounds: tuple[float, float], progress: Callable[[int], None] | None
+                    ) -> tuple[dict[str, dict[str, list[torch.Tensor]]], dict[str, list[float]]]:
+    """Each client update of ``batch_size`` images attacked, setting (a) on ``images`` and (b) on ``shuffled``
+    (with ``unknown_pos`` where the model has an unknown PE): the reconstructions per attack and setting, and the
+    gradient-matching distance each reached."""
+    recon: dict[str, dict[str, list[torch.Tensor]]] = {a: {"a": [], "b": []} for a in attacks}
+    distances: dict[str, list[float]] = {"a": [], "b": []}
+    updates = 0
+    for start in range(0, len(images), batch_size):
+        sl = slice(start, start + batch_size)
+        for setting, x, mask in (("a", images[sl], None),
+                                 ("b", shuffled[sl], unknown_pos[sl] if unknown_pos is not None else None)):
+            grads = client_gradients(model, x, labels[sl], mask)
+            rec, info = gradient_matching_attack(model, grads, tuple(x.shape), labels=labels[sl], config=cfg,
+                                                 unknown_pos=mask, bounds=bounds)
+            recon["gradient_matching"][setting].append(rec)
+            distances[setting].append(info["gradient_distance"])
+            if "analytic" in attacks:
+                recon["analytic"][setting].append(analytic_attack(model, grads, tuple(x.shape[-2:])))
+            updates += 1
+            if progress:
+                progress(updates)
+    return recon, distances

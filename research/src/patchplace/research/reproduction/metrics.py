@@ -112,23 +112,10 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     if ev is None and not (probes_only and probe) and not labels:
         return None
     ev = ev or {}
-    ort = read_json(d / "ort" / "results.json") or {}
-    pre, ft = study.epochs(run)
     m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None, **labels}
     corpus = corpus_of(run.name)
     m["corpus"] = corpus_record(getattr(study.cfg, corpus), corpus)  # what reuse_results matches it by
-    if probes_only:
-        m.update(pretrain_epochs=pre, finetune_epochs=0.0, minutes=(stage_seconds(d / "pretrain") or 0) / 60,
-                 finetune_pe="(probes only)")
-    elif run.classifier_only:
-        m.update(pretrain_epochs=0.0, finetune_epochs=ft if run.speech else pre + ft,
-                 minutes=(stage_seconds(d / "train") or 0) / 60,
-                 finetune_pe=run.scratch_pe if not run.speech else "sincos1d")
-    else:
-        m.update(pretrain_epochs="1 step" if run.name == "speech_null" else pre, finetune_epochs=ft,
-                 minutes=((stage_seconds(source / "pretrain") or 0) + (stage_seconds(d / "finetune") or 0)) / 60,
-                 finetune_pe={"keep": "sincos1d" if run.speech else "sincos2d (kept)"}.get(run.finetune_pe,
-                                                                                           run.finetune_pe))
+    m.update(training_of(study, run, d, source, probes_only))
     if "consistency" in ev:
         m["consistency_curve"] = ev["consistency"]
         if "0.15" in ev["consistency"]:
@@ -141,6 +128,33 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
                and (numbers := probe_numbers(read_json(d / f"probe_e{b:g}" / "results.json") or {}))}
     if budgets:
         m["budgets"] = budgets
+    m.update(probe_metrics(probe, run))
+    m.update(provenance_of(d), **validation_of(d), **training_stop(study, run, seed))
+    m.update(privacy_of(d), **ort_metrics(read_json(d / "ort" / "results.json") or {}))
+    return m
+
+
+def training_of(study: Study, run: Run, d: Path, source: Path, probes_only: bool) -> dict[str, Any]:
+    """What a (run, seed) trained: its pretraining and fine-tuning epochs, their minutes and the PE it fine-tuned
+    with."""
+    pre, ft = study.epochs(run)
+    if probes_only:
+        return dict(pretrain_epochs=pre, finetune_epochs=0.0, minutes=(stage_seconds(d / "pretrain") or 0) / 60,
+                    finetune_pe="(probes only)")
+    if run.classifier_only:
+        return dict(pretrain_epochs=0.0, finetune_epochs=ft if run.speech else pre + ft,
+                    minutes=(stage_seconds(d / "train") or 0) / 60,
+                    finetune_pe=run.scratch_pe if not run.speech else "sincos1d")
+    return dict(pretrain_epochs="1 step" if run.name == "speech_null" else pre, finetune_epochs=ft,
+                minutes=((stage_seconds(source / "pretrain") or 0) + (stage_seconds(d / "finetune") or 0)) / 60,
+                finetune_pe={"keep": "sincos1d" if run.speech else "sincos2d (kept)"}.get(run.finetune_pe,
+                                                                                          run.finetune_pe))
+
+
+def probe_metrics(probe: dict[str, Any], run: Run) -> dict[str, Any]:
+    """The frozen-feature numbers of a probe evaluation's results: linear and kNN probes, the position probe, the
+    method's own position accuracy (MP3's eta curve, DropPos's grid)."""
+    m: dict[str, Any] = {}
     if "linear_probe" in probe:
         m["linear_probe"] = probe["linear_probe"]["top1"]
         m["linear_probe_1pct"] = probe["linear_probe_low_label"]["top1"]
@@ -158,19 +172,29 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     if "droppos_grid" in probe:
         m["droppos_grid"] = probe["droppos_grid"]
         m["position_accuracy"] = probe["droppos_grid"]["mean"]
-    m.update(provenance_of(d), **validation_of(d), **training_stop(study, run, seed))
+    return m
+
+
+def privacy_of(d: Path) -> dict[str, Any]:
+    """{"privacy": per attack and setting, "privacy_setup": ...} of a (row, seed)'s privacy stage, or {}."""
     privacy = (read_json(d / "privacy" / "results.json") or {}).get("privacy")
-    if privacy:
-        m["privacy"] = {attack: {s: {k: v[k] for k in ("mse", "psnr", "ssim", "fft2d")} for s, v in settings.items()}
-                        for attack, settings in privacy["metrics"].items()}
-        m["privacy_setup"] = {k: privacy[k] for k in ("images", "batch_size", "ratio", "attacks", "unknown_pe_given")}
-        m["privacy_setup"]["steps"] = privacy["attack"]["steps"]
-    if ort:
-        m["top1_ort"] = ort["accuracy"]["top1"]
-        if "robustness" in ort:
-            m["corruption_errors"] = {k: v["error"] for k, v in ort["robustness"]["errors"].items()}
-            m["mean_corruption_error"] = ort["robustness"]["mean_error"]
-            m["corruptions_failed"] = sorted(ort["robustness"]["failed"])
+    if not privacy:
+        return {}
+    setup = {k: privacy[k] for k in ("images", "batch_size", "ratio", "attacks", "unknown_pe_given")}
+    return {"privacy": {attack: {s: {k: v[k] for k in ("mse", "psnr", "ssim", "fft2d")} for s, v in settings.items()}
+                        for attack, settings in privacy["metrics"].items()},
+            "privacy_setup": {**setup, "steps": privacy["attack"]["steps"]}}
+
+
+def ort_metrics(ort: dict[str, Any]) -> dict[str, Any]:
+    """ONNX Runtime's top-1 and corruption errors of a (row, seed), or {} where it was not exported."""
+    if not ort:
+        return {}
+    m: dict[str, Any] = {"top1_ort": ort["accuracy"]["top1"]}
+    if "robustness" in ort:
+        m["corruption_errors"] = {k: v["error"] for k, v in ort["robustness"]["errors"].items()}
+        m["mean_corruption_error"] = ort["robustness"]["mean_error"]
+        m["corruptions_failed"] = sorted(ort["robustness"]["failed"])
     return m
 
 
