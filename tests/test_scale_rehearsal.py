@@ -5,10 +5,13 @@ evaluation, one test per method chain.
 
 The data: an ImageNet-like class-folder tree (10 wnid classes, RGB JPEGs of varying non-square sizes) sharded with
 the real recipe (``python data/image_folder.py``), and the spoken-keywords audio shards of ``conftest.shards`` for
-the Speech Commands recipes. Only the model and the run length shrink (:data:`SHRINK`); every other recipe field runs
-as shipped, and the tests check that the recipe reached the optimizer (peak lr after the batch rule, the warm-up line,
-the weight-decay schedule), the augmentation and eval crop (the run's config.yaml), the model EMA, the mixed
-precision and the decoder / predictor shape.
+the Speech Commands recipes. MAE's chain runs on the ImageNet data path as users build it (:func:`datapath`: the
+validation split in ILSVRC's flat layout with its label file, class-mixed shards written by 2 processes), and
+:func:`test_imagenet_data_path_from_flat_val_folder_to_onnx_runtime_on_two_processes` reads that same chain's runs
+(one pretraining, fine-tuning and export for both tests). Only the model and the run length shrink (:data:`SHRINK`);
+every other recipe field runs as shipped, and the tests check that the recipe reached the optimizer (peak lr after
+the batch rule, the warm-up line, the weight-decay schedule), the augmentation and eval crop (the run's config.yaml),
+the model EMA, the mixed precision and the decoder / predictor shape.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +33,7 @@ from PIL import Image
 from pipeline_args import audio
 from safetensors.torch import load_file
 
-from patchplace.data import ShardDataset
+from patchplace.data import Manifest, ShardDataset
 from patchplace.models import load_pretrained
 from patchplace.models.attention import Attention
 from patchplace.models.registry import PRESETS
@@ -36,7 +41,7 @@ from patchplace.objectives import get_method
 from patchplace.pipelines.config import _leaves, parse_yaml, shipped_configs
 from patchplace.research.recipes import load_recipes, same
 
-pytestmark = pytest.mark.slow  # end to end: ~25 real runs of the pipelines
+pytestmark = pytest.mark.slow  # end to end: ~30 real runs of the pipelines
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = shipped_configs()
@@ -115,6 +120,44 @@ def imagenet(tmp_path_factory) -> Path:
     return root / "shards"
 
 
+VAL_IMAGES = 30  # the data path's flat validation folder
+
+
+def write_flat_val(root: Path, n: int, seed: int = 1) -> Path:
+    """ILSVRC2012's validation layout: ``val/ILSVRC2012_val_%08d.JPEG`` in one folder, the classes in a label file
+    (``LOC_val_solution.csv``'s form); images of varying sizes, each drawn like its class's train images."""
+    rng = np.random.default_rng(seed)
+    (root / "val").mkdir(parents=True)
+    rows = ["ImageId,PredictionString"]
+    for i in range(1, n + 1):
+        c = i % len(WNIDS)
+        w, h = (int(v) for v in rng.integers(48, 201, 2))
+        yy, xx = np.mgrid[0:h, 0:w]
+        base = np.array([(c * 73) % 256, (c * 151) % 256, (c * 29 + 100) % 256], np.float32)
+        stripes = 60 * np.sin(2 * np.pi * (xx * np.cos(c) + yy * np.sin(c)) / (8 + 3 * c))
+        pixels = np.clip(base + stripes[..., None] + rng.normal(0, 20, (h, w, 3)), 0, 255).astype(np.uint8)
+        name = f"ILSVRC2012_val_{i:08d}"
+        Image.fromarray(pixels).save(root / "val" / f"{name}.JPEG", quality=90)
+        rows.append(f"{name},{WNIDS[c]} 1 2 30 40 ")
+    labels = root / "LOC_val_solution.csv"
+    labels.write_text("\n".join(rows) + "\n")
+    return labels
+
+
+@pytest.fixture(scope="module")
+def datapath(tmp_path_factory) -> Path:
+    """The ImageNet data path: a class-folder train split and ILSVRC's flat validation folder with its label file ->
+    class-mixed shards written by 2 processes (``data/image_folder.py --workers 2 --val-labels``), 4 train shards."""
+    root = tmp_path_factory.mktemp("datapath")
+    write_image_folder(root / "imagenet", {"train": 24})
+    labels = write_flat_val(root / "imagenet", VAL_IMAGES)
+    result = subprocess.run([sys.executable, str(ROOT / "data" / "image_folder.py"), "--src", str(root / "imagenet"),
+                             "--out", str(root / "shards"), "--workers", "2", "--val-labels", str(labels),
+                             "--max-count", "64"], capture_output=True, text=True, timeout=TIMEOUT, env=ENV_ONE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root / "shards"
+
+
 # ------------------------------------------------------------------------------------------------------ runs
 def shipped(file: str) -> dict:
     """{dotted key: value} the shipped config file sets."""
@@ -150,12 +193,15 @@ class Stage:
     --multi_gpu``), a linear probe as its header runs it; then the data, the run's folder, the checkpoint and
     :data:`SHRINK`. :meth:`result` waits for it (a probe runs beside a fine-tuning: both start from the pretraining)."""
 
-    def __init__(self, file: str, stage: str, data: list[str], out: Path, checkpoint: Path | None = None) -> None:
+    def __init__(self, file: str, stage: str, data: list[str], out: Path, checkpoint: Path | None = None,
+                 extra: tuple[str, ...] = (), two: bool | None = None) -> None:
         script = STAGE_SCRIPT[stage]
-        two = stage not in ("linprobe", "lowlabel") or header_launches_accelerate(file, script)
+        if two is None:
+            two = stage not in ("linprobe", "lowlabel") or header_launches_accelerate(file, script)
         command = [*LAUNCH] if two else [sys.executable]
         args = [str(ROOT / "pipelines" / f"{script}.py"), "--config", str(CONFIGS / file), *data,
-                f"run.output={out}", *([f"model.checkpoint={checkpoint}"] if checkpoint else []), *shrink(file, stage)]
+                f"run.output={out}", *([f"model.checkpoint={checkpoint}"] if checkpoint else []), *shrink(file, stage),
+                *extra]
         self.file, self.command = file, [*command, *args]
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         env=ENV if two else ENV_ONE, cwd=ROOT)
@@ -283,23 +329,35 @@ def check_heads(file: str, out: Path, run: dict) -> None:
 
 
 # the ONNX Runtime evaluation's accuracy and consistency on the val split; the 15 x 5 corruption sweep and the latency
-# timings are skipped (--robustness-limit 0 / --latency-repeats 0: minutes on 2 cores, not part of the recipe)
+# timings are skipped (--robustness-limit 0 / --latency-repeats 0: minutes on 2 cores, not part of the recipe), but on
+# MAE's chain (the data path's), where every corruption runs on 2 images
 ORT_OPTIONS = ["--robustness-limit", "0", "--latency-repeats", "0", "--consistency-limit", "8"]
+DATA_PATH_METHOD = "mae"
+DATA_PATH_ORT = ["--robustness-limit", "2", "--latency-repeats", "0", "--consistency-limit", "8"]
+# MAE's probe also runs the kNN probe, so the data path compares it across 1 and 2 processes (the one field its
+# chain adds to a shipped config: the probe's checks below read neither)
+DATA_PATH_PROBE = ("eval.knn=true",)
 
 
-def export_and_evaluate(checkpoint: Path, out: Path, val: str, speech: bool, crop_pct: float | None) -> None:
+def export_and_evaluate(checkpoint: Path, out: Path, val: str,
+                        ort: list[str]) -> tuple[dict, subprocess.CompletedProcess]:
     """``python -m patchplace.export`` (its PyTorch / ONNX Runtime parity gate), then the ONNX Runtime evaluation on
-    the val split where the evaluator takes it."""
+    the val split; (the export's sidecar, the evaluation's process)."""
     model = out / "model.onnx"
     exported = subprocess.run([sys.executable, "-m", "patchplace.export", str(checkpoint), "--out", str(model)],
                               capture_output=True, text=True, timeout=TIMEOUT, env=ENV_ONE, cwd=ROOT)
     assert exported.returncode == 0, exported.stderr[-3000:]
-    sidecar = json.loads((out / "model.json").read_text())
+    evaluated = subprocess.run([sys.executable, "-m", "patchplace.export.evaluate", str(model), "--data", val,
+                                "--out", str(out / "ort"), *ort], capture_output=True, text=True,
+                               timeout=TIMEOUT, env=ENV_ONE, cwd=ROOT)
+    return json.loads((out / "model.json").read_text()), evaluated
+
+
+def check_export(sidecar: dict, evaluated: subprocess.CompletedProcess, out: Path, val: str, speech: bool,
+                 crop_pct: float | None) -> None:
+    """The parity gate held, and the ONNX Runtime evaluation ran where the evaluator takes the model."""
     parity = sidecar["parity"]
     assert parity["tolerance"] == 1e-4 and 0 <= max(parity["max_abs_diff"].values()) <= 1e-4, parity
-    evaluated = subprocess.run([sys.executable, "-m", "patchplace.export.evaluate", str(model), "--data", val,
-                                "--out", str(out / "ort"), *ORT_OPTIONS], capture_output=True, text=True,
-                               timeout=TIMEOUT, env=ENV_ONE, cwd=ROOT)
     record = (sidecar.get("preprocessing") or {}).get("eval_transform") or {}
     if not speech and record.get("mode") == "resize_center_crop":
         # the export carries the checkpoint's evaluation transform: the recipe's crop_pct (recorded in the
@@ -307,7 +365,7 @@ def export_and_evaluate(checkpoint: Path, out: Path, val: str, speech: bool, cro
         assert record["crop_pct"] == crop_pct and record["crop_pct_source"].startswith("checkpoint metadata"), record
         assert evaluated.returncode == 0, evaluated.stderr[-3000:]
         accuracy = json.loads((out / "ort" / "results.json").read_text())["accuracy"]
-        assert accuracy["count"] == 100 and 0.0 <= accuracy["top1"] <= 1.0, accuracy
+        assert accuracy["count"] == Manifest.load(val).num_samples and 0.0 <= accuracy["top1"] <= 1.0, accuracy
         return
     # Otherwise the evaluator refuses in one line (exit 2, nothing written):
     # - speech: it evaluates image classifiers only (the exported waveform model runs on ONNX Runtime in the export's
@@ -322,6 +380,71 @@ def export_and_evaluate(checkpoint: Path, out: Path, val: str, speech: bool, cro
     assert not (out / "ort" / "results.json").exists()
 
 
+@dataclass
+class ChainRun:
+    """A method's chain, run once: every stage's process and the export (:func:`run_chain`)."""
+
+    out: Path
+    data: list[str]
+    speech: bool
+    done: dict[str, subprocess.CompletedProcess] = field(default_factory=dict)
+    sidecar: dict | None = None
+    evaluated: subprocess.CompletedProcess | None = None
+
+    @property
+    def train(self) -> str:
+        return self.data[0].split("=", 1)[1]
+
+    @property
+    def val(self) -> str:
+        return self.data[1].split("=", 1)[1]
+
+
+def run_chain(method: str, data: list[str], out: Path) -> ChainRun:
+    """Pretraining, then the probe beside the fine-tuning (both start from the pretraining), the fine-tune's export
+    and ONNX Runtime evaluation, then the 1% probe: the stages a method's configs hold."""
+    stages, chain = CHAINS[method], ChainRun(out, data, get_method(method).modality == "audio")
+    checkpoint = out / "pretrain" / "checkpoint"
+    chain.done["pretrain"] = Stage(stages["pretrain"], "pretrain", data, out / "pretrain").result()
+    extra = DATA_PATH_PROBE if method == DATA_PATH_METHOD else ()
+    probe = Stage(stages["linprobe"], "linprobe", data, out / "linprobe", checkpoint, extra) \
+        if "linprobe" in stages else None
+    try:
+        if "finetune" in stages:
+            chain.done["finetune"] = Stage(stages["finetune"], "finetune", data, out / "finetune", checkpoint).result()
+            ort = DATA_PATH_ORT if method == DATA_PATH_METHOD else ORT_OPTIONS
+            chain.sidecar, chain.evaluated = export_and_evaluate(out / "finetune" / "checkpoint", out / "onnx",
+                                                                 chain.val, ort)
+    except BaseException:  # a failed fine-tuning leaves no probe running
+        if probe is not None:
+            probe.process.kill()
+            probe.process.communicate()
+        raise
+    if probe is not None:
+        chain.done["linprobe"] = probe.result()
+    if "lowlabel" in stages:
+        chain.done["lowlabel"] = Stage(stages["lowlabel"], "lowlabel", data, out / "lowlabel", checkpoint).result()
+    return chain
+
+
+@pytest.fixture(scope="module")
+def chains(request, tmp_path_factory) -> Callable[[str], ChainRun]:
+    """method -> its chain's runs, each run once in this module (MAE's serves the data path's test too)."""
+    runs: dict[str, ChainRun] = {}
+
+    def chain(method: str) -> ChainRun:
+        if method not in runs:
+            if get_method(method).modality == "audio":
+                data = audio(request.getfixturevalue("shards"))
+            else:
+                images = request.getfixturevalue("datapath" if method == DATA_PATH_METHOD else "imagenet")
+                data = [f"data.train={images / 'train'}", f"data.val={images / 'val'}"]
+            runs[method] = run_chain(method, data, tmp_path_factory.mktemp(f"chain_{method}"))
+        return runs[method]
+
+    return chain
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 def test_every_at_scale_config_is_rehearsed():
     """Every shipped at-scale config is a recipe of a chain below, with a stage this file runs, and every
@@ -334,44 +457,29 @@ def test_every_at_scale_config_is_rehearsed():
 
 
 @pytest.mark.parametrize("method", sorted(CHAINS))
-def test_recipe_chain_runs_at_scale_on_two_processes(method, imagenet, shards, tmp_path):
-    stages = CHAINS[method]
-    speech = get_method(method).modality == "audio"
-    data = audio(shards) if speech else [f"data.train={imagenet / 'train'}", f"data.val={imagenet / 'val'}"]
-    train, val = (d.split("=", 1)[1] for d in data[:2])
-
-    pretrained = tmp_path / "pretrain"
-    result = Stage(stages["pretrain"], "pretrain", data, pretrained).result()
-    run = check_training_run(stages["pretrain"], "pretrain", pretrained, result, train)
+def test_recipe_chain_runs_at_scale_on_two_processes(method, chains):
+    stages, chain = CHAINS[method], chains(method)
+    pretrained = chain.out / "pretrain"
+    run = check_training_run(stages["pretrain"], "pretrain", pretrained, chain.done["pretrain"], chain.train)
     check_model(stages["pretrain"], pretrained)
     check_heads(stages["pretrain"], pretrained, run)
 
-    probed = tmp_path / "linprobe"
-    probe = Stage(stages["linprobe"], "linprobe", data, probed, pretrained / "checkpoint") \
-        if "linprobe" in stages else None
-    try:
-        if "finetune" in stages:
-            tuned = tmp_path / "finetune"
-            result = Stage(stages["finetune"], "finetune", data, tuned, pretrained / "checkpoint").result()
-            check_training_run(stages["finetune"], "finetune", tuned, result, train)
-            widths = [json.loads((r / "checkpoint" / "config.json").read_text())["backbone"]["embed_dim"]
-                      for r in (tuned, pretrained)]
-            assert widths[0] == widths[1], "it fine-tuned the rehearsed checkpoint"
-            assert any("eval" in r and "top1" in r["eval"] for r in records(tuned))
-            export_and_evaluate(tuned / "checkpoint", tmp_path / "onnx", val, speech,
-                                shipped(stages["finetune"]).get("data.crop_pct"))
-    except BaseException:  # a failed fine-tuning leaves no probe running
-        if probe is not None:
-            probe.process.kill()
-            probe.process.communicate()
-        raise
+    if "finetune" in stages:
+        tuned = chain.out / "finetune"
+        check_training_run(stages["finetune"], "finetune", tuned, chain.done["finetune"], chain.train)
+        widths = [json.loads((r / "checkpoint" / "config.json").read_text())["backbone"]["embed_dim"]
+                  for r in (tuned, pretrained)]
+        assert widths[0] == widths[1], "it fine-tuned the rehearsed checkpoint"
+        assert any("eval" in r and "top1" in r["eval"] for r in records(tuned))
+        check_export(chain.sidecar, chain.evaluated, chain.out / "onnx", chain.val, chain.speech,
+                     shipped(stages["finetune"]).get("data.crop_pct"))
 
-    if probe is not None:
-        probe.result()
+    if "linprobe" in stages:
         cfg = shipped(stages["linprobe"])
-        results = json.loads((probed / "results.json").read_text())
+        results = json.loads((chain.out / "linprobe" / "results.json").read_text())
         assert results["method"] == method and 0.0 <= results["linear_probe"]["top1"] <= 1.0
-        assert results["probe_train_samples"] == min(cfg["eval.probe_train_samples"] or 400, 400)  # 0: the split
+        whole = Manifest.load(chain.train).num_samples  # 0: the whole split (every rehearsal split is under 400)
+        assert results["probe_train_samples"] == min(cfg["eval.probe_train_samples"] or whole, 400)
         if cfg.get("eval.low_label_fraction", 0.01):  # (0: the 1% probe is a config of its own, below)
             assert results["linear_probe_low_label"]["fraction"] == cfg.get("eval.low_label_fraction", 0.01)
             assert results["linear_probe_low_label"]["solver"] == cfg.get("eval.label_probe", "linear")
@@ -382,9 +490,43 @@ def test_recipe_chain_runs_at_scale_on_two_processes(method, imagenet, shards, t
         assert ("linear_probe_last4" in results) == ("last4" in cfg.get("eval.probe_layers", []))
         # evaluate.py writes no config.yaml: the eval crop it read (data.crop_pct) is not recorded by the run
     if "lowlabel" in stages:  # the 1% probe's own config (its own crop), on the pretrained checkpoint
-        cfg, low = shipped(stages["lowlabel"]), tmp_path / "lowlabel"
-        Stage(stages["lowlabel"], "lowlabel", data, low, pretrained / "checkpoint").result()
-        results = json.loads((low / "results.json").read_text())
+        cfg = shipped(stages["lowlabel"])
+        results = json.loads((chain.out / "lowlabel" / "results.json").read_text())
         fractions = results["linear_probe_label_fraction"]
         assert sorted(fractions) == [f"{f:g}" for f in cfg["eval.label_fractions"]], fractions
         assert all(r["solver"] == cfg.get("eval.label_probe", "linear") for r in fractions.values())
+
+
+def test_imagenet_data_path_from_flat_val_folder_to_onnx_runtime_on_two_processes(datapath, chains, tmp_path):
+    """The ImageNet data path end to end, the way a user with 1.28M images runs it: the generated tree -> shards
+    written by 2 processes (:func:`datapath`) -> MAE's chain on 2 processes (:func:`run_chain`: pretraining, the
+    streamed linear / kNN probe, fine-tuning, ONNX export with its parity gate, ONNX Runtime accuracy, patch-shuffle
+    consistency and every ImageNet-C corruption on the variable-size validation shards, resized and centre-cropped as
+    the checkpoint's evaluation transform says); here the streamed probes on 1 process give the 2 processes'
+    numbers."""
+    train, val = Manifest.load(datapath / "train"), Manifest.load(datapath / "val")
+    assert (train.num_samples, val.num_samples, len(train.shards)) == (240, VAL_IMAGES, 4)
+    assert train.info == {"image_size": None, "channels": 3} and train.classes == WNIDS, "the sizes vary"
+    chain = chains(DATA_PATH_METHOD)
+    assert chain.val == str(datapath / "val")
+
+    # the streamed probes across 2 processes (the chain's) give one process's numbers
+    file = CHAINS[DATA_PATH_METHOD]["linprobe"]
+    assert header_launches_accelerate(file, "evaluate"), "the chain's probe ran on 2 processes"
+    Stage(file, "linprobe", chain.data, tmp_path / "probe1", chain.out / "pretrain" / "checkpoint", DATA_PATH_PROBE,
+          two=False).result()
+    probed = {n: json.loads((out / "results.json").read_text())
+              for n, out in ((1, tmp_path / "probe1"), (2, chain.out / "linprobe"))}
+    for key in ("linear_probe", "knn_per_layer"):
+        assert probed[1][key] == probed[2][key], (key, probed[1][key], probed[2][key])
+
+    transform = chain.sidecar["preprocessing"]["eval_transform"]
+    assert transform["mode"] == "resize_center_crop" and transform["crop_pct"] == 0.875, transform
+    results = json.loads((chain.out / "onnx" / "ort" / "results.json").read_text())
+    assert results["accuracy"]["count"] == VAL_IMAGES and 0.0 <= results["accuracy"]["top1"] <= 1.0
+    assert results["consistency"], "patch-shuffle consistency on the resized, centre-cropped images"
+    errors = results["robustness"]["errors"]
+    assert len(errors) == 15 and all(len(v["per_severity"]) == 5 for v in errors.values()), sorted(errors)
+    print(json.dumps({"probe": {p: {k: r[k] for k in ("linear_probe", "knn_per_layer")} for p, r in probed.items()},
+                      "ort": {k: results[k] for k in ("accuracy", "consistency")},
+                      "robustness_mean_error": results["robustness"]["mean_error"]}))
