@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from patchplace.pipelines import objective_fields
+from patchplace.objectives.configs import known_methods
 from patchplace.pipelines.config import (
     HELP_WIDTH,
     STRICT,
     ConfigError,
     Words,
     check,
+    field_docs,
     field_entry,
     help_values,
     source_of,
@@ -66,16 +67,17 @@ class PretrainConfig:
                     sources: dict[str, str] | None = None) -> list[str]:
         """--help: the objective fields of the method in force (``config``: the command line's --config and
         overrides, else read from ``argv``; mp3 where its method is not registered), with their values and what
-        each means (without torch: :mod:`patchplace.pipelines.objective_fields`)."""
+        each means (the torch-free :mod:`patchplace.objectives.configs`)."""
         if config is None:
             config, sources, _ = help_values(PretrainConfig, argv)
-        registered = objective_fields.methods()
+        registered = known_methods()
         method = config.method if config.method in registered else "mp3"
         spec = registered[method]
+        defaults, docs = spec.config_values(), field_docs(spec.config_cls)
         given = config.objective if isinstance(config.objective, dict) and set(config.objective) <= set(
-            spec.defaults) else {}  # unknown fields: the defaults (the run would refuse them)
-        values = {**spec.defaults, **given}
-        entries = [field_entry(f"objective.{name}", value, spec.docs.get(name),
+            defaults) else {}  # unknown fields: the defaults (the run would refuse them)
+        values = {**defaults, **given}
+        entries = [field_entry(f"objective.{name}", value, docs.get(name),
                                source_of(sources or {}, f"objective.{name}")) for name, value in values.items()]
         return [f"objective fields of method={method} (objective.field=value; another method: method=<name> "
                 "--help):", *entries, "",

@@ -6,16 +6,44 @@ registers the methods it trains (:func:`register_method`, as timm's ``register_m
 :func:`list_methods` give them to every caller.
 """
 
-from .common import ObjectiveConfig, ObjectiveError, TransformerDecoder, random_masking, topk_accuracy
-from .droppos import DropPos, DropPosConfig, position_accuracy_grid
-from .ijepa import IJEPA, IJEPAConfig
-from .mae import MAE, MAEConfig, patchify, pixel_targets
-from .mjp import MJP, DALRegressor, MJPConfig, dal_loss, jigsaw, permute_selected
-from .mp3 import MP3, MP3Config, position_accuracy_vs_eta, reassemble
-from .randsac import RandSAC, RandSACConfig
+import importlib
+from typing import Any
+
+from .configs import (
+    DropPosConfig,
+    IJEPAConfig,
+    MAEConfig,
+    MJPConfig,
+    MP3Config,
+    ObjectiveConfig,
+    ObjectiveError,
+    RandSACConfig,
+    SupervisedConfig,
+    known_methods,
+)
 from .registry import MethodSpec, get_method, list_methods, method_names, register_method, unregister_method
-from .segments import blob_segments, serialize, square_segments
-from .supervised import Supervised, SupervisedConfig, classification_loss
+
+# the names that need torch, by module: imported on first use, so that the configs and registrations above load
+# without it (``--help``)
+_LAZY = {
+    "common": ("TransformerDecoder", "random_masking", "topk_accuracy"),
+    "droppos": ("DropPos", "position_accuracy_grid"),
+    "ijepa": ("IJEPA",),
+    "mae": ("MAE", "patchify", "pixel_targets"),
+    "mjp": ("MJP", "DALRegressor", "dal_loss", "jigsaw", "permute_selected"),
+    "mp3": ("MP3", "position_accuracy_vs_eta", "reassemble"),
+    "randsac": ("RandSAC",),
+    "segments": ("blob_segments", "serialize", "square_segments"),
+    "supervised": ("Supervised", "classification_loss"),
+}
+_MODULE_OF = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+
 
 __all__ = [
     "IJEPA",
@@ -42,6 +70,7 @@ __all__ = [
     "dal_loss",
     "get_method",
     "jigsaw",
+    "known_methods",
     "list_methods",
     "method_names",
     "patchify",

@@ -30,8 +30,8 @@ import math
 import torch
 
 from .common import ObjectiveError, noise_device
+from .configs import COUNT_RULES
 
-COUNT_RULES = ("int", "round")
 ATTEMPTS = 10  # BEiT's attempts per rectangle
 
 

@@ -4,9 +4,7 @@ own blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,87 +12,7 @@ from torch import nn
 from patchplace.models import Backbone, adopt_timm, is_timm_vit
 from patchplace.models.backbone import Block
 
-
-class ObjectiveError(ValueError):
-    """A bad objective config or batch (one line naming the field and what is expected)."""
-
-
-# ---------------------------------------------------------------------------------------------- configs
-@dataclass
-class ObjectiveConfig:
-    """Base of every objective's config dataclass: the papers' ratios and schedules as defaults, ``validate()`` on
-    build. Decoder / predictor widths left ``None`` follow the backbone (``RELATIVE``, filled in by
-    :meth:`for_backbone` when the objective is built), so a small backbone gets a small decoder; ``paper()`` gives
-    the paper's widths.
-
-    ``validate(named)`` words each field a refusal mentions as ``named("field")``: the bare name by default, a
-    caller's key where the config sits inside a larger one (the pipelines' ``"objective.{}".format``)."""
-
-    # width fields that default to the backbone's: field -> "embed_dim" | "half_embed_dim" | "num_heads"
-    RELATIVE: ClassVar[dict[str, str]] = {}
-    PAPER: ClassVar[dict[str, Any]] = {}  # the paper's (ImageNet) widths
-
-    def validate(self, named: Callable[[str], str] = str) -> ObjectiveConfig:
-        """This config, checked: an :class:`ObjectiveError` naming each field it mentions as ``named(field)``."""
-        return self
-
-    @classmethod
-    def paper(cls, **overrides: Any):
-        """The paper's decoder / predictor widths (plus ``overrides``)."""
-        return cls(**{**cls.PAPER, **overrides}).validate()
-
-    def for_backbone(self, backbone: Backbone):
-        """This config with the widths left ``None`` taken from ``backbone`` (see ``RELATIVE``), validated. Widths
-        set explicitly are kept whatever the backbone; where a filled-in one does not fit them (e.g. ``decoder_dim``
-        512 with the backbone's 12 heads), the error names what came from the backbone."""
-        values = {"embed_dim": backbone.embed_dim, "half_embed_dim": backbone.embed_dim // 2,
-                  "num_heads": backbone.config.num_heads}
-        filled = {name: values[rule] for name, rule in self.RELATIVE.items() if getattr(self, name) is None}
-        if not filled:
-            return self
-        try:
-            return replace(self, **filled).validate()
-        except ObjectiveError as exc:
-            taken = ", ".join(f"{name}={value}" for name, value in filled.items())
-            raise ObjectiveError(f"{exc} ({taken} taken from the backbone because left null: set it explicitly)"
-                                 ) from None
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], named: Callable[[str], str] = str):
-        """The config of the fields ``raw``, validated (refusals word fields as ``named(field)``: :meth:`validate`)."""
-        known = {f.name for f in fields(cls)}
-        unknown = [named(name) for name in sorted(set(raw) - known)]
-        if unknown:
-            raise ObjectiveError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
-        return cls(**raw).validate(named)
-
-
-def check_ratio(name: str, value: float, *, high_inclusive: bool = False) -> None:
-    """A masking ratio in [0, 1) (or [0, 1]); ``name``: the key the refusal names (``named("eta")``)."""
-    ok = 0.0 <= value <= 1.0 if high_inclusive else 0.0 <= value < 1.0
-    if not ok:
-        raise ObjectiveError(f"{name} must be in [0, 1{']' if high_inclusive else ')'}, got {value}")
-
-
-def check_widths(config: ObjectiveConfig, dim: str, heads: str, *, multiple_of: int = 1,
-                 named: Callable[[str], str] = str) -> None:
-    """A decoder / predictor width and head count (fields ``dim``, ``heads``, named ``named(dim)`` in a refusal):
-    positive where set (``None``: the backbone's, filled in by :meth:`ObjectiveConfig.for_backbone`), the width
-    divisible by the heads (and by ``multiple_of``)."""
-    width, count = getattr(config, dim), getattr(config, heads)
-    for name, value in ((dim, width), (heads, count)):
-        if value is not None:
-            check_positive(named(name), value)
-    if width is not None and count is not None and width % count:
-        raise ObjectiveError(f"{named(dim)} {width} must be divisible by {named(heads)} {count}")
-    if width is not None and width % multiple_of:
-        raise ObjectiveError(f"{named(dim)} must be divisible by {multiple_of} (2-D sin-cos PE), got {width}")
-
-
-def check_positive(name: str, value: float) -> None:
-    """``value`` > 0; ``name``: the key the refusal names."""
-    if not value > 0:
-        raise ObjectiveError(f"{name} must be > 0, got {value}")
+from .configs import ObjectiveConfig, ObjectiveError, check_positive, check_ratio, check_widths  # noqa: F401 (for the objectives)
 
 
 def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

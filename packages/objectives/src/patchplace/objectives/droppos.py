@@ -17,9 +17,8 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +29,10 @@ from patchplace.models import Backbone
 
 from .common import (
     BackboneObjective,
-    ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
     check_positive,
     check_ratio,
-    check_widths,
     gather_rows,
     num_kept,
     random_masking,
@@ -43,51 +40,11 @@ from .common import (
     squared_grid_distance,
     topk_accuracy,
 )
+from .configs import DropPosConfig
 from .registry import register_method
 
 
-@dataclass
-class DropPosConfig(ObjectiveConfig):
-    """DropPos hyper-parameters; defaults are the paper's (§4 "Pre-training", Tables 1-4 defaults).
-
-    ``mask_ratio`` gamma (Eq. 1), ``pos_mask_ratio`` gamma_pos (Eq. 2); a 2-block decoder without PE, as wide as
-    the backbone (``DropPosConfig.paper()``: 512 wide, 16 heads);
-    sigma decays linearly ``sigma_start`` -> ``sigma_end`` (Eq. 7); ``tau`` is the attentive-reconstruction
-    temperature (Eq. 9) — ``float("inf")`` switches attentive reconstruction off (Table 4, "tau = inf").
-    """
-
-    RELATIVE: ClassVar[dict[str, str]] = {"decoder_dim": "embed_dim", "decoder_heads": "num_heads"}
-    PAPER: ClassVar[dict[str, Any]] = {"decoder_dim": 512, "decoder_depth": 2, "decoder_heads": 16}
-
-    mask_ratio: float = 0.75  # gamma: patches dropped from the encoder (Eq. 1)
-    pos_mask_ratio: float = 0.75  # gamma_pos: share of the visible patches whose PE is dropped (Eq. 2); the rest anchor
-    decoder_dim: int | None = None  # position decoder width, no PE (None: the backbone's; paper(): 512)
-    decoder_depth: int = 2  # position decoder blocks
-    decoder_heads: int | None = None  # position decoder heads (None: the backbone's; paper(): 16)
-    sigma_start: float = 1.0  # position-smoothing sigma at the start, decayed linearly (Eq. 7)
-    sigma_end: float = 0.0  # ... and at the end
-    tau: float = 0.1  # attentive-reconstruction temperature (Eq. 9); .inf switches it off (Table 4)
-
-    def validate(self, named: Callable[[str], str] = str) -> DropPosConfig:
-        check_ratio(named("mask_ratio"), self.mask_ratio)
-        check_ratio(named("pos_mask_ratio"), self.pos_mask_ratio)
-        check_positive(named("decoder_depth"), self.decoder_depth)
-        check_widths(self, "decoder_dim", "decoder_heads", named=named)
-        for name in ("sigma_start", "sigma_end"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ObjectiveError(f"{named(name)} must be a finite number >= 0, got {value}")
-        check_positive(named("tau"), self.tau)  # inf is allowed (no attentive reconstruction); nan is not
-        return self
-
-
-# §3, official code (MAE's): the fixed 2-D sin-cos PE, kept by the class token (Eq. 3), so probes read it; fine-tuning
-# follows MAE's code and its --global_pool (average pooling through a fresh fc_norm).
-# the [CLS] token keeps its PE and drives attentive reconstruction (Eq. 9): it is required
-@register_method("droppos", config=DropPosConfig, pos_embed="sincos2d", class_token="required", probe_feature="cls",
-                 finetune_pool="mean_fc_norm", curves="position_grid", display="DropPos",
-                 paper="Wang et al. 2023, DropPos: Pre-Training Vision Transformers by Reconstructing Dropped "
-                 "Positions")
+@register_method("droppos")
 class DropPos(BackboneObjective):
     """DropPos objective on a ``sincos2d`` backbone with a class token (paper §3, Alg. 1).
 

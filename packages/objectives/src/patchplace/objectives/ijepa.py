@@ -24,9 +24,6 @@ Predictor inputs (docs/methods/stop.md, with A, b the predictor's input Linear a
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,80 +34,14 @@ from patchplace.models.attention import additive_mask, attention_dtype
 
 from .common import (
     BackboneObjective,
-    ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
-    check_positive,
-    check_ratio,
-    check_widths,
     gather_rows,
     split_batch,
 )
+from .configs import IJEPAConfig
 from .multiblock import MultiBlockMasker, MultiBlockMasks
 from .registry import register_method
-
-NOISE_ON = ("masked", "context", "both")
-COVARIANCES = ("learned", "fixed")
-
-
-@dataclass
-class IJEPAConfig(ObjectiveConfig):
-    """I-JEPA defaults (a 12-block predictor half as wide as the backbone with its head count; 4 target blocks of
-    scale 0.15-0.2 and aspect 0.75-1.5; a context block of scale 0.85-1.0; EMA momentum 0.996 -> 1.0) and StoP
-    (``stop=True``, sigma = 0.25, noise on masked tokens, learned covariance).
-
-    ``paper()``: the authors' released predictors (the papers state no predictor size), 384 wide with the encoder's
-    head count (both codes build it with ``num_heads=encoder.num_heads``): I-JEPA 12 blocks (``configs/
-    in1k_vith14_ep300.yaml``: ``pred_depth: 12``, ``pred_emb_dim: 384``, ViT-H/14), StoP (``paper(stop=True)``) 6
-    blocks (StoP's ``configs/pretrain/vit-b16.yaml``: ``pred_depth: 6``, ``emb_dim: 384``, ViT-B/16)."""
-
-    RELATIVE: ClassVar[dict[str, str]] = {"predictor_dim": "half_embed_dim", "predictor_heads": "num_heads"}
-    PAPER: ClassVar[dict[str, Any]] = {"predictor_dim": 384, "predictor_depth": 12, "predictor_heads": None}
-    STOP_PAPER: ClassVar[dict[str, Any]] = {"predictor_dim": 384, "predictor_depth": 6, "predictor_heads": None}
-
-    predictor_dim: int | None = None  # predictor width (None: half the backbone's; paper(): 384)
-    predictor_depth: int = 12  # predictor blocks (paper(): 12 for I-JEPA ViT-H/14, 6 for StoP ViT-B/16)
-    predictor_heads: int | None = None  # predictor heads (None: the backbone's, as both official codes)
-    num_targets: int = 4  # target blocks per image
-    target_scale: tuple[float, float] = (0.15, 0.2)  # target block area, fraction of the image
-    target_aspect: tuple[float, float] = (0.75, 1.5)  # target block aspect ratio
-    context_scale: tuple[float, float] = (0.85, 1.0)  # context block area (targets removed from it)
-    min_keep: int = 4  # a context must keep more than this many patches (the official collator's retry rule)
-    context_keep: int | None = None  # context patches per sample, fixed for the run (None: the official expected
-    # batch minimum at batch 128, calibrated once per grid; see docs/methods/stop.md)
-    ema_start: float = 0.996  # target-encoder EMA momentum at the start, linear to ema_end
-    ema_end: float = 1.0  # ... at the end
-    stop: bool = False  # StoP: stochastic positions for the masked tokens
-    sigma: float = 0.25  # StoP noise scale
-    noise_on: str = "masked"  # StoP: which tokens get the noise: masked | context | both
-    covariance: str = "learned"  # StoP noise covariance: learned | fixed
-
-    @classmethod
-    def paper(cls, **overrides: Any) -> IJEPAConfig:
-        """The authors' predictor (class docstring): StoP's ViT-B/16 one with ``stop=True``, else I-JEPA's ViT-H/14."""
-        widths = cls.STOP_PAPER if overrides.get("stop") else cls.PAPER
-        return cls(**{**widths, **overrides}).validate()
-
-    def validate(self, named: Callable[[str], str] = str) -> IJEPAConfig:
-        for name in ("predictor_depth", "num_targets", "min_keep"):
-            check_positive(named(name), getattr(self, name))
-        if self.context_keep is not None:
-            check_positive(named("context_keep"), self.context_keep)
-        check_widths(self, "predictor_dim", "predictor_heads", multiple_of=4, named=named)
-        for name in ("target_scale", "context_scale"):
-            low, high = getattr(self, name)
-            if not 0 < low <= high <= 1:
-                raise ObjectiveError(f"{named(name)} must satisfy 0 < low <= high <= 1, got {(low, high)}")
-        if not 0 < self.target_aspect[0] <= self.target_aspect[1]:
-            raise ObjectiveError(f"{named('target_aspect')} must satisfy 0 < low <= high, got {self.target_aspect}")
-        check_ratio(named("ema_start"), self.ema_start, high_inclusive=True)
-        check_ratio(named("ema_end"), self.ema_end, high_inclusive=True)
-        if self.sigma < 0:
-            raise ObjectiveError(f"{named('sigma')} (a standard deviation) must be >= 0, got {self.sigma}")
-        if self.noise_on not in NOISE_ON or self.covariance not in COVARIANCES:
-            raise ObjectiveError(f"{named('noise_on')} must be one of {NOISE_ON} and {named('covariance')} one of "
-                                 f"{COVARIANCES}, got {self.noise_on!r}, {self.covariance!r}")
-        return self
 
 
 def generator_on(device: torch.device, generator: torch.Generator | None) -> torch.Generator | None:
@@ -123,18 +54,8 @@ def generator_on(device: torch.device, generator: torch.Generator | None) -> tor
     return torch.Generator(device=device).manual_seed(seed)
 
 
-# I-JEPA's and StoP's code: the fixed 2-D sin-cos PE. The context encoder never sees a class token: their linear
-# probes read the average of its final-normed patch outputs (docs/design.md), and they fine-tune on average-pooled
-# patch tokens. Their evaluations read the EMA target encoder (StoP's logistic_eval.py loads
-# checkpoint['target_encoder'], as I-JEPA's released evaluations do): a checkpoint saves it as the backbone.
-@register_method("ijepa", config=IJEPAConfig, pos_embed="sincos2d", class_token="unused", probe_feature="patch_mean",
-                 finetune_pool="mean", evaluated_encoder="target_encoder",
-                 display="I-JEPA", paper="Assran et al. 2023, Self-Supervised Learning from Images with a "
-                 "Joint-Embedding Predictive Architecture")
-@register_method("stop", config=IJEPAConfig, pos_embed="sincos2d", class_token="unused", probe_feature="patch_mean",
-                 finetune_pool="mean", evaluated_encoder="target_encoder",
-                 defaults={"stop": True}, display="StoP",
-                 paper="Bar et al. 2024, Stochastic positional embeddings improve masked image modeling (StoP)")
+@register_method("ijepa")
+@register_method("stop")
 class IJEPA(BackboneObjective):
     """I-JEPA / StoP on an image backbone with fixed ``sincos2d`` PE (the class token, if any, is not used here).
 

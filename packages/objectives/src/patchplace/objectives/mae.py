@@ -3,10 +3,6 @@ decoder with mask tokens reconstructs normalized pixels; MSE on masked patches o
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar
-
 import torch
 from torch import nn
 
@@ -14,39 +10,15 @@ from patchplace.models import Backbone, sincos_2d
 
 from .common import (
     BackboneObjective,
-    ObjectiveConfig,
     ObjectiveError,
     TransformerDecoder,
-    check_positive,
-    check_ratio,
-    check_widths,
     gather_rows,
     num_kept,
     random_masking,
     split_batch,
 )
+from .configs import MAEConfig
 from .registry import register_method
-
-
-@dataclass
-class MAEConfig(ObjectiveConfig):
-    """MAE defaults: mask 0.75, 8 decoder blocks, normalized-pixel targets; the decoder as wide as the backbone
-    with its head count (``MAEConfig.paper()``: 512 wide x 16 heads, the paper's ImageNet decoder)."""
-
-    RELATIVE: ClassVar[dict[str, str]] = {"decoder_dim": "embed_dim", "decoder_heads": "num_heads"}
-    PAPER: ClassVar[dict[str, Any]] = {"decoder_dim": 512, "decoder_depth": 8, "decoder_heads": 16}
-
-    mask_ratio: float = 0.75  # fraction of patches masked
-    decoder_dim: int | None = None  # decoder width (None: the backbone's; paper(): 512)
-    decoder_depth: int = 8  # decoder blocks
-    decoder_heads: int | None = None  # decoder heads (None: the backbone's; paper(): 16)
-    norm_pix_loss: bool = True  # per-patch normalized pixel targets
-
-    def validate(self, named: Callable[[str], str] = str) -> MAEConfig:
-        check_ratio(named("mask_ratio"), self.mask_ratio)
-        check_positive(named("decoder_depth"), self.decoder_depth)
-        check_widths(self, "decoder_dim", "decoder_heads", named=named)
-        return self
 
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -67,11 +39,7 @@ def pixel_targets(images: torch.Tensor, patch_size: int, normalize: bool = True)
     return target
 
 
-# MAE's code: the fixed 2-D sin-cos PE; the encoder runs [CLS; visible] (its linear probe reads the class token);
-# fine-tuning with --global_pool (its default), the average of the patch outputs through a fresh fc_norm.
-@register_method("mae", config=MAEConfig, pos_embed="sincos2d", class_token="required", probe_feature="cls",
-                 finetune_pool="mean_fc_norm",
-                 display="MAE", paper="He et al. 2022, Masked Autoencoders Are Scalable Vision Learners")
+@register_method("mae")
 class MAE(BackboneObjective):
     """Masked autoencoder on an image backbone with ``pos_embed='sincos2d'`` and a class token.
 

@@ -20,8 +20,6 @@ Usage::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +28,9 @@ from torch import nn
 
 from patchplace.models import Backbone
 
-from .blockwise import COUNT_RULES, blockwise_masks, target_count
+from .blockwise import blockwise_masks, target_count
 from .common import (
     BackboneObjective,
-    ObjectiveConfig,
     ObjectiveError,
     check_ratio,
     gather_rows,
@@ -43,84 +40,9 @@ from .common import (
     patches_to_image,
     split_batch,
 )
+from .configs import DAL_KINDS, MJPConfig
 from .registry import register_method
 from .supervised import classification_loss
-
-DAL_KINDS = ("pca", "linear", "mlp")
-DAL_SCHEDULES = ("constant", "official")
-
-
-@dataclass
-class MJPConfig(ObjectiveConfig):
-    """MJP hyper-parameters; defaults are the paper's ImageNet recipe.
-
-    * ``ratio`` gamma, the fraction of patches the block-wise generator selects (Alg. 1 line 3). 0.03 is the model of
-      Table 1 (DeiT-S + MJP: 80.5 top-1, consistency 82.9), i.e. the best top-1 of the gamma sweep in Table 3
-      (0.03: 80.5, 0.09: 80.3, 0.15: 80.4, 0.21: 80.2, 0.27: 80.3) and the "trained with gamma = 0.03" model of
-      Fig. 3 (a, b). Larger gamma trades a little accuracy for consistency (Table 3: 82.9 -> 93.1 at 0.27). NB: on
-      small grids 0.03 selects fewer than 2 patches (e.g. int(0.03 * 64) = 1), so :class:`MJP` rejects it there.
-    * ``count_rule`` ``"int"``: the generator aims for int(gamma N) patches, as the official code
-      (yhlleo/MJP ``data/masking_generator.py``, ``MaskingGenerator._num_patches_decaying``:
-      ``int(self.num_patches * cur_ratio)``); ``"round"`` aims for round(gamma N), one patch more where the
-      fraction is >= .5 (e.g. 2 instead of 1 at 0.03 on 8 x 8, so that small grids can train at gamma 0.03).
-    * ``min_block`` 8 patches and ``min_aspect`` 0.3 (aspect in [0.3, 1/0.3]): BEiT's generator as the official
-      training uses it (``data/masking_generator.py``).
-    * ``apply_prob`` 0.5: the jigsaw is applied to a random half of the batches (official ``AUG.JIGSAW = 0.5``), and
-      only after ``warmup_fraction`` = 20 / 300 of training (official: ``epoch >= WARMUP_EPOCHS`` with 20 warm-up
-      epochs of 300, supp. Table 7).
-    * ``dal``: the DAL map g of Eq. 1 — ``pca`` (non-parametric), ``linear`` (LN) or ``mlp`` (NLN, 3 layers; §5.3
-      / Table 4: "a 3-layers MLP" is the best variant, 80.5 top-1). ``dal_weight`` lambda = 0.01 (§4.2, "for all
-      experiments"); ``dal_schedule="official"`` is the official code's warm-up + cosine 0.01 -> 0.005 instead
-      (see :meth:`MJP.dal_weight_at`), per epoch as the official code: training ``progress`` is cut into
-      ``schedule_epochs`` (300, the official recipe) equal epochs of the schedule.
-    * ``label_smoothing`` 0.1: the DeiT recipe the paper follows (supp. Table 7; official ``LABEL_SMOOTHING``).
-    * ``decay_pos_embed``: weight decay on the learned PE table and ``E_unk`` (the class token stays exempt). The
-      official code decays them: its PE is one ``nn.Embedding`` of the patch, class-token and unknown rows
-      (``models/vit_timm.py``), whose ``pos_embed.weight`` its ``no_weight_decay()`` set ``{'pos_embed',
-      'cls_token', 'dist_token'}`` does not name (``optimizer.py`` ``set_weight_decay`` matches names exactly);
-      ``train.sh`` passes ``--decay-posemb``. False (the default) keeps the project's rule: no PE is decayed.
-    """
-
-    ratio: float = 0.03  # gamma: fraction of patches jigsawed (Alg. 1)
-    count_rule: str = "int"  # target count: int(gamma N) (official) | round(gamma N)
-    min_block: int = 8  # smallest block of the block-wise generator (patches)
-    min_aspect: float = 0.3  # block aspect in [min_aspect, 1 / min_aspect]
-    apply_prob: float = 0.5  # fraction of batches jigsawed
-    warmup_fraction: float = 20 / 300  # no jigsaw before this fraction of training
-    dal: str = "mlp"  # DAL map g (Eq. 1): mlp | linear | pca
-    dal_weight: float = 0.01  # lambda of the DAL loss
-    dal_schedule: str = "constant"  # constant | official (warm-up + cosine 0.01 -> 0.005)
-    schedule_epochs: int = 300  # epochs the official DAL schedule is cut into
-    label_smoothing: float = 0.1  # DeiT recipe
-    decay_pos_embed: bool = False  # weight decay on the PE table and E_unk (official code: decayed)
-
-    def validate(self, named: Callable[[str], str] = str) -> MJPConfig:
-        check_ratio(named("ratio"), self.ratio)
-        if self.count_rule not in COUNT_RULES:
-            raise ObjectiveError(f"{named('count_rule')} must be one of {COUNT_RULES}, got {self.count_rule!r}")
-        if isinstance(self.min_block, bool) or not isinstance(self.min_block, int) or self.min_block < 1:
-            raise ObjectiveError(f"{named('min_block')} must be an integer >= 1 (patches), got {self.min_block!r}")
-        if not 0.0 < self.min_aspect <= 1.0:
-            aspect = named("min_aspect")
-            raise ObjectiveError(f"{aspect} must be in (0, 1] (aspects span [{aspect}, 1/{aspect}]), got "
-                                 f"{self.min_aspect}")
-        check_ratio(named("apply_prob"), self.apply_prob, high_inclusive=True)
-        check_ratio(named("warmup_fraction"), self.warmup_fraction)
-        if self.dal not in DAL_KINDS:
-            raise ObjectiveError(f"{named('dal')} must be one of {DAL_KINDS}, got {self.dal!r}")
-        if not (math.isfinite(self.dal_weight) and self.dal_weight >= 0):
-            raise ObjectiveError(f"{named('dal_weight')} (lambda) must be a finite number >= 0, got {self.dal_weight}")
-        if self.dal_schedule not in DAL_SCHEDULES:
-            raise ObjectiveError(f"{named('dal_schedule')} must be one of {DAL_SCHEDULES}, got {self.dal_schedule!r}")
-        if isinstance(self.schedule_epochs, bool) or not isinstance(self.schedule_epochs, int) or not (
-                round(self.warmup_fraction * self.schedule_epochs) < self.schedule_epochs):
-            epochs = named("schedule_epochs")
-            raise ObjectiveError(f"{epochs} must be an integer with round({named('warmup_fraction')} * {epochs}) "
-                                 f"< {epochs}, got {self.schedule_epochs!r}")
-        check_ratio(named("label_smoothing"), self.label_smoothing)
-        if not isinstance(self.decay_pos_embed, bool):
-            raise ObjectiveError(f"{named('decay_pos_embed')} must be true or false, got {self.decay_pos_embed!r}")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------- Alg. 1
@@ -291,13 +213,7 @@ def dal_loss(regressor: DALRegressor, pe_table: torch.Tensor, keep_mask: torch.T
 
 
 # ---------------------------------------------------------------------------------------------- objective
-# DeiT's recipe with labels: a learned, additive PE table (Eq. 3-5) and the classifier head, whose pooling probes
-# read; MJP trains and fine-tunes that classifier on the class token.
-# Eq. 3-5: an additive, per-position PE table (learned, or a fixed sincos2d one on which DAL cannot act)
-@register_method("mjp", config=MJPConfig, pos_embed="learned", pos_modes=("learned", "sincos2d"), needs_head=True,
-                 probe_feature="head",
-                 finetune_pool="cls", display="MJP",
-                 paper="Ren et al. 2023, Masked Jigsaw Puzzle: A Versatile Position Embedding for Vision Transformers")
+@register_method("mjp")
 class MJP(BackboneObjective):
     """MJP objective (Alg. 2) on an image backbone with an additive PE (``learned`` or ``sincos2d``) and a head.
 

@@ -15,9 +15,6 @@ The class token gets no PE there either.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -27,7 +24,6 @@ from patchplace.models import Backbone
 
 from .common import (
     BackboneObjective,
-    ObjectiveConfig,
     ObjectiveError,
     check_ratio,
     image_to_patches,
@@ -37,42 +33,12 @@ from .common import (
     split_batch,
     topk_accuracy,
 )
+from .configs import MP3Config
 from .registry import register_method
 
 
-@dataclass
-class MP3Config(ObjectiveConfig):
-    """``eta``: masking ratio (paper: 0.5 on CIFAR-100, 0.75 on ImageNet, 0 for speech);
-    ``anchor_ratio``: fraction of tokens given their true PE and excluded from the loss (speech: 0.05)."""
-
-    eta: float = 0.75
-    anchor_ratio: float = 0.0
-
-    def validate(self, named: Callable[[str], str] = str) -> MP3Config:
-        check_ratio(named("eta"), self.eta)
-        check_ratio(named("anchor_ratio"), self.anchor_ratio)
-        return self
-
-    @classmethod
-    def speech(cls) -> MP3Config:
-        """MP3 §4.3 speech setting: full attention (eta = 0) and 5% anchors."""
-        return cls(eta=0.0, anchor_ratio=0.05)
-
-
-# §3: every position embedding is removed during pretraining; the class token (§3.1) enters without PE, so probes
-# read the mean of the patch outputs of a sequence holding it, and fine-tuning puts "a linear classifier head after
-# the cls token" (§3.3).
-# Pretraining has no position information (§3): a relbias2d backbone would inject it inside attention. Other PE
-# modes are accepted for the anchors (§4.3), which need the backbone's true PE (checked against anchor_ratio).
-@register_method("mp3", config=MP3Config, pos_embed="none", pos_modes=("none", "sincos1d", "sincos2d", "learned"),
-                 any_modality=True, probe_feature="mean", finetune_pool="cls", curves="eta",
-                 paper="Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3)",
-                 display="MP3")
-# §3.1, §4.3: speech keeps the true sinusoidal PE for its 5% anchors, and pretrains with full attention (eta 0).
-@register_method("mp3_speech", config=MP3Config, pos_embed="sincos1d", any_modality=True, probe_feature="mean",
-                 finetune_pool="cls",
-                 modality="audio", defaults={"eta": 0.0, "anchor_ratio": 0.05}, display="MP3 speech",
-                 paper="Zhai et al. 2022, Position Prediction as an Effective Pretraining Strategy (MP3), §4.3")
+@register_method("mp3")
+@register_method("mp3_speech")
 class MP3(BackboneObjective):
     """MP3 on any backbone of ``patchplace.models`` (ViT patches or audio frames), with or without a class token
     (with one, it is fed without PE and kept in every sample's context; the head reads the patch tokens only).

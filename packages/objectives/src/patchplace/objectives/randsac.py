@@ -23,10 +23,6 @@ full attention (the paper fine-tunes / probes on the average-pooled feature, App
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar
-
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp
@@ -38,13 +34,11 @@ from patchplace.models.backbone import CheckpointedBlock
 
 from .common import (
     BackboneObjective,
-    ObjectiveConfig,
     ObjectiveError,
-    check_positive,
-    check_widths,
     init_linear,
     split_batch,
 )
+from .configs import RandSACConfig
 from .mae import pixel_targets
 from .registry import register_method
 from .segments import (
@@ -56,63 +50,6 @@ from .segments import (
     square_segments,
     token_positions,
 )
-
-SEGMENT_TYPES = ("blob", "square", "raster", "patch_random")
-
-
-@dataclass
-class RandSACConfig(ObjectiveConfig):
-    """RandSAC defaults.
-
-    ``segments``: ``blob`` (paper default, §3.2 "we choose blobs for the remainder"), ``square``, or the segment-free
-    ablations ``raster`` / ``patch_random`` (one token per segment, Tables 1-3).
-    ``num_segments``: K blobs (11, the default of the CIFAR-10 / ImageNet-100 / ImageNet-1K runs, Table 7, §5).
-    ``square_size``: M for square segments (2, the best of Table 4).
-    ``hierarchy``: partition counts per level above the segments, strictly decreasing: ``(5,)`` is "11 -> 5", the
-    CIFAR-10 / ImageNet-100 default (App. A.1, §5 low-data); ImageNet-1K uses ``(7, 3)`` ("11 -> 7 -> 3", §5);
-    ``()`` is flat random serialization.
-    Decoder: 4 layers of width 512 with 16 heads — the ImageNet-1K model of §5 / Table 10 (CIFAR-10 used 3 layers,
-    ImageNet-100 4 layers, each as wide as the encoder, App. A.1).
-    ``skip_connections``: trainable skip connections (§4.2, on in every final model, Table 8).
-    ``norm_pix_loss``: per-patch normalized pixel targets (Tables 7, 13, 14).
-    """
-
-    RELATIVE: ClassVar[dict[str, str]] = {"decoder_dim": "embed_dim", "decoder_heads": "num_heads"}
-    PAPER: ClassVar[dict[str, Any]] = {"decoder_dim": 512, "decoder_depth": 4, "decoder_heads": 16}
-
-    segments: str = "blob"  # blob | square | raster | patch_random
-    num_segments: int = 11  # K blobs (Table 7)
-    square_size: int = 2  # M for square segments (Table 4)
-    hierarchy: tuple[int, ...] = (5,)  # partitions per level above the segments, e.g. (5,) = 11 -> 5; () flat
-    decoder_dim: int | None = None  # decoder width (None: the backbone's; paper(): 512)
-    decoder_depth: int = 4  # decoder blocks
-    decoder_heads: int | None = None  # decoder heads (None: the backbone's; paper(): 16)
-    decoder_mlp_ratio: float = 4.0  # decoder MLP width / decoder_dim
-    skip_connections: bool = True  # trainable encoder -> decoder skips (§4.2)
-    norm_pix_loss: bool = True  # per-patch normalized pixel targets
-
-    def validate(self, named: Callable[[str], str] = str) -> RandSACConfig:
-        if self.segments not in SEGMENT_TYPES:
-            raise ObjectiveError(f"{named('segments')} must be one of {SEGMENT_TYPES}, got {self.segments!r}")
-        self.hierarchy = tuple(self.hierarchy)  # from JSON / YAML lists
-        if self.segments == "blob" and self.num_segments < 2:
-            raise ObjectiveError(f"{named('num_segments')} must be >= 2 (one segment leaves nothing to predict), got "
-                                 f"{self.num_segments}")
-        check_positive(named("square_size"), self.square_size)
-        if self.hierarchy and self.segments in ("raster", "patch_random"):
-            raise ObjectiveError(f"{named('hierarchy')} must be () for {named('segments')}={self.segments!r} (one "
-                                 f"token per segment), got {self.hierarchy}")
-        top = self.num_segments if self.segments == "blob" else None
-        for parts in self.hierarchy:
-            if not isinstance(parts, int) or parts < 1 or (top is not None and parts >= top):
-                raise ObjectiveError(f"{named('hierarchy')} must be strictly decreasing partition counts >= 1 below "
-                                     f"{named('num_segments')}={self.num_segments} (e.g. (5,) for 11 -> 5), got "
-                                     f"{self.hierarchy}")
-            top = parts
-        for name in ("decoder_depth", "decoder_mlp_ratio"):
-            check_positive(named(name), getattr(self, name))
-        check_widths(self, "decoder_dim", "decoder_heads", multiple_of=4, named=named)
-        return self
 
 
 class DecoderBlock(CheckpointedBlock):
@@ -141,12 +78,7 @@ class DecoderBlock(CheckpointedBlock):
         return x + self.mlp(self.norm3(x))
 
 
-# §3-4: the fixed 2-D sin-cos PE; the encoder runs the patch tokens alone (no class token), and App. B.2 ("we
-# directly use the averaged pooled feature out of the encoder for both fine-tuning and linear probing") probes and
-# fine-tunes the mean of its patch outputs.
-@register_method("randsac", config=RandSACConfig, pos_embed="sincos2d", class_token="unused",
-                 probe_feature="patch_mean", finetune_pool="mean", display="RandSAC",
-                 paper="Hua et al. 2022, Self-supervision through Random Segments with Autoregressive Coding (RandSAC)")
+@register_method("randsac")
 class RandSAC(BackboneObjective):
     """RandSAC pretraining on an image backbone with ``pos_embed='sincos2d'``.
 

@@ -3,33 +3,18 @@ with label smoothing, or soft-target cross-entropy when timm's Mixup / CutMix pr
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from patchplace.models import Backbone
 
-from .common import BackboneObjective, ObjectiveConfig, ObjectiveError, check_ratio, split_batch
-from .registry import PE_MODES, register_method
+from .common import BackboneObjective, ObjectiveError, split_batch
+from .configs import SupervisedConfig
+from .registry import register_method
 
 
-@dataclass
-class SupervisedConfig(ObjectiveConfig):
-    label_smoothing: float = 0.1  # of the one-hot targets
-
-    def validate(self, named: Callable[[str], str] = str) -> SupervisedConfig:
-        check_ratio(named("label_smoothing"), self.label_smoothing)
-        return self
-
-
-# The DeiT baseline: a learned PE, trained through the classifier head, whose pooling probes and fine-tuning read (a
-# fine-tune, this objective on a prepared checkpoint, records the pooling it fine-tuned with). It is the fine-tuning
-# objective too: any PE mode, any modality (speech models fine-tune through it).
-@register_method("supervised", config=SupervisedConfig, pos_embed="learned", pos_modes=PE_MODES, any_modality=True,
-                 needs_head=True, probe_feature="head", finetune_pool="head")
+@register_method("supervised")
 class Supervised(BackboneObjective):
     """``forward((images, labels))``: labels are class indices (B,) or soft targets (B, classes) from mixup.
 

@@ -36,7 +36,7 @@ from accelerate.utils import broadcast_object_list
 from ruamel.yaml.error import YAMLError
 
 from patchplace.data.atomic import atomic_file, write_json_atomic
-from patchplace.pipelines import objective_fields
+from patchplace.objectives.configs import known_methods
 from patchplace.pipelines.config import ConfigError, dump_yaml, one_line, parse_yaml, to_dict
 from patchplace.pipelines.engine.budget import extension_problem, layout_problem
 from patchplace.pipelines.engine.checkpoints import Checkpoints, Saved, recorded_config, recorded_data
@@ -191,8 +191,8 @@ def _objective_in_force(tree: dict[str, Any]) -> dict[str, Any]:
     given fields only, and both must compare by what they train with (resuming such a run, its checkpoint's
     record). Other configs, or a method no longer registered, as they are."""
     method, given = tree.get("method"), tree.get("objective")
-    spec = objective_fields.methods().get(method) if isinstance(method, str) and isinstance(given, dict) else None
-    return {**tree, "objective": {**spec.defaults, **given}} if spec is not None else tree
+    spec = known_methods().get(method) if isinstance(method, str) and isinstance(given, dict) else None
+    return {**tree, "objective": {**spec.config_values(), **given}} if spec is not None else tree
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any], moved: tuple[str, ...] = ()) -> list[str]:

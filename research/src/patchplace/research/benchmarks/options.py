@@ -1,6 +1,6 @@
 """The benchmark's command line without torch: one argument group per suite, with the defaults the suites share
 (``python pipelines/benchmark.py --help`` and its usage errors answer in a fraction of a second). The registered
-methods are read from their source (:mod:`patchplace.pipelines.objective_fields`); the suites' names, registered
+methods are their torch-free declarations (:mod:`patchplace.objectives.configs`); the suites' names, registered
 beside torch, are stated here and tests/test_help_without_torch.py holds them equal to the registry's."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from patchplace.objectives.configs import known_methods
 from patchplace.pipelines import CONFIGS
 from patchplace.pipelines.cli import description
 from patchplace.pipelines.config import HelpFormatter
-from patchplace.pipelines.objective_fields import methods
 from patchplace.pipelines.sections import ATTENTION_KERNELS
 
 STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pipelines/configs/study_fashion_mnist.yaml
@@ -19,8 +19,8 @@ STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pip
 SUITES = ("matmul", "objectives", "masks", "data", "models", "onnx", "pipelines", "mp3_table2", "gpu", "ddp",
           "anchor", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence", "profile", "data_writer",
           "loader_vs_step", "probe_memory", "activation_memory", "fsdp_memory", "all")
-# the registered image methods (their registrations read without importing torch: objective_fields)
-IMAGE_METHODS = tuple(name for name, m in methods().items() if m.facts["modality"] == "image")
+# the registered image methods (their declarations, read without importing torch)
+IMAGE_METHODS = tuple(name for name, m in known_methods().items() if m.modality == "image")
 # the speed ladders' methods: those with a Fashion-MNIST config, then the supervised fine-tuning
 SPEED_METHODS = (*(name for name in IMAGE_METHODS if (CONFIGS / f"{name}_fashion_mnist.yaml").is_file()), "finetune")
 

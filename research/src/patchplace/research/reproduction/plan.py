@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from patchplace.objectives.configs import known_methods  # the registrations' facts, without importing torch
 from patchplace.pipelines.config import ConfigError
-from patchplace.pipelines.objective_fields import methods  # the registrations' facts, without importing torch
 
 GROUPS = ("curves", "main", "mp3_pe", "mp3_eta", "droppos", "mjp", "randsac", "speech")
 CONTROLS = "controls"  # in ``only``: the probe controls (main's, runs/controls), beside or instead of rows
@@ -225,10 +225,10 @@ def main_row(method: str) -> Run:
     pretraining config, fine-tuned with the checkpoint's PE (a learned one when it pretrains without any: MP3
     Table 3's main row) and on the label fractions, or, when it trains through a classifier head (MJP: a supervised
     recipe, not a pretraining), that classifier as its row, without label-efficiency rows."""
-    spec = methods()[method].facts
-    finetune_pe = None if spec["needs_head"] else "learned" if spec["pos_embed"] == "none" else "keep"
-    return Run(method, "main", spec["display"], f"{method}_fashion_mnist", finetune_pe=finetune_pe, ort=True,
-               label_efficiency=not spec["needs_head"])
+    spec = known_methods()[method]
+    finetune_pe = None if spec.needs_head else "learned" if spec.pos_embed == "none" else "keep"
+    return Run(method, "main", spec.display, f"{method}_fashion_mnist", finetune_pe=finetune_pe, ort=True,
+               label_efficiency=not spec.needs_head)
 
 
 def pretrained_main_rows() -> tuple[str, ...]:
@@ -238,7 +238,7 @@ def pretrained_main_rows() -> tuple[str, ...]:
 
 RUNS: tuple[Run, ...] = (
     # main table: same backbone, same data, same total epochs; the supervised baseline trains from scratch
-    Run("supervised", "main", methods()["supervised"].facts["display"], None, finetune_pe=None, ort=True, privacy=True,
+    Run("supervised", "main", known_methods()["supervised"].display, None, finetune_pe=None, ort=True, privacy=True,
         label_efficiency=True),
     *map(main_row, ("mp3", "droppos", "mae", "ijepa", "stop", "randsac", "mjp")),
     # MP3 Table 3: fine-tuning PE of the MP3 backbone, and the supervised baseline with the same three PEs
