@@ -55,7 +55,9 @@ def plot_privacy_grid(originals: np.ndarray, shuffled: np.ndarray, recs_a: dict[
     fig, axes = plt.subplots(len(rows), n, figsize=(0.9 * n + 1.6, 0.95 * len(rows)), squeeze=False)
     for r, (name, images) in enumerate(rows):
         for i in range(n):
-            axes[r, i].imshow(images[i].transpose(1, 2, 0).squeeze(-1), cmap="gray", vmin=0, vmax=1)
+            image = images[i].transpose(1, 2, 0)  # (H, W, C): one channel drawn gray, three as RGB
+            axes[r, i].imshow(image[..., 0] if image.shape[-1] == 1 else image.clip(0, 1), cmap="gray", vmin=0,
+                              vmax=1)
             axes[r, i].set_xticks([])
             axes[r, i].set_yticks([])
         axes[r, 0].set_ylabel(name, fontsize=6, rotation=0, ha="right", va="center")
