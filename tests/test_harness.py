@@ -283,16 +283,3 @@ def test_ema_knob_moves_the_target_encoder_through_the_pipeline(shards, tmp_path
         same = all(torch.equal(target[k], online[k]) for k in shared)
         assert same == (momentum == 0.0), f"momentum {momentum}: target == context encoder is {same}"
 
-
-def test_harness_compare_pairs_the_seeds_both_studies_measured(tmp_path):
-    from patchplace.research import harness_compare
-
-    before = {"results": {"mp3": [{"seed": 0, "top1": 0.50, "linear_probe": 0.60}, {"seed": 1, "top1": 0.40}]}}
-    after = {"harness": 2, "runs": {"mp3": {"label": "MP3"}},
-             "results": {"mp3": [{"seed": 0, "top1": 0.55, "linear_probe": 0.70}], "new": [{"seed": 0}]}}
-    for name, payload in (("b.json", before), ("a.json", after)):
-        (tmp_path / name).write_text(json.dumps(payload))
-    assert harness_compare.main([str(tmp_path / "b.json"), str(tmp_path / "a.json"), "--out",
-                                 str(tmp_path / "t.md")]) == 0
-    table = (tmp_path / "t.md").read_text()
-    assert "| MP3 | 0 | 50.0 -> 55.0 (+5.0) | 60.0 -> 70.0 (+10.0) | - |" in table and "new" not in table

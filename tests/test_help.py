@@ -22,7 +22,6 @@ PYTHON = [
     ("patchplace.research.study", CONFIGS / "study_fashion_mnist.yaml"),
     ("patchplace.pipelines.demo", None),
     ("patchplace.research.benchmark", None),
-    ("patchplace.research.harness_compare", None),
     ("patchplace.research.emulated_bf16", None),
     ("patchplace.export.__main__", None),
     ("patchplace.export.evaluate", None),

@@ -118,7 +118,7 @@ PIPELINES = ROOT / "pipelines" / "src" / "patchplace" / "pipelines"
 RESEARCH = ROOT / "research" / "src" / "patchplace" / "research"
 # the command lines: each a module with main(argv) -> exit code, and a script of that name in pipelines/ (or data/)
 ENTRY_POINTS = {"patchplace.pipelines." + n for n in ("pretrain", "finetune", "evaluate", "demo")} | {
-    "patchplace.research." + n for n in ("study", "controls", "benchmark", "harness_compare")}
+    "patchplace.research." + n for n in ("study", "controls", "benchmark")}
 # Imports of an entry point allowed, each to run that entry point's main() in-process (or, for the pure step, to
 # build pretrain.py's training from its public API): the demo's stages (one mixed precision for all of them) and
 # the benchmark suites that time the pipelines end to end; and the recipe check, which reads each shipped at-scale
@@ -203,7 +203,7 @@ def test_every_command_line_has_its_script():
     """Each entry point's script in pipelines/ (the documented ``python pipelines/<name>.py``) runs its module's
     main; the dataset recipes' in data/; nothing else sits there."""
     scripts = {p.stem for p in (ROOT / "pipelines").glob("*.py")}
-    assert scripts == {m.rsplit(".", 1)[1] for m in ENTRY_POINTS} - {"harness_compare"}
+    assert scripts == {m.rsplit(".", 1)[1] for m in ENTRY_POINTS}
     for script in (ROOT / "pipelines").glob("*.py"):
         assert "import main" in script.read_text() and len(script.read_text().splitlines()) < 12, script
     recipes = {p.stem for p in (PIPELINES / "datasets").glob("*.py")} - {"__init__"}

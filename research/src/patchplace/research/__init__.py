@@ -5,7 +5,6 @@ command lines as subprocesses), never a part of it.
                     report, protocol, schedule)
     controls.py     raw-pixel and random-init controls for a study row (``python pipelines/controls.py``)
     benchmark.py    speed and memory suites (``python pipelines/benchmark.py``; benchmarks/: one module a family)
-    harness_compare.py  two study harnesses' rows side by side
 
 On a CUDA machine the GPU work is ``pytest -m gpu``, ``python pipelines/benchmark.py --suite gpu`` and the study's
 own resumable command (``python pipelines/study.py --config pipelines/configs/study_gpu.yaml``).
