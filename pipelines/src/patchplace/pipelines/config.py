@@ -11,6 +11,7 @@ type]]`` ({section: the training section class}): a shared config file loads, th
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import difflib
 import functools
@@ -44,6 +45,7 @@ HELP_COLUMN = 44  # where a field's meaning starts in --help ("  section.field =
 # every section: pydantic checks values of the field's type (no coercion: "yes" is no bool), unknown keys refused
 STRICT = ConfigDict(strict=True, extra="forbid")
 FINITE = AllowInfNan(False)  # inf (YAML .inf) refused too
+_BUILT = contextvars.ContextVar("built", default=False)  # set while :func:`validate` checks a built config
 
 
 class ConfigError(ValueError):
@@ -319,8 +321,10 @@ def build(cls: type, given: dict[str, Any], prefix: str = "") -> Any:
 
 def check(section: Any) -> None:
     """The checks ``section`` (a dataclass instance with a ``key`` such as "optim") declares, as :func:`build` runs
-    them: for a section built in code (``OptimSection(schedule="step").validate()``)."""
-    _validated(type(section), dataclasses.asdict(section), {}, f"{section.key}.")
+    them: for a section built in code (``OptimSection(schedule="step").validate()``); none for one :func:`build`
+    validated (:func:`validate` of a built config: pydantic validates a config once)."""
+    if not _BUILT.get():
+        _validated(type(section), dataclasses.asdict(section), {}, f"{section.key}.")
 
 
 def _validated(cls: type, values: dict[str, Any], given: dict[str, Any], prefix: str = "") -> Any:
@@ -341,11 +345,20 @@ def _adapter(cls: type) -> TypeAdapter:
 
 
 def validate(config: Any, given: Collection[str] = ()) -> None:
-    """Every section's ``validate()`` (what needs the file system or torch), then its ``validate_overrides(keys)``
-    where it has one: the checks of what the command line set (``given``: the dotted keys of its overrides)."""
+    """Every section's ``validate()`` of a config :func:`build` gave (what needs the file system or torch: the
+    declared checks ran in :func:`build`), then its ``validate_overrides(keys)`` where it has one: the checks of
+    what the command line set (``given``: the dotted keys of its overrides)."""
+    token = _BUILT.set(True)
+    try:
+        _validate(config, given)
+    finally:
+        _BUILT.reset(token)
+
+
+def _validate(config: Any, given: Collection[str]) -> None:
     for f in fields(config):
         if is_dataclass(value := getattr(config, f.name)):
-            validate(value, given)
+            _validate(value, given)
     if hasattr(config, "validate"):
         config.validate()
     if hasattr(config, "validate_overrides"):
