@@ -526,7 +526,7 @@ def test_tensorboard_scalars_are_namespaced_in_one_folder(shards, tmp_path):
 def test_help_describes_every_field_and_the_chosen_objectives_fields(capsys):
     """--help: each config field with its default and meaning (the comments of the config classes), and the
     objective fields of the method the command line picks (method=..., else the --config's, else mp3)."""
-    from patchplace.pipelines.config import describe
+    from patchplace.pipelines.help import describe
 
     for cls in (pretrain.PretrainConfig, finetune.FinetuneConfig, evaluate.EvaluateConfig, study_plan.StudyConfig):
         bare = [line for line in describe(cls) if " # " not in line]

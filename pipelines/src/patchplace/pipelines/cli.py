@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from patchplace.pipelines import commands
-from patchplace.pipelines.config import ConfigError, one_line, parser, precheck
+from patchplace.pipelines.config import ConfigError, one_line, precheck
+from patchplace.pipelines.help import parser
 
 CONFIGS = {"pretrain": commands.PretrainConfig, "finetune": commands.FinetuneConfig,
            "evaluate": commands.EvaluateConfig}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from patchplace.pipelines import CONFIGS
-from patchplace.pipelines.config import HelpFormatter
+from patchplace.pipelines.help import HelpFormatter
 from patchplace.pipelines.stages import StageError, by_precision
 from patchplace.pipelines.stages import stage as run_stage
 

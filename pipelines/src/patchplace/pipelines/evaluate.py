@@ -57,7 +57,7 @@ from patchplace.data.mfcc import build_frontend
 from patchplace.finetune import probe_feature_of
 from patchplace.models import load_pretrained
 from patchplace.pipelines.commands import EvaluateConfig, expand_flags
-from patchplace.pipelines.config import ConfigError, check_path, command_args, load, parser
+from patchplace.pipelines.config import ConfigError, check_path, command_args, load
 from patchplace.pipelines.curves import CURVES, FILES
 from patchplace.pipelines.engine import USER_ERRORS, Data, Interrupted, report, start
 from patchplace.pipelines.engine.protocol import LOCK, RunLock
@@ -73,6 +73,7 @@ from patchplace.pipelines.evaluate_probes import (
 )
 from patchplace.pipelines.evaluate_report import plot_evaluation, to_markdown
 from patchplace.pipelines.evaluation import Ranks, knn_per_layer
+from patchplace.pipelines.help import parser
 
 # what other code reads from here besides main: the registry's curves, the probes the memory benchmark drives
 __all__ = ["CURVES", "RESULT_FILES", "Stores", "evaluation", "frozen_probes", "main", "to_markdown"]

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchplace.pipelines.cli import description, help_asked
-from patchplace.pipelines.config import ConfigError, HelpFormatter, help_epilog, parser
+from patchplace.pipelines.config import ConfigError
+from patchplace.pipelines.help import HelpFormatter, help_epilog, parser
 from patchplace.pipelines.sections import DataSection, ModelSection, RunSection
 
 # patchplace.finetune's PROBE_FEATURES (it imports torch); tests/test_help_without_torch.py holds the two equal

@@ -4,7 +4,7 @@ Run them as scripts (``python data/fashion_mnist.py --help``); tests import them
 command lines are here: the arguments parse without numpy, webdataset or torch, so that ``--help`` and a usage
 error answer in about a second (as the pipelines' :mod:`patchplace.pipelines.cli`); the recipe module is imported
 only to run (:func:`main`). A recipe's own ``main(argv)`` parses with the same parser (:func:`parse`). Help fits
-100 columns on any terminal (:class:`~patchplace.pipelines.config.HelpFormatter`); a usage error is one line on
+100 columns on any terminal (:class:`~patchplace.pipelines.help.HelpFormatter`); a usage error is one line on
 stderr, exit 2.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from patchplace.data.errors import DataError
 from patchplace.data.kws import BACKGROUND_NOISE_DIR, KWS_CLASSES
 from patchplace.data.remote import refuse_url
-from patchplace.pipelines.config import HelpFormatter
+from patchplace.pipelines.help import HelpFormatter
 
 FASHION_MNIST_SRC = Path("/usr/share/datasets/fashion-mnist")  # the Debian package dataset-fashion-mnist
 SPEECH_COMMANDS_OUT = "shards/speech_commands"  # where the speech_commands_mp3_* configs read

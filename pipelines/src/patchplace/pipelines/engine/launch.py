@@ -33,11 +33,12 @@ from patchplace.data import DataError
 from patchplace.models import ModelError, set_attention_kernel
 from patchplace.models.backbone import CheckpointedBlock
 from patchplace.objectives import ObjectiveError
-from patchplace.pipelines.config import ConfigError, command_args, load, one_line, parser
+from patchplace.pipelines.config import ConfigError, command_args, load, one_line
 from patchplace.pipelines.engine import inputs
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.engine.logs import accelerator_log_with
 from patchplace.pipelines.engine.protocol import disk_error, disk_message
+from patchplace.pipelines.help import parser
 from patchplace.pipelines.sections import MAX_SEED, RunSection
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from patchplace.objectives.configs import known_methods
 from patchplace.pipelines import CONFIGS
 from patchplace.pipelines.cli import description
-from patchplace.pipelines.config import HelpFormatter
+from patchplace.pipelines.help import HelpFormatter
 from patchplace.pipelines.sections import ATTENTION_KERNELS
 
 STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pipelines/configs/study_fashion_mnist.yaml

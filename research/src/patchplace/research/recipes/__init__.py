@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from patchplace.pipelines.config import (
-    HelpFormatter,
     _leaves,
     _within,
     build,
@@ -44,6 +43,7 @@ from patchplace.pipelines.config import (
     parse_yaml,
     shipped_configs,
 )
+from patchplace.pipelines.help import HelpFormatter
 
 HERE = Path(__file__).parent
 STAGES = ("pretrain", "finetune", "linprobe", "lowlabel")  # lowlabel: a probe config of its own (the 1% one)
