@@ -439,7 +439,7 @@ def objective_in_force(method, given):
     the method's defaults (the config class's, then the registration's) before comparing, as JSON writes them
     (tuples as lists). The config classes' defaults are the reference's
     (:func:`test_the_objective_configs_keep_the_references_defaults`), so completing both sides hides nothing."""
-    from patchplace.objectives.configs import known_methods
+    from patchplace.objectives.declarations import known_methods
 
     known = known_methods().get(method) if isinstance(method, str) else None
     if known is None or not isinstance(given, dict | None):

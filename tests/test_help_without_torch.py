@@ -233,7 +233,7 @@ def test_every_declared_method_is_registered_with_its_declared_facts():
     """Each declared method is registered by an objective class (found by the registry's discovery), with the
     facts it was declared with; none is registered without a declaration."""
     from patchplace.objectives import list_methods
-    from patchplace.objectives.configs import DECLARED
+    from patchplace.objectives.declarations import DECLARED
 
     specs = {spec.name: spec for spec in list_methods()}
     assert set(specs) == set(DECLARED)

@@ -237,12 +237,14 @@ def test_pipelines_and_research_have_no_import_cycles():
 
 def test_the_objectives_and_their_registry_import_no_cycle():
     """As timm's ``_registry.py``: the registry imports no objective (it finds them at run time), only the
-    torch-free configs and declarations (configs.py), which import nothing of the package; the objectives' shared
-    base (common.py) never imports the registry; relative imports count."""
+    torch-free configs (configs.py, which imports nothing of the package) and declarations (declarations.py, which
+    imports only the configs); the objectives' shared base (common.py) never imports the registry; relative imports
+    count."""
     graph = package_imports(ROOT / "packages" / "objectives" / "src" / "patchplace" / "objectives")
-    registry, common, configs = ("patchplace.objectives.registry", "patchplace.objectives.common",
-                                 "patchplace.objectives.configs")
-    assert graph[registry] == {configs} and not graph[configs] and configs in graph[common]
+    registry, common, configs, declared = ("patchplace.objectives.registry", "patchplace.objectives.common",
+                                           "patchplace.objectives.configs", "patchplace.objectives.declarations")
+    assert graph[registry] == {configs, declared} and graph[declared] == {configs} and not graph[configs]
+    assert configs in graph[common]
     assert registry not in graph[common] and registry in graph["patchplace.objectives.mae"]
     assert not import_cycles(graph)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from patchplace.data.helpformat import HELP_WIDTH
-from patchplace.objectives.configs import known_methods
+from patchplace.objectives.declarations import known_methods
 from patchplace.pipelines.config import STRICT, ConfigError, Words, check
 from patchplace.pipelines.help import field_docs, field_entry, help_values, source_of
 from patchplace.pipelines.sections import (

@@ -19,8 +19,8 @@ from .configs import (
     ObjectiveError,
     RandSACConfig,
     SupervisedConfig,
-    known_methods,
 )
+from .declarations import known_methods
 from .registry import MethodSpec, get_method, list_methods, method_names, register_method, unregister_method
 
 # the names that need torch, by module: imported on first use, so that the configs and registrations above load

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any, TypeVar
 
-from .configs import (
+from .configs import ObjectiveConfig, ObjectiveError
+from .declarations import (
     CLASS_TOKEN,
     DECLARED,
     EVALUATED_ENCODERS,
@@ -39,8 +40,6 @@ from .configs import (
     PE_MODES,
     PROBE_FEATURES,
     MethodFacts,
-    ObjectiveConfig,
-    ObjectiveError,
 )
 
 __all__ = ["CLASS_TOKEN", "EVALUATED_ENCODERS", "FINETUNE_POOLS", "MODALITIES", "PE_MODES", "PROBE_FEATURES",

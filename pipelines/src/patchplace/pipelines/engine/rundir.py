@@ -36,7 +36,7 @@ from accelerate.utils import broadcast_object_list
 from ruamel.yaml.error import YAMLError
 
 from patchplace.data.atomic import atomic_file, write_json_atomic
-from patchplace.objectives.configs import known_methods
+from patchplace.objectives.declarations import known_methods
 from patchplace.pipelines.config import ConfigError, dump_yaml, one_line, parse_yaml, to_dict
 from patchplace.pipelines.engine.budget import extension_problem, layout_problem
 from patchplace.pipelines.engine.checkpoints import Checkpoints, Saved, recorded_config, recorded_data

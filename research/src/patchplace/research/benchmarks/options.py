@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from patchplace.objectives.configs import known_methods
+from patchplace.objectives.declarations import known_methods
 from patchplace.pipelines import CONFIGS
 from patchplace.pipelines.cli import description
 from patchplace.pipelines.help import HelpFormatter

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from patchplace.objectives.configs import known_methods  # the registrations' facts, without importing torch
+from patchplace.objectives.declarations import known_methods  # the registrations' facts, without importing torch
 from patchplace.pipelines.config import ConfigError
 
 GROUPS = ("curves", "main", "mp3_pe", "mp3_eta", "droppos", "mjp", "randsac", "speech")
