@@ -233,3 +233,41 @@ def test_a_resumed_run_may_change_its_trackers():
     from patchplace.pipelines.engine.rundir import RESUMABLE_CHANGES
 
     assert {"run.log_with", "run.log_project", "run.tensorboard"} <= set(RESUMABLE_CHANGES)
+
+
+def test_an_interrupted_run_is_killed_in_mlflow_and_its_resume_continues_the_same_run(shards, tmp_path, monkeypatch):
+    """SIGTERM's checkpoint-and-stop (``Interrupted``) marks the MLflow run KILLED, not FINISHED; the resume (here
+    extending the budget too) continues that run (run.output/tracker_runs.json names it): one MLflow run holding
+    both sessions' steps, FINISHED, its params the first session's (MLflow keeps a param's first value)."""
+    from patchplace.pipelines.engine import launch
+    from patchplace.pipelines.engine.logs import TRACKER_RUNS
+    from patchplace.pipelines.engine.trainer import Trainer
+
+    store = file_store(tmp_path, monkeypatch)
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    out = tmp_path / "run"
+    args = [*method_args(shards, "mae"), "run.log_every=1", "run.log_with=mlflow", "run.log_project=resumed",
+            f"run.output={out}"]
+    after_step = Trainer.after_step
+
+    def interrupted_at_2(self, step, *rest):
+        done = after_step(self, step, *rest)
+        if step == 2:
+            self.save_checkpoint(step)
+            raise launch.Interrupted("interrupted at step 2 (test)", 143)
+        return done
+
+    monkeypatch.setattr(Trainer, "after_step", interrupted_at_2)
+    assert pretrain.main([*args, "optim.max_steps=3"]) != 0
+    client = mlflow.MlflowClient(store)
+    experiment = client.get_experiment_by_name("resumed").experiment_id
+    (first,) = client.search_runs([experiment])
+    assert first.info.status == "KILLED"
+    assert json.loads((out / TRACKER_RUNS).read_text()) == {"mlflow": first.info.run_id}
+
+    monkeypatch.setattr(Trainer, "after_step", after_step)
+    assert pretrain.main([*args, "optim.max_steps=4", "run.resume=true"]) == 0
+    (run,) = client.search_runs([experiment])
+    assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4]
+    assert run.data.params["run.resume"] == "False" and run.data.params["optim.max_steps"] == "3"

@@ -188,19 +188,23 @@ class RunMLflow(MLflowTracker):
         self.active_run = mlflow.start_run(run_id=self.run_id, experiment_id=experiment, run_name=self.run_name,
                                            nested=self.nested_run, tags=self.tags, description=self.description,
                                            log_system_metrics=system)
+        self.logged = set(mlflow.MlflowClient().get_run(self.active_run.info.run_id).data.params)
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         import mlflow
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-        params = list({key: clip(str(value), MAX_PARAM_VAL_LENGTH) for key, value in values.items()}.items())
+        # a resumed run's params stay its first session's (MLflow refuses changing one; config.yaml, the artifact, is
+        # the session's own)
+        params = list({key: clip(str(value), MAX_PARAM_VAL_LENGTH) for key, value in values.items()
+                       if key not in self.logged}.items())
         for at in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):  # MLflow takes so many per call
             mlflow.log_params(dict(params[at:at + MAX_PARAMS_TAGS_PER_BATCH]))
 
-    def abort(self) -> None:
+    def abort(self, status: str = "FAILED") -> None:
         import mlflow
 
-        mlflow.end_run(status="FAILED")
+        mlflow.end_run(status=status)
 
 
 def clip(text: str, limit: int) -> str:
@@ -222,13 +226,46 @@ def accelerator_log_with(run: Any) -> list[Any] | None:
         if tracker == "tensorboard":
             built.append(RunTensorBoard("tensorboard", run.output))
         elif tracker == "mlflow":
-            built.append(RunMLflow(run.log_project, run_name=name,
+            built.append(RunMLflow(run.log_project, run_name=name, run_id=resumed_run_id(run),
                                    tags={"patchplace.output": str(Path(run.output).absolute())}))
         else:
             cls = LOGGER_TYPE_TO_CLASS[tracker]
             place = (run.output,) if cls.requires_logging_directory else ()
             built.append(cls(run.log_project, *place, **named(tracker, name)))
     return built or None
+
+
+TRACKER_RUNS = "tracker_runs.json"  # in run.output: the MLflow run a resume continues
+
+
+def resumed_run_id(run: Any) -> str | None:
+    """The MLflow run a resume of ``run`` continues (its id, recorded in run.output/tracker_runs.json when the run's
+    first session started it); None for a new run (MLflow starts one)."""
+    path = Path(run.output) / TRACKER_RUNS
+    if not getattr(run, "resume", False) or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text()).get("mlflow")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _record_run_ids(acc: Any, out: Path) -> None:
+    """run.output/tracker_runs.json: the MLflow run this session logs to, for a resume to continue it."""
+    for tracker in acc.trackers:
+        if isinstance(tracker, RunMLflow):
+            (out / TRACKER_RUNS).write_text(json.dumps({"mlflow": tracker.active_run.info.run_id}) + "\n")
+
+
+def end_trackers(acc: Any, exc: BaseException) -> None:
+    """A session that ends in ``exc`` (main process): MLflow's run marked KILLED (interrupted: SIGTERM / SIGINT,
+    resumable) or FAILED (any other error, a diverged loss) instead of FINISHED at the interpreter's exit."""
+    if not getattr(acc, "is_main_process", False):
+        return
+    status = "KILLED" if type(exc).__name__ in ("Interrupted", "KeyboardInterrupt") else "FAILED"
+    for tracker in getattr(acc, "trackers", ()):
+        if isinstance(tracker, RunMLflow) and getattr(tracker, "active_run", None) is not None:
+            tracker.abort(status)
 
 
 def named(tracker: str, name: str) -> dict[str, str]:
@@ -278,6 +315,7 @@ def _start(acc: Any, run: Any, config: Any, lock: Any) -> str | None:
     try:
         acc.init_trackers(run.log_project, config=flat_config(tree))
         _record_config(acc, dump_yaml(tree))
+        _record_run_ids(acc, out)
     except Exception as exc:  # whatever a tracker's package raises (MlflowException, OSError, ...)
         failed = _failed(acc, exc)
         _abort(acc)

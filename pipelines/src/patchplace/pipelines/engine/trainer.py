@@ -34,7 +34,7 @@ from patchplace.pipelines.engine.guards import FiniteCheck, StopSignals
 from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.engine.inputs import Data, data_fingerprints
 from patchplace.pipelines.engine.launch import check_seed, every_rank, reported
-from patchplace.pipelines.engine.logs import StepLog, Throughput, finish_trackers, start_trackers
+from patchplace.pipelines.engine.logs import StepLog, Throughput, end_trackers, finish_trackers, start_trackers
 from patchplace.pipelines.engine.optim import (
     StepSchedule,
     checkpoint_activations,
@@ -130,6 +130,9 @@ class Trainer:
         try:
             with StopSignals() as signals:
                 return self._fit(batch_size, signals)
+        except BaseException as exc:
+            end_trackers(self.acc, exc)  # MLflow's run KILLED (interrupted) or FAILED, not FINISHED
+            raise
         finally:
             if self.bar is not None:
                 self.bar.close()  # ends the progress line, so an error message starts on its own line
