@@ -97,7 +97,7 @@ def build_data(cfg: DataSection, accelerator: Accelerator, seed: int, augment: b
     val_manifest = manifest if holdout else Manifest.load(cfg.val, cfg.network())
     if manifest.classes != val_manifest.classes:
         raise ValueError(f"data.val classes differ from data.train classes ({cfg.val} vs {cfg.train})")
-    if augment and accelerator.is_main_process and (line := upscale_warning(cfg, manifest)):
+    if augment and accelerator.process_index == 0 and (line := upscale_warning(cfg, manifest)):
         print(line, file=sys.stderr)
     normalization = training_statistics(manifest, checkpoint)
     options, eval_options = transform_options(cfg, manifest, interpolation_in_force(cfg, checkpoint, augment))

@@ -54,6 +54,14 @@ class PairedTest:
         """The standard error of the mean difference (from the 95% CI; needs >= 2 seeds)."""
         return (self.high - self.mean) / _t_quantile(0.975, len(self.seeds) - 1)
 
+    def interval(self, level: float) -> tuple[float, float]:
+        """The ``level`` confidence interval of the mean difference (a TOST at alpha uses 1 - 2 alpha: the bf16
+        equivalence benchmark's)."""
+        if len(self.seeds) < 2:
+            return -math.inf, math.inf
+        half = self.se * _t_quantile(0.5 + level / 2, len(self.seeds) - 1)
+        return self.mean - half, self.mean + half
+
 
 def _t_quantile(q: float, df: int) -> float:
     from scipy.stats import t
