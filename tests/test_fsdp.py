@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import fields
@@ -32,6 +31,7 @@ from patchplace.objectives import get_method, method_names
 from patchplace.pipelines import pretrain
 from patchplace.pipelines.engine.checkpoints import Saved
 from patchplace.pipelines.engine.launch import block_classes, fsdp_plugin, gathered, shard_layers
+from patchplace.research.benchmarks.fsdp_memory import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD, PER_RANK, STEPS = 2, 2, 2
@@ -137,12 +137,6 @@ def worker(rank: int, port: int, out: str, names: list[str]) -> None:
         dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

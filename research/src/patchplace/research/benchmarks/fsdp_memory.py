@@ -117,7 +117,8 @@ def _worker(rank: int, port: int, out: str, name: str, width: str, depth: int, b
         Path(out).write_text(json.dumps(every))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free local TCP port for a process group's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -130,7 +131,7 @@ def pair_rows(name: str, width: str, depth: int, batch: int) -> list[dict[str, A
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)  # (read by each child's allocator at its start)
     with tempfile.TemporaryDirectory(prefix="fsdp_memory_") as tmp:
         out = Path(tmp) / "rows.json"
-        mp.spawn(_worker, args=(_free_port(), str(out), name, width, depth, batch), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), str(out), name, width, depth, batch), nprocs=WORLD, join=True)
         ranks = json.loads(out.read_text())
     rows, ddp = [], max(r["ddp"]["peak_mib"] for r in ranks)
     for mode in MODES:
