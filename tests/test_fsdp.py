@@ -172,14 +172,20 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoint" / "model.safetensors"))
 
 
-def launched(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``tests/fsdp_driver.py`` (pretrain.py on Accelerate's FSDP2 path) or, without run.fsdp, pretrain.py (DDP) on 2
-    CPU processes."""
-    script = ROOT / ("tests/fsdp_driver.py" if "run.fsdp=full_shard" in args else "pipelines/pretrain.py")
+def launched(*runs: list[str]) -> subprocess.CompletedProcess:
+    """``tests/fsdp_driver.py`` on 2 CPU processes: ``runs`` one after the other in one launch, each pretrain.py on
+    Accelerate's FSDP2 path under run.fsdp, on DDP without it (``run.sigterm_at=N``: rank 0 signalled during step
+    N); the driver prints ``run <i> exited <code>`` after each."""
     command = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-    return subprocess.run([*command, str(script), *args], capture_output=True, text=True, timeout=600, env={
-        **os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **(env or {})})
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+               str(ROOT / "tests" / "fsdp_driver.py")]
+    args = [arg for run in runs for arg in ("--then", *run)][1:]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+
+
+def exit_codes(result: subprocess.CompletedProcess) -> list[int]:
+    return [int(code) for code in re.findall(r"^run \d+ exited (-?\d+)$", result.stdout, re.MULTILINE)]
 
 
 @pytest.mark.slow
@@ -187,12 +193,17 @@ def test_the_engine_on_accelerates_fsdp_path_trains_evaluates_saves_and_resumes(
     """The whole run under Accelerate's FSDP2 path on 2 CPU processes (I-JEPA: the EMA target, the context encoder
     folder): the losses and final weights of the DDP run; the evaluation on every rank; the checkpoint's full state;
     a SIGTERM during step 2 stops the ranks after step 3, and the resumed run ends with the uninterrupted run's
-    weights."""
+    weights. Two launches: the FSDP, DDP and stopped runs in the first (a stop ends its launch), the resume in the
+    second."""
     args = [*method_args(shards, "ijepa"), "optim.max_steps=4"]
     sharded, stopped, ddp = tmp_path / "fsdp", tmp_path / "stopped", tmp_path / "ddp"
-    for out, extra in ((sharded, ["run.fsdp=full_shard"]), (ddp, [])):
-        result = launched([*args, *extra, f"run.output={out}"])
-        assert result.returncode == 0, result.stderr[-3000:]
+    first = launched([*args, "run.fsdp=full_shard", f"run.output={sharded}"], [*args, f"run.output={ddp}"],
+                     [*args, "run.fsdp=full_shard", "run.sigterm_at=2", f"run.output={stopped}"])
+    # (several processes agree on a stop one step late: the step-3 checkpoint)
+    assert exit_codes(first) == [0, 0, 143], (first.stdout[-3000:], first.stderr[-3000:])
+    assert first.returncode != 0 and "interrupted by SIGTERM at step 3" in first.stderr, first.stderr[-3000:]
+    assert not (ddp / "checkpoints" / "step-00000004" / "state" / "pytorch_model_fsdp.bin").exists(), \
+        "the DDP run of the shared launch ran on DDP"
     state = sharded / "checkpoints" / "step-00000004" / "state"
     assert {p.name for p in state.iterdir()} >= {"pytorch_model_fsdp.bin", "optimizer.bin", "random_states_0.pkl",
                                                  "random_states_1.pkl", "trainer.json"}
@@ -208,12 +219,8 @@ def test_the_engine_on_accelerates_fsdp_path_trains_evaluates_saves_and_resumes(
         assert fsdp_w.keys() == ddp_w.keys()
         for key in ddp_w:
             torch.testing.assert_close(fsdp_w[key], ddp_w[key], rtol=0, atol=1e-4, msg=f"{name}: {key}")
-    interrupted = launched([*args, "run.fsdp=full_shard", f"run.output={stopped}"], env={"FSDP_SIGTERM_AT": "2"})
-    # (several processes agree on a stop one step late: the step-3 checkpoint)
-    assert interrupted.returncode != 0 and "interrupted by SIGTERM at step 3" in interrupted.stderr, \
-        interrupted.stderr[-3000:]
     resumed = launched([*args, "run.fsdp=full_shard", "run.resume=true", f"run.output={stopped}"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0 and exit_codes(resumed) == [0], resumed.stderr[-3000:]
     a, b = final_weights(sharded), final_weights(stopped)
     assert a.keys() == b.keys()
     for key in a:
