@@ -37,14 +37,25 @@ def uneven(root: Path, n: int) -> Path:
     return root / "train"
 
 
-def read_epochs(split: Path, out: Path, drop_last: bool, epochs: int = 2) -> list[dict]:
+# (n, data.drop_last, samples seen per epoch, each rank's batch sizes)
+CASES = [
+    (64, True, 64, [8, 8, 8, 8]),  # the issue's shards: before, 58 / 64 and 56 / 64 seen, batches [8, 8, 8, 4, 1]
+    (67, True, 64, [8, 8, 8, 8]),  # 1 left out so both ranks read 33, 2 x 1 of ragged tails
+    (67, False, 66, [8, 8, 8, 8, 1]),  # the ragged tail kept: one short batch per rank, the same on both
+]
+
+
+def read_epochs(reads: list[tuple[Path, Path, bool]], epochs: int = 2) -> list[list[dict]]:
+    """Each ``(split, out, drop_last)`` read on 2 processes x 2 workers, all in one launch; per read, each rank's
+    record."""
     command = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-               "no", "--dynamo_backend", "no", "--main_process_port", "0", DRIVER, str(split), str(out), "2", "8",
-               "1" if drop_last else "0", str(epochs)]
+               "no", "--dynamo_backend", "no", "--main_process_port", "0", DRIVER]
+    for split, out, drop_last in reads:
+        command += [str(split), str(out), "2", "8", "1" if drop_last else "0", str(epochs)]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [[json.loads((out / f"rank{r}.json").read_text()) for r in range(2)] for _, out, _ in reads]
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +64,17 @@ def splits(tmp_path_factory) -> dict[int, Path]:
     return {n: uneven(root / str(n), n) for n in (64, 67)}
 
 
-@pytest.mark.parametrize("n, drop_last, seen, sizes", [
-    (64, True, 64, [8, 8, 8, 8]),  # the issue's shards: before, 58 / 64 and 56 / 64 seen, batches [8, 8, 8, 4, 1]
-    (67, True, 64, [8, 8, 8, 8]),  # 1 left out so both ranks read 33, 2 x 1 of ragged tails
-    (67, False, 66, [8, 8, 8, 8, 1]),  # the ragged tail kept: one short batch per rank, the same on both
-])
-def test_two_processes_two_workers_read_every_sample_once_in_full_batches(splits, tmp_path, n, drop_last, seen,
+@pytest.fixture(scope="module")
+def launched_reads(splits, tmp_path_factory) -> list[list[dict]]:
+    """Every case of :data:`CASES` read in one launch of 2 processes."""
+    root = tmp_path_factory.mktemp("epochs")
+    return read_epochs([(splits[n], root / str(i), drop_last) for i, (n, drop_last, _, _) in enumerate(CASES)])
+
+
+@pytest.mark.parametrize("n, drop_last, seen, sizes", CASES)
+def test_two_processes_two_workers_read_every_sample_once_in_full_batches(launched_reads, n, drop_last, seen,
                                                                           sizes):
-    ranks = read_epochs(splits[n], tmp_path / "out", drop_last)
+    ranks = launched_reads[CASES.index((n, drop_last, seen, sizes))]
     for epoch in range(2):
         keys = ranks[0]["keys"][epoch] + ranks[1]["keys"][epoch]
         assert len(keys) == len(set(keys)) == seen, f"epoch {epoch}"
