@@ -271,12 +271,15 @@ def test_two_processes_train_on_a_split_in_a_bucket_as_on_the_local_one(s3, shar
     bucket with its own S3 client and the run takes the steps the same launch takes on the local split."""
     launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-              str(Path(__file__).resolve().parents[1] / "pipelines" / "pretrain.py")]
+              # pretrain.py's runs one after the other in one launch (without run.fsdp: DDP, as pretrain.py runs)
+              str(Path(__file__).resolve().parent / "fsdp_driver.py")]
     args = [*TINY, "optim.max_steps=2", "data.in_memory=false", "method=supervised"]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}  # AWS_* from the fixture
-    for name, where in (("remote", f"s3://{BUCKET}/img"), ("local", str(shards / "img"))):
-        done = subprocess.run([*launch, f"data.train={where}/train", f"data.val={where}/test", *args,
-                               f"run.output={tmp_path / name}"], capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
+    runs = [[f"data.train={where}/train", f"data.val={where}/test", *args, f"run.output={tmp_path / name}"]
+            for name, where in (("remote", f"s3://{BUCKET}/img"), ("local", str(shards / "img")))]
+    done = subprocess.run([*launch, *runs[0], "--then", *runs[1]], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0 and "run 0 exited 0" in done.stdout and "run 1 exited 0" in done.stdout, \
+        done.stderr[-3000:]
     remote, local = run_log(tmp_path / "remote"), run_log(tmp_path / "local")
     assert len(remote) == 2 and [r["loss"] for r in remote] == [r["loss"] for r in local]
