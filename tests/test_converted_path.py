@@ -1,7 +1,9 @@
 """The whole path on an authors' released file: ``python -m patchplace.models.convert`` -> ``finetune.py`` ->
 ``evaluate.py`` (linear / kNN / position probes; classification and consistency of the fine-tune) -> ``python -m
 patchplace.export`` (parity gate on real images) -> the ONNX Runtime evaluator (accuracy, consistency, robustness),
-each run once, as the commands of docs/interop.md ("The authors' released weights") run them.
+each run once, as the commands of docs/interop.md ("The authors' released weights") run them: the conversion as a
+command, the pipelines and the export through their ``main`` in this process (the same arguments; one Python start
+each is most of a toy run's cost, and the scripts' entry points are the other end-to-end tests').
 
 The file is an MAE training checkpoint in the authors' key layout (facebookresearch/mae models_mae.py: the encoder
 keyed as timm's VisionTransformer, which models_vit.py subclasses, plus decoder_* / mask_token; main_pretrain.py's
@@ -24,6 +26,7 @@ from pipeline_args import TINY, img
 from patchplace.export.__main__ import main as export_main
 from patchplace.export.evaluate import main as ort_evaluate_main
 from patchplace.models import load_pretrained, sincos_2d
+from patchplace.pipelines import evaluate, finetune
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
@@ -55,7 +58,16 @@ def run(*argv: str) -> str:
     return done.stdout
 
 
-def test_a_converted_release_fine_tunes_probes_exports_and_evaluates_in_onnx_runtime(shards, tmp_path):
+def in_process(main, *argv: str, capsys) -> str:
+    """A pipeline's ``main`` on ``argv``, as its script runs it; its stdout."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, f"{argv[:3]} exited {code}:\n{err[-3000:]}"
+    return out
+
+
+def test_a_converted_release_fine_tunes_probes_exports_and_evaluates_in_onnx_runtime(shards, tmp_path, capsys):
     file = mae_training_checkpoint(tmp_path / "checkpoint-799.pth")
     converted = tmp_path / "mae_converted"
     out = run("-m", "patchplace.models.convert", str(file), "--from", "mae", "--out", str(converted), "--num-heads",
@@ -66,8 +78,8 @@ def test_a_converted_release_fine_tunes_probes_exports_and_evaluates_in_onnx_run
 
     # fine-tuning: the checkpoint's finetune_pool gives MAE's protocol (average pooling + a fresh fc_norm)
     data = [*img(shards), *(a for a in TINY if not a.startswith("model.preset="))]  # the checkpoint's architecture
-    out = run("pipelines/finetune.py", *data, "optim.max_steps=3", f"run.output={tmp_path / 'ft'}",
-              f"model.checkpoint={converted}", "finetune.mixup=0", "finetune.cutmix=0")
+    out = in_process(finetune.main, *data, "optim.max_steps=3", f"run.output={tmp_path / 'ft'}",
+              f"model.checkpoint={converted}", "finetune.mixup=0", "finetune.cutmix=0", capsys=capsys)
     assert "finetune.global_pool: mean_fc_norm (the checkpoint's finetune_pool: mae fine-tunes on" in out
     ft = tmp_path / "ft" / "checkpoint"
     ft_meta = json.loads((ft / "config.json").read_text())
@@ -76,14 +88,15 @@ def test_a_converted_release_fine_tunes_probes_exports_and_evaluates_in_onnx_run
     # probes on the converted (pretrained) checkpoint: linear, kNN per layer, position probe, on its class token
     probes = ["data.batch_size=8", "data.num_workers=0", "eval.probe_train_samples=32", "eval.probe_epochs=2",
               "eval.max_eval_samples=16"]
-    run("pipelines/evaluate.py", *img(shards), *probes, f"model.checkpoint={converted}",
-        f"run.output={tmp_path / 'ev_pre'}")
+    in_process(evaluate.main, *img(shards), *probes, f"model.checkpoint={converted}",
+               f"run.output={tmp_path / 'ev_pre'}", capsys=capsys)
     pre = json.loads((tmp_path / "ev_pre" / "results.json").read_text())
     assert pre["probe_feature"] == "cls" and len(pre["knn_per_layer"]) == 2
     assert 0 <= pre["position_probe"]["top1"] <= 1 and 0 <= pre["linear_probe"]["top1"] <= 1
 
     # the fine-tune: classification and consistency in PyTorch ...
-    run("pipelines/evaluate.py", *img(shards), *probes, f"model.checkpoint={ft}", f"run.output={tmp_path / 'ev_ft'}")
+    in_process(evaluate.main, *img(shards), *probes, f"model.checkpoint={ft}", f"run.output={tmp_path / 'ev_ft'}",
+               capsys=capsys)
     torch_results = json.loads((tmp_path / "ev_ft" / "results.json").read_text())
     # ... the export's parity gate on real images, and the same numbers from ONNX Runtime
     assert export_main([str(ft), "--out", str(tmp_path / "m.onnx"), "--data", str(shards / "img" / "test"),
