@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from pipeline_args import audio
+from pipeline_args import audio, state_dir
 from safetensors.torch import load_file
 
 from patchplace.data import Manifest, ShardDataset
@@ -289,6 +289,23 @@ def check_training_run(file: str, stage: str, out: Path, result: subprocess.Comp
     return run
 
 
+def check_two_processes(out: Path, run: dict) -> None:
+    """A pretraining run of the README's two-process command (``accelerate launch --multi_gpu --num_processes 2
+    pipelines/pretrain.py``): one log line per logged step (the recipe's run.log_every, and the last step), so only
+    the main process writes; a measured rate; the checkpoint's weights, and the random state of each of the 2 ranks
+    in the state of its last checkpoint. The methods that leave a parameter without gradient on some steps (RandSAC's
+    class token is never fed; MJP's E_unk is unused on steps without the jigsaw) ran under DDP, which refuses them
+    unless told (run.find_unused_parameters)."""
+    logged = [r for r in records(out) if "loss" in r]
+    every = run["run.log_every"]
+    assert [r["step"] for r in logged] == [s for s in range(1, STEPS + 1) if s % every == 0 or s == STEPS], \
+        "one log line per logged step: only the main process writes"
+    assert all(r["world_size"] == PROCESSES for r in logged) and logged[-1]["samples_per_s"] > 0
+    assert (out / "checkpoint" / "model.safetensors").is_file()
+    assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {
+        f"random_states_{rank}.pkl" for rank in range(PROCESSES)}
+
+
 def check_model(file: str, out: Path) -> None:
     """The shrunk backbone: width 48 and depth 2, the preset's heads and MLP ratio (and the file's own overrides)."""
     cfg = shipped(file)
@@ -401,29 +418,32 @@ class ChainRun:
 
 
 def run_chain(method: str, data: list[str], out: Path) -> ChainRun:
-    """Pretraining, then the probe beside the fine-tuning (both start from the pretraining), the fine-tune's export
-    and ONNX Runtime evaluation, then the 1% probe: the stages a method's configs hold."""
+    """Pretraining, then the probes beside the fine-tuning (all start from the pretraining: the linear probe, the 1%
+    probe, and on the data path's chain the linear probe on 1 process, ``linprobe_one``), the fine-tune's export
+    and ONNX Runtime evaluation: the stages a method's configs hold."""
     stages, chain = CHAINS[method], ChainRun(out, data, get_method(method).modality == "audio")
     checkpoint = out / "pretrain" / "checkpoint"
     chain.done["pretrain"] = Stage(stages["pretrain"], "pretrain", data, out / "pretrain").result()
     extra = DATA_PATH_PROBE if method == DATA_PATH_METHOD else ()
-    probe = Stage(stages["linprobe"], "linprobe", data, out / "linprobe", checkpoint, extra) \
-        if "linprobe" in stages else None
+    beside = {stage: Stage(stages[stage], stage, data, out / stage, checkpoint, extra if stage == "linprobe" else ())
+              for stage in ("linprobe", "lowlabel") if stage in stages}
+    if method == DATA_PATH_METHOD:
+        beside["linprobe_one"] = Stage(stages["linprobe"], "linprobe", data, out / "linprobe_one", checkpoint, extra,
+                                       two=False)
     try:
         if "finetune" in stages:
             chain.done["finetune"] = Stage(stages["finetune"], "finetune", data, out / "finetune", checkpoint).result()
             ort = DATA_PATH_ORT if method == DATA_PATH_METHOD else ORT_OPTIONS
             chain.sidecar, chain.evaluated = export_and_evaluate(out / "finetune" / "checkpoint", out / "onnx",
                                                                  chain.val, ort)
-    except BaseException:  # a failed fine-tuning leaves no probe running
-        if probe is not None:
-            probe.process.kill()
-            probe.process.communicate()
+        for name, stage in beside.items():
+            chain.done[name] = stage.result()
+    except BaseException:  # a failed stage leaves no probe running
+        for stage in beside.values():
+            if stage.process.poll() is None:
+                stage.process.kill()
+                stage.process.communicate()
         raise
-    if probe is not None:
-        chain.done["linprobe"] = probe.result()
-    if "lowlabel" in stages:
-        chain.done["lowlabel"] = Stage(stages["lowlabel"], "lowlabel", data, out / "lowlabel", checkpoint).result()
     return chain
 
 
@@ -461,6 +481,7 @@ def test_recipe_chain_runs_at_scale_on_two_processes(method, chains):
     stages, chain = CHAINS[method], chains(method)
     pretrained = chain.out / "pretrain"
     run = check_training_run(stages["pretrain"], "pretrain", pretrained, chain.done["pretrain"], chain.train)
+    check_two_processes(pretrained, run)
     check_model(stages["pretrain"], pretrained)
     check_heads(stages["pretrain"], pretrained, run)
 
@@ -497,7 +518,7 @@ def test_recipe_chain_runs_at_scale_on_two_processes(method, chains):
         assert all(r["solver"] == cfg.get("eval.label_probe", "linear") for r in fractions.values())
 
 
-def test_imagenet_data_path_from_flat_val_folder_to_onnx_runtime_on_two_processes(datapath, chains, tmp_path):
+def test_imagenet_data_path_from_flat_val_folder_to_onnx_runtime_on_two_processes(datapath, chains):
     """The ImageNet data path end to end, the way a user with 1.28M images runs it: the generated tree -> shards
     written by 2 processes (:func:`datapath`) -> MAE's chain on 2 processes (:func:`run_chain`: pretraining, the
     streamed linear / kNN probe, fine-tuning, ONNX export with its parity gate, ONNX Runtime accuracy, patch-shuffle
@@ -513,10 +534,9 @@ def test_imagenet_data_path_from_flat_val_folder_to_onnx_runtime_on_two_processe
     # the streamed probes across 2 processes (the chain's) give one process's numbers
     file = CHAINS[DATA_PATH_METHOD]["linprobe"]
     assert header_launches_accelerate(file, "evaluate"), "the chain's probe ran on 2 processes"
-    Stage(file, "linprobe", chain.data, tmp_path / "probe1", chain.out / "pretrain" / "checkpoint", DATA_PATH_PROBE,
-          two=False).result()
+    assert "linprobe_one" in chain.done, "the same probe on 1 process (run beside the chain's)"
     probed = {n: json.loads((out / "results.json").read_text())
-              for n, out in ((1, tmp_path / "probe1"), (2, chain.out / "linprobe"))}
+              for n, out in ((1, chain.out / "linprobe_one"), (2, chain.out / "linprobe"))}
     for key in ("linear_probe", "knn_per_layer"):
         assert probed[1][key] == probed[2][key], (key, probed[1][key], probed[2][key])
 
