@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from fault_driver import sigterm_at
-from pipeline_args import TINY, files_of, img, method_args, run_log, small_heads, state_dir
+from pipeline_args import TINY, files_of, img, run_log, small_heads, state_dir
 from safetensors.torch import load_file
 
-from patchplace.objectives import method_names
 from patchplace.pipelines import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +26,7 @@ pytestmark = pytest.mark.slow  # end to end: real runs of the pipelines
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 TRACE = str(ROOT / "tests" / "ddp_trace.py")
+PRETRAIN = str(ROOT / "pipelines" / "pretrain.py")
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
 COMMON = ["--mixed_precision", "no", "--dynamo_backend", "no"]
 
@@ -55,8 +55,13 @@ def traces(out: Path) -> list[dict]:
 log = run_log  # a run's training-step records (everything=True: all of them)
 
 
+def mp3_run(shards: Path, steps: int = 3) -> list[str]:
+    """A traced tiny MP3 pretraining of ``steps`` steps, its run.output left to add."""
+    return [TRACE, "pretrain", "method=mp3", *img(shards), *TINY, f"optim.max_steps={steps}"]
+
+
 def mp3_args(shards: Path, out: Path, steps: int = 3) -> list[str]:
-    return [TRACE, "pretrain", "method=mp3", *img(shards), *TINY, f"optim.max_steps={steps}", f"run.output={out}"]
+    return [*mp3_run(shards, steps), f"run.output={out}"]
 
 
 def free_port() -> int:
@@ -74,26 +79,30 @@ def same_weights(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def mp3_two_process(shards, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ddp") / "mp3"
-    run(mp3_args(shards, out))
-    return out
+def reference(tmp_path_factory):
+    """Uninterrupted runs that several tests read (none writes into one): ``reference(args, processes)`` launches
+    ``args`` with a run.output of its own once in this module and returns that folder."""
+    runs: dict[tuple, Path] = {}
+
+    def launched(args: list[str], processes: int = 2) -> Path:
+        key = (processes, *args)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("reference") / "run"
+            run([*args, f"run.output={out}"], processes=processes)
+            runs[key] = out
+        return runs[key]
+
+    return launched
 
 
-@pytest.mark.parametrize("method", method_names())
-def test_every_method_pretrains_under_two_processes(shards, tmp_path, method):
-    """The README's command on pipelines/pretrain.py itself, for every method, including those that leave a
-    parameter without gradient on some steps (RandSAC's class token is never fed; MJP's E_unk is unused on steps
-    without the jigsaw), which DDP refuses unless told (run.find_unused_parameters)."""
-    out = tmp_path / method
-    run([str(ROOT / "pipelines" / "pretrain.py"), *method_args(shards, method), "optim.max_steps=3",
-         f"run.output={out}"])
-    records = log(out)
-    assert all(r["world_size"] == 2 for r in records), "two processes ran (each wrote its random state, below)"
-    assert [r["step"] for r in records] == [1, 2, 3], "one log line per step: only the main process writes"
-    assert records[-1]["samples_per_s"] > 0 and (out / "checkpoint" / "model.safetensors").is_file()
-    assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {"random_states_0.pkl",
-                                                                             "random_states_1.pkl"}
+@pytest.fixture(scope="module")
+def mp3_two_process(shards, reference) -> Path:
+    return reference(mp3_run(shards))
+
+
+# The README's command on pipelines/pretrain.py itself, for every method (world size, one log line per step,
+# the checkpoint and each rank's random state; RandSAC's and MJP's parameters without gradient on some steps
+# under DDP) is checked by the scale rehearsal's pretraining runs (test_scale_rehearsal.check_two_processes).
 
 
 def test_ranks_share_weights_read_disjoint_samples_and_draw_their_own_masks(shards, tmp_path, mp3_two_process):
@@ -187,12 +196,11 @@ def test_a_failure_on_one_rank_ends_the_job_with_that_ranks_error(shards, tmp_pa
     assert not (tmp_path / "fail" / "checkpoint").exists()
 
 
-def test_gradient_accumulation_all_reduces_once_per_optimizer_step(shards, tmp_path):
+def test_gradient_accumulation_all_reduces_once_per_optimizer_step(shards, tmp_path, mp3_two_process):
     """``run.grad_accum=2``: two micro-batches per optimizer step under ``no_sync`` for the first, so the DDP
     all-reduces (counted by a comm hook) are those of a run without accumulation, with twice the samples read."""
-    run(mp3_args(shards, tmp_path / "one"))
     run([*mp3_args(shards, tmp_path / "two"), "run.grad_accum=2"])
-    (one, _), (two, _) = traces(tmp_path / "one"), traces(tmp_path / "two")
+    (one, _), (two, _) = traces(mp3_two_process), traces(tmp_path / "two")
     assert one["allreduce_calls"] >= 3 and two["allreduce_calls"] == one["allreduce_calls"]
     assert len(two["keys"]) == 2 * len(one["keys"]) == 6
     assert [r["step"] for r in log(tmp_path / "two")] == [1, 2, 3]
@@ -224,10 +232,11 @@ def test_finetune_and_evaluate_under_two_processes(shards, tmp_path):
     assert one == two
 
 
-def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp_path):
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp_path, capsys, reference):
     """The ranks agree on the stop (a max over ranks, one step late so that no step waits for its own reduction),
     so rank 1 does not wait in a collective while rank 0 saves: a SIGTERM during step 3 stops every rank after step
-    4; the resumed 2-process run ends where an uninterrupted one does."""
+    4; a resume on 1 process is refused (:func:`assert_resume_refused`); the resumed 2-process run ends where an
+    uninterrupted one does."""
     out = tmp_path / "run"
     stopped = run(mp3_args(shards, out, steps=6), env={"TRACE_SIGTERM": "1:3"}, check=False, timeout=120)
     assert stopped.returncode != 0 and "interrupted by SIGTERM at step 4" in stopped.stderr, stopped.stderr[-2000:]
@@ -240,11 +249,51 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(shards, tmp
                                                                                 "global_batch": 16}
     assert {p.name for p in state_dir(out).glob("random_states_*.pkl")} == {"random_states_0.pkl",
                                                                             "random_states_1.pkl"}
+    assert_resume_refused(mp3_args(shards, out, steps=6)[2:], wrote=2, resumes=1, capsys=capsys)
     run([*mp3_args(shards, out, steps=6), "run.resume=true"])
-    straight = tmp_path / "straight"
-    run(mp3_args(shards, straight, steps=6))
+    straight = reference(mp3_run(shards, steps=6))
     assert same_weights(traces(out)[0]["final"], traces(straight)[0]["final"])
     assert [r["step"] for r in log(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def assert_resume_refused(args: list[str], wrote: int, resumes: int, capsys) -> None:
+    """``pretrain.py args run.resume=true`` on ``resumes`` processes, of a stopped run written by ``wrote``: 2 -> 1
+    and 1 -> 2 processes would change the global batch, every rank's place in the data and its random stream:
+    refused in one line naming both counts and the launch that continues the run, every file of the run left as it
+    is (optimizer.json and config.yaml keep the written run's values, not the refused launch's). Under the launcher
+    every rank leaves with exit 2 (the launcher's own code is 1, its report after the line)."""
+    out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("run.output=")))
+    before = files_of(out)
+    capsys.readouterr()
+    if resumes == 1:
+        assert pretrain.main([*args, "run.resume=true"]) == 2
+        stderr = capsys.readouterr().err
+    else:
+        result = run([PRETRAIN, *args, "run.resume=true"], check=False)
+        assert result.returncode == 1, result.stderr[-2000:]  # (the launcher's code for a failed rank)
+        stderr = result.stderr
+        assert stderr.startswith("error: ") and "exitcode  : 2 " in stderr and "exitcode  : -15" not in stderr, \
+            stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"written by {wrote} process(es) x data.batch_size=8 x run.grad_accum=1 = " \
+        f"global batch {8 * wrote}, this launch has {resumes} process(es) x" in errors[0], stderr[-2000:]
+    continues = (f"resume with python {Path(PRETRAIN).relative_to(ROOT)} " if wrote == 1 else
+                 "resume with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 "
+                 f"{Path(PRETRAIN).relative_to(ROOT)} ")
+    assert continues + " ".join(args) + " run.resume=true" in errors[0], errors[0]
+    assert files_of(out) == before
+
+
+def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_path, capsys):
+    """1 -> 2 processes refused (:func:`assert_resume_refused`; 2 -> 1: the SIGTERM test's run); the count that
+    wrote a run continues it."""
+    out = tmp_path / "from1"
+    args = ["method=mp3", *img(shards), *TINY, "optim.max_steps=4", f"run.output={out}"]
+    with sigterm_at(2):  # stopped as a user does, by SIGTERM
+        assert pretrain.main(args) == 143
+    assert_resume_refused(args, wrote=1, resumes=2, capsys=capsys)
+    assert pretrain.main([*args, "run.resume=true"]) == 0  # the count that wrote it continues it
+    assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
 
 
 def test_two_processes_follow_the_lr_schedule_of_one_at_the_same_global_batch(shards, tmp_path):
@@ -255,7 +304,7 @@ def test_two_processes_follow_the_lr_schedule_of_one_at_the_same_global_batch(sh
     common = ["method=supervised", *img(shards), *TINY, "optim.max_steps=8", "optim.lr=1e-3",
               "optim.warmup_fraction=0.25", "optim.min_lr_ratio=0.0", "data.hflip=0", "data.scale=[1.0,1.0]"]
     script = str(ROOT / "pipelines" / "pretrain.py")
-    run([script, *common, "data.batch_size=64", f"run.output={tmp_path / 'one'}"], processes=1)
+    assert pretrain.main([*common, "data.batch_size=64", f"run.output={tmp_path / 'one'}"]) == 0  # 1 process
     run([script, *common, "data.batch_size=32", f"run.output={tmp_path / 'two'}"])
     one, two = ([r["lr"] for r in log(tmp_path / name)] for name in ("one", "two"))
     warmup = [1e-3 * (k + 1) / 2 for k in range(2)]
@@ -284,45 +333,6 @@ def test_lr_scaling_follows_the_global_batch_and_is_recorded(shards, tmp_path):
         pytest.approx(2e-3), "linear", 16, 8)
     card = json.loads((out / "checkpoint" / "config.json").read_text())["metadata"]["recipe"]
     assert card["peak_lr"] == pytest.approx(2e-3) and card["global_batch"] == 16
-
-
-def test_a_run_resumes_only_with_the_process_count_that_wrote_it(shards, tmp_path, capsys):
-    """2 -> 1 and 1 -> 2 processes would change the global batch, every rank's place in the data and its random
-    stream: refused in one line naming both counts and the launch that continues the run, every file of the run
-    left as it was (before: optimizer.json and config.yaml took the refused launch's values). Under the launcher
-    every rank leaves with exit 2 (the launcher's own code is 1, its report after the line). The count that wrote a
-    run continues it."""
-    script = str(ROOT / "pipelines" / "pretrain.py")
-    for wrote, resumes in ((2, 1), (1, 2)):
-        out = tmp_path / f"from{wrote}"
-        args = ["method=mp3", *img(shards), *TINY, "optim.max_steps=4", f"run.output={out}"]
-        if wrote == 2:  # stopped as a user does, by SIGTERM (here to rank 0 during step 2: agreed after step 3)
-            stopped = run([TRACE, "pretrain", *args], env={"TRACE_SIGTERM": "0:2"}, check=False)
-            assert "interrupted by SIGTERM at step 3" in stopped.stderr, stopped.stderr[-2000:]
-        else:
-            with sigterm_at(2):
-                assert pretrain.main(args) == 143
-        before = files_of(out)
-        capsys.readouterr()
-        if resumes == 1:
-            assert pretrain.main([*args, "run.resume=true"]) == 2
-            stderr = capsys.readouterr().err
-        else:
-            result = run([script, *args, "run.resume=true"], check=False)
-            assert result.returncode == 1, result.stderr[-2000:]  # (the launcher's code for a failed rank)
-            stderr = result.stderr
-            assert stderr.startswith("error: ") and "exitcode  : 2 " in stderr and "exitcode  : -15" not in stderr, \
-                stderr[-3000:]
-        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and f"written by {wrote} process(es) x data.batch_size=8 x run.grad_accum=1 = " \
-            f"global batch {8 * wrote}, this launch has {resumes} process(es) x" in errors[0], stderr[-2000:]
-        continues = (f"resume with python {Path(script).relative_to(ROOT)} " if wrote == 1 else
-                     "resume with ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 "
-                     f"{Path(script).relative_to(ROOT)} ")
-        assert continues + " ".join(args) + " run.resume=true" in errors[0], errors[0]
-        assert files_of(out) == before
-    run([script, *args, "run.resume=true"], processes=1)  # the count that wrote it continues it
-    assert [r["step"] for r in log(out)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize(("wrote", "resumes"), [(2, 1), (1, 2)])
