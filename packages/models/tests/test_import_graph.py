@@ -4,6 +4,7 @@ inside functions too), each imports alone in a fresh interpreter, and every publ
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -54,12 +55,49 @@ def test_module_import_graph_has_no_cycle():
     assert "hub" in graph["backbone"], "the backbone saves / loads through hub (one way)"
 
 
+# One fresh interpreter loads the third-party stacks the modules build on (torch, timm: nearly all of an import's
+# CPU, ~6 s a module on 2 cores) and forks a child per module, which imports that module with none of patchplace's
+# own modules loaded: an import circle or a missing sibling import fails there as in an interpreter of its own.
+IMPORTER = """
+import importlib, json, os, sys, traceback
+import timm, torch  # noqa: F401
+assert not [name for name in sys.modules if name.startswith("patchplace")], "the parent imports no patchplace"
+failures = {}
+for module in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            importlib.import_module("patchplace.models." + module)
+            code, text = 0, ""
+        except BaseException:
+            code, text = 1, traceback.format_exc()
+        os.write(write, text.encode())
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        text = pipe.read().decode()
+    status = os.waitpid(pid, 0)[1]
+    if status or text:
+        failures[module] = f"exit status {status}: {text}"
+print(json.dumps(failures))
+"""
+
+
+@pytest.fixture(scope="module")
+def import_failures() -> dict[str, str]:
+    """{module: its traceback} for every module whose import alone fails."""
+    run = subprocess.run([sys.executable, "-c", IMPORTER, json.dumps(MODULES)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("module", MODULES)
-def test_each_module_imports_alone_in_a_fresh_interpreter(module):
-    code = f"import importlib; importlib.import_module('patchplace.models.{module}')"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
+def test_each_module_imports_alone_in_a_fresh_interpreter(module, import_failures):
+    assert module not in import_failures, import_failures.get(module, "")[-2000:]
 
 
 def test_every_public_name_is_importable_from_the_package():
