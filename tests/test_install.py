@@ -69,18 +69,42 @@ def test_the_readme_installs_each_package_by_its_path_alone():
         assert [re.sub(r"\[.*\]$", "", a).removeprefix("./") for a in args] == [LOCAL[name]], name
 
 
+RESOLVED = ["patchplace-objectives", "patchplace-export"]
+
+
+@pytest.fixture(scope="module")
+def clean_slate_reports(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    """{package: (pip's exit code, its stderr, its --report)} for each README line of :data:`RESOLVED`, resolved
+    from a clean slate. The resolutions run side by side: each waits on a build environment per local package
+    (pip subprocesses), so together they take little longer than the longer one."""
+    folder = tmp_path_factory.mktemp("resolutions")
+    started = {}
+    for name in RESOLVED:
+        report = folder / f"{name}.json"
+        started[name] = (subprocess.Popen(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+             "--disable-pip-version-check", "--report", str(report), *readme_lines()[name]],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=clean_env()), report)
+    done = {}
+    for name, (process, report) in started.items():
+        try:
+            _, stderr = process.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        done[name] = (process.returncode, stderr, report)
+    return done
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["patchplace-objectives", "patchplace-export"])
-def test_one_package_resolves_from_a_clean_slate_with_its_readme_line(name, tmp_path):
+@pytest.mark.parametrize("name", RESOLVED)
+def test_one_package_resolves_from_a_clean_slate_with_its_readme_line(name, clean_slate_reports):
     """What pip would install for the README line (``./export[cpu]``: the image-only export) from a clean slate,
     transitively: the package's local closure and no other local package, and none of the heavy distributions of
     the audio / corruption extras (tests/test_extras.py checks the declarations; this is what their dependencies
     bring). One resolution per package: each takes a minute or two (a build environment per local package)."""
-    report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                           "--disable-pip-version-check", "--report", str(report), *readme_lines()[name]],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
-    assert done.returncode == 0, done.stderr[-2000:]
+    returncode, stderr, report = clean_slate_reports[name]
+    assert returncode == 0, stderr[-2000:]
     resolved = {parse(item["metadata"]["name"])[0] for item in json.loads(report.read_text())["install"]}
     assert local_closure(name) <= resolved and {"torch", "timm"} <= resolved
     assert not (set(LOCAL) - local_closure(name)) & resolved, "no local package it does not need"
