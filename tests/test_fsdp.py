@@ -142,7 +142,9 @@ def worker(rank: int, port: int, out: str, names: list[str]) -> None:
 @pytest.mark.slow
 def test_every_method_trains_sharded_on_two_cpu_processes_as_unsharded(tmp_path):
     out = tmp_path / "results.json"
-    mp.spawn(worker, args=(free_port(), str(out), method_names()), nprocs=WORLD, join=True)
+    # forked: the workers start with this process's imports (torch, timm, the objectives) instead of their own
+    mp.start_processes(worker, args=(free_port(), str(out), method_names()), nprocs=WORLD, join=True,
+                       start_method="fork")
     results = json.loads(out.read_text())
     assert set(results) == {*method_names(), "mae, activation checkpointing"}
     for name, worst in results.items():
