@@ -4,11 +4,9 @@ block, the matmul peak, shard reads) on their own; no timing assertions."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -196,13 +194,14 @@ def test_anchor_summary_pairs_the_seeds_both_loops_ran():
 
 @pytest.mark.slow
 def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(tmp_path):
-    """The GPU speed ladder on a CPU stand-in (tiny ViT, toy shards, 3 steps): every rung really ran pretrain.py
-    with its knobs (the runs sharing the device are as many processes), rates relative to the first rung, a peak
-    fraction from the objective's FLOPs, and the fastest rung marked once; fine-tuning runs finetune.py."""
+    """The GPU speed ladder on a CPU stand-in (tiny ViT, toy shards, 3 steps): the first and the last rung really
+    ran pretrain.py with their knobs (the last: compiled, the runs sharing the device as many processes), rates
+    relative to the first rung, a peak fraction from the objective's FLOPs, and the fastest rung marked once; the
+    rungs between are the ladder's steps from one to the other; fine-tuning runs finetune.py."""
     import numpy as np
 
     from patchplace.data import SplitWriter
-    from patchplace.research.benchmarks.speed import STUDY_GPU_BATCH, Setting, command
+    from patchplace.research.benchmarks.speed import STUDY_GPU_BATCH, Setting, command, ladder
 
     rng = np.random.default_rng(0)  # the first rung's batch (study_gpu.yaml's 256) needs as many images
     with SplitWriter(tmp_path / "img", "train", dataset="toy", modality="image", classes=["a", "b", "c"],
@@ -212,24 +211,29 @@ def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(tm
             w.add_image(f"{i:04d}", i % 3, rng.integers(0, 256, (28, 28), dtype=np.uint8))
     out = tmp_path / "bench"
     argv = ["--suite", "speed", "--shards", str(tmp_path / "img" / "train"), "--speed-methods", "mae",
-            "--speed-settings", "before", "compile", "processes", "--speed-steps", "3", "--speed-batch", "16",
+            "--speed-settings", "before", "processes", "--speed-steps", "3", "--speed-batch", "16",
             "--speed-processes", "2", "--speed-compile", "aot_eager", "--matmul-size", "64", "--out", str(out),
             "--pipelines-overrides", "model.preset=vit_micro", "objective.decoder_dim=32",
             "objective.decoder_depth=1", "objective.decoder_heads=2"]
     assert benchmark.main(argv) == 0
     data = json.loads((out / "benchmark_speed.json").read_text())
     rows = {r["setting"]: r for r in data["results"]}
-    assert list(rows) == ["before", "compile", "processes"] and all(r["name"] == "speed/mae" for r in rows.values())
-    before, compiled, shared = rows.values()
-    assert before["batch"] == 256 and compiled["batch"] == shared["batch"] == 16
+    assert list(rows) == ["before", "processes"] and all(r["name"] == "speed/mae" for r in rows.values())
+    before, shared = rows.values()
+    assert before["batch"] == 256 and shared["batch"] == 16
     assert before["overrides"] == "optim.fused=false run.finite_check=step run.compile=no"
-    assert "run.finite_check=lazy" in compiled["overrides"] and "run.finite_check=lazy" in shared["overrides"]
-    assert "run.compile=aot_eager" in compiled["overrides"] and "optim.lr_scaling=linear" in compiled["overrides"]
+    assert "run.finite_check=lazy" in shared["overrides"]
+    assert "run.compile=aot_eager" in shared["overrides"] and "optim.lr_scaling=linear" in shared["overrides"]
     assert len(shared["process_rates"]) == 2 and shared["images_per_s"] == round(sum(shared["process_rates"]), 1)
+    args = benchmark.build_parser().parse_args(argv)
+    rungs = {r.name: r for r in ladder(argparse.Namespace(**{**vars(args), "speed_settings": None}))}
+    assert list(rungs) == ["before", "fused", "lazy", "batch", "compile", "processes"]
+    compiled = rungs["compile"]  # the processes rung is the compile rung, in --speed-processes processes
+    assert compiled.batch == 16 and compiled.processes == 1 and " ".join(compiled.overrides) == shared["overrides"]
+    assert "run.finite_check=lazy" in compiled.overrides and "run.compile=aot_eager" in compiled.overrides
     assert before["vs_first"] == 1.0 and all(r["images_per_s"] > 0 < r["peak_fraction"] for r in rows.values())
     assert sum(bool(r.get("fastest")) for r in rows.values()) == 1
     assert "GPU speed" in (out / "benchmark_speed.md").read_text()
-    args = benchmark.build_parser().parse_args(argv)
     finetune = command("finetune", Setting("before", 256, ()), args, tmp_path)
     assert finetune[1:3] == ["-m", "patchplace.pipelines.finetune"]
     assert not any(a.startswith("objective.") for a in finetune)
@@ -375,12 +379,17 @@ def test_mp3_saves_less_than_supervised_at_vit_b_on_both_kernels():
 
 
 # ---------------------------------------------------------------------------------------------- the gpu suite
-def test_the_gpu_suite_refuses_without_cuda_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "pipelines" / "benchmark.py"), "--suite", "gpu", "--out",
-                           str(tmp_path)], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 2 and done.stdout == ""
-    assert len(done.stderr.strip().splitlines()) == 1 and "no CUDA device" in done.stderr
+def test_the_gpu_suite_refuses_without_cuda_in_one_line(tmp_path, monkeypatch, capsys):
+    """Through the script's entry (pipelines/benchmark.py calls research.cli's main and exits with what it raises),
+    in this process: no CUDA device is the same answer as a hidden one."""
+    from patchplace.research.cli import main as script_main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as refused:
+        script_main("benchmark", ["--suite", "gpu", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "no CUDA device" in err
     assert list(tmp_path.iterdir()) == []
 
 
