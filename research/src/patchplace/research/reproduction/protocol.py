@@ -282,16 +282,29 @@ def patches_of(images: torch.Tensor, patch: int) -> torch.Tensor:
     return grid.permute(0, 2, 3, 1, 4, 5).reshape(b, (h // patch) * (w // patch), c * patch * patch)
 
 
-def _distinct(patches: torch.Tensor) -> int:
-    return int(torch.unique(patches, dim=0).shape[0])
+def patch_ids(patches: torch.Tensor) -> torch.Tensor:
+    """(B, N, D) patches -> (B, N) int64 ids, equal where the patches are identical (one ``torch.unique`` over all
+    the images' patches, not one per image)."""
+    b, n, d = patches.shape
+    return torch.unique(patches.reshape(b * n, d), dim=0, return_inverse=True)[1].reshape(b, n)
+
+
+def _distinct(ids: torch.Tensor, asked: torch.Tensor | None = None) -> int:
+    """Distinct ids per row of (B, K) ``ids``, summed over the rows; ``asked``: (B, K) bool, the entries counted."""
+    if asked is not None:
+        ids = torch.where(asked, ids, -1)  # the entries not asked: one value below every id, then left out
+    ordered = ids.sort(dim=1).values
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    return int((first & (ordered >= 0)).sum())
 
 
 def position_ceiling(images: torch.Tensor, patch: int) -> float:
     """The best position top-1 a model without a PE can reach on ``images`` when every patch is asked its position
     (MP3): identical patches of one image get identical outputs, so of each group of identical patches at most one
     is right. The share of distinct patches per image, pooled over the images."""
-    patches = patches_of(images, patch)
-    return sum(_distinct(p) for p in patches) / (patches.shape[0] * patches.shape[1])
+    ids = patch_ids(patches_of(images, patch))
+    return _distinct(ids) / (ids.shape[0] * ids.shape[1])
 
 
 def droppos_grid_ceiling(images: torch.Tensor, patch: int,
@@ -303,8 +316,8 @@ def droppos_grid_ceiling(images: torch.Tensor, patch: int,
     ``position_accuracy_grid``), then the mean of the cells."""
     from patchplace.objectives.common import num_kept, random_masking
 
-    patches = patches_of(images, patch)
-    b, n, _ = patches.shape
+    ids = patch_ids(patches_of(images, patch))
+    b, n = ids.shape
     generator, cells = torch.Generator().manual_seed(seed), []
     for gamma in mask_ratios:
         for gamma_pos in pos_mask_ratios:
@@ -312,7 +325,7 @@ def droppos_grid_ceiling(images: torch.Tensor, patch: int,
             v = visible.shape[1]
             _, dropped, _ = random_masking(b, v, num_kept(v, gamma_pos), "cpu", generator)
             if dropped.any():  # a cell that asks nothing (a grid too small for it) has no accuracy
-                hits = sum(_distinct(patches[i, visible[i][dropped[i]]]) for i in range(b))
+                hits = _distinct(ids.gather(1, visible), dropped.bool())
                 cells.append(hits / int(dropped.sum()))
     return sum(cells) / len(cells)
 
