@@ -7,9 +7,11 @@ reports a scripted top-1 per step (:func:`scripted_main`), so where the run stop
         checkpoint write and every optimizer step (the kill points). For each kill point (SWEEP, a comma list of:
         step: as each optimizer step begins; best / snapshot: every distinct line of ``engine/protocol.py`` in the last
         write of that kind, which nothing rewrites later; then COUNT more drawn with SEED among all events of every
-        write), forks a child that SIGKILLs itself there, resumes the killed run with run.resume=true (then once
-        more: a finished run is complete), and records whether every snapshot, best/, the final weights and the
-        early stop equal the straight run's.
+        write), has a child SIGKILL itself there, resumes the killed run with run.resume=true (then, at every 4th
+        kill, once more: a finished run is complete), and records whether every snapshot, best/, the final weights
+        and the early stop equal the straight run's. The children are forked from one run paused as each call with
+        kill points begins (``fault_driver.sweep``): a kill costs that call's traced part and the resume, not a
+        process start or the steps before it.
 
 Run with ``OMP_NUM_THREADS=1`` (forked children are safe and runs exact).
 """
@@ -24,6 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import fault_driver
 from safetensors import safe_open
 
 from patchplace.data import atomic
@@ -99,13 +102,20 @@ TRACED = {(engine.KeepEpochs, "snapshot"): "snapshot", (engine.KeepBest, "save_b
           (engine.Trainer, "save_checkpoint"): "checkpoint", (engine.Trainer, "_inputs"): "step"}
 
 
-class Killer:
+class Killer(fault_driver.Pausing):
     """Counts the line events of each traced call (snapshot, best/, checkpoint writes and optimizer steps) and
-    SIGKILLs the process at event ``kill_at = (call index, event index)``."""
+    SIGKILLs the process at event ``kill_at = (call index, event index)``. With ``counting`` every call is traced (the
+    run that finds the kill points); without, only the call of ``kill_at`` is (a call's events are counted from its
+    own start, so the others and a resume's run untraced)."""
 
     def __init__(self) -> None:
-        self.kill_at: tuple[int, int] | None = None
+        super().__init__()
+        self.counting = True
+        self.inside = False
         self.calls: list[dict] = []
+
+    def start(self) -> None:
+        self.calls = []
 
     def trace(self, frame, event, arg):
         if event == "line":
@@ -122,14 +132,19 @@ class Killer:
         killer = self
 
         def traced(instance, *args, **kwargs):
-            if sys.gettrace() is not None:  # nested (a best/ write inside a checkpoint's call): counted there
+            if killer.inside:  # nested (a best/ write inside a checkpoint's call): counted there
                 return original(instance, *args, **kwargs)
             killer.calls.append({"kind": kind, "events": 0, "rundir_lines": {}})
-            sys.settrace(killer.trace)
+            index = len(killer.calls) - 1
+            killer.pause(index)
+            killer.inside = True
+            if killer.counting or (killer.kill_at is not None and killer.kill_at[0] == index):
+                sys.settrace(killer.trace)
             try:
                 return original(instance, *args, **kwargs)
             finally:
                 sys.settrace(None)
+                killer.inside = False
 
         setattr(owner, name, traced)
 
@@ -151,7 +166,7 @@ def kills(report: Path, base: Path, seed: int, count: int, sweep: list[str], arg
     assert scripted_main(with_output(args, base / "counted"), SCRIPT) == 0  # warm: the children repeat no set-up
     calls = [dict(c) for c in killer.calls]
     points = [(i, 1) for i, c in enumerate(calls) if c["kind"] == "step" and "step" in sweep]  # as a step begins
-    for kind in {"best", "snapshot"} & set(sweep):  # every line of the write protocol in the last write of the kind
+    for kind in [k for k in sweep if k in ("best", "snapshot")]:  # every protocol line of the kind's last write
         index = [i for i, c in enumerate(calls) if c["kind"] == kind][-1]
         points += [(index, event) for event in sorted(calls[index]["rundir_lines"].values())]
     rng = random.Random(seed)
@@ -159,29 +174,30 @@ def kills(report: Path, base: Path, seed: int, count: int, sweep: list[str], arg
     for _ in range(count):
         index = rng.choice(writes)
         points.append((index, rng.randrange(1, calls[index]["events"] + 1)))
-    results = []
-    for n, point in enumerate(points):
-        out = base / f"kill{n}"
-        pid = os.fork()
-        if pid == 0:  # child: the same run, killed at that point
-            killer.kill_at, killer.calls = point, []
-            os._exit(100 + scripted_main(with_output(args, out), SCRIPT))  # never reached when the point is
-        _, status = os.waitpid(pid, 0)
+    killer.counting = False
+    out = base / "killed"
+    results: dict[int, dict] = {}
+
+    def check(n: int, status: int) -> None:
+        point = points[n]
         killer.kill_at, killer.calls = None, []
         code = scripted_main([*with_output(args, out), "run.resume=true"], SCRIPT)
         # a further resume of a finished run is one code path whatever the kill: checked at every 4th point
         again = scripted_main([*with_output(args, out), "run.resume=true"], SCRIPT) if n % 4 == 0 else 0
         got = outcome(out) if code == 0 else {}
-        results.append({"kind": calls[point[0]]["kind"], "point": point,
-                        "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
-                        "resume_code": code, "again_code": again,
-                        "differs": sorted(k for k in expected if got.get(k) != expected[k]),
-                        "steps_logged_once": got.get("steps") == sorted(set(got.get("steps", []))),
-                        "strays": strays(out)})
+        results[n] = {"kind": calls[point[0]]["kind"], "point": point,
+                      "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
+                      "resume_code": code, "again_code": again,
+                      "differs": sorted(k for k in expected if got.get(k) != expected[k]),
+                      "steps_logged_once": got.get("steps") == sorted(set(got.get("steps", []))),
+                      "strays": strays(out)}
+        out.rename(base / f"kill{n}")  # kept to look at; the next kill starts from the paused run's copy
+
+    fault_driver.sweep(killer, points, out, lambda: scripted_main(with_output(args, out), SCRIPT), check)
     report.write_text(json.dumps({"calls": [{"kind": c["kind"], "events": c["events"]} for c in calls],
                                   "expected": {"steps": expected["steps"], "early_stop": expected["early_stop"],
                                                "snapshots": sorted(expected["snapshots"])},
-                                  "kills": results}, indent=1))
+                                  "kills": [results[n] for n in sorted(results)]}, indent=1))
 
 
 def main() -> int:

@@ -4,9 +4,11 @@
     python tests/fault_driver.py kills REPORT.json OUT_DIR SEED COUNT -- <pretrain arguments>
         Runs the arguments straight once, counts the Python line events of every checkpoint save (the kill points),
         then, for COUNT kill points drawn with SEED (half among the lines of engine/protocol.py, the checkpoint protocol
-        itself, half among all of them), forks a child that SIGKILLs itself at that line of that save, resumes the
-        killed run with run.resume=true, and records whether it resumed, from which step, whether its final
-        weights equal the straight run's, and what stray files were left after the resume's saves.
+        itself, half among all of them), has a child SIGKILL itself at that line of that save, resumes the killed run
+        with run.resume=true, and records whether it resumed, from which step, whether its final weights equal the
+        straight run's, and what stray files were left after the resume's saves. The children are forked from one
+        run paused as each save with kill points begins (:func:`sweep`): a kill costs that save's traced part and the
+        resume, not a process start or the steps before it.
     python tests/fault_driver.py signal SIGNAME STEP -- <pretrain arguments>
         Sends SIGNAME to itself when the run reaches optimizer step STEP (a real signal, delivered mid-training).
     python tests/fault_driver.py fsize BYTES STEP -- <pretrain arguments>
@@ -29,8 +31,10 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -50,13 +54,109 @@ RUNDIR_FILE = str(Path(protocol.__file__).resolve())
 PROTOCOL_FILES = {RUNDIR_FILE, str(Path(atomic.__file__).resolve())}
 
 
-class LineCounter:
+class Pausing:
+    """What a tracer needs to serve the kills of :func:`sweep`: ``pauses`` (call number -> the kill points in it,
+    numbered), and ``kill_at`` (call number, line event), where a forked child SIGKILLs itself."""
+
+    def __init__(self) -> None:
+        self.kill_at: tuple[int, int] | None = None
+        self.pauses: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+        self.channel: tuple[int, int] = (-1, -1)  # (to the driver, from the driver)
+        self.rundir = Path()
+
+    def start(self) -> None:
+        """Forget the calls counted so far: the sweep's run counts its own from its start."""
+
+    def pause(self, index: int) -> None:
+        """At the start of call ``index`` of the sweep's run, before it is traced: for each kill point in it, put the
+        run directory back as it is now, fork a child that goes on from here and SIGKILLs itself at that point, hand
+        its wait status to the driver and wait while the driver resumes the killed run in that directory. Then the
+        run goes on (the directory put back again) to its next pause, or ends after the last one."""
+        here = self.pauses.pop(index, None)
+        if here is None:
+            return
+        pristine = self.rundir.with_name(f"{self.rundir.name}-pristine")
+        shutil.copytree(self.rundir, pristine, symlinks=True)
+        for n, point in here:
+            restore(pristine, self.rundir)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the killed run: this one, from this instant on, with its kill point
+                self.kill_at, self.pauses = point, {}
+                return
+            _, status = os.waitpid(pid, 0)
+            os.write(self.channel[0], f"{n} {status}\n".encode())
+            if os.read(self.channel[1], 1) != b"+":  # the driver ended
+                os._exit(3)
+        if not self.pauses:
+            os._exit(0)
+        restore(pristine, self.rundir)
+        shutil.rmtree(pristine)
+
+
+def restore(pristine: Path, rundir: Path) -> None:
+    """``rundir`` made a copy of ``pristine`` (the paused run's own lock then stays on the file it replaced, so a
+    resume can take the lock of the copy, as it takes a killed run's)."""
+    shutil.rmtree(rundir, ignore_errors=True)
+    shutil.copytree(pristine, rundir, symlinks=True)
+
+
+def sweep(tracer: Pausing, points: list[tuple[int, int]], rundir: Path, run: Callable[[], int],
+          check: Callable[[int, int], None]) -> None:
+    """The kill of every ``(call, event)`` in ``points``, each from a warm run at the instant the call begins: ``run``
+    (the run, writing to ``rundir``) goes on in a forked process that pauses at each call holding kill points
+    (:meth:`Pausing.pause`), so a killed run repeats neither the process start nor the steps before that call.
+    ``check(n, wait_status)`` runs here for kill number ``n`` with the killed run in ``rundir`` (it resumes it there,
+    then moves it away)."""
+    pauses: dict[int, list[tuple[int, tuple[int, int]]]] = {}
+    for n, point in enumerate(points):
+        pauses.setdefault(point[0], []).append((n, point))
+    up_read, up_write = os.pipe()
+    down_read, down_write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the paused run
+        os.close(up_read)
+        os.close(down_write)
+        tracer.kill_at, tracer.pauses, tracer.channel, tracer.rundir = None, pauses, (up_write, down_read), rundir
+        tracer.start()
+        os._exit(10 + run())  # reached only when the run ends before its last pause
+    os.close(up_write)
+    os.close(down_read)
+    served, pending = [], b""
+    try:
+        while chunk := os.read(up_read, 64):
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                n, status = map(int, line.split())
+                check(n, status)
+                served.append(n)
+                os.write(down_write, b"+")
+    finally:
+        os.close(up_read)
+        os.close(down_write)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the paused run ended with wait status {status}"
+    assert sorted(served) == list(range(len(points))), f"kills served: {sorted(served)} of {len(points)}"
+
+
+class LineCounter(Pausing):
     """``sys.settrace`` tracer that counts line events (and notes which ones are in engine/protocol.py); at event number
-    ``kill_at`` of save number ``save_index`` it SIGKILLs the process."""
+    ``kill_at`` of save number ``save_index`` it SIGKILLs the process. With ``counting`` every save is traced (the run
+    that finds the kill points); without, only the save of ``kill_at`` is (a save's events are counted from its own
+    start, so the others and a resume's run untraced)."""
 
     def __init__(self, kill_at: tuple[int, int] | None = None) -> None:
+        super().__init__()
         self.kill_at = kill_at
+        self.counting = True
         self.saves: list[dict] = []  # per save: {"step", "events", "rundir_events": [indices]}
+
+    def start(self) -> None:
+        self.saves = []
 
     def trace(self, frame, event, arg):
         if event == "line":
@@ -75,6 +175,10 @@ class LineCounter:
 
         def traced_save(trainer, step, **kwargs):
             counter.saves.append({"step": step, "events": 0, "rundir_events": [], "rundir_lines": {}})
+            index = len(counter.saves) - 1
+            counter.pause(index)
+            if not counter.counting and (counter.kill_at is None or counter.kill_at[0] != index):
+                return save(trainer, step, **kwargs)
             sys.settrace(counter.trace)
             try:
                 return save(trainer, step, **kwargs)
@@ -136,31 +240,36 @@ def kills(report: Path, base: Path, seed: int, count: int, args: list[str]) -> N
         save = middle if os.environ.get("KILL_SAVE") == "last" else rng.randrange(len(saves))
         pool = saves[save]["rundir_events"] if i % 2 == 0 else range(1, saves[save]["events"] + 1)
         points.append((save, rng.choice(list(pool))))
-    results = []
-    for n, point in enumerate(points):
-        out = base / f"kill{n}"
-        pid = os.fork()
-        if pid == 0:  # child: the same run, killed at that line of that save
-            counter.kill_at, counter.saves = point, []
-            code = script.main(with_output(args, out))
-            os._exit(100 + code)  # never reached when the kill point is
-        _, status = os.waitpid(pid, 0)
+    # The further resume of a finished run (it must accept its own files): after every kill in the last save, where
+    # the end-of-run metrics are sealed and the kill decides what the resume finds; elsewhere at every 4th kill, as
+    # that resume is then one code path whatever the kill.
+    every = 1 if os.environ.get("KILL_SAVE") == "last" else 4
+    counter.counting = False
+    out = base / "killed"
+    results: dict[int, dict] = {}
+
+    def check(n: int, status: int) -> None:
+        point = points[n]
         killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir()) if (out / "checkpoints").is_dir() else []
         counter.kill_at, counter.saves = None, []
         code = script.main([*with_output(args, out), "run.resume=true"])
-        again = script.main([*with_output(args, out), "run.resume=true"])  # a finished run accepts its own files
+        resumed_from = resumed[-1]
+        again = script.main([*with_output(args, out), "run.resume=true"]) if n % every == 0 else None
         log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
         steps = [r["step"] for r in log if "loss" in r]
-        results.append({"save": point[0], "save_step": saves[point[0]]["step"], "line": point[1], "killed": killed,
-                        "left": checkpoints, "resume_code": code, "resumed_from": resumed[-2],
-                        "again_code": again, "metrics": sealed_metrics(out),
-                        "same_weights": code == 0 and same(weights(straight), weights(out)),
-                        "steps_logged_once": steps == sorted(set(steps)), "strays": strays(out)})
+        results[n] = {"save": point[0], "save_step": saves[point[0]]["step"], "line": point[1], "killed": killed,
+                      "left": checkpoints, "resume_code": code, "resumed_from": resumed_from,
+                      "again_code": again, "metrics": sealed_metrics(out),
+                      "same_weights": code == 0 and same(weights(straight), weights(out)),
+                      "steps_logged_once": steps == sorted(set(steps)), "strays": strays(out)}
+        out.rename(base / f"kill{n}")  # kept to look at; the next kill starts from the paused run's copy
+
+    sweep(counter, points, out, lambda: script.main(with_output(args, out)), check)
     report.write_text(json.dumps({"saves": [{"step": s["step"], "events": s["events"],
                                              "rundir_events": len(s["rundir_events"]),
                                              "rundir_lines": len(s["rundir_lines"])} for s in saves],
-                                  "kills": results}, indent=1))
+                                  "kills": [results[n] for n in sorted(results)]}, indent=1))
 
 
 def sealed_metrics(out: Path) -> dict | None:
