@@ -9,8 +9,8 @@ DDP, as pretrain.py runs it.
 Several runs share one launch (the imports and the launcher are most of a small run's cost): their arguments are
 separated by ``--then``, each run is ``pretrain.main`` in the same processes one after the other (a fresh Accelerate
 state and environment, the process group formed again), and each one's exit code is printed on stdout by rank 0 as
-``run <i> exited <code>``. ``FSDP_SIGTERM_AT=N`` (or ``run.sigterm_at=N`` among a run's arguments, taken out before
-pretrain.py reads them): rank 0 gets SIGTERM during optimizer step N of that run (the ranks agree on the stop, save
+``run <i> exited <code>``. ``run.sigterm_at=N`` among a run's arguments (taken out before pretrain.py reads
+them): rank 0 gets SIGTERM during optimizer step N of that run (the ranks agree on the stop, save
 and leave with 143, which ends the launch: a stopped run is the last of its launch).
 
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 tests/fsdp_driver.py <pretrain args> \
@@ -89,8 +89,7 @@ def main(argv: list[str]) -> int:
         if i > 0:
             fresh_store(i)
         at = [a for a in args if a.startswith(SIGTERM_AT)]
-        env_at = os.environ.get("FSDP_SIGTERM_AT")
-        _sigterm_at(int(at[-1][len(SIGTERM_AT):]) if at else int(env_at) if env_at else None)
+        _sigterm_at(int(at[-1][len(SIGTERM_AT):]) if at else None)
         AcceleratorState._reset_state(True)  # the previous run ended its state and its process group
         GradientState._reset_state()
         code = pretrain.main([a for a in args if not a.startswith(SIGTERM_AT)])
