@@ -120,13 +120,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 # the suite on TEST_WORKERS processes (pytest-xdist), a test file per worker at a time (its module fixtures built
-# once); every test runs one intra-op thread (conftest.py). `$(PY) -m pytest -m "not slow"`: the unit and package
-# tests alone (~2.5 min on 2 cores)
+# once), the longest files first (tests/conftest.py); every test runs one intra-op thread (conftest.py).
+# `$(PY) -m pytest -m "not slow"`: the unit and package tests alone (~2.5 min on 2 cores)
 TEST_WORKERS ?= 2
 # The end-to-end suite (tests/) on xdist workers, then each package's own suite once (package-tests); a bare
 # `pytest` at the root still collects both (pyproject's testpaths)
 test: setup lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) --no-print-directory package-tests
 
 # Each package's suite as the README types it: `pytest` in the package's folder, with the machine's default threads
