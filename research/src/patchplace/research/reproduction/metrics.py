@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from patchplace.pipelines.stages import stage_resumed, stage_seconds
+from patchplace.pipelines.stages import stage_seconds
 from patchplace.research.reproduction.corpora import corpus_of, corpus_record, same_corpus, study_corpora
 from patchplace.research.reproduction.plan import CONTROLS, RUNS, Run, StudyConfig, fraction_key
 from patchplace.research.reproduction.protocol import PROVENANCE, read_starts
@@ -43,36 +43,6 @@ def still_improving(log: Path) -> bool:
     tops = [row["eval"]["top1"] for line in log.read_text().splitlines() if line.strip()
             and "top1" in (row := json.loads(line)).get("eval", {})] if log.is_file() else []
     return bool(tops) and tops[-1] >= max(tops)
-
-
-def controls_of(study: Study) -> dict[str, Any] | None:
-    """The probe controls measured for this study (``runs/controls/controls.json``), else those of an earlier
-    ``study.json`` at this budget, or None."""
-    return read_json(study.root / "controls" / "controls.json") or earlier_study(study.cfg).get("controls")
-
-
-def curves_of(study: Study) -> dict[str, Any]:
-    """{row: {"points": {epoch: 1% probe top-1 on validation}, "knn": {...}, "controls": {...}}} of every finished
-    learning curve; a curve no longer below ``runs/`` comes from an earlier ``study.json`` at this budget."""
-    curves = {name: {**c, "points": {float(e): v for e, v in c["points"].items()},
-                     "knn": {float(e): v for e, v in c["knn"].items()}}
-              for name, c in (earlier_study(study.cfg).get("curves") or {}).items() if name in study.cfg.curve_rows}
-    for name in study.cfg.curve_rows:
-        measured = read_json(study.curve_dir(name) / "probes" / "controls.json")
-        if not measured:
-            continue
-        points = {float(r["epoch"]): r["linear"]["0.01"] for r in measured["checkpoints"].values()
-                  if r.get("epoch") is not None}
-        knn = {float(r["epoch"]): r["knn"]["0.01"] for r in measured["checkpoints"].values()
-               if r.get("epoch") is not None}
-        features = {r.get("pool") for r in measured["checkpoints"].values()} - {None}  # one run: one feature
-        curves[name] = {"points": dict(sorted(points.items())), "knn": dict(sorted(knn.items())),
-                        "feature": features.pop() if len(features) == 1 else None,
-                        "controls": {k: v.get("0.01") for k, v in measured["controls"].items()},
-                        "val_samples": measured["test_samples"],
-                        "minutes": (stage_seconds(study.curve_dir(name) / "pretrain") or 0) / 60,
-                        "resumed": stage_resumed(study.curve_dir(name) / "pretrain")}
-    return curves
 
 
 def label_metrics(study: Study, run: Run, seed: int, probe: dict[str, Any]) -> dict[str, Any]:
