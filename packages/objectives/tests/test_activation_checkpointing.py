@@ -110,19 +110,19 @@ def test_a_step_with_checkpointing_equals_one_without(tiny_method_config, batch_
 @pytest.mark.parametrize("name", ["mae", "randsac", "ijepa"])
 def test_checkpointing_composes_with_compile(tiny_method_config, batch_of, name, scope):
     """run.compile=aot_eager with either run.compile_scope: the checkpointed step compiles (``step``: one graph,
-    no break) and gives the compiled step's loss and gradients without checkpointing."""
+    no break) and gives the eager step's loss and gradients without checkpointing (aot_eager runs the eager aten
+    ops, so only their order of summation may differ)."""
     from patchplace.pipelines.engine.optim import compile_objective
 
-    results = []
-    for enable in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        objective = objective_of(name, tiny_method_config)
-        set_grad_checkpointing(objective, enable)
-        compile_objective(objective, "aot_eager", scope)
-        results.append(one_step(objective, batch_for(objective, batch_of)))
-        assert not counters["graph_break"], f"{name}: graph breaks {dict(counters['graph_break'])}"
-    (loss, grads), (loss_ckpt, grads_ckpt) = results
+    objective = objective_of(name, tiny_method_config)
+    loss, grads = one_step(objective, batch_for(objective, batch_of))
+    torch._dynamo.reset()
+    counters.clear()
+    objective = objective_of(name, tiny_method_config)
+    set_grad_checkpointing(objective, True)
+    compile_objective(objective, "aot_eager", scope)
+    loss_ckpt, grads_ckpt = one_step(objective, batch_for(objective, batch_of))
+    assert not counters["graph_break"], f"{name}: graph breaks {dict(counters['graph_break'])}"
     torch.testing.assert_close(loss_ckpt, loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == grads_ckpt.keys()
     for key, grad in grads.items():
