@@ -16,8 +16,6 @@ the model EMA, the mixed precision and the decoder / predictor shape.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import os
@@ -36,8 +34,6 @@ from pipeline_args import audio, state_dir
 from safetensors.torch import load_file
 
 from patchplace.data import Manifest, ShardDataset
-from patchplace.export.__main__ import main as export_main
-from patchplace.export.cli import evaluate as evaluate_cli
 from patchplace.models import load_pretrained
 from patchplace.models.attention import Attention
 from patchplace.models.registry import PRESETS
@@ -360,31 +356,17 @@ DATA_PATH_ORT = ["--robustness-limit", "2", "--latency-repeats", "0", "--consist
 DATA_PATH_PROBE = ("eval.knn=true",)
 
 
-def in_process(main: Callable[[list[str]], int], argv: list[str]) -> subprocess.CompletedProcess:
-    """A one-process command's ``main`` run in this process, as its process would end (exit code, stdout, stderr)."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(argv)
-    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
-
-
-def export_and_evaluate(checkpoint: Path, out: Path, val: str, ort: list[str],
-                        as_processes: bool) -> tuple[dict, subprocess.CompletedProcess]:
+def export_and_evaluate(checkpoint: Path, out: Path, val: str,
+                        ort: list[str]) -> tuple[dict, subprocess.CompletedProcess]:
     """``python -m patchplace.export`` (its PyTorch / ONNX Runtime parity gate), then the ONNX Runtime evaluation on
-    the val split; (the export's sidecar, the evaluation's result). Each is one process: the data path's chain runs
-    them as typed (``as_processes``), the other chains call their ``main`` in this process, where nothing checked
-    of them is about a process boundary."""
-    def run(main: Callable[[list[str]], int], module: str, argv: list[str]) -> subprocess.CompletedProcess:
-        if not as_processes:
-            return in_process(main, argv)
-        return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
-                              timeout=TIMEOUT, env=ENV_ONE, cwd=ROOT)
-
+    the val split; (the export's sidecar, the evaluation's process)."""
     model = out / "model.onnx"
-    exported = run(export_main, "patchplace.export", [str(checkpoint), "--out", str(model)])
+    exported = subprocess.run([sys.executable, "-m", "patchplace.export", str(checkpoint), "--out", str(model)],
+                              capture_output=True, text=True, timeout=TIMEOUT, env=ENV_ONE, cwd=ROOT)
     assert exported.returncode == 0, exported.stderr[-3000:]
-    evaluated = run(evaluate_cli, "patchplace.export.evaluate",
-                    [str(model), "--data", val, "--out", str(out / "ort"), *ort])
+    evaluated = subprocess.run([sys.executable, "-m", "patchplace.export.evaluate", str(model), "--data", val,
+                                "--out", str(out / "ort"), *ort], capture_output=True, text=True,
+                               timeout=TIMEOUT, env=ENV_ONE, cwd=ROOT)
     return json.loads((out / "model.json").read_text()), evaluated
 
 
@@ -453,7 +435,7 @@ def run_chain(method: str, data: list[str], out: Path) -> ChainRun:
             chain.done["finetune"] = Stage(stages["finetune"], "finetune", data, out / "finetune", checkpoint).result()
             ort = DATA_PATH_ORT if method == DATA_PATH_METHOD else ORT_OPTIONS
             chain.sidecar, chain.evaluated = export_and_evaluate(out / "finetune" / "checkpoint", out / "onnx",
-                                                                 chain.val, ort, method == DATA_PATH_METHOD)
+                                                                 chain.val, ort)
         for name, stage in beside.items():
             chain.done[name] = stage.result()
     except BaseException:  # a failed stage leaves no probe running
