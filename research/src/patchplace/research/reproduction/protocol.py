@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
+from ruamel.yaml.error import YAMLError
 
+from patchplace.pipelines.config import parse_yaml
 from patchplace.pipelines.engine.hardware import cpu_info
 
 PROVENANCE = "provenance.json"  # in each (row, seed) run directory: one record per start
@@ -92,8 +93,8 @@ def load_protocol(path: str | Path) -> Protocol:
     if not path.is_file():
         raise ProtocolError(f"protocol {path}: no such file (protocol= names the pre-registered protocol)")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
+        data = parse_yaml(path.read_text())
+    except YAMLError as exc:
         raise ProtocolError(f"protocol {path}: not YAML ({str(exc).splitlines()[0]})") from exc
     if not isinstance(data, dict):
         raise ProtocolError(f"protocol {path}: a YAML mapping is needed, got {type(data).__name__}")
