@@ -94,3 +94,26 @@ def test_the_blocker_makes_a_top_level_import_of_an_absent_stack_fail(tmp_path):
     (tmp_path / "suite" / "test_uses_onnx.py").write_text("import onnx\n\n\ndef test_nothing():\n    pass\n")
     done = finish(start_pytest(tmp_path / "suite", [], {"onnx"}, tmp_path / "blocker"))
     assert done.returncode != 0 and "No module named 'onnx'" in done.stdout, done.stdout[-2000:]
+
+
+def test_make_package_tests_runs_its_lanes_and_a_failing_suite_fails_make(tmp_path):
+    """``make package-tests``' two lanes at once: a failing suite stops its own lane (the suite after it in that
+    lane does not start), the other lane still runs to its end and is printed, and make exits non-zero; with every
+    suite passing, make exits 0. (``-o setup``: the .venv as it is.)"""
+    for name, check in (("failing", "1 + 1 == 3"), ("after", "True"), ("passing", "1 + 1 == 2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"test_{name}.py").write_text(f"def test_it():\n    assert {check}\n")
+    failing, after, passing = (tmp_path / name for name in ("failing", "after", "passing"))
+
+    def make(lanes: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "--no-print-directory", "-o", "setup", "package-tests",
+                               f"PACKAGE_LANES={lanes}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env=clean_env())
+
+    failed = make(f'"{failing} {after}" {passing}')
+    assert failed.returncode != 0, failed.stdout[-2000:]
+    assert f"== {failing}: pytest" in failed.stdout and f"== {after}: pytest" not in failed.stdout, failed.stdout
+    assert f"== {passing}: pytest" in failed.stdout and "1 failed" in failed.stdout and "1 passed" in failed.stdout
+    passed = make(f'"{passing} {after}" {passing}')
+    assert passed.returncode == 0, passed.stdout[-2000:] + passed.stderr[-2000:]
+    assert passed.stdout.count("1 passed") == 3, passed.stdout

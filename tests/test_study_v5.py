@@ -84,6 +84,21 @@ def test_the_protocol_is_data_the_config_runs_what_it_states_and_a_change_is_one
         "pretrain_epochs=8", "row_pretrain_epochs={droppos: 8, droppos_sigma0: 8, mp3_eta0: 8}"]
 
 
+def test_the_protocol_is_read_as_the_configs_are_and_a_key_given_twice_is_one_line(tmp_path):
+    """YAML 1.2 (``no`` is a string), and a file whose key is given twice, or that is not YAML, is refused in one
+    line naming the file, the place and the key (YAML 1.1 readers keep the last value silently)."""
+    text = PROTOCOL.read_text()
+    assert proto.load_protocol(PROTOCOL).data == yaml.safe_load(text), "the same values as a YAML 1.1 reader's"
+    cases = {"twice.yaml": (text + "alpha: 0.5\n", "key 'alpha' is given twice (first at line "),
+             "broken.yaml": (text + "alpha: [\n", "not valid YAML")}
+    for name, (body, why) in cases.items():
+        (tmp_path / name).write_text(body)
+        with pytest.raises(proto.ProtocolError) as error:
+            proto.load_protocol(tmp_path / name)
+        line = str(error.value)
+        assert line.startswith(f"protocol {tmp_path / name}, line ") and why in line and "\n" not in line, line
+
+
 def test_the_droppos_table3_numbers_are_the_papers():
     spec = next(s for s in proto.load_protocol(PROTOCOL).claims if s["id"] == "droppos_t3_position")
     assert spec["paper"] == {"ours": 0.8881, "other": 0.8783}

@@ -2,7 +2,7 @@
 overrides, read as YAML 1.2 by ruamel.yaml's safe loader (only true / false are bools: ``run.mixed_precision=no``
 stays "no"; no object tags; each key once), into the config dataclasses (:mod:`patchplace.pipelines.sections`,
 :mod:`patchplace.pipelines.commands`) as pydantic validates them strictly (:func:`build`). A refusal is one line
-naming the key (:func:`problem`, :func:`_parsed`, :func:`_checked`). ``--help`` (:func:`parser`) lists every field
+naming the key (:func:`problem`, :func:`read_yaml`, :func:`_checked`). ``--help`` (:func:`parser`) lists every field
 with the value that command line would run with, marked where ``--config`` or an override set it, and its meaning.
 A command that reads a training section in part declares its own smaller class and ``shares: ClassVar[dict[str,
 type]]`` ({section: the training section class}): a shared config file loads, the fields it never reads
@@ -112,7 +112,7 @@ def dump_yaml(tree: Any) -> str:
     return out.getvalue()
 
 
-def _parsed(text: str | bytes, what: str, fix: str) -> Any:
+def read_yaml(text: str | bytes, what: str, fix: str) -> Any:
     """YAML ``text`` of a config file (bytes) or an override value, or one :class:`ConfigError` line naming
     ``what``, where its text is wrong (``line L, column C``: syntax, a key given twice, an object tag; bytes that
     are not UTF-8) and how to fix it (``fix`` for a syntax error)."""
@@ -239,7 +239,7 @@ def given_values(cls: type | None, path: str | None, overrides: list[str]) -> tu
     file: dict[str, Any] = {}
     if path:
         path = str(config_path(path))
-        raw = _parsed(Path(path).read_bytes(), f"config file {path}", "fix the file")
+        raw = read_yaml(Path(path).read_bytes(), f"config file {path}", "fix the file")
         if raw is None:  # (it would run the command's defaults without a word)
             raise ConfigError(f"config file {path} is empty: give its sections (section: {{field: value}}), or "
                               "leave --config out to run the defaults")
@@ -258,7 +258,7 @@ def given_values(cls: type | None, path: str | None, overrides: list[str]) -> tu
                     # a section given as a scalar or a list: refused as it is without the override
                     raise ConfigError(f"{old}{where}: expected a mapping, got {leaves[old]!r}")
                 del leaves[old]
-        value = _parsed(text, f"override {assignment!r}", "quote or fix the value")
+        value = read_yaml(text, f"override {assignment!r}", "quote or fix the value")
         given.update(_checked(_leaves({key: value}), ""))
     unread = unread_fields(cls) if cls is not None else []
     file, given = ({k: v for k, v in leaves.items() if not any(_within(k, u) for u in unread)}

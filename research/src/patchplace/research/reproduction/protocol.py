@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from ruamel.yaml.error import YAMLError
 
-from patchplace.pipelines.config import parse_yaml
+from patchplace.pipelines.config import ConfigError, read_yaml
 from patchplace.pipelines.engine.hardware import cpu_info
 
 PROVENANCE = "provenance.json"  # in each (row, seed) run directory: one record per start
@@ -93,9 +92,9 @@ def load_protocol(path: str | Path) -> Protocol:
     if not path.is_file():
         raise ProtocolError(f"protocol {path}: no such file (protocol= names the pre-registered protocol)")
     try:
-        data = parse_yaml(path.read_text())
-    except YAMLError as exc:
-        raise ProtocolError(f"protocol {path}: not YAML ({str(exc).splitlines()[0]})") from exc
+        data = read_yaml(path.read_bytes(), f"protocol {path}", "fix the file")
+    except ConfigError as exc:
+        raise ProtocolError(str(exc)) from None
     if not isinstance(data, dict):
         raise ProtocolError(f"protocol {path}: a YAML mapping is needed, got {type(data).__name__}")
     missing = [k for k in REQUIRED if k not in data]
