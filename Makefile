@@ -19,16 +19,15 @@ CORPORA  := corpora
 # with its nvidia-* wheels); `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes the CPU build
 TORCH_INDEX ?=
 
-.PHONY: help setup apt venv demo study study-v5 study-curves study-gpu \
+.PHONY: help setup apt venv demo study study-v5 study-gpu \
         benchmark data test package-tests lint clean
 
 help:
 	@echo "make demo   set everything up, then run the main job on the built-in data"
 	@echo "make test   set everything up, then run every package's tests and the end-to-end tests"
-	@echo "make study  the reproduction study v4's stages (resumable; reuses the rows results/study.json holds whole; its report results/study.md is a committed record; docs/study.md)"
-	@echo "make study-v5  study v5's CPU rows in the pre-registered order (research/protocols/study_v5.yaml; results/study_v5.md; resumable; ~570 process-min, docs/study.md)"
-	@echo "make study-curves  the learning curves that chose the study's budget (run directories, no report)"
-	@echo "make study-gpu  the same rows at a GPU budget, every ablation (run directories, no report)"
+	@echo "make study  the reproduction study v5's CPU rows in the pre-registered order (research/protocols/study_v5.yaml; results/study_v5.md; resumable; ~570 process-min; docs/study.md)"
+	@echo "make study-v5  the same as make study"
+	@echo "make study-gpu  study v5's GPU share, the 4 px position claims (refused until the protocol's GPU sizing is recorded; docs/study.md)"
 	@echo "make benchmark  speed / memory benchmarks (results/benchmark.md)"
 
 setup: apt venv
@@ -90,27 +89,17 @@ demo: setup data
 	$(PY) -m patchplace.data verify $(SHARDS)/fashion_mnist $(SHARDS)/spoken_keywords
 	$(PY) pipelines/demo.py --out runs/demo
 
-# Study v4's rows: every method, label efficiency and the ablations this budget decides, on Fashion-MNIST and spoken
-# keywords (run directories; no report: claims are decided under a pre-registered protocol, study v5). Two processes
-# share the (row, seed) units; resumable. Knobs and the reasoning behind them: pipelines/configs/study_fashion_mnist.yaml
-STUDY_JOBS ?= 2
-study: setup data
-	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_fashion_mnist.yaml
-
 # Study v5, pre-registered (research/protocols/study_v5.yaml): seed 0 of the position rows, the doubling rule on
 # validation (results/study_v5_decisions.json), every seed at the decided epochs, MJP Table 1, speech; resumable.
 # Refused (one line) while the protocol is not committed. -> results/study_v5.{json,md}
-study-v5: setup data
+STUDY_JOBS ?= 2
+study study-v5: setup data
 	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_v5.yaml
 
-# The learning curves that chose the CPU study's pretraining budget (seed 0; run directories, no report)
-study-curves: setup data
-	$(PY) pipelines/study.py --jobs $(STUDY_JOBS) --config pipelines/configs/study_fashion_mnist.yaml 'groups=[curves]'
-
-# The GPU study's rows: every ablation group, 3 seeds, 10 + 10 epochs, bf16 (run directories, no report)
+# Study v5's GPU share (the 4 px position claims); refused in one line until its epochs are sized on the GPU itself
 STUDY_GPU_JOBS ?= 4
 study-gpu: setup data
-	$(PY) pipelines/study.py --jobs $(STUDY_GPU_JOBS) --config pipelines/configs/study_gpu.yaml
+	$(PY) pipelines/study.py --jobs $(STUDY_GPU_JOBS) --config pipelines/configs/study_v5_gpu4px.yaml
 
 benchmark: setup data
 	$(PY) pipelines/benchmark.py --suite all --out results

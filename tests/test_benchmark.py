@@ -203,7 +203,7 @@ def test_speed_suite_times_each_rung_of_the_ladder_through_the_real_pipelines(tm
     from patchplace.data import SplitWriter
     from patchplace.research.benchmarks.speed import STUDY_GPU_BATCH, Setting, command, ladder
 
-    rng = np.random.default_rng(0)  # the first rung's batch (study_gpu.yaml's 256) needs as many images
+    rng = np.random.default_rng(0)  # the first rung's batch (a GPU study's 256) needs as many images
     with SplitWriter(tmp_path / "img", "train", dataset="toy", modality="image", classes=["a", "b", "c"],
                      info={"image_size": [28, 28], "channels": 1}, source="test", recipe="test",
                      recipe_version=1, max_count=128) as w:

@@ -19,7 +19,7 @@ PYTHON = [
     ("patchplace.pipelines.finetune", CONFIGS / "finetune_fashion_mnist.yaml"),
     ("patchplace.pipelines.evaluate", CONFIGS / "evaluate_fashion_mnist.yaml"),
     ("patchplace.research.controls", CONFIGS / "controls_fashion_mnist.yaml"),
-    ("patchplace.research.study", CONFIGS / "study_fashion_mnist.yaml"),
+    ("patchplace.research.study", CONFIGS / "study_v5.yaml"),
     ("patchplace.pipelines.demo", None),
     ("patchplace.research.benchmark", None),
     ("patchplace.research.emulated_bf16", None),

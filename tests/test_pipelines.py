@@ -49,15 +49,12 @@ def test_every_shipped_config_loads_and_validates(shards):
     for path in sorted((ROOT / "pipelines" / "configs").glob("*.yaml")):
         if path.name.startswith("study"):
             cfg = pipeline_config.load(study_plan.StudyConfig, str(path), [])
-            everything = path.name == "study_gpu.yaml"
-            assert set(cfg.groups) == set(study_plan.GROUPS) if everything else "main" in cfg.groups, path
+            assert "main" in cfg.groups and cfg.protocol, path
             if path.name == "study_v5.yaml":  # the pre-registered protocol states its seeds and epochs
                 from patchplace.research.reproduction.protocol import load_protocol
                 from patchplace.research.reproduction.schedule import mismatch
 
                 assert mismatch(cfg, load_protocol(ROOT / "research" / "protocols" / "study_v5.yaml")) is None
-            elif not path.name.startswith("study_v5"):  # (study_v5_gpu4px: the protocol's gpu section, 5 seeds)
-                assert set(cfg.seeds) == {0, 1, 2} == set(cfg.ablation_seeds), "three seeds for every row a claim reads"
             continue
         kind = at_scale.get(path.name) or next((k for k in classes if path.name.startswith(k)), "pretrain")
         data = audio(shards) if "spoken" in path.name or path.name.startswith("speech_commands") else img(shards)

@@ -1,5 +1,5 @@
 """The reproduction study (``pipelines/study.py`` and its modules): every stage end to end on tiny data with
-resume, the job split, merging earlier results, and the claims' seed-paired verdicts."""
+resume, the job split, merging earlier results, the learned gate and Holm."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import os
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import yaml
@@ -24,8 +23,6 @@ from patchplace.research.reproduction.report import commands_so_far
 from patchplace.research.reproduction.runner import Study
 from patchplace.research.reproduction.stats import holm
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def measured(args: list[str]) -> dict:
     """The rows a study command's stages left (a config without a protocol writes no report)."""
@@ -36,62 +33,41 @@ def measured(args: list[str]) -> dict:
 
 @pytest.mark.slow
 def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
-    """The main table, MP3 Table 3 (fine-tunes of the main pretraining), speech with two seeds and its null control,
-    the RandSAC ablations probed only, learning curves and controls, under the held-out protocol (a validation split
-    held out of train, the test split read once per final number), on tiny data."""
-    args = ["--config", str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"), f"runs={tmp_path / 'runs'}",
-            f"results={tmp_path / 'results'}", "preset=vit_micro", "pretrain_epochs=0.25", "finetune_epochs=0.25",
-            "batch_size=8", "num_workers=0", f"fashion_mnist={shards / 'img'}", f"spoken_keywords={shards / 'audio'}",
-            "groups=[curves,main,mp3_pe,speech,randsac]", "probe_only=[randsac]", "probe_train_samples=32",
-            "holdout=12", "curve_epochs=[0,0.5]", "curve_rows=[mp3,stop]", "curve_val_samples=12", "ort=true",
-            "label_finetune=true", "label_patience=2", "label_eval_epochs=1", "speech_patience=0",
-            "probe_val_samples=32", "probe_epochs=2",
-            "curve_samples=16", "ort_consistency_samples=8", "robustness_samples=2", "test_samples=32",
-            "speech_pretrain_epochs=1",
-            "speech_finetune_epochs=1", "speech_seeds=[0,1]", "overrides=[data.shuffle_buffer=16]",
-            "speech_overrides=[data.batch_size=8]", "privacy_steps=3", "label_fractions=[0.1,0.5]",
-            "label_finetune_epochs=[2,1]", "seeds=[0]", "ablation_seeds=[0]", "full_label_rows=[]",
-            "label_batch_size=4", "privacy_images=10", "close_rows=[]"]
+    """The main rows (supervised and MJP from scratch to convergence on validation, MP3 fine-tuned, DropPos probed
+    only), speech with two seeds, under the held-out protocol (a validation split held out of train, the test split
+    read once per final number), on tiny data; run again, every stage is skipped."""
+    args = [f"runs={tmp_path / 'runs'}", f"results={tmp_path / 'results'}", "preset=vit_micro",
+            "pretrain_epochs=0.25", "finetune_epochs=0.25", "batch_size=8", "num_workers=0",
+            f"fashion_mnist={shards / 'img'}", f"spoken_keywords={shards / 'audio'}", "groups=[main,speech]",
+            "only=[supervised,mp3,droppos,mjp,speech_supervised,speech_mp3]", "full_label_rows=[supervised,mp3,mjp]",
+            "first_seed_finetunes=false", "classifier_patience=2", "classifier_eval_epochs=0.25",
+            "probe_train_samples=32", "holdout=12", "gate_val_samples=12", "probe_val_samples=32", "probe_epochs=2",
+            "curve_samples=16", "test_samples=32", "speech_pretrain_epochs=1", "speech_finetune_epochs=1",
+            "speech_seeds=[0,1]", "overrides=[data.shuffle_buffer=16]", "speech_overrides=[data.batch_size=8]",
+            "seeds=[0]"]
     assert study.main(args) == 0
     rows = measured(args)
-    skipped = set(pipeline_config.load(StudyConfig, str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"),
-                                       []).skip)  # the config's skip: rows no claim reads
-    assert set(rows) == {r.name for r in RUNS if r.group in ("main", "mp3_pe", "speech", "randsac")} - skipped
-    raster = rows["randsac_raster"][0]  # probe-only ablation: pretrained and probed, not fine-tuned
-    assert raster["top1"] is None and raster["finetune_epochs"] == 0 and "linear_probe" in raster
-    assert not (tmp_path / "runs" / "seed0" / "randsac_raster" / "finetune").exists()
-    sup, mp3 = rows["supervised"][0], rows["mp3"][0]
+    assert set(rows) == {"supervised", "mp3", "droppos", "mjp", "speech_supervised", "speech_mp3"}
+    droppos = rows["droppos"][0]  # not a full-label row: pretrained, gated and probed, not fine-tuned
+    assert droppos["top1"] is None and droppos["finetune_pe"] == "(probes only)" and "droppos_grid" in droppos
+    assert not (tmp_path / "runs" / "seed0" / "droppos" / "finetune").exists()
+    sup, mp3, mjp = rows["supervised"][0], rows["mp3"][0], rows["mjp"][0]
     assert sup["pretrain_epochs"] == 0 and sup["finetune_epochs"] == 0.5, "supervised: the same total epochs"
-    assert mp3["pretrain_epochs"] == 0.25 and mp3["finetune_pe"] == "learned"
-    assert sup["mce"] == pytest.approx(1.0), "mCE is normalized by the supervised run"
-    for name in ("supervised", "mp3", "mjp", "stop"):  # ONNX Runtime and PyTorch agree on the same 32 images
-        assert abs(rows[name][0]["top1_ort"] - rows[name][0]["top1"]) <= 1 / 32, name
-    assert "position_accuracy" in mp3 and "mp3_eta_curve" in mp3 and "droppos_grid" in rows["droppos"][0]
-    assert "linear_probe_1pct" in rows["stop"][0] and "consistency" in rows["mjp"][0]
+    assert sup["stopped"] in ("early", "cap", "cap, improving") and sup["epochs_cap"] == 0.5
+    assert mp3["pretrain_epochs"] == 0.25 and mp3["finetune_pe"] == "learned" and mp3["top1"] is not None
+    assert "position_accuracy" in mp3 and "mp3_eta_curve" in mp3 and "consistency" in mjp
+    for m in (mp3, droppos):  # the learned gate: validation, beside the random init of its architecture
+        assert set(m["gate"]["probe"]) == {"0.25"} and m["gate"]["val_samples"] == 12
+        assert "linear_probe_1pct" in m and "knn" not in m and "position_probe" not in m
     runs = tmp_path / "runs" / "seed0"
-    for name in ("supervised", "mp3", "stop"):  # label efficiency: fine-tuned (supervised: from scratch) per fraction
-        assert {"top1@0.1", "top1@0.5"} <= set(rows[name][0]), name
-        used = yaml.safe_load((runs / name / "label0.1" / "config.yaml").read_text())
-        assert used["data"]["label_fraction"] == 0.1 and used["data"]["val"] == "holdout", "validated on holdout"
-        assert used["data"]["holdout"] == 12 and used["run"]["early_stop_patience"] == 2
-        assert used["data"]["batch_size"] == 4, "label_batch_size"
-        tested = json.loads((runs / name / "label0.1" / "test" / "results.json").read_text())
-        assert tested["classification"]["count"] == 32, "the final number: the test split, read once"
-        assert rows[name][0]["top1@0.1"] == tested["classification"]["top1"]
-    assert (runs / "supervised" / "label0.5" / "checkpoint").is_dir() and not (runs / "mjp" / "label0.1").exists()
+    tested = json.loads((runs / "supervised" / "eval" / "results.json").read_text())
+    assert tested["classification"]["count"] == 32, "the final number: the test split, read once"
+    used = yaml.safe_load((runs / "supervised" / "train" / "config.yaml").read_text())
+    assert used["data"]["val"] == "holdout" and used["run"]["early_stop_patience"] == 2
     pre = yaml.safe_load((runs / "mp3" / "pretrain" / "config.yaml").read_text())["data"]
     assert pre["val"] == "holdout" and pre["holdout"] == 12, "pretraining never reads the validation images"
-    assert [m["seed"] for m in rows["speech_null"]] == [0, 1] and rows["speech_null"][0]["pretrain_epochs"] == \
-        "1 step"
     assert rows["speech_supervised"][0]["finetune_epochs"] == 1, "speech: as many updates as the fine-tune"
-    assert {"linear_probe@0.1", "linear_probe@0.5"} <= set(rows["mp3"][0]), "probes on the same subsets"
-    assert "linear_probe@0.1" not in rows["supervised"][0], "a supervised backbone saw every label"
-    assert not (runs / "mp3_ft_none" / "pretrain").exists(), "MP3 Table 3 rows fine-tune the main MP3 pretraining"
-    assert (runs / "mp3_ft_none" / "finetune" / "DONE").is_file()
     assert [m["seed"] for m in rows["speech_mp3"]] == [0, 1]
-    privacy = rows["supervised"][0]["privacy"]  # MJP Table 5 on the 3 toy classes, one image each
-    assert rows["supervised"][0]["privacy_setup"]["images"] == 3 and set(privacy["analytic"]) == {"a", "b", "c"}
-    assert set(rows["supervised_nope"][0]["privacy"]) == {"gradient_matching", "random"}, "no PE: no APRIL"
     capsys.readouterr()
     assert study.main(args) == 0  # resumes: every stage is skipped
     out = capsys.readouterr().out
@@ -101,14 +77,12 @@ def test_study_runs_every_stage_resumes_and_reports(shards, tmp_path, capsys):
 @pytest.mark.slow
 def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seeds(shards, tmp_path):
     """full_label_rows: the other main rows are fine-tuned with all labels on the first seed only, while their
-    pretraining, probes and label-efficiency runs take every seed."""
+    pretraining and probes take every seed."""
     args = [f"runs={tmp_path / 'runs'}", f"results={tmp_path / 'results'}", "preset=vit_micro",
             "pretrain_epochs=0.25", "finetune_epochs=0.25", "batch_size=8", "num_workers=0",
             f"fashion_mnist={shards / 'img'}", "groups=[main]", "only=[supervised,mae]", "seeds=[0,1]",
             "full_label_rows=[supervised]", "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1",
-            "curve_samples=8", "ort_consistency_samples=4", "robustness_samples=1", "test_samples=16",
-            "privacy_images=0", "label_fractions=[0.5]", "label_finetune_epochs=[1]", "probe_extras=false",
-            "holdout=12"]
+            "curve_samples=8", "test_samples=16", "holdout=12", "gate=false"]
     assert study.main([*args, "only_seeds=[1]"]) == 0  # as one --jobs process: seed 1 alone, still not the first
     assert not (tmp_path / "runs" / "seed0").exists() and (tmp_path / "runs" / "seed1" / "mae" / "probe").is_dir()
     assert not (tmp_path / "runs" / "seed1" / "mae" / "finetune").exists()
@@ -116,18 +90,14 @@ def test_study_fine_tunes_with_all_labels_only_the_full_label_rows_on_later_seed
     rows = measured(args)
     mae = {m["seed"]: m for m in rows["mae"]}
     assert mae[0]["top1"] is not None and mae[1]["top1"] is None and mae[1]["finetune_pe"] == "(probes only)"
-    assert "top1@0.5" in mae[1] and "linear_probe@0.5" in mae[1] and "linear_probe" in mae[1]
-    assert "knn" not in mae[1] and "position_probe" not in mae[1], "probe_extras=false: linear probes only"
-    assert not (tmp_path / "runs" / "seed1" / "mae" / "finetune").exists()
+    assert "linear_probe" in mae[1] and "gate" not in mae[1], "gate=false: no gate stage"
     assert [m["seed"] for m in rows["supervised"] if m["top1"] is not None] == [0, 1]
     runner = Study(pipeline_config.load(StudyConfig, None, [*args, "first_seed_finetunes=false"]))
     mae_run, supervised_run = (next(r for r in RUNS if r.name == n) for n in ("mae", "supervised"))
     assert not runner.full_label(mae_run, 0) and runner.full_label(supervised_run, 0), \
         "first_seed_finetunes=false: the other main rows are probed only, on every seed"
     with pytest.raises(pipeline_config.ConfigError, match="full_label_rows"):
-        pipeline_config.load(StudyConfig, None, ["full_label_rows=[droppos_gamma0.5]"])
-    with pytest.raises(pipeline_config.ConfigError, match="one entry per label fraction"):
-        pipeline_config.load(StudyConfig, None, ["label_fractions=[0.01]"])
+        pipeline_config.load(StudyConfig, None, ["full_label_rows=[droppos_sigma0]"])
 
 
 def test_study_jobs_pull_units_from_one_queue_and_stages_refuse_a_busy_directory(tmp_path):
@@ -135,16 +105,11 @@ def test_study_jobs_pull_units_from_one_queue_and_stages_refuse_a_busy_directory
                                                    "full_label_rows=[supervised]", f"runs={tmp_path / 'runs'}"])
     units = study.study_units(cfg)
     pairs = [(g, u.seed) for u in units for g in u.groups]
-    expected = [(g, s) for g in GROUPS if g != "curves" for s in ((0, 1) if g == "speech" else (0, 1, 2))]
+    expected = [(g, s) for g in GROUPS for s in ((0, 1) if g == "speech" else (0, 1, 2))]
     assert sorted(pairs) == sorted(expected) and len(pairs) == len(set(pairs)), "every (group, seed) exactly once"
-    assert all(("mp3_pe" in u.groups) == ("main" in u.groups) for u in units), \
-        "mp3_pe rides with main of the same seed (it fine-tunes main's MP3 pretraining)"
     keys = [(cfg.groups.index(u.groups[0]), u.seed) for u in units]
     assert keys == sorted(keys), "the queue keeps the priority order of groups, then the seed order"
-    curved = study.study_units(dataclasses.replace(cfg, curve_epochs=(0.0, 1.0), curve_rows=("mp3", "mae")))
-    assert [u.only for u in curved[:2]] == [("mp3",), ("mae",)] and curved[2:] == units, \
-        "one unit per learning curve, first (the curves group leads the groups)"
-    assert curved[0].overrides() == ["groups=[curves]", "only_seeds=[0]", "only=[mp3]"]
+    assert units[0].overrides() == ["groups=[main]", "only_seeds=[0]"]
 
     # Dynamic balance: job 0 is held on its first unit until job 1 has run every other unit (a static split
     # would have given job 0 about half of them and this would time out).
@@ -229,60 +194,24 @@ def test_a_stage_runs_in_process_in_float32_and_as_its_own_process_at_another_pr
     assert started == [[sys.executable, "-m", "fake_stage_module", "run.mixed_precision=bf16"]]
 
 
-def test_a_stage_as_a_process_trains_with_this_process_threads_and_gets_its_signals_once(tmp_path, monkeypatch):
-    """stages.as_process: ``python -m <module>`` with this process's torch threads, its exit code returned; a SIGTERM
-    to this process reaches the stage once (the stage saves and ends as when run directly), and this process's
-    handlers come back after."""
-    import signal
-    import time
-
-    import torch
-
-    (tmp_path / "probe_stage.py").write_text(PROBE_STAGE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-
-    def terminate_when_ready():
-        for _ in range(600):
-            if (tmp_path / "ready").exists():
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.05)
-
-    def swallow(signum, frame):  # were it not forwarded: not this test's end
-        pass
-
-    ours = signal.signal(signal.SIGTERM, swallow)
-    try:
-        threading.Thread(target=terminate_when_ready, daemon=True).start()
-        assert stages.as_process("probe_stage")([str(tmp_path)]) == 143
-        assert (tmp_path / "signals").read_text() == "1"
-        assert (tmp_path / "threads").read_text() == str(torch.get_num_threads())
-        assert signal.getsignal(signal.SIGTERM) is swallow
-    finally:
-        signal.signal(signal.SIGTERM, ours)
-    with pytest.raises(stages.StageError, match="failed"):  # a stage process that fails: no DONE
-        stages.stage(tmp_path / "fails", stages.as_process("probe_stage"), [str(tmp_path / "missing")])
-    assert not (tmp_path / "fails" / "DONE").exists()
-
 def test_study_merges_earlier_results_at_the_same_budget_only(tmp_path, capsys):
-    """Seeds accumulate: rows of an earlier study.json (another machine, runs/ cleaned) join the rows measured now;
-    measured rows win, mCE is recomputed over the merged table, and another budget is not reused."""
-    cfg = pipeline_config.load(StudyConfig, None, [f"runs={tmp_path / 'runs'}", f"results={tmp_path}"])
-
-    def row(seed: int, top1: float, error: float) -> dict:
-        return {"seed": seed, "top1": top1, "corruption_errors": {"noise": error}, "mce": 9.0}
-
+    """Seeds accumulate: rows of an earlier results file (another machine, runs/ cleaned) join the rows measured
+    now; measured rows win; another budget, another harness or a row pretrained for other epochs is not merged."""
+    cfg = pipeline_config.load(StudyConfig, None, [f"runs={tmp_path / 'runs'}", f"results={tmp_path}",
+                                                   "row_pretrain_epochs={stop: 1.0}"])
     earlier = {"harness": HARNESS_VERSION, "config": dataclasses.asdict(cfg),
                "commands": ["python pipelines/study.py seeds=[0]"],
-               "results": {"supervised": [row(0, 0.5, 0.4), row(1, 0.6, 0.5)], "mp3": [row(0, 0.7, 0.2)]}}
+               "results": {"supervised": [{"seed": 0, "top1": 0.5}, {"seed": 1, "top1": 0.6}],
+                           "mp3": [{"seed": 0, "top1": 0.7, "pretrain_epochs": 0.5}],
+                           "stop": [{"seed": 0, "top1": 0.6, "pretrain_epochs": 0.5}]}}
     (tmp_path / "study.json").write_text(json.dumps(earlier))
     rows = collect(Study(cfg))
     assert commands_so_far(cfg, ["seeds=[1]"]) == ["python pipelines/study.py seeds=[0]",
-                                                         "python pipelines/study.py seeds=[1]"]
+                                                   "python pipelines/study.py seeds=[1]"]
     assert commands_so_far(cfg, ["--report-only"]) == earlier["commands"]
     assert [m["seed"] for m in rows["supervised"]] == [0, 1] and rows["mp3"][0]["top1"] == 0.7
-    assert rows["mp3"][0]["mce"] == pytest.approx(0.5) and rows["supervised"][1]["mce"] == pytest.approx(1.0)
     assert rows["mp3"][0]["source"] == str(tmp_path / "study.json")
+    assert "stop" not in rows, "pretrained 0.5 epoch, this study pretrains StoP for 1"
 
     del earlier["harness"]  # no harness version recorded: not merged
     (tmp_path / "study.json").write_text(json.dumps(earlier))
@@ -309,21 +238,20 @@ def test_holm_keeps_two_of_v3s_fourteen_tested_comparisons():
     assert kept == ["MP3 Fig. 3 train 0", "MJP Table 1"]
 
 
-def test_the_gate_is_a_one_sided_welch_test_on_validation_that_fails_closed_and_chooses_the_budget():
+def test_the_gate_is_a_one_sided_welch_test_on_validation_that_fails_closed():
     """Learned: the validation probe above the random init of the same feature (same seeds) by a one-sided Welch
-    t-test at 0.05 over >= 3 seeds (checked against scipy); fewer seeds or no gate numbers: not learned. The budget a
-    claim reads is the smallest at which every row it compares passes, read from the snapshot's probes there."""
+    t-test at 0.05 over >= 3 seeds (checked against scipy); fewer seeds or no gate numbers: not learned; judged at
+    the budget (pretraining epochs) asked, by default the row's own."""
     from scipy.stats import ttest_ind
 
-    def row(seed: int, probes: dict[str, float], random: float, top: float, snapshot: float) -> dict:
+    def row(seed: int, probes: dict[str, float], random: float, top: float) -> dict:
         return {"seed": seed, "pretrain_epochs": 1.0, "linear_probe": top,
-                "budgets": {"0.5": {"linear_probe": snapshot}},
                 "gate": {"probe": probes, "random": random, "random_init": "sincos2d/patch_mean", "pixels": 0.8}}
 
     randoms = [0.60, 0.61, 0.60]
-    rows = {"stop": [row(s, {"0.5": 0.60 + 0.005 * s, "1": 0.66 + 0.01 * s}, randoms[s], 0.65, 0.6)
+    rows = {"stop": [row(s, {"0.5": 0.60 + 0.005 * s, "1": 0.66 + 0.01 * s}, randoms[s], 0.65)
                      for s in range(3)],
-            "ijepa": [row(s, {"0.5": 0.70 + 0.01 * s, "1": 0.72 + 0.01 * s}, randoms[s], 0.70 + 0.001 * s, 0.69)
+            "ijepa": [row(s, {"0.5": 0.70 + 0.01 * s, "1": 0.72 + 0.01 * s}, randoms[s], 0.70 + 0.001 * s)
                       for s in range(3)]}
     judged = gate(rows, "stop", "1")
     p = ttest_ind([0.66, 0.67, 0.68], randoms, equal_var=False, alternative="greater").pvalue
@@ -339,10 +267,8 @@ def test_the_gate_is_a_one_sided_welch_test_on_validation_that_fails_closed_and_
 def test_skip_leaves_rows_out_of_their_groups_and_refuses_main_rows():
     from patchplace.research.reproduction.plan import runs_of
 
-    cfg = pipeline_config.load(StudyConfig, None, ["skip=[droppos_gamma0.9,randsac_square]"])
-    names = [r.name for r in runs_of(("droppos", "randsac"), cfg.only, cfg.skip)]
-    assert names == ["droppos_gamma0.5", "droppos_sigma0", "droppos_tau_inf", "randsac_patch_random",
-                     "randsac_raster", "randsac_blob_flat"]
+    cfg = pipeline_config.load(StudyConfig, None, ["skip=[mp3_eta0.75]"])
+    assert [r.name for r in runs_of(("mp3_eta", "droppos"), cfg.only, cfg.skip)] == ["mp3_eta0", "droppos_sigma0"]
     for bad, message in (("skip=[mp3]", "main rows are the study's table"), ("skip=[nope]", "unknown run")):
         with pytest.raises(pipeline_config.ConfigError, match=message):
             pipeline_config.load(StudyConfig, None, [bad])
@@ -362,114 +288,68 @@ def test_a_stage_finished_in_a_resumed_attempt_is_flagged(tmp_path):
     assert [stage_resumed(tmp_path / n) for n in ("once", "twice", "unfinished")] == [False, True, False]
 
 
-def test_unit_per_row_plans_a_unit_per_row_and_seed_keeping_mp3_pe_with_mp3_and_the_controls_once():
+def test_unit_per_row_plans_a_unit_per_row_and_seed():
     """unit_per_row (finer units keep every --jobs process busy): one unit per (row, seed) in the priority order of
-    groups, then seed, then the group's rows; MP3 Table 3's fine-tunes of main's MP3 in the MP3 unit of their seed
-    (or together where main has no such seed); the controls (every seed at once) a unit of their own; the curves
-    one per row as ever; only / skip / speech_null respected."""
-    from patchplace.research.reproduction.plan import group_seeds, runs_of
+    groups, then seed, then the group's rows; only / skip / close_rows respected."""
+    from patchplace.research.reproduction.plan import run_seeds, runs_of
 
     cfg = pipeline_config.load(StudyConfig, None, ["unit_per_row=true", "seeds=[0,1]", "ablation_seeds=[0,1,2]",
-                                                   "speech_seeds=[0]", "skip=[randsac_square]", "speech_null=false",
-                                                   "curve_epochs=[0,1]", "curve_rows=[mp3,mae]"])
+                                                   "speech_seeds=[0]", "skip=[mp3_eta0.75]",
+                                                   "close_rows=[droppos_sigma0]", "close_seeds=[0,1,2,3]"])
     units = study.study_units(cfg)
-    assert [u.only for u in units[:2]] == [("mp3",), ("mae",)] and {u.groups for u in units[:2]} == {("curves",)}
-    units = units[2:]
-    assert units[0] == study.Unit(("main",), 0, ("controls",)), "the controls: one unit, first main seed, first"
-    assert sum("controls" in u.only for u in study.study_units(cfg)) == 1
-    rows = [(name, u.seed) for u in units for name in u.only if name != "controls"]
-    expected = [(r.name, s) for g in GROUPS if g != "curves" for r in runs_of((g,), (), cfg.skip)
-                for s in group_seeds(cfg, g) if r.name != "speech_null"]
+    rows = [(name, u.seed) for u in units for name in u.only]
+    expected = [(r.name, s) for g in GROUPS for r in runs_of((g,), (), cfg.skip) for s in run_seeds(cfg, r)]
     assert sorted(rows) == sorted(expected) and len(rows) == len(set(rows)), "every (row, seed) exactly once"
-    for seed in (0, 1):  # main's seeds: the fine-tunes of main's MP3 ride in its MP3 unit
-        assert study.Unit(("main", "mp3_pe"), seed, ("mp3", "mp3_ft_none", "mp3_ft_relbias2d")) in units
-    assert study.Unit(("mp3_pe",), 2, ("mp3_ft_none", "mp3_ft_relbias2d")) in units, \
-        "no main seed 2: the two fine-tunes share one MP3 pretraining"
-    assert study.Unit(("mp3_pe",), 0, ("supervised_nope",)) in units, "rows of their own stay apart"
-    assert all(len(u.only) == 1 for u in units if "mp3" not in u.only and u.groups != ("mp3_pe",))
+    assert ("droppos_sigma0", 3) in rows and ("mp3_eta0", 3) not in rows, "close_seeds for the close rows only"
+    assert all(len(u.only) == 1 for u in units)
     order = {r.name: i for i, r in enumerate(RUNS)}
-    keys = [(cfg.groups.index(u.groups[0]), u.seed, order.get(u.only[0], -1)) for u in units]
+    keys = [(cfg.groups.index(u.groups[0]), u.seed, order[u.only[0]]) for u in units]
     assert keys == sorted(keys), "priority: groups, then seed, then the group's rows"
-    mp3 = next(u for u in units if "mp3" in u.only and u.seed == 0)
-    assert mp3.overrides() == ["groups=[main,mp3_pe]", "only_seeds=[0]", "only=[mp3,mp3_ft_none,mp3_ft_relbias2d]"]
-    assert str(mp3) == "main+mp3_pe mp3,mp3_ft_none,mp3_ft_relbias2d seed 0", "as --jobs names it in its queue"
-    assert study.study_units(dataclasses.replace(cfg, unit_per_row=False))[2] == study.Unit(("main", "mp3_pe"), 0)
-    only = study.study_units(dataclasses.replace(cfg, only=("mae",), curve_epochs=()))
-    assert only == [study.Unit(("main",), 0, ("mae",)), study.Unit(("main",), 1, ("mae",))], \
-        "only: its rows, no controls unless named"
-    assert study.study_units(dataclasses.replace(cfg, controls=False))[2:][0].only == ("supervised",)
+    assert units[0].overrides() == ["groups=[main]", "only_seeds=[0]", "only=[supervised]"]
+    assert str(units[0]) == "main supervised seed 0", "as --jobs names it in its queue"
+    only = study.study_units(dataclasses.replace(cfg, only=("mae",)))
+    assert only == [study.Unit(("main",), 0, ("mae",)), study.Unit(("main",), 1, ("mae",))]
     with pytest.raises(pipeline_config.ConfigError, match="unknown run"):
-        pipeline_config.load(StudyConfig, None, ["skip=[controls]"])
+        pipeline_config.load(StudyConfig, None, ["only=[controls]"])
 
 
 @pytest.mark.slow
-def test_a_per_row_study_in_jobs_reports_the_rows_of_one_seed_and_the_controls_together(shards, tmp_path, capsys):
-    """unit_per_row through --jobs: the controls unit and two row units of one seed, each run by a process of its
-    own in the shared runs/, make one report holding both rows on that seed, the controls and their minutes."""
+def test_a_per_row_study_in_jobs_runs_each_row_in_a_process_of_its_own(shards, tmp_path, capsys):
+    """unit_per_row through --jobs: two row units of one seed, each run by a process of its own in the shared
+    runs/, leave both rows on that seed."""
     args = [f"runs={tmp_path / 'runs'}", f"results={tmp_path / 'results'}", "preset=vit_micro", "batch_size=8",
-            "pretrain_epochs=0.25", "finetune_epochs=0.25", "num_workers=0", f"fashion_mnist={shards / 'img'}",
-            "groups=[main,randsac]", "probe_only=[randsac]", "only=[controls,randsac_raster,randsac_square]",
-            "seeds=[0]", "ablation_seeds=[0]", "unit_per_row=true", "label_fractions=[0.5]",
-            "label_finetune_epochs=[1]", "probe_train_samples=16", "probe_val_samples=16", "probe_epochs=1",
-            "probe_extras=false", "holdout=12", "test_samples=16", "compare_with=null", "threads=1"]
+            "pretrain_epochs=0.25", "num_workers=0", f"fashion_mnist={shards / 'img'}", "groups=[mp3_eta]",
+            "probe_only=[mp3_eta]", "ablation_seeds=[0]", "unit_per_row=true", "probe_train_samples=16",
+            "probe_val_samples=16", "probe_epochs=1", "curve_samples=8", "holdout=12", "gate=false",
+            "test_samples=16", "threads=1"]
     assert study.main(["--jobs", "2", *args]) == 0
     out = capsys.readouterr().out
-    assert ("3 units (main controls seed 0, randsac randsac_raster seed 0, randsac randsac_square seed 0) over 2 "
-            "processes, 1 thread(s) each") in out, out
+    assert ("2 units (mp3_eta mp3_eta0.75 seed 0, mp3_eta mp3_eta0 seed 0) over 2 processes, 1 thread(s) "
+            "each") in out, out
     assert sorted(p.name for p in (tmp_path / "runs").glob("job*.log")) == ["job0.log", "job1.log"]
     assert {run: [m["seed"] for m in ms] for run, ms in measured(args).items()} == {
-        "randsac_raster": [0], "randsac_square": [0]}
+        "mp3_eta0.75": [0], "mp3_eta0": [0]}
 
 
 @pytest.mark.slow
-def test_the_gate_probes_validation_at_every_budget_and_row_seeds_add_seeds(shards, tmp_path):
-    """The learned gate's stage probes every ladder budget (a kept snapshot) and the final checkpoint on the
-    validation split beside the same seed's random init; the snapshot is probed on test too; ``close_rows`` run
-    ``close_seeds``, ``row_pretrain_epochs`` lengthens its pretraining; the MP3 eta curve has eval eta 0.55."""
-    args = ["--config", str(ROOT / "pipelines" / "configs" / "study_fashion_mnist.yaml"), f"runs={tmp_path / 'runs'}",
-            f"results={tmp_path / 'results'}", "preset=vit_micro", "pretrain_epochs=0.25", "batch_size=8",
-            "num_workers=0", f"fashion_mnist={shards / 'img'}", "groups=[main,mp3_eta]", "only=[stop,mp3_eta0]",
-            "close_rows=[stop]", "close_seeds=[0,1]", "row_pretrain_epochs.stop=0.5", "gate_budgets=[0.25]",
-            "holdout=12",
-            "gate_val_samples=12", "probe_train_samples=32", "probe_val_samples=32", "probe_epochs=2",
-            "test_samples=32", "curve_samples=16", "label_fractions=[0.5]", "label_finetune_epochs=[1]",
-            "seeds=[0]", "ablation_seeds=[0]", "controls=false", "reuse_results=false", "compare_with=null",
-            "overrides=[data.shuffle_buffer=16]"]
+def test_the_gate_probes_validation_and_row_seeds_add_seeds(shards, tmp_path):
+    """The learned gate's stage probes the final checkpoint on the validation split beside the same seed's random
+    init; ``close_rows`` run ``close_seeds``, ``row_pretrain_epochs`` lengthens its pretraining; the MP3 eta curve
+    has eval eta 0.55."""
+    args = [f"runs={tmp_path / 'runs'}", f"results={tmp_path / 'results'}", "preset=vit_micro",
+            "pretrain_epochs=0.25", "batch_size=8", "num_workers=0", f"fashion_mnist={shards / 'img'}",
+            "groups=[main,mp3_eta]", "only=[stop,mp3_eta0]", "full_label_rows=[supervised]",
+            "first_seed_finetunes=false", "probe_only=[mp3_eta]", "close_rows=[stop]", "close_seeds=[0,1]",
+            "row_pretrain_epochs.stop=0.5", "holdout=12", "gate_val_samples=12", "probe_train_samples=32",
+            "probe_val_samples=32", "probe_epochs=2", "test_samples=32", "curve_samples=16", "seeds=[0]",
+            "ablation_seeds=[0]", "overrides=[data.shuffle_buffer=16]"]
     assert study.main(args) == 0
     rows = measured(args)
     assert [m["seed"] for m in rows["stop"]] == [0, 1] and [m["seed"] for m in rows["mp3_eta0"]] == [0]
     for m in rows["stop"]:
-        assert m["pretrain_epochs"] == 0.5 and set(m["gate"]["probe"]) == {"0.25", "0.5"}
+        assert m["pretrain_epochs"] == 0.5 and set(m["gate"]["probe"]) == {"0.5"}
         assert m["gate"]["val_samples"] == 12 and m["gate"]["random_init"] == "sincos2d/patch_mean"
-        assert set(m["budgets"]) == {"0.25"} and "linear_probe" in m["budgets"]["0.25"]
-        assert (tmp_path / "runs" / f"seed{m['seed']}" / "stop" / "pretrain" / "snapshots" / "epoch-0.25").is_dir()
     eta0 = rows["mp3_eta0"][0]
-    assert set(eta0["gate"]["probe"]) == {"0.25"} and "budgets" not in eta0
-    assert "0.55" in eta0["mp3_eta_curve"]
+    assert set(eta0["gate"]["probe"]) == {"0.25"} and "0.55" in eta0["mp3_eta_curve"]
     gate = json.loads((tmp_path / "runs" / "seed0" / "stop" / "gate" / "controls.json").read_text())
     assert gate["test_split"] == "holdout" and gate["seeds"] == [0], "the gate reads validation, on the row's seed"
-
-
-def test_a_results_file_holding_a_row_whole_is_not_run_again_and_other_budgets_are_not_merged(tmp_path):
-    """reuse_results: a (row, seed) an earlier study.json at this budget holds whole (a gated row: with its gate at
-    every budget) plans no unit; one without the gate (measured before it) is run again; an earlier row pretrained
-    for other epochs (row_pretrain_epochs) is another budget and is not merged; the controls of the same seeds are
-    reused."""
-    from patchplace.research.reproduction.metrics import earlier_rows, measured_before
-
-    cfg = pipeline_config.load(StudyConfig, None, [
-        f"runs={tmp_path / 'runs'}", f"results={tmp_path}", "groups=[main]", "seeds=[0,1]", "unit_per_row=true",
-        "reuse_results=true", "row_pretrain_epochs={stop: 1.0}", "gate_budgets=[0.25]", "pretrain_epochs=0.25",
-        "only=[supervised,mp3,stop,controls]"])
-    gate_at = {"probe": {"0.25": 0.7}, "random": 0.5, "random_init": "none/mean", "pixels": 0.8}
-    results = {"supervised": [{"seed": s, "top1": 0.7, "pretrain_epochs": 0.0} for s in (0, 1)],
-               "mp3": [{"seed": 0, "pretrain_epochs": 0.25, "linear_probe": 0.7, "gate": gate_at},
-                       {"seed": 1, "pretrain_epochs": 0.25, "linear_probe": 0.7}],
-               "stop": [{"seed": s, "pretrain_epochs": 0.25, "linear_probe": 0.6, "gate": gate_at} for s in (0, 1)]}
-    (tmp_path / "study.json").write_text(json.dumps({
-        "harness": HARNESS_VERSION, "config": dataclasses.asdict(cfg), "results": results,
-        "controls": {"seeds": [0, 1], "controls": {}}}))
-    reused = Study(cfg)
-    assert "stop" not in earlier_rows(reused), "pretrained 0.25 epoch, this study pretrains StoP for 1"
-    assert measured_before(reused) == {("supervised", 0), ("supervised", 1), ("mp3", 0), ("controls", 0)}
-    assert [str(u) for u in study.row_units(cfg)] == ["main stop seed 0", "main mp3 seed 1", "main stop seed 1"]

@@ -7,5 +7,5 @@ command lines as subprocesses), never a part of it.
     benchmark.py    speed and memory suites (``python pipelines/benchmark.py``; benchmarks/: one module a family)
 
 On a CUDA machine the GPU work is ``pytest -m gpu``, ``python pipelines/benchmark.py --suite gpu`` and the study's
-own resumable command (``python pipelines/study.py --config pipelines/configs/study_gpu.yaml``).
+own resumable command (``python pipelines/study.py --config pipelines/configs/study_v5_gpu4px.yaml``).
 """

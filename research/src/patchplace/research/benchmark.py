@@ -88,7 +88,7 @@ for ``all`` and ``gpu``, ``runs/benchmark`` otherwise. Suites:
               data, epochs (--anchor-epochs) and recipe: test top-1 and samples/s per --anchor-seeds.
   speed       the study ViT at GPU speed: images/s of every --speed-methods' training through pretrain.py
               (finetune: finetune.py's supervised recipe), a process per run on the in-memory path, at each rung
-              of a ladder: before (study_gpu.yaml's batch 256, foreach AdamW, eager) -> fused (AdamW's fused
+              of a ladder: before (a GPU study's batch 256, foreach AdamW, eager) -> fused (AdamW's fused
               kernel) -> lazy (run.finite_check=lazy: no host sync per step) -> batch (--speed-batch, peak lr
               scaled linearly from 256) -> compile (run.compile=--speed-compile) -> processes
               (--speed-processes such runs at once, summed): each rate over the
@@ -101,7 +101,7 @@ for ``all`` and ``gpu``, ``runs/benchmark`` otherwise. Suites:
               peaks of the same run, headed by the CPU's name and bf16-relevant flags. On a CPU without bf16 units
               the bf16 rungs run --cpu-speed-slow-steps steps, for --cpu-speed-slow-methods only. Writes
               <out>/benchmark_cpu_speed.{json,md} (--update: replace the measured methods' rows); needs the shards.
-  cpu_equivalence  bf16 vs fp32 training through the study's own stages (study_fashion_mnist.yaml +
+  cpu_equivalence  bf16 vs fp32 training through the study's own stages (StudyConfig's defaults +
               --equivalence-study): --equivalence-methods x --equivalence-seeds, both precisions from the same
               seed, the 1% linear probe and the fine-tuned top-1 on the validation split; a seed-paired TOST at
               alpha 0.05, margin +-1 pt, per method and measure. bf16 runs natively on a CPU with bf16 units,
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.max_samples == 0:
         args.max_samples = None
-    study = args.suite == "all"  # all: the study's model and loader (pipelines/configs/study_fashion_mnist.yaml)
+    study = args.suite == "all"  # all: the study's model and loader (its defaults, reproduction/plan.py)
     if study:
         args.pipelines_preset = args.pipelines_preset or STUDY["preset"]
     if args.pipelines_batch is None:

@@ -94,7 +94,7 @@ def study_parser(argv: list[str]) -> argparse.ArgumentParser:
         epilog = help_epilog(StudyConfig, argv)
     p = argparse.ArgumentParser(description=description(MODULES["study"]), formatter_class=HelpFormatter,
                                 epilog=epilog)
-    p.add_argument("--config", help="YAML file (pipelines/configs/study_fashion_mnist.yaml)")
+    p.add_argument("--config", help="YAML file (pipelines/configs/study_v5.yaml)")
     p.add_argument("--report-only", action="store_true", help="only (re)write the results from finished runs")
     p.add_argument("--jobs", type=int, default=1, help="study processes sharing the groups (default: 1)")
     p.add_argument("--no-report", action="store_true",

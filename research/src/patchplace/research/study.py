@@ -1,25 +1,21 @@
-"""Reproduction study: every method on the same data, backbone and budget, then the ablations that carry each
-paper's claim, in miniature; results (JSON, markdown tables, PNGs) go to ``results/``.
+"""Reproduction study: the rows a pre-registered protocol reads, trained and measured on the same data, backbone
+and budget; its report (JSON, markdown) goes to ``results/``.
 
     make study                                                         # = the line below
-    python pipelines/study.py --config pipelines/configs/study_fashion_mnist.yaml
-    python pipelines/study.py --config pipelines/configs/study_fashion_mnist.yaml groups=[main] seeds=[0,1,2]
-    python pipelines/study.py --config pipelines/configs/study_fashion_mnist.yaml --report-only
+    python pipelines/study.py --jobs 2 --config pipelines/configs/study_v5.yaml
+    python pipelines/study.py --config pipelines/configs/study_v5.yaml --report-only
 
-Fashion-MNIST padded to 32 x 32, patch 4 (64 positions, the MP3 CIFAR setting), one small ViT (``preset``) for all
-methods. Each pretraining method is followed by the same fine-tuning recipe (``finetune_fashion_mnist.yaml`` +
-``finetune_overrides``); the supervised baseline and MJP (a supervised recipe) train from scratch for the same
-*total* epochs. Per run: PyTorch evaluation (top-1, MJP consistency / Diff. Norm over eval gamma), probes of the
-backbone (linear at 100% and 1% of the labels, kNN per layer, position probe, MP3 eta curve, DropPos grid), and for
-the main table the ONNX export + ONNX Runtime evaluation (top-1, corruption errors -> mCE vs the supervised run).
+Fashion-MNIST padded to 32 x 32 (patch ``patch_size``), one small ViT (``preset``) for all methods. Per row: its
+pretraining (or, for the supervised and MJP classifiers, training from scratch to convergence on validation),
+the learned gate on validation, linear probes, the MP3 eta curve / DropPos grid (validation and test), and a
+classifier's top-1 on the test split, read once.
 
-Groups (``groups=[...]``): main, mp3_pe (MP3 Table 3), mp3_eta (Figs. 3 and 6), droppos (Tables 1, 3, 4), mjp
-(Table 3, Fig. 3), randsac (Tables 2, 5, 7), speech (MP3 Table 5). StoP vs I-JEPA (Tables 1, 6) is in main.
+Groups (``groups=[...]``): main (supervised, MJP and every method's main row), mp3_eta (MP3 Fig. 3), droppos
+(DropPos Table 3), speech (MP3 Table 5).
 
 Resumable: every stage of every run leaves ``DONE`` and a killed run resumes from its last checkpoint; two study
-processes may run different groups at once (a stage being run by one is refused to the other). The budget knobs are
-all in the config (epochs, seeds, probe sizes, threads); the defaults finish on a 2-core CPU in the time stated in
-``study_fashion_mnist.yaml``, and scale up by config on a GPU.
+processes may run different units at once (a stage being run by one is refused to the other). The budget knobs are
+all in the config (:class:`~patchplace.research.reproduction.plan.StudyConfig`).
 """
 
 from __future__ import annotations
@@ -44,21 +40,13 @@ from patchplace.pipelines.config import ConfigError, load
 from patchplace.pipelines.engine.hardware import precision_line, resolve_precision
 from patchplace.pipelines.stages import StageError
 from patchplace.research.cli import study_parser
-from patchplace.research.reproduction.metrics import measured_before
-from patchplace.research.reproduction.plan import (
-    CONTROLS,
-    StudyConfig,
-    group_seeds,
-    measures_controls,
-    run_seeds,
-    runs_of,
-)
+from patchplace.research.reproduction.plan import StudyConfig, group_seeds, run_seeds, runs_of
 from patchplace.research.reproduction.protocol import ProtocolError, load_protocol
 from patchplace.research.reproduction.report import report
 from patchplace.research.reproduction.runner import Study
 from patchplace.research.reproduction.schedule import run_protocol, with_decisions
 
-__all__ = ["Unit", "main", "reused", "row_units", "run_jobs", "seeds_of_group", "study_units", "with_curves"]
+__all__ = ["Unit", "main", "row_units", "run_jobs", "seeds_of_group", "study_units"]
 
 # The study in modules (reproduction/): plan (budget knobs, groups, runs), runner (the stages), metrics (the
 # numbers), claims (the verdicts), report (tables, figures, results files); this file: the command line and the
@@ -67,9 +55,8 @@ __all__ = ["Unit", "main", "reused", "row_units", "run_jobs", "seeds_of_group", 
 
 @dataclass(frozen=True)
 class Unit:
-    """What one study process of ``--jobs`` runs: groups together on one seed (mp3_pe rides with main: it
-    fine-tunes main's MP3); a learning curve is a unit of its own, and with ``unit_per_row`` every row (``only``:
-    the unit's rows, or ``controls``). In the config's priority order."""
+    """What one study process of ``--jobs`` runs: a group on one seed, or with ``unit_per_row`` one row (``only``:
+    the unit's row). In the config's priority order."""
 
     groups: tuple[str, ...]
     seed: int
@@ -84,64 +71,24 @@ class Unit:
 
 
 def study_units(cfg: StudyConfig) -> list[Unit]:
-    """Every (groups, seed) unit once, in the priority order of ``cfg.groups``, then by seed; one unit per
-    learning curve. ``unit_per_row``: every (row, seed) instead (:func:`row_units`)."""
+    """Every (group, seed) unit once, in the priority order of ``cfg.groups``, then by seed; ``unit_per_row``:
+    every (row, seed) instead (:func:`row_units`)."""
     if cfg.unit_per_row:
-        return with_curves(cfg, row_units(cfg))
-    units: dict[tuple[str, int], list[str]] = {}
-    for group in cfg.groups:
-        if group == "curves":
-            continue
-        for seed in seeds_of_group(cfg, group):
-            host = ("main", seed) if group == "mp3_pe" and ("main", seed) in units else (group, seed)
-            units.setdefault(host, []).append(group)
-    return with_curves(cfg, [Unit(tuple(groups), seed) for (_, seed), groups in units.items()])
-
-
-def reused(cfg: StudyConfig) -> set[tuple[str, int]]:
-    """``reuse_results``: the (row, seed)s results/<name>.json holds whole at this budget, not run again."""
-    return measured_before(Study(cfg)) if cfg.reuse_results else set()
+        return row_units(cfg)
+    return [Unit((group,), seed) for group in cfg.groups for seed in seeds_of_group(cfg, group)]
 
 
 def seeds_of_group(cfg: StudyConfig, group: str) -> list[int]:
-    """Every seed a row of ``group`` runs (its group's seeds and the rows' ``row_seeds``), ascending."""
+    """Every seed a row of ``group`` runs (its group's seeds and the ``close_seeds`` of its close rows), ascending."""
     return sorted({*group_seeds(cfg, group), *(s for run in runs_of((group,), cfg.only, cfg.skip)
                                                 for s in run_seeds(cfg, run))})
 
 
 def row_units(cfg: StudyConfig) -> list[Unit]:
     """One unit per (row, seed) of the groups (``only`` / ``skip`` applied), in the order of the groups, then the
-    seed, then the group's rows. A row that fine-tunes another row's pretraining (``pretrain_from``: MP3 Table 3's
-    fine-tunes of main's MP3) joins that row's unit of its seed, or shares one with its siblings where that row
-    has no unit (a fresh run directory per unit: apart, each would pretrain again); main's probe controls (all
-    seeds at once) are a unit of their own on the first main seed, ahead of its rows."""
-    units: dict[tuple[str, int], tuple[list[str], list[str]]] = {}  # (host row, seed) -> (groups, rows)
-    for group in cfg.groups:
-        if group == "curves":
-            continue
-        for seed in seeds_of_group(cfg, group):
-            if group == "main" and seed == cfg.seeds[0] and cfg.controls and measures_controls(("main",), cfg.only):
-                units[(CONTROLS, seed)] = (["main"], [CONTROLS])
-            for run in runs_of((group,), cfg.only, cfg.skip):
-                if (run.name == "speech_null" and not cfg.speech_null) or seed not in run_seeds(cfg, run):
-                    continue
-                groups, rows = units.setdefault((run.pretrain_from or run.name, seed), ([], []))
-                groups += [] if group in groups else [group]
-                rows.append(run.name)
-    done = reused(cfg)
-    return [Unit(tuple(sorted(groups, key=cfg.groups.index)), seed, tuple(rows))
-            for (_, seed), (groups, rows) in units.items() if not all((row, seed) in done for row in rows)]
-
-
-def with_curves(cfg: StudyConfig, ordered: list[Unit]) -> list[Unit]:
-    """``ordered`` with a unit per learning curve (``only``: its row) where the groups put the curves."""
-    if "curves" not in cfg.groups or not cfg.curve_epochs:
-        return ordered
-    curves = [Unit(("curves",), cfg.curve_seed, (name,)) for name in cfg.curve_rows]
-    at = cfg.groups.index("curves")
-    before = sum(1 for u in ordered if cfg.groups.index(u.groups[0]) < at)
-    return ordered[:before] + curves + ordered[before:]
-
+    seed, then the group's rows."""
+    return [Unit((group,), seed, (run.name,)) for group in cfg.groups for seed in seeds_of_group(cfg, group)
+            for run in runs_of((group,), cfg.only, cfg.skip) if seed in run_seeds(cfg, run)]
 
 
 def run_jobs(args: argparse.Namespace, cfg: StudyConfig, call: Callable[..., int] | None = None) -> int:
@@ -231,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     elif not args.report_only:
         try:
-            Study(cfg).run_all(reused(cfg))
+            Study(cfg).run_all()
         except StageError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -1,7 +1,7 @@
 """Does bf16 training train the same as float32? (cpu_equivalence): the test a faster precision passes before
 ``run.mixed_precision=auto`` adopts it (:mod:`patchplace.pipelines.engine.hardware`).
 
-For each of --equivalence-methods and --equivalence-seeds, the study's own stages (``study_fashion_mnist.yaml``:
+For each of --equivalence-methods and --equivalence-seeds, the study's own stages (its defaults, ``StudyConfig``:
 its ViT, budget, recipe and held-out validation split) train twice, in float32 and under bf16 autocast, from the
 same seed: pretraining, then the two numbers compared, both on the **validation** split (the test split is not
 read): the 1% linear probe of the pretrained backbone and the top-1 of its fine-tune. Each precision pair is
@@ -46,10 +46,10 @@ def bf16_training(pipeline: str) -> Callable[[list[str]], int]:
 
 
 def study(args: argparse.Namespace, precision: str) -> Study:
-    """The study's configuration (+ --equivalence-study) with the --equivalence-finetune rows fine-tuned (the
+    """The study's defaults (+ --equivalence-study) with the --equivalence-finetune rows fine-tuned (the
     others probed only), its runs below <runs>/<precision>/; bf16: its training stages in bf16
     (:func:`bf16_training`), its evaluations in float32."""
-    cfg = load(StudyConfig, CONFIGS / "study_fashion_mnist.yaml", list(args.equivalence_study))
+    cfg = load(StudyConfig, None, list(args.equivalence_study))
     finetuned = tuple(args.equivalence_finetune if args.equivalence_finetune is not None else
                       args.equivalence_methods)
     cfg = dataclasses.replace(cfg, runs=str(Path(args.equivalence_runs) / precision),

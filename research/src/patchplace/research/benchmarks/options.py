@@ -14,7 +14,7 @@ from patchplace.pipelines.cli import description
 from patchplace.pipelines.help import HelpFormatter
 from patchplace.pipelines.sections import ATTENTION_KERNELS
 
-STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # pipelines/configs/study_fashion_mnist.yaml
+STUDY = dict(preset="vit_cpu_narrow", img_size=32, in_chans=1, batch=128)  # the study's defaults (reproduction/plan.py)
 # benchmarks/suites.py's SUITES, in its order
 SUITES = ("matmul", "objectives", "masks", "data", "models", "onnx", "pipelines", "mp3_table2", "gpu", "ddp",
           "anchor", "saved_bytes", "speed", "cpu_speed", "cpu_equivalence", "profile", "data_writer",
@@ -243,7 +243,7 @@ def _cpu_equivalence_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--equivalence-seeds", type=int, nargs="+", default=[0, 1, 2],
                    help="seeds of each pair (default: 0 1 2)")
     g.add_argument("--equivalence-study", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="overrides of study_fashion_mnist.yaml for these runs (default: none: the study's budget)")
+                   help="overrides of the study's defaults (StudyConfig) for these runs (default: none)")
     g.add_argument("--equivalence-finetune", nargs="*", default=None, metavar="METHOD",
                    help="methods also fine-tuned and compared on fine-tuned top-1 (default: every method; none: "
                    "probes only)")

@@ -31,7 +31,7 @@ from patchplace.research.benchmarks.compute import peak_of
 from patchplace.research.benchmarks.flops import train_flops_or_none
 from patchplace.research.benchmarks.options import SPEED_METHODS  # (the command line lists them, without torch)
 
-STUDY_GPU_BATCH = 256  # study_gpu.yaml's data.batch_size: the setting the ladder starts from
+STUDY_GPU_BATCH = 256  # the batch of a GPU study process: the setting the ladder starts from
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
     plan.py     the budget knobs (``StudyConfig``), the groups, one ``Run`` per table row, ``CONFIGS``
     runner.py   the stages of each (run, seed) below ``runs/``: pretrain.py, finetune.py, evaluate.py,
-                controls.py, ONNX export + ONNX Runtime, each its command line as a process of its own
-                (``python -m ...``); each stage resumable
-    metrics.py  the numbers the stages left (results.json, logs), merged with an earlier study.json
-    corpora.py  the corpus a row was made on (manifest fingerprints), so no row is reused on another
+                controls.py (the gate), each its command line, in this process or as one of its own; each stage
+                resumable
+    metrics.py  the numbers the stages left (results.json, logs), merged with an earlier <name>.json
+    corpora.py  the corpus a row was made on (manifest fingerprints), so no row is merged for another
     stats.py    seed-paired tests, Holm, Welch, a paired test's power and the effect it detects at 80%
     gate.py     the learned gate: a feature counts as learned by a one-sided Welch test on validation
     claims.py   the protocol's claims, each decided in its regime by its Holm family

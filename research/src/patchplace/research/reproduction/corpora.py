@@ -1,5 +1,5 @@
-"""Which corpus a study row was made on: the manifest fingerprints of every split it reads, so ``reuse_results``
-(and the report's merge of an earlier ``study.json``) never carries a row of one corpus over to another.
+"""Which corpus a study row was made on: the manifest fingerprints of every split it reads, so the report's
+merge of an earlier results file never carries a row of one corpus over to another.
 
 A row records ``corpus``: ``{"path": <the configured directory>, <split>: <manifest fingerprint>, ...}``. Two
 records name the same corpus when their fingerprints are equal (the path may differ: another machine); where a side

@@ -1,17 +1,16 @@
 """What the study measured: each (run, seed)'s numbers read from its stages' ``results.json`` files, merged with
-an earlier ``results/study.json`` measured at the same budget and harness version."""
+an earlier ``results/<name>.json`` measured at the same budget and harness version."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from patchplace.pipelines.stages import stage_seconds
 from patchplace.research.reproduction.corpora import corpus_of, corpus_record, same_corpus, study_corpora
-from patchplace.research.reproduction.plan import CONTROLS, RUNS, Run, StudyConfig, fraction_key
+from patchplace.research.reproduction.plan import RUNS, Run, StudyConfig
 from patchplace.research.reproduction.protocol import PROVENANCE, read_starts
 from patchplace.research.reproduction.runner import Study
 
@@ -45,47 +44,19 @@ def still_improving(log: Path) -> bool:
     return bool(tops) and tops[-1] >= max(tops)
 
 
-def label_metrics(study: Study, run: Run, seed: int, probe: dict[str, Any]) -> dict[str, Any]:
-    """Top-1 after fine-tuning (supervised: training from scratch) on each label fraction, and the linear probes
-    of the pretrained backbone on the same subsets."""
-    m: dict[str, Any] = {}
-    for fraction in study.cfg.label_fractions if run.label_efficiency else ():
-        d = study.dir(run, seed) / f"label{fraction:g}"
-        if study.cfg.holdout:  # the best (or last) checkpoint tested once on the test split
-            test = read_json(d / "test" / "results.json")
-            ev = test["classification"] if test and "classification" in test else None
-            stopped = early_stop(d / "log.jsonl")
-            if ev is not None and stopped:
-                m[fraction_key("best_step", fraction)] = stopped["best_step"]
-            if ev is not None and study.cfg.label_patience:  # how the training stopped: early, or at the cap
-                m[fraction_key("stopped", fraction)] = "early" if stopped else (
-                    "cap, improving" if still_improving(d / "log.jsonl") else "cap")
-        else:  # no held-out split: the closing evaluation of the training stage, on the test images
-            ev = last_eval(d / "log.jsonl")
-        if ev is not None:
-            m[fraction_key("top1", fraction)] = ev["top1"]
-            m[fraction_key("minutes", fraction)] = (stage_seconds(d) or 0) / 60
-        probe_f = probe.get("linear_probe_label_fraction", {}).get(f"{fraction:g}")
-        if probe_f is not None:
-            m[fraction_key("linear_probe", fraction)] = probe_f["top1"]
-    return m
-
-
 def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     """The numbers of one (run, seed), or None when none of its evaluations has finished."""
     d = study.dir(run, seed)
     ev = read_json(d / "eval" / "results.json")
-    source = study.source(run, seed)
-    probe = ev if run.speech else read_json(source / "probe" / "results.json") or {}
-    labels = label_metrics(study, run, seed, probe)
+    probe = ev if run.speech else read_json(d / "probe" / "results.json") or {}
     probes_only = study.probe_only(run) or not study.full_label(run, seed)
-    if ev is None and not (probes_only and probe) and not labels:
+    if ev is None and not (probes_only and probe):
         return None
     ev = ev or {}
-    m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None, **labels}
+    m: dict[str, Any] = {"seed": seed, "top1": ev["classification"]["top1"] if ev else None}
     corpus = corpus_of(run.name)
-    m["corpus"] = corpus_record(getattr(study.cfg, corpus), corpus)  # what reuse_results matches it by
-    m.update(training_of(study, run, d, source, probes_only))
+    m["corpus"] = corpus_record(getattr(study.cfg, corpus), corpus)  # what a later report merges it by
+    m.update(training_of(study, run, d, probes_only))
     if "consistency" in ev:
         m["consistency_curve"] = ev["consistency"]
         if "0.15" in ev["consistency"]:
@@ -94,17 +65,12 @@ def metrics_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     gate = gate_of(study, run, seed)
     if gate:
         m["gate"] = gate
-    budgets = {f"{b:g}": numbers for b in study.budgets(run) if study.gated(run)
-               and (numbers := probe_numbers(read_json(d / f"probe_e{b:g}" / "results.json") or {}))}
-    if budgets:
-        m["budgets"] = budgets
     m.update(probe_metrics(probe, run))
     m.update(provenance_of(d), **validation_of(d), **training_stop(study, run, seed))
-    m.update(privacy_of(d), **ort_metrics(read_json(d / "ort" / "results.json") or {}))
     return m
 
 
-def training_of(study: Study, run: Run, d: Path, source: Path, probes_only: bool) -> dict[str, Any]:
+def training_of(study: Study, run: Run, d: Path, probes_only: bool) -> dict[str, Any]:
     """What a (run, seed) trained: its pretraining and fine-tuning epochs, their minutes and the PE it fine-tuned
     with."""
     pre, ft = study.epochs(run)
@@ -114,27 +80,22 @@ def training_of(study: Study, run: Run, d: Path, source: Path, probes_only: bool
     if run.classifier_only:
         return dict(pretrain_epochs=0.0, finetune_epochs=ft if run.speech else pre + ft,
                     minutes=(stage_seconds(d / "train") or 0) / 60,
-                    finetune_pe=run.scratch_pe if not run.speech else "sincos1d")
-    return dict(pretrain_epochs="1 step" if run.name == "speech_null" else pre, finetune_epochs=ft,
-                minutes=((stage_seconds(source / "pretrain") or 0) + (stage_seconds(d / "finetune") or 0)) / 60,
+                    finetune_pe="learned" if not run.speech else "sincos1d")
+    return dict(pretrain_epochs=pre, finetune_epochs=ft,
+                minutes=((stage_seconds(d / "pretrain") or 0) + (stage_seconds(d / "finetune") or 0)) / 60,
                 finetune_pe={"keep": "sincos1d" if run.speech else "sincos2d (kept)"}.get(run.finetune_pe,
                                                                                           run.finetune_pe))
 
 
 def probe_metrics(probe: dict[str, Any], run: Run) -> dict[str, Any]:
-    """The frozen-feature numbers of a probe evaluation's results: linear and kNN probes, the position probe, the
-    method's own position accuracy (MP3's eta curve, DropPos's grid)."""
+    """The frozen-feature numbers of a probe evaluation's results: the linear probes, the method's own position
+    accuracy (MP3's eta curve, DropPos's grid)."""
     m: dict[str, Any] = {}
     if "linear_probe" in probe:
         m["linear_probe"] = probe["linear_probe"]["top1"]
         m["linear_probe_1pct"] = probe["linear_probe_low_label"]["top1"]
         # the random-init control it is read against: the same architecture (PE) and feature
         m["probe_feature"], m["probe_pos_embed"] = probe.get("probe_feature"), probe.get("probe_pos_embed")
-    if "knn_per_layer" in probe:
-        layer, value = max(probe["knn_per_layer"].items(), key=lambda kv: kv[1])
-        m.update(knn=value, knn_layer=layer, knn_last=list(probe["knn_per_layer"].values())[-1])
-    if "position_probe" in probe:
-        m["position_probe"] = probe["position_probe"]["top1"]
     if "mp3_position_accuracy" in probe:
         m["mp3_eta_curve"] = probe["mp3_position_accuracy"]
         eta = next((float(o.split("=")[1]) for o in run.objective if o.startswith("objective.eta=")), 0.5)
@@ -142,29 +103,6 @@ def probe_metrics(probe: dict[str, Any], run: Run) -> dict[str, Any]:
     if "droppos_grid" in probe:
         m["droppos_grid"] = probe["droppos_grid"]
         m["position_accuracy"] = probe["droppos_grid"]["mean"]
-    return m
-
-
-def privacy_of(d: Path) -> dict[str, Any]:
-    """{"privacy": per attack and setting, "privacy_setup": ...} of a (row, seed)'s privacy stage, or {}."""
-    privacy = (read_json(d / "privacy" / "results.json") or {}).get("privacy")
-    if not privacy:
-        return {}
-    setup = {k: privacy[k] for k in ("images", "batch_size", "ratio", "attacks", "unknown_pe_given")}
-    return {"privacy": {attack: {s: {k: v[k] for k in ("mse", "psnr", "ssim", "fft2d")} for s, v in settings.items()}
-                        for attack, settings in privacy["metrics"].items()},
-            "privacy_setup": {**setup, "steps": privacy["attack"]["steps"]}}
-
-
-def ort_metrics(ort: dict[str, Any]) -> dict[str, Any]:
-    """ONNX Runtime's top-1 and corruption errors of a (row, seed), or {} where it was not exported."""
-    if not ort:
-        return {}
-    m: dict[str, Any] = {"top1_ort": ort["accuracy"]["top1"]}
-    if "robustness" in ort:
-        m["corruption_errors"] = {k: v["error"] for k, v in ort["robustness"]["errors"].items()}
-        m["mean_corruption_error"] = ort["robustness"]["mean_error"]
-        m["corruptions_failed"] = sorted(ort["robustness"]["failed"])
     return m
 
 
@@ -203,54 +141,31 @@ def training_stop(study: Study, run: Run, seed: int) -> dict[str, Any]:
             "epochs_cap": cap, **({"validation_top1": max(tops)} if tops else {})}
 
 
-def probe_numbers(probe: dict[str, Any]) -> dict[str, float]:
-    """The linear probes of one probe stage: all-label probe set and each label fraction."""
-    numbers = {"linear_probe": probe["linear_probe"]["top1"]} if "linear_probe" in probe else {}
-    for fraction, result in probe.get("linear_probe_label_fraction", {}).items():
-        numbers[fraction_key("linear_probe", float(fraction))] = result["top1"]
-    return numbers
-
-
 def gate_of(study: Study, run: Run, seed: int) -> dict[str, Any] | None:
     """The learned gate's numbers of one (row, seed) on the validation split (``<run>/gate``): the linear probe
-    of its features at each budget (ladder snapshots and the final checkpoint, by epochs), the random init of the
-    same architecture and feature on this seed, and raw pixels; None before the gate stage finished."""
+    of its features by pretraining epochs, the random init of the same architecture and feature on this seed, and
+    raw pixels; None before the gate stage finished."""
     measured = read_json(study.dir(run, seed) / "gate" / "controls.json")
     if not measured:
         return None
-    # a snapshot by its path (resolved: the study may have run from another working directory), else its epoch
-    by_path = {study.snapshot(run, seed, b).resolve(): b for b in study.budgets(run)}
     final = study.epochs(run)[0]
-    probes = {f"{by_path.get(Path(path).resolve(), r.get('epoch') or final):g}": r["linear"]["probe_set"]
-              for path, r in measured["checkpoints"].items()}
+    probes = {f"{r.get('epoch') or final:g}": r["linear"]["probe_set"] for r in measured["checkpoints"].values()}
     controls = measured["controls"]
     return {"probe": dict(sorted(probes.items(), key=lambda kv: float(kv[0]))),
             "random": controls["random_linear"]["probe_set"][0], "random_init": measured["random_inits"][0],
             "pixels": controls["pixels_linear"]["probe_set"][0], "val_samples": measured["test_samples"]}
 
 
-def add_mce(rows: dict[str, list[dict[str, Any]]]) -> None:
-    """mCE (ImageNet-C): mean over corruptions of error / the supervised run's error, seed by seed."""
-    reference = {m["seed"]: m.get("corruption_errors") for m in rows.get("supervised", [])}
-    for metrics in rows.values():
-        for m in metrics:
-            ref = reference.get(m["seed"])
-            if ref and "corruption_errors" in m:
-                m["mce"] = statistics.mean(e / ref[k] for k, e in m["corruption_errors"].items() if ref.get(k))
-
-
 # Fields that change a run's numbers: an earlier results/study.json is reused only when all of them match.
-BUDGET_FIELDS = ("preset", "holdout", "label_patience", "label_finetune", "pretrain_epochs", "finetune_epochs",
-                 "probe_only", "batch_size", "finetune_overrides",
-                 "probe_train_samples", "probe_val_samples", "probe_epochs", "curve_samples",
-                 "ort_consistency_samples", "robustness_samples", "speech_pretrain_epochs", "speech_finetune_epochs",
-                 "test_samples", "overrides", "speech_overrides", "label_fractions", "label_finetune_epochs",
-                 "label_subset_seed", "label_batch_size", "probe_extras")
+BUDGET_FIELDS = ("preset", "holdout", "pretrain_epochs", "finetune_epochs", "probe_only", "batch_size",
+                 "finetune_overrides", "probe_train_samples", "probe_val_samples", "probe_epochs", "curve_samples",
+                 "speech_pretrain_epochs", "speech_finetune_epochs", "test_samples", "overrides", "speech_overrides",
+                 "label_subset_seed")
 
 
 def earlier_study(cfg: StudyConfig) -> dict[str, Any]:
     """An earlier ``results/study.json`` measured at this budget (another machine, or a ``runs/`` since cleaned),
-    or {}: its rows, controls, curves and stage minutes stand where ``runs/`` no longer holds them. A different
+    or {}: its rows and stage minutes stand where ``runs/`` no longer holds them. A different
     budget is ignored, with a note; so is what was made on another corpus (:func:`on_these_corpora`)."""
     path = Path(cfg.results) / f"{cfg.name}.json"
     earlier = read_json(path)
@@ -265,13 +180,11 @@ def earlier_study(cfg: StudyConfig) -> dict[str, Any]:
 
 def on_these_corpora(earlier: dict[str, Any], cfg: StudyConfig) -> dict[str, Any]:
     """``earlier`` without the rows made on another corpus than ``cfg`` reads (each row's recorded manifest
-    fingerprints, ``reproduction.corpora``), and without its controls and curves where its images were another
-    corpus: a row is never reused, nor reported, for a corpus it was not measured on."""
+    fingerprints, ``reproduction.corpora``): a row is never reported for a corpus it was not measured on."""
     now = study_corpora(cfg)
     results = {name: [m for m in rows if same_corpus(m.get("corpus"), now[corpus_of(name)], corpus_of(name))]
                for name, rows in (earlier.get("results") or {}).items()}
-    images = same_corpus((earlier.get("corpora") or {}).get("fashion_mnist"), now["fashion_mnist"], "fashion_mnist")
-    return {**earlier, "results": results, **({} if images else {"controls": None, "curves": None})}
+    return {**earlier, "results": results}
 
 
 def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
@@ -281,7 +194,6 @@ def earlier_results(cfg: StudyConfig) -> dict[str, list[dict[str, Any]]]:
     rows = earlier_study(cfg).get("results", {})
     for metrics in rows.values():
         for m in metrics:
-            m.pop("mce", None)  # recomputed against the supervised rows of the merged table
             m.setdefault("source", str(path))
     return rows
 
@@ -319,22 +231,6 @@ def earlier_rows(study: Study) -> dict[str, dict[int, dict[str, Any]]]:
     return rows
 
 
-def measured_before(study: Study) -> set[tuple[str, int]]:
-    """The (row, seed)s an earlier ``study.json`` at this budget holds whole (a gated row with its gate at every
-    budget), and ("controls", first seed) when it holds the probe controls of these seeds: ``reuse_results`` runs
-    none of them again (another machine, or a ``runs/`` since cleaned)."""
-    done = set()
-    for run in RUNS:
-        for seed, m in earlier_rows(study).get(run.name, {}).items():
-            needs = {f"{b:g}" for b in (*study.budgets(run), study.epochs(run)[0])} if study.gated(run) else set()
-            if needs <= set((m.get("gate") or {}).get("probe", {})):
-                done.add((run.name, seed))
-    controls = earlier_study(study.cfg).get("controls") or {}
-    if controls.get("seeds") == list(study.cfg.seeds):
-        done.add((CONTROLS, study.cfg.seeds[0]))
-    return done
-
-
 def collect(study: Study) -> dict[str, list[dict[str, Any]]]:
     """Every (run, seed) measured below ``runs/`` (configured seeds), plus the earlier rows of ``study.json`` at
     the same budget that are not measured here; ordered by seed."""
@@ -345,5 +241,4 @@ def collect(study: Study) -> dict[str, list[dict[str, Any]]]:
         found.update({s: m for s in study.seeds(run) if (m := metrics_of(study, run, s)) is not None})
         if found:
             rows[run.name] = [found[s] for s in sorted(found)]
-    add_mce(rows)
     return rows

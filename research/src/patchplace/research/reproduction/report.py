@@ -50,7 +50,7 @@ def gate_table(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
                 f"{f'{judged.p:.2g}' if judged.p is not None else '-'} | "
                 f"{'yes' if judged.passed else 'no' if judged.p is not None else f'no (< {MIN_SEEDS} seeds)'} |")
     ungated = [labels[r.name] for r in RUNS if r.name in rows and not r.classifier_only and not r.speech
-               and not r.pretrain_from and not gate_budgets(rows, r.name)]
+               and not gate_budgets(rows, r.name)]
     if ungated:
         lines += ["", f"Gate not measured (rows merged from a study before the gate): {', '.join(ungated)}; they "
                   "fail closed, so no claim reads them in regime."]

@@ -1,5 +1,5 @@
-"""Runs the study's stages — learning curves, controls, pretraining, fine-tuning, probes, evaluation, ONNX export +
-ONNX Runtime, privacy — for each (run, seed) below ``runs/``; every stage is resumable
+"""Runs the study's stages — pretraining, fine-tuning (or a classifier from scratch), the learned gate, probes,
+evaluation — for each (run, seed) below ``runs/``; every stage is resumable
 (``patchplace.pipelines.stages.stage``) and runs its command line as a process of its own.
 
 Protocol (``holdout`` > 0): every training stage validates on ``holdout`` images held out of the train split
@@ -18,26 +18,15 @@ from patchplace.data import Manifest
 from patchplace.pipelines import CONFIGS
 from patchplace.pipelines.engine.hardware import resolve_precision
 from patchplace.pipelines.stages import by_precision, stage
-from patchplace.research.reproduction.plan import (
-    CONTROLS,
-    RUNS,
-    Run,
-    StudyConfig,
-    measures_controls,
-    run_seeds,
-    runs_of,
-)
+from patchplace.research.reproduction.plan import Run, StudyConfig, run_seeds, runs_of
 from patchplace.research.reproduction.protocol import record_start
 
 # Every stage is its command line's main: run in this process when it trains in float32, else as a process of its
-# own (python -m ...) with its own Accelerate state (the GPU study trains in bf16 and evaluates in float32). The ONNX
-# stages import no accelerate.
+# own (python -m ...) with its own Accelerate state (a bf16 study trains in bf16 and evaluates in float32).
 pretrain = by_precision("patchplace.pipelines.pretrain")
 finetune = by_precision("patchplace.pipelines.finetune")
 evaluate = by_precision("patchplace.pipelines.evaluate")
 controls = by_precision("patchplace.research.controls")
-export = by_precision("patchplace.export.__main__")
-evaluate_onnx = by_precision("patchplace.export.evaluate")
 
 # the pretraining configs whose head predicts positions (evaluate.py: MP3's eta curve, DropPos's grid)
 POSITION_CONFIGS = ("mp3_fashion_mnist", "droppos_fashion_mnist")
@@ -122,17 +111,11 @@ class Study:
         c = self.cfg
         if run.speech:
             return c.speech_pretrain_epochs, c.speech_finetune_epochs
-        return float(c.row_pretrain_epochs.get(run.pretrain_from or run.name, c.pretrain_epochs)), c.finetune_epochs
-
-    def budgets(self, run: Run) -> tuple[float, ...]:
-        """The ladder budgets (``gate_budgets``) below this row's pretraining epochs: snapshots it keeps, gates and
-        probes beside its final checkpoint."""
-        pre = self.epochs(run)[0]
-        return tuple(sorted(b for b in self.cfg.gate_budgets if b < pre))
+        return float(c.row_pretrain_epochs.get(run.name, c.pretrain_epochs)), c.finetune_epochs
 
     def gated(self, run: Run) -> bool:
         """Whether the learned gate reads this row: its own image pretraining (not speech, not a classifier)."""
-        return self.cfg.gate and not run.speech and not run.classifier_only and not run.pretrain_from
+        return self.cfg.gate and not run.speech and not run.classifier_only
 
     # ------------------------------------------------------------------------------------------ stages
     def probe_only(self, run: Run) -> bool:
@@ -148,17 +131,12 @@ class Study:
             return self.cfg.first_seed_finetunes and seed == self.cfg.seeds[0]
         return True
 
-    def source(self, run: Run, seed: int) -> Path:
-        """The directory of the run whose pretraining this run fine-tunes (``pretrain_from``, else its own)."""
-        return self.dir(next(r for r in RUNS if r.name == run.pretrain_from), seed) if run.pretrain_from else \
-            self.dir(run, seed)
-
     def supervised(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
         """A classifier trained from scratch: supervised (the fine-tuning recipe without layer decay) or MJP (its
         own supervised recipe, pretrain.py)."""
         common = [f"run.output={out}", f"optim.epochs={epochs}", *self.common(run, seed), *self.model_overrides(run)]
         if run.config is None:
-            pe = "sincos1d" if run.speech else run.scratch_pe
+            pe = "sincos1d" if run.speech else "learned"
             if run.speech:
                 extra = [*self.speech_stopping(), *extra]
             return self.stage(out, self.launch["finetune"], ["--config", str(self.finetune_config(run)), *common,
@@ -171,7 +149,7 @@ class Study:
     def finetune(self, run: Run, seed: int, out: Path, epochs: float, extra: list[str]) -> float:
         """Fine-tune this run's pretrained backbone (the fine-tuning recipe + ``finetune_overrides``)."""
         pe = "null" if run.finetune_pe == "keep" else run.finetune_pe
-        checkpoint = self.source(run, seed) / "pretrain" / "checkpoint"
+        checkpoint = self.dir(run, seed) / "pretrain" / "checkpoint"
         if run.speech:
             extra = [*self.speech_stopping(), *extra]
         return self.stage(out, self.launch["finetune"], [
@@ -210,17 +188,14 @@ class Study:
             epochs = ft if run.speech else (self.cfg.classifier_epochs or pre + ft)
             seconds["train"] = self.supervised(run, seed, d / "train", epochs, self.classifier_stopping(run))
             return self.final(d / "train"), self.final(d / "train"), seconds
-        source = self.source(run, seed)
-        null = run.name == "speech_null"  # the null-pretraining control: one step of pretraining
-        seconds["pretrain"] = self.stage(source / "pretrain", self.launch["pretrain"], [
-            "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={source / 'pretrain'}",
-            f"optim.epochs={pre}", *(["optim.max_steps=1"] if null else []), *run.objective,
-            *([f"run.keep_epochs=[{','.join(f'{b:g}' for b in self.budgets(run))}]"] if self.budgets(run) else []),
-            *self.common(run, seed), *self.model_overrides(run)], label=f"{source} pretrain")
+        seconds["pretrain"] = self.stage(d / "pretrain", self.launch["pretrain"], [
+            "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'pretrain'}",
+            f"optim.epochs={pre}", *run.objective, *self.common(run, seed), *self.model_overrides(run)],
+            label=f"{d} pretrain")
         if self.probe_only(run) or not self.full_label(run, seed):
-            return source / "pretrain" / "checkpoint", None, seconds
+            return d / "pretrain" / "checkpoint", None, seconds
         seconds["finetune"] = self.finetune(run, seed, d / "finetune", ft, [])
-        return source / "pretrain" / "checkpoint", self.final(d / "finetune"), seconds
+        return d / "pretrain" / "checkpoint", self.final(d / "finetune"), seconds
 
     def classifier_stopping(self, run: Run) -> list[str]:
         """An image classifier trained from scratch with every label (``classifier_patience``): validation every
@@ -233,73 +208,30 @@ class Study:
         return [f"run.eval_every={every}", f"run.early_stop_patience={c.classifier_patience}",
                 f"data.val_limit={c.holdout}"]
 
-    def label_efficiency(self, run: Run, seed: int) -> dict[str, float]:
-        """Fine-tune the pretrained backbone (supervised: train from scratch) on each class-balanced label fraction,
-        for ``label_finetune_epochs`` over the subset; the stage's closing evaluation on the test images
-        (``test_samples`` of them, else all) is its top-1."""
-        c, seconds = self.cfg, {}
-        if not run.label_efficiency or not c.label_fractions or not (run.classifier_only or c.label_finetune):
-            return seconds
-        if run.group == "main" and seed not in c.seeds:  # a close_seeds extra: no label-subset training
-            return seconds
-        batch = c.label_batch_size or c.batch_size
-        for fraction, epochs in zip(c.label_fractions, c.label_finetune_epochs, strict=True):
-            out = self.dir(run, seed) / f"label{fraction:g}"
-            extra = [f"data.label_fraction={fraction}", f"data.label_subset_seed={c.label_subset_seed}",
-                     f"data.batch_size={batch}"]
-            if not c.holdout:  # no held-out split: the closing evaluation on the test images is the number
-                extra.append(f"data.val_limit={c.test_samples or 'null'}")
-            elif c.label_patience:  # to convergence: early stopping on the validation split
-                every = max(1, round(c.label_eval_epochs * self.subset_steps(fraction, batch)))
-                extra += [f"run.eval_every={every}", f"run.early_stop_patience={c.label_patience}",
-                          f"data.val_limit={min(c.holdout, 2000)}"]
-            train = self.supervised if run.classifier_only else self.finetune
-            seconds[out.name] = train(run, seed, out, epochs, extra)
-            if c.holdout:  # the final number: the test split, read once
-                self.test(run, out / "test", self.final(out))
-        return seconds
-
-    def test(self, run: Run, out: Path, checkpoint: Path) -> None:
-        """Top-1 of a classifier on the test split (``test_samples`` of it), nothing else."""
-        c = self.cfg
-        self.stage(out, evaluate, [
-            *EVALUATE, f"run.output={out}",
-            f"model.checkpoint={checkpoint}", "eval.linear_probe=false", "eval.knn=false",
-            "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
-            *self.data(run, evaluation=True), *([f"data.val_limit={c.test_samples}"] if c.test_samples else [])],
-            label=f"{out} test")
-
     def probe(self, run: Run, out: Path, backbone: Path) -> None:
-        """Probes of a backbone on the test split: linear on the all-label probe set and on the label fractions
-        (pretrained main rows), the MP3 eta curve / DropPos grid of its pretraining head."""
+        """Probes of a backbone on the test split: linear on the all-label probe set (and its 1% subset), the MP3
+        eta curve / DropPos grid of its pretraining head."""
         c = self.cfg
-        fractions = list(c.label_fractions) if run.label_efficiency and not run.classifier_only else []
         self.stage(out, evaluate, [
             *EVALUATE, f"run.output={out}",
             f"model.checkpoint={backbone}", f"eval.probe_train_samples={c.probe_train_samples}",
             f"eval.probe_epochs={c.probe_epochs}", f"eval.max_eval_samples={c.curve_samples}",
             f"data.val_limit={c.probe_val_samples}", "eval.consistency_ratios=[]",
-            f"eval.label_fractions=[{','.join(map(str, fractions))}]",
-            *([] if c.probe_extras else ["eval.knn=false", "eval.position_probe=false"]),
+            "eval.label_fractions=[]", "eval.knn=false", "eval.position_probe=false",
             f"data.label_subset_seed={c.label_subset_seed}", *self.data(run, evaluation=True)], label=f"{out}")
-
-    def snapshot(self, run: Run, seed: int, budget: float) -> Path:
-        """The pretraining's checkpoint kept at ``budget`` epochs (``run.keep_epochs``)."""
-        return self.source(run, seed) / "pretrain" / "snapshots" / f"epoch-{budget:g}"
 
     def gate(self, run: Run, seed: int, backbone: Path) -> None:
         """The learned gate's numbers for one (row, seed), on the validation split only: the linear probe of the
-        pretrained features (every ladder budget and the final checkpoint) on the all-label probe set, beside the
+        pretrained features on the all-label probe set, beside the
         random init of the same architecture and feature on the same seed (and raw pixels): ``<run>/gate``."""
         c, d = self.cfg, self.dir(run, seed)
         saved = json.loads((backbone / "config.json").read_text())
         feature = f"{saved['backbone']['pos_embed']}/{saved['metadata'].get('probe_feature', 'mean')}"
-        checkpoints = [*(self.snapshot(run, seed, b) for b in self.budgets(run)), backbone]
         self.stage(d / "gate", controls, [
             "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'gate'}",
             f"controls.seeds=[{seed}]", f"model.preset={c.preset}", f"controls.random_inits=[{feature}]",
             "controls.label_fractions=[]", f"controls.probe_train_samples={c.probe_train_samples}",
-            f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, checkpoints))}]",
+            f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{backbone}]",
             f"data.label_subset_seed={c.label_subset_seed}", *self.data(run), *self.model_overrides(run),
             f"data.val_limit={min(c.gate_val_samples, c.holdout)}"], label=f"{d} gate")
 
@@ -323,14 +255,12 @@ class Study:
                 f"eval.probe_epochs={c.probe_epochs}", *data], label=f"{d} eval")
             return
         limit = [f"data.val_limit={c.test_samples}"] if c.test_samples else []
-        if not run.pretrain_from:  # probes of the backbone (the pretrained one, or the classifier's own)
-            if self.gated(run) and c.holdout:  # the learned gate first: it reads validation only
-                self.gate(run, seed, backbone)
-            self.probe(run, d / "probe", backbone)
-            if c.validation_positions and c.holdout and run.config in POSITION_CONFIGS:
-                self.position_validation(run, seed, backbone)
-            for budget in self.budgets(run) if self.gated(run) else ():
-                self.probe(run, d / f"probe_e{budget:g}", self.snapshot(run, seed, budget))
+        # probes of the backbone (the pretrained one, or the classifier's own)
+        if self.gated(run) and c.holdout:  # the learned gate first: it reads validation only
+            self.gate(run, seed, backbone)
+        self.probe(run, d / "probe", backbone)
+        if c.validation_positions and c.holdout and run.config in POSITION_CONFIGS:
+            self.position_validation(run, seed, backbone)
         if classifier is None:
             return
         self.stage(d / "eval", evaluate, [
@@ -338,86 +268,14 @@ class Study:
             f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
             "eval.position_probe=false", "eval.probe_train_samples=128", f"eval.max_eval_samples={c.curve_samples}",
             *data, *limit], label=f"{d} eval")
-        if run.ort and c.ort:
-            onnx = d / "export" / "model.onnx"
-            self.stage(d / "export", export, [str(classifier), "--out", str(onnx)], label=f"{d} export")
-            self.stage(d / "ort", evaluate_onnx, [
-                str(onnx), "--data", str(Path(c.fashion_mnist) / "test"), "--out", str(d / "ort"),
-                *(["--limit", str(c.test_samples)] if c.test_samples else []),
-                "--consistency-limit", str(c.ort_consistency_samples), "--robustness-limit",
-                str(c.robustness_samples), "--latency-repeats", "0", "--corruption-cache",
-                str(self.root / "corruptions")], label=f"{d} ort")
-        if run.privacy and c.privacy_images:  # MJP Table 5: the same images and attack budget for every model
-            self.stage(d / "privacy", evaluate, [
-                "--privacy", *EVALUATE, f"run.output={d / 'privacy'}",
-                f"model.checkpoint={classifier}", "eval.linear_probe=false", "eval.knn=false",
-                "eval.position_probe=false", "eval.consistency_ratios=[]", "eval.max_eval_samples=16",
-                f"privacy.images={c.privacy_images}", f"privacy.steps={c.privacy_steps}", *data,
-                f"data.val_limit={min(c.test_samples or 1000, 1000)}"], label=f"{d} privacy")
 
-    # ------------------------------------------------------------------------------ controls and curves
-    def controls(self) -> None:
-        """Raw-pixel and random-init probe controls on the study's probe sets and test images (one random-init
-        backbone per main seed): ``runs/controls``."""
-        c = self.cfg
-        if not c.controls:
-            return
-        image = next(r for r in RUNS if r.name == "supervised")
-        self.stage(self.root / "controls", controls, [
-            "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={self.root / 'controls'}",
-            f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}", *self.model_overrides(image),
-            f"controls.label_fractions=[{','.join(map(str, c.label_fractions))}]",
-            f"controls.probe_train_samples={c.probe_train_samples}", f"controls.probe_epochs={c.probe_epochs}",
-            f"data.label_subset_seed={c.label_subset_seed}", *self.data(image, evaluation=True),
-            f"data.val_limit={c.probe_val_samples}"], label=f"{self.root / 'controls'}")
-
-    def curve_dir(self, name: str) -> Path:
-        return self.root / "curves" / name
-
-    def curve(self, run: Run) -> None:
-        """One pretraining of ``run`` (seed ``curve_seed``) to max(curve_epochs) epochs keeping its snapshots, then
-        their 1% linear probes on the validation split beside the controls (raw pixels, random init per seed):
-        ``runs/curves/<run>/``."""
-        c, d = self.cfg, self.curve_dir(run.name)
-        self.stage(d / "pretrain", self.launch["pretrain"], [
-            "--config", str(CONFIGS / f"{run.config}.yaml"), f"run.output={d / 'pretrain'}",
-            f"optim.epochs={max(c.curve_epochs)}", f"run.keep_epochs=[{','.join(map(str, c.curve_epochs))}]",
-            *run.objective, *self.common(run, c.curve_seed), *self.model_overrides(run)], label=f"{d} pretrain")
-        snapshots = [d / "pretrain" / "snapshots" / f"epoch-{e:g}" for e in c.curve_epochs]
-        # the random-init control of this method's architecture and feature (its epoch-0 snapshot's PE and
-        # recorded probe_feature)
-        saved = json.loads((snapshots[0] / "config.json").read_text())
-        feature = f"{saved['backbone']['pos_embed']}/{saved['metadata'].get('probe_feature', 'mean')}"
-        self.stage(d / "probes", controls, [
-            "--config", str(CONFIGS / "controls_fashion_mnist.yaml"), f"run.output={d / 'probes'}",
-            f"controls.seeds=[{','.join(map(str, c.seeds))}]", f"model.preset={c.preset}",
-            f"controls.random_inits=[{feature}]",
-            "controls.label_fractions=[0.01]", "controls.probe_train_samples=0", *self.model_overrides(run),
-            f"controls.probe_epochs={c.probe_epochs}", f"controls.checkpoints=[{','.join(map(str, snapshots))}]",
-            f"data.label_subset_seed={c.label_subset_seed}", *self.data(run),
-            f"data.val_limit={min(c.curve_val_samples, c.holdout) if c.holdout else c.curve_val_samples}"],
-            label=f"{d} probes")
-
-    def run_all(self, done: set[tuple[str, int]] | frozenset = frozenset()) -> None:
-        """Every stage of the configured units, except the (row, seed)s in ``done`` (``("controls", seed)``: the
-        probe controls): those an earlier results file holds whole (``reuse_results``)."""
-        if "curves" in self.cfg.groups and self.cfg.curve_epochs:
-            for name in self.cfg.curve_rows:
-                if not self.cfg.only or name in self.cfg.only:
-                    self.curve(next(r for r in RUNS if r.name == name))
-        first = self.cfg.seeds[0]
-        mine = not self.cfg.only_seeds or first in self.cfg.only_seeds
-        if measures_controls(self.cfg.groups, self.cfg.only) and mine and (CONTROLS, first) not in done:
-            self.controls()  # once, by the process that runs the first seed of main (only: () or [controls, ...])
+    def run_all(self) -> None:
+        """Every stage of the configured units (``groups``, ``only``, ``skip``, ``only_seeds``)."""
         for run in runs_of(self.cfg.groups, self.cfg.only, self.cfg.skip):
-            if run.name == "speech_null" and not self.cfg.speech_null:
-                continue
-            for seed in (s for s in self.seeds(run) if (not self.cfg.only_seeds or s in self.cfg.only_seeds)
-                         and (run.name, s) not in done):
+            for seed in (s for s in self.seeds(run) if not self.cfg.only_seeds or s in self.cfg.only_seeds):
                 start = time.perf_counter()
                 self.unstarted = self.dir(run, seed)
                 backbone, classifier, _ = self.train(run, seed)
-                self.label_efficiency(run, seed)
                 self.evaluate(run, seed, backbone, classifier)
                 print(f"[study] {run.name} seed {seed}: {(time.perf_counter() - start) / 60:.1f} min this call",
                       flush=True)

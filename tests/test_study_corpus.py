@@ -1,5 +1,5 @@
-"""reuse_results is keyed by the corpus too: a study row records the manifest fingerprints of the splits it read, and
-is reused (and reported) only on that corpus; a row made before the rule stands for the built-in corpus."""
+"""An earlier results file's rows are merged by corpus: a study row records the manifest fingerprints of the splits it
+read, and is reported only on that corpus; a row made before the rule stands for the built-in corpus."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ import pytest
 
 from patchplace.data import SplitWriter
 from patchplace.pipelines import config as pipeline_config
-from patchplace.research import study
 from patchplace.research.reproduction.corpora import CORPUS_SPLITS, corpus_record, same_corpus
-from patchplace.research.reproduction.metrics import HARNESS_VERSION, earlier_rows, measured_before
+from patchplace.research.reproduction.metrics import HARNESS_VERSION, earlier_rows
 from patchplace.research.reproduction.plan import StudyConfig
 from patchplace.research.reproduction.runner import Study
 
-SPEECH_ROWS = ("speech_supervised", "speech_mp3", "speech_null")
+SPEECH_ROWS = ("speech_supervised", "speech_mp3")
 CLASSES = [f"k{i}" for i in range(12)]  # the same labels in both corpora: only the clips differ
 
 
@@ -46,7 +45,7 @@ def corpora(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path
 def config(tmp_path: Path, corpus: Path) -> StudyConfig:
     return pipeline_config.load(StudyConfig, None, [
         f"runs={tmp_path / 'runs'}", f"results={tmp_path / 'results'}", "groups=[speech]", "speech_seeds=[0]",
-        "unit_per_row=true", "reuse_results=true", f"spoken_keywords={corpus}"])
+        "unit_per_row=true", f"spoken_keywords={corpus}"])
 
 
 def write_study(cfg: StudyConfig, corpus: dict | None) -> None:
@@ -57,23 +56,20 @@ def write_study(cfg: StudyConfig, corpus: dict | None) -> None:
         "harness": HARNESS_VERSION, "config": dataclasses.asdict(cfg), "results": {r: [row] for r in SPEECH_ROWS}}))
 
 
-def test_a_row_made_on_one_corpus_is_reused_for_it_and_not_for_another(tmp_path, corpora):
+def test_a_row_made_on_one_corpus_is_merged_for_it_and_not_for_another(tmp_path, corpora):
     a, b = corpora
     on_a, on_b = config(tmp_path, a), config(tmp_path, b)
     write_study(on_a, corpus_record(a, "spoken_keywords"))
-    assert measured_before(Study(on_a)) == {(r, 0) for r in SPEECH_ROWS}
-    assert study.row_units(on_a) == []
-    assert measured_before(Study(on_b)) == set(), "same labels and budget, other clips: not reused"
-    assert earlier_rows(Study(on_b)) == {}, "nor reported as corpus B's"
-    assert [str(u) for u in study.row_units(on_b)] == [f"speech {r} seed 0" for r in SPEECH_ROWS]
+    assert {r: sorted(seeds) for r, seeds in earlier_rows(Study(on_a)).items()} == {r: [0] for r in SPEECH_ROWS}
+    assert earlier_rows(Study(on_b)) == {}, "same labels and budget, other clips: not reported as corpus B's"
 
 
 def test_a_row_without_a_record_stands_for_the_built_in_corpus(tmp_path, corpora):
     a, b = corpora
     on_a, on_b = config(tmp_path, a), config(tmp_path, b)
     write_study(on_a, None)
-    assert measured_before(Study(on_a)) == {(r, 0) for r in SPEECH_ROWS}
-    assert measured_before(Study(on_b)) == set()
+    assert set(earlier_rows(Study(on_a))) == set(SPEECH_ROWS)
+    assert earlier_rows(Study(on_b)) == {}
 
 
 def test_fingerprints_decide_where_both_are_built_else_the_path(tmp_path, corpora):
