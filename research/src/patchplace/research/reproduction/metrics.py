@@ -19,14 +19,6 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def last_eval(log: Path) -> dict[str, Any] | None:
-    """The closing evaluation of a training stage (its ``log.jsonl``), or None when it has not finished."""
-    if not (log.parent / "DONE").is_file() or not log.is_file():
-        return None
-    evals = [row["eval"] for line in log.read_text().splitlines() if "eval" in (row := json.loads(line))]
-    return evals[-1] if evals else None
-
-
 def early_stop(log: Path) -> dict[str, Any] | None:
     """The early-stop record of a finished training stage (``run.early_stop_patience``), or None."""
     if not (log.parent / "DONE").is_file() or not log.is_file():
@@ -221,10 +213,10 @@ def _normal(value: Any) -> Any:
 def earlier_rows(study: Study) -> dict[str, dict[int, dict[str, Any]]]:
     """{row: {seed: metrics}} of an earlier ``study.json`` at this budget (:func:`earlier_results`), without the
     rows pretrained for other epochs than this study's (``row_pretrain_epochs``: another budget)."""
-    rows = {}
+    rows, earlier = {}, earlier_results(study.cfg)
     for run in RUNS:
         pre = study.epochs(run)[0]
-        found = {m["seed"]: m for m in earlier_results(study.cfg).get(run.name, []) if run.classifier_only
+        found = {m["seed"]: m for m in earlier.get(run.name, []) if run.classifier_only
                  or run.speech or not isinstance(m.get("pretrain_epochs"), int | float) or m["pretrain_epochs"] == pre}
         if found:
             rows[run.name] = found

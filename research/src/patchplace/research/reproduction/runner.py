@@ -102,10 +102,10 @@ class Study:
         return args if run.speech else [*args, f"model.preset={c.preset}", f"data.batch_size={c.batch_size}",
                                         f"data.val_limit={val}"]
 
-    def subset_steps(self, fraction: float, batch: int) -> float:
-        """Optimizer steps per epoch over a label fraction of the train split (what the holdout leaves)."""
+    def steps_per_epoch(self, batch: int) -> float:
+        """Optimizer steps per epoch over the train split (what the holdout leaves)."""
         n = Manifest.load(Path(self.cfg.fashion_mnist) / "train").num_samples - self.cfg.holdout
-        return max(1.0, fraction * n / batch)
+        return max(1.0, n / batch)
 
     def epochs(self, run: Run) -> tuple[float, float]:
         c = self.cfg
@@ -204,7 +204,7 @@ class Study:
         c = self.cfg
         if run.speech or not c.classifier_patience or not c.holdout:
             return []
-        every = max(1, round(c.classifier_eval_epochs * self.subset_steps(1.0, c.batch_size)))
+        every = max(1, round(c.classifier_eval_epochs * self.steps_per_epoch(c.batch_size)))
         return [f"run.eval_every={every}", f"run.early_stop_patience={c.classifier_patience}",
                 f"data.val_limit={c.holdout}"]
 
